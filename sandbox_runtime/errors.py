@@ -1,0 +1,37 @@
+"""The domain's exceptions: one root, subclasses named for what the caller can do."""
+
+
+class SandboxRuntimeError(Exception):
+    """Root of every error this package raises on purpose."""
+
+
+class SandboxUnavailableError(SandboxRuntimeError):
+    """The host cannot run sandboxes (missing bwrap, no user namespaces, ...): fix the host."""
+
+
+class SandboxSpawnError(SandboxRuntimeError):
+    """One sandbox failed to start; others may still work."""
+
+
+class PolicyViolationError(SandboxRuntimeError):
+    """A request asked for more than the server's policy allows (or for something unknown)."""
+
+
+class InvalidRequestError(SandboxRuntimeError):
+    """A request was malformed: fix the arguments."""
+
+
+class ExecutionNotFoundError(SandboxRuntimeError):
+    """No execution with this id is visible to the caller."""
+
+
+class ExecutionFinishedError(SandboxRuntimeError):
+    """The execution has already finished; the operation no longer applies."""
+
+
+class LimitExceededError(SandboxRuntimeError):
+    """A concurrency limit is full: retry later or cancel something."""
+
+
+class OwnerUnavailableError(SandboxRuntimeError):
+    """The replica that owns the execution did not answer."""

@@ -1,0 +1,28 @@
+"""The OS-level sandbox: bubblewrap + cgroups + seccomp, run as an unprivileged uid."""
+
+from sandbox_runtime.sandbox.backend import (
+    WORKSPACE,
+    BackendConfig,
+    BubblewrapBackend,
+    SandboxSpec,
+    sandbox_cwd,
+    shell_argv,
+    validate_command,
+    validate_env,
+)
+from sandbox_runtime.sandbox.policy import SandboxLimits
+from sandbox_runtime.sandbox.process import SandboxOutcome, SandboxProcess
+
+__all__ = [
+    "WORKSPACE",
+    "BackendConfig",
+    "BubblewrapBackend",
+    "SandboxLimits",
+    "SandboxOutcome",
+    "SandboxProcess",
+    "SandboxSpec",
+    "sandbox_cwd",
+    "shell_argv",
+    "validate_command",
+    "validate_env",
+]

@@ -1,0 +1,491 @@
+"""The bubblewrap backend: builds the sandbox, launches it as an unprivileged uid, reaps it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import posixpath
+import pwd
+import re
+import shutil
+import subprocess
+import tempfile
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loguru import logger
+
+from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
+from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
+from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.sandbox.seccomp import compile_filter
+
+WORKSPACE = "/workspace"
+SANDBOX_UID = 1000  # the uid a program sees inside; on the host it is `sandbox_user`
+MAX_COMMAND_BYTES = 120 * 1024  # the kernel refuses one argument over 128 KiB
+MAX_ENV_BYTES = 64 * 1024
+MAX_ENV_VARS = 256
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+PR_SET_CHILD_SUBREAPER = 36
+
+# The launcher runs as root for a moment: joins the execution's cgroups, sets rlimits, then
+# execs setpriv, which drops to the unprivileged uid before bwrap starts. Its argv carries no
+# client data except after the final `--` of bwrap, and its environment is fixed.
+LAUNCH_SCRIPT = (
+    'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+    'ulimit -S -t "$1" && ulimit -H -t "$2" && ulimit -f "$3" && ulimit -n "$4" '
+    '&& ulimit -v "$5" || exit 125; shift 5; exec "$@"'
+)
+LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+# What a program inside finds in its environment before the caller's variables.
+BASE_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": WORKSPACE,
+    "USER": "sandbox",
+    "LOGNAME": "sandbox",
+    "SHELL": "/bin/sh",
+    "LANG": "C.UTF-8",
+    "TMPDIR": "/tmp",
+    "TERM": "dumb",
+    "PYTHONUNBUFFERED": "1",
+}
+
+# /etc entries taken read-only from the host: what dynamic linking, TLS, time zones and
+# Debian's alternatives need; nothing with accounts or secrets.
+ETC_FROM_HOST = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "ssl/certs",
+    "ca-certificates.conf",
+    "localtime",
+    "timezone",
+    "mime.types",
+    "os-release",
+    "debian_version",
+    "bash.bashrc",
+    "profile",
+    "inputrc",
+    "python3",
+    "python3.11",
+    "python3.12",
+    "python3.13",
+)
+ETC_GENERATED = {
+    "passwd": (
+        "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+        f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}:sandbox:{WORKSPACE}:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    ),
+    "group": f"root:x:0:\nsandbox:x:{SANDBOX_UID}:\nnogroup:x:65534:\n",
+    "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+    "hostname": "sandbox\n",
+    "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
+    "resolv.conf": "",
+}
+
+
+@dataclass
+class BackendConfig:
+    """What the backend needs from the server's settings."""
+
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    sandbox_user: str = "nobody"
+    workspace_root: Path = Path("/var/lib/sandbox-runtime/workspaces")
+    bwrap_path: str | None = None
+    group_name: str = "srt"
+
+
+@dataclass
+class SandboxSpec:
+    """One sandbox to start."""
+
+    argv: list[str]
+    workspace: Path
+    limits: SandboxLimits
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str = WORKSPACE
+    interactive: bool = False
+    timeout: float | None = None
+
+
+def shell_argv(command: str) -> list[str]:
+    """argv that runs `command` with /bin/sh -c inside the sandbox."""
+    return ["/bin/sh", "-c", command]
+
+
+def validate_command(argv: list[str]) -> None:
+    """Raise InvalidRequestError for argv the kernel or bwrap would refuse."""
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise InvalidRequestError("command must be a non-empty string or list of strings")
+    if not argv[0]:
+        raise InvalidRequestError("command must not be empty")
+    total = 0
+    for arg in argv:
+        if "\x00" in arg:
+            raise InvalidRequestError("command must not contain NUL bytes")
+        size = len(arg.encode("utf-8", "surrogatepass"))
+        if size > MAX_COMMAND_BYTES:
+            raise InvalidRequestError(
+                f"command is {size} bytes; the maximum is {MAX_COMMAND_BYTES} bytes "
+                "(write longer programs to a file in the workspace, or send them on stdin)"
+            )
+        total += size
+    if total > 4 * MAX_COMMAND_BYTES:
+        raise InvalidRequestError(
+            f"command is {total} bytes in all; at most {4 * MAX_COMMAND_BYTES}"
+        )
+
+
+def validate_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The caller's environment, checked. Raises InvalidRequestError."""
+    if not env:
+        return {}
+    if not isinstance(env, dict):
+        raise InvalidRequestError("environment must be an object of names to strings")
+    if len(env) > MAX_ENV_VARS:
+        raise InvalidRequestError(f"environment has {len(env)} variables; at most {MAX_ENV_VARS}")
+    size = 0
+    for key, value in env.items():
+        if not isinstance(key, str) or not ENV_NAME.match(key):
+            raise InvalidRequestError(f"environment variable name {key!r} is not valid")
+        if not isinstance(value, str) or "\x00" in value:
+            raise InvalidRequestError(f"environment variable {key} must be a string without NUL")
+        size += len(key) + len(value.encode("utf-8", "surrogatepass"))
+    if size > MAX_ENV_BYTES:
+        raise InvalidRequestError(f"environment is {size} bytes; at most {MAX_ENV_BYTES}")
+    return dict(env)
+
+
+def sandbox_cwd(working_directory: str | None) -> str:
+    """The directory inside the sandbox to start in; must lie in /workspace or /tmp."""
+    if not working_directory:
+        return WORKSPACE
+    if not isinstance(working_directory, str) or "\x00" in working_directory:
+        raise InvalidRequestError("working_directory must be a string without NUL")
+    path = posixpath.normpath(posixpath.join(WORKSPACE, working_directory))
+    for root in (WORKSPACE, "/tmp"):  # noqa: S108 - the sandbox's private tmpfs
+        if path == root or path.startswith(root + "/"):
+            return path
+    raise InvalidRequestError(
+        f"working_directory {working_directory!r} is outside the sandbox's /workspace and /tmp"
+    )
+
+
+class BubblewrapBackend:
+    """Starts sandboxes with bubblewrap. One per process; `start()` before use, `close()` after."""
+
+    def __init__(self, config: BackendConfig) -> None:
+        self.config = config
+        self.unavailable_reason: str | None = "sandbox backend not started"
+        self.cgroups: CgroupLayout = CgroupLayout()
+        self._bwrap = ""
+        self._setpriv = ""
+        self._uid = self._gid = -1
+        self._private_dir: Path | None = None
+        self._seccomp_path: Path | None = None
+        self._etc_args: list[str] = []
+        self._running: set[SandboxProcess] = set()
+        self._tracked_pids: set[int] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Check the host and prepare shared pieces. Never raises: `unavailable_reason` says."""
+        try:
+            self._prepare()
+            self.unavailable_reason = None
+        except SandboxUnavailableError as exc:
+            self.unavailable_reason = str(exc)
+            logger.error("sandbox unavailable: {}", exc)
+            return
+        with contextlib.suppress(RuntimeError):
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    def _prepare(self) -> None:
+        bwrap = self.config.bwrap_path or shutil.which("bwrap")
+        if not bwrap or not os.access(bwrap, os.X_OK):
+            raise SandboxUnavailableError(
+                "bubblewrap (bwrap) is not installed; install it: apt-get install bubblewrap"
+            )
+        setpriv = shutil.which("setpriv")
+        if not setpriv:
+            raise SandboxUnavailableError(
+                "setpriv (util-linux) is missing; install it: apt-get install util-linux"
+            )
+        self._bwrap, self._setpriv = bwrap, setpriv
+        try:
+            entry = pwd.getpwnam(self.config.sandbox_user)
+        except KeyError:
+            raise SandboxUnavailableError(
+                f"sandbox user {self.config.sandbox_user!r} does not exist; create it "
+                "(useradd --system --no-create-home srt-sandbox) or set SANDBOX_SANDBOX_USER"
+            ) from None
+        if entry.pw_uid == 0:
+            raise SandboxUnavailableError("the sandbox user must not be root")
+        self._uid, self._gid = entry.pw_uid, entry.pw_gid
+        if os.geteuid() != 0 and os.geteuid() != self._uid:
+            raise SandboxUnavailableError(
+                f"the server runs as uid {os.geteuid()}, not root: it cannot switch to sandbox "
+                f"user {self.config.sandbox_user!r}; run it as root or set SANDBOX_SANDBOX_USER "
+                "to the server's own user"
+            )
+        program = compile_filter(network=False)
+        self._private_dir = Path(tempfile.mkdtemp(prefix="srt-sandbox-"))
+        os.chmod(self._private_dir, 0o711)
+        self._seccomp_path = self._private_dir / "seccomp.bpf"
+        self._seccomp_path.write_bytes(program)
+        os.chmod(self._seccomp_path, 0o600)
+        etc = self._private_dir / "etc"
+        etc.mkdir(mode=0o755)
+        for name, text in ETC_GENERATED.items():
+            (etc / name).write_text(text)
+            os.chmod(etc / name, 0o644)
+            self._etc_args += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+        for name in ETC_FROM_HOST:
+            if os.path.exists(f"/etc/{name}"):
+                self._etc_args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+        self.config.workspace_root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.config.workspace_root, 0o711)
+        if os.geteuid() == 0:
+            _set_child_subreaper()
+        self.cgroups = CgroupLayout.setup(self.config.group_name)
+        self.cgroups.cleanup_stale()
+        for problem in self.cgroups.problems:
+            logger.warning("cgroups: {}", problem)
+
+    async def close(self) -> None:
+        """Kill every sandbox still running and remove the backend's private files."""
+        for proc in list(self._running):
+            proc.kill("shutdown")
+        for proc in list(self._running):
+            await proc.aclose()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        self.reap_orphans()
+        if self._private_dir is not None:
+            shutil.rmtree(self._private_dir, ignore_errors=True)
+            self._private_dir = None
+        self.unavailable_reason = "sandbox backend closed"
+
+    @property
+    def running_count(self) -> int:
+        return len(self._running)
+
+    # -- workspaces --------------------------------------------------------------------------
+
+    def create_workspace(self, name: str) -> Path:
+        """A workspace directory owned by the sandbox user (created if missing)."""
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name) or name in (".", ".."):
+            raise InvalidRequestError(f"invalid workspace name {name!r}")
+        path = self.config.workspace_root / name
+        path.mkdir(mode=0o700, exist_ok=True)
+        if os.geteuid() == 0:
+            os.chown(path, self._uid, self._gid)
+        return path
+
+    def remove_workspace(self, path: Path) -> None:
+        if path.parent == self.config.workspace_root:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # -- spawning ----------------------------------------------------------------------------
+
+    def bwrap_args(self, spec: SandboxSpec, seccomp_fd: int, status_fd: int) -> list[str]:
+        """The bubblewrap command line for `spec` (without the launcher in front)."""
+        args = [
+            self._bwrap,
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-net",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-cgroup-try",
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--uid", str(SANDBOX_UID),
+            "--gid", str(SANDBOX_UID),
+            "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr",
+        ]  # fmt: skip
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = f"/{top}"
+            if os.path.islink(host):
+                args += ["--symlink", os.readlink(host), host]
+            elif os.path.isdir(host):
+                args += ["--ro-bind", host, host]
+        args += self._etc_args
+        args += [
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--size", str(spec.limits.tmp_size_mb * MIB), "--tmpfs", "/tmp",
+            "--bind", str(spec.workspace), WORKSPACE,
+            "--chdir", spec.cwd,
+            "--clearenv",
+        ]  # fmt: skip
+        env = {**BASE_ENV, **spec.env}
+        for key, value in env.items():
+            args += ["--setenv", key, value]
+        args += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
+        return args + spec.argv
+
+    def launcher_args(self, spec: SandboxSpec, cgroup: ExecutionCgroup | None) -> list[str]:
+        limits = spec.limits
+        as_kb = "unlimited"
+        if "memory" not in self.cgroups.controllers:
+            as_kb = str(limits.memory_mb * 1024)  # no memory cgroup: address space instead
+        args = ["/bin/sh", "-c", LAUNCH_SCRIPT, "srt-launch"]
+        args += cgroup.procs_files if cgroup is not None else []
+        args += [
+            "--",
+            str(limits.cpu_time_seconds),
+            str(limits.cpu_time_seconds + 1),
+            str(limits.file_size_mb * 2048),  # 512-byte blocks
+            str(limits.open_files),
+            as_kb,
+        ]
+        if os.geteuid() == 0:
+            args += [
+                self._setpriv,
+                f"--reuid={self._uid}",
+                f"--regid={self._gid}",
+                "--clear-groups",
+                "--nnp",
+                "--inh-caps=-all",
+                "--bounding-set=-all",
+                "--pdeathsig=SIGKILL",
+                "--",
+            ]
+        return args
+
+    async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
+        """Start a sandbox. Raises SandboxUnavailableError, SandboxSpawnError, InvalidRequestError."""
+        if self.unavailable_reason is not None:
+            raise SandboxUnavailableError(self.unavailable_reason)
+        validate_command(spec.argv)
+        spec.env = validate_env(spec.env)
+        assert self._seccomp_path is not None
+        cgroup: ExecutionCgroup | None = None
+        if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
+            try:
+                cgroup = self.cgroups.create(f"x-{uuid.uuid4().hex}", spec.limits)
+            except OSError as exc:
+                raise SandboxSpawnError(f"could not create the execution's cgroup: {exc}") from exc
+        loop = asyncio.get_running_loop()
+        seccomp_fd = os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC)
+        status_r, status_w = os.pipe()
+        try:
+            argv = self.launcher_args(spec, cgroup) + self.bwrap_args(spec, seccomp_fd, status_w)
+            # Popen (not asyncio's subprocess) so that this backend alone reaps its children:
+            # spawned from the event loop's thread, which the pdeathsig is tied to.
+            popen = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE if spec.interactive else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                pass_fds=(seccomp_fd, status_w),
+                start_new_session=True,
+                env=LAUNCH_ENV,
+                cwd="/",
+            )
+        except (OSError, ValueError) as exc:
+            os.close(status_r)
+            if cgroup is not None:
+                cgroup.remove()
+            raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
+        finally:
+            os.close(seccomp_fd)
+            os.close(status_w)
+        # The Popen object must never wait on this pid itself: we reap it.
+        popen.returncode = 0
+        self._tracked_pids.add(popen.pid)
+        assert popen.stdout is not None and popen.stderr is not None
+        stdout = await _reader(loop, popen.stdout)
+        stderr = await _reader(loop, popen.stderr)
+        stdin = await _writer(loop, popen.stdin) if popen.stdin is not None else None
+        proc = SandboxProcess(
+            pid=popen.pid,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            status_fd=status_r,
+            cgroup=cgroup,
+            limits=spec.limits,
+            timeout=spec.timeout,
+            on_exit=self._on_exit,
+        )
+        self._running.add(proc)
+        return proc
+
+    def _on_exit(self, proc: SandboxProcess) -> None:
+        self._running.discard(proc)
+        self._tracked_pids.discard(proc.pid)
+        asyncio.get_running_loop().create_task(self._after_exit(proc))
+
+    async def _after_exit(self, proc: SandboxProcess) -> None:
+        await proc.wait()  # reads the cgroup's counters before the cgroup goes
+        cgroup = proc._cgroup
+        for delay in (0.0, 0.02, 0.1, 0.5, 2.0):
+            await asyncio.sleep(delay)
+            self.reap_orphans()
+            if cgroup is None or cgroup.remove():
+                return
+            cgroup.kill()
+        logger.warning("cgroup of sandbox {} could not be removed", proc.pid)
+
+    def reap_orphans(self) -> int:
+        """Reap zombie children that are not ours to wait for (bwrap's reparented inits)."""
+        reaped = 0
+        for pid in _children(os.getpid()):
+            if pid in self._tracked_pids:
+                continue
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                continue
+            reaped += done != 0
+        return reaped
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(2.0)
+            self.reap_orphans()
+
+
+async def _reader(loop: asyncio.AbstractEventLoop, pipe: object) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader(limit=256 * 1024)
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    return reader
+
+
+async def _writer(loop: asyncio.AbstractEventLoop, pipe: object) -> asyncio.StreamWriter:
+    protocol = asyncio.StreamReaderProtocol(asyncio.StreamReader())
+    transport, _ = await loop.connect_write_pipe(lambda: protocol, pipe)
+    return asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        with contextlib.suppress(OSError, ValueError):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return out
+
+
+def _set_child_subreaper() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_CHILD_SUBREAPER) failed: errno {}", ctypes.get_errno())

@@ -1,0 +1,105 @@
+"""Sandbox limits: the server's ceilings and a caller's tightening of them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from sandbox_runtime.errors import PolicyViolationError
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxLimits:
+    """Limits applied to one sandboxed process tree.
+
+    The server's settings build one of these: it is both the default for every execution and the
+    ceiling no caller may exceed. `tighten` derives a per-execution copy from a caller's request.
+    """
+
+    memory_mb: int = 512
+    """Memory (RSS + page cache) of the whole tree; the kernel OOM-kills inside it past this."""
+    pids: int = 128
+    """Processes and threads alive at once in the tree (fork bombs stop here)."""
+    cpu_cores: float = 1.0
+    """CPU bandwidth: the tree gets at most this many cores' worth of time (throttled, not killed)."""
+    cpu_time_seconds: int = 600
+    """CPU seconds any one process may burn (RLIMIT_CPU): SIGXCPU, then SIGKILL one second later."""
+    file_size_mb: int = 256
+    """Largest file any process may write (RLIMIT_FSIZE)."""
+    tmp_size_mb: int = 64
+    """Size of the private tmpfs mounted at /tmp."""
+    open_files: int = 1024
+    """Open file descriptors per process (RLIMIT_NOFILE)."""
+    output_bytes: int = 10 * MIB
+    """stdout+stderr kept per execution; past this output is dropped and a `truncated` event says
+    how much."""
+    network: bool = False
+    """Network access. Always off: only a server-side egress allowlist may turn it on later."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def tighten(self, request: dict[str, Any] | None) -> SandboxLimits:
+        """A copy with the caller's requested limits, each at most this policy's value.
+
+        Raises PolicyViolationError naming every unknown key, bad value or attempt to loosen.
+        """
+        if not request:
+            return self
+        if not isinstance(request, dict):
+            raise PolicyViolationError("sandbox_config must be an object of limit names to values")
+        known = {f.name for f in fields(self)}
+        problems: list[str] = []
+        changes: dict[str, Any] = {}
+        for key, value in request.items():
+            key = _ALIASES.get(key, key)
+            if key not in known:
+                problems.append(
+                    f"unknown sandbox_config key {key!r} (known: {', '.join(sorted(known))})"
+                )
+                continue
+            ceiling = getattr(self, key)
+            if key == "network":
+                if value is not False:
+                    problems.append(
+                        "sandbox_config.network: the network cannot be enabled by a caller"
+                    )
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                problems.append(
+                    f"sandbox_config.{key} must be a number, got {type(value).__name__}"
+                )
+                continue
+            if not math.isfinite(value) or value <= 0:
+                problems.append(f"sandbox_config.{key} must be a positive number, got {value}")
+                continue
+            if isinstance(ceiling, int) and not float(value).is_integer():
+                problems.append(f"sandbox_config.{key} must be a whole number, got {value}")
+                continue
+            if value > ceiling:
+                problems.append(
+                    f"sandbox_config.{key}={value} exceeds the server's maximum of {ceiling}; "
+                    "a caller may only tighten the sandbox"
+                )
+                continue
+            changes[key] = type(ceiling)(value)
+        if problems:
+            raise PolicyViolationError("; ".join(problems))
+        return replace(self, **changes)
+
+
+# Names an earlier server's clients may send.
+_ALIASES = {
+    "memory_limit_mb": "memory_mb",
+    "max_memory_mb": "memory_mb",
+    "max_processes": "pids",
+    "max_pids": "pids",
+    "cpu_time": "cpu_time_seconds",
+    "max_file_size_mb": "file_size_mb",
+    "max_output_bytes": "output_bytes",
+    "network_access": "network",
+    "allow_network": "network",
+}

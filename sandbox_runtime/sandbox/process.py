@@ -1,0 +1,301 @@
+"""One running sandbox: its pipes, its signals, its escalating stop and how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loguru import logger
+
+from sandbox_runtime.sandbox.cgroups import ExecutionCgroup
+from sandbox_runtime.sandbox.policy import SandboxLimits
+
+# Why a sandbox ended, when something other than its own exit ended it.
+REASON_TIMEOUT = "timeout"
+REASON_CANCELLED = "cancelled"
+REASON_MEMORY = "memory"
+REASON_CPU = "cpu"
+REASON_FILE_SIZE = "file_size"
+REASON_PIDS = "pids"
+REASON_SHUTDOWN = "shutdown"
+
+
+@dataclass
+class SandboxOutcome:
+    """How a sandboxed process tree ended."""
+
+    exit_code: int
+    """The command's exit code; 128+N when signal N ended it (the shell convention)."""
+    signal: int | None
+    """The signal that ended the command, if one did."""
+    reason: str | None
+    """The limit or action that ended it: timeout, cancelled, shutdown, memory, cpu, file_size,
+    pids; None when the command exited on its own."""
+    duration_s: float
+    started: bool = True
+    """False when the sandbox itself failed to start (stderr says why)."""
+    limits_reached: list[str] = field(default_factory=list)
+    """Every limit the tree ran into, even those that did not end it (e.g. pids)."""
+    cpu_seconds: float | None = None
+    memory_peak_bytes: int | None = None
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.signal is None:
+            return None
+        try:
+            return signal.Signals(self.signal).name
+        except ValueError:
+            return str(self.signal)
+
+
+class SandboxProcess:
+    """A sandboxed process tree. Create with `BubblewrapBackend.spawn`; always `await aclose()`."""
+
+    def __init__(
+        self,
+        *,
+        pid: int,
+        stdin: asyncio.StreamWriter | None,
+        stdout: asyncio.StreamReader,
+        stderr: asyncio.StreamReader,
+        status_fd: int,
+        cgroup: ExecutionCgroup | None,
+        limits: SandboxLimits,
+        timeout: float | None,
+        on_exit: Callable[[SandboxProcess], None],
+    ) -> None:
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.stderr = stderr
+        self.limits = limits
+        self.child_pid: int | None = None
+        self._cgroup = cgroup
+        self._started_at = time.monotonic()
+        self._reason: str | None = None
+        self._exited = asyncio.Event()
+        self._status_done = asyncio.Event()
+        self._outer_status: int | None = None
+        self._inner_exit: int | None = None
+        self._outcome: SandboxOutcome | None = None
+        self._on_exit = on_exit
+        self._stop_task: asyncio.Task[None] | None = None
+        self._loop = asyncio.get_running_loop()
+        self._pidfd = os.pidfd_open(pid)
+        self._loop.add_reader(self._pidfd, self._poll_exit)
+        self._status_task = self._loop.create_task(self._read_status(status_fd))
+        self._timer = (
+            self._loop.call_later(timeout, self._on_timeout) if timeout is not None else None
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._outcome is None else self._outcome.exit_code
+
+    @property
+    def running(self) -> bool:
+        return not self._exited.is_set()
+
+    async def wait(self) -> SandboxOutcome:
+        """Wait for the whole tree to end and return how it ended."""
+        await self._exited.wait()
+        await self._status_done.wait()
+        if self._outcome is None:
+            self._outcome = self._finish()
+        return self._outcome
+
+    def send_signal(self, sig: int) -> int:
+        """Send `sig` to every process inside the sandbox; returns how many got it."""
+        if not self.running:
+            return 0
+        count = 0
+        for pid in self._sandbox_pids():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+                count += 1
+        return count
+
+    def kill(self, reason: str = REASON_CANCELLED) -> None:
+        """SIGKILL the whole tree now."""
+        if self._reason is None:
+            self._reason = reason
+        if not self.running:
+            return
+        if self.child_pid is not None:
+            # Killing the pid namespace's init makes the kernel kill everything inside it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child_pid, signal.SIGKILL)
+        if self._cgroup is not None:
+            self._cgroup.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    async def terminate(self, grace: float = 2.0, reason: str = REASON_CANCELLED) -> None:
+        """Stop politely, then by force: SIGTERM to every process, `grace` seconds, SIGKILL."""
+        if self._reason is None:
+            self._reason = reason
+        if not self.running:
+            return
+        if grace > 0 and self.send_signal(signal.SIGTERM) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exited.wait(), grace)
+        self.kill(reason)
+        await self._exited.wait()
+
+    def stop_in_background(self, grace: float, reason: str) -> None:
+        """Start `terminate` without waiting for it (idempotent)."""
+        if self._stop_task is None and self.running:
+            self._stop_task = self._loop.create_task(self.terminate(grace, reason))
+
+    async def aclose(self) -> None:
+        """Kill what is left, wait for it and release every resource. Safe to call twice."""
+        if self.running:
+            self.kill(self._reason or REASON_CANCELLED)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(self.wait())
+        if self.stdin is not None:
+            self.stdin.close()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _on_timeout(self) -> None:
+        logger.debug("sandbox {} hit its wall-clock timeout", self.pid)
+        self.stop_in_background(grace=1.0, reason=REASON_TIMEOUT)
+
+    def _sandbox_pids(self) -> list[int]:
+        """Every process inside the sandbox except its init (which ignores signals)."""
+        if self._cgroup is not None:
+            return [p for p in self._cgroup.pids() if p not in (self.pid, self.child_pid)]
+        if self.child_pid is None:
+            return []
+        return _descendants(self.child_pid)
+
+    def _poll_exit(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
+            return
+        self._loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._outer_status = status
+        if self._timer is not None:
+            self._timer.cancel()
+        # The tree ends with its outer bwrap (--die-with-parent); make sure of it.
+        if self.child_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child_pid, signal.SIGKILL)
+        if self._cgroup is not None:
+            self._cgroup.kill()
+        self._exited.set()
+        self._on_exit(self)
+
+    async def _read_status(self, fd: int) -> None:
+        reader = asyncio.StreamReader()
+        transport = None
+        try:
+            transport, _ = await self._loop.connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
+            )
+            data = b""
+            while chunk := await reader.read(4096):
+                data += chunk
+                self._parse_status(data)
+        except Exception:  # the status pipe is advisory; never let it break an execution
+            logger.exception("reading bwrap status failed")
+        finally:
+            if transport is not None:
+                transport.close()
+            self._status_done.set()
+
+    def _parse_status(self, data: bytes) -> None:
+        decoder = json.JSONDecoder()
+        text = data.decode("utf-8", "replace")
+        i = 0
+        while True:
+            while i < len(text) and text[i].isspace():
+                i += 1
+            if i >= len(text):
+                return
+            try:
+                doc, i = decoder.raw_decode(text, i)
+            except json.JSONDecodeError:
+                return
+            if isinstance(doc, dict):
+                if "child-pid" in doc and self.child_pid is None:
+                    self.child_pid = int(doc["child-pid"])
+                if "exit-code" in doc:
+                    self._inner_exit = int(doc["exit-code"])
+
+    def _finish(self) -> SandboxOutcome:
+        duration = time.monotonic() - self._started_at
+        stats = self._cgroup.stats() if self._cgroup is not None else None
+        started = self.child_pid is not None
+        if self._inner_exit is not None:
+            exit_code = self._inner_exit
+            sig = exit_code - 128 if 128 < exit_code < 128 + 65 else None
+        else:
+            code = os.waitstatus_to_exitcode(self._outer_status or 0)
+            if code < 0:
+                sig, exit_code = -code, 128 - code
+            elif self._reason is not None and started:
+                # bwrap was killed before it could report: the command died with it.
+                sig, exit_code = signal.SIGKILL, 128 + signal.SIGKILL
+            else:
+                sig, exit_code = None, code
+        reached: list[str] = []
+        if stats is not None and stats.oom_kills:
+            reached.append(REASON_MEMORY)
+        if sig == signal.SIGXCPU or (
+            sig == signal.SIGKILL
+            and stats is not None
+            and self._reason is None
+            and stats.cpu_usage_ns >= self.limits.cpu_time_seconds * 1e9
+        ):
+            reached.append(REASON_CPU)
+        if sig == signal.SIGXFSZ:
+            reached.append(REASON_FILE_SIZE)
+        if stats is not None and stats.pids_limit_hits:
+            reached.append(REASON_PIDS)
+        reason = self._reason
+        if reason is None:
+            reason = next((r for r in reached if r != REASON_PIDS), None)
+        return SandboxOutcome(
+            exit_code=exit_code,
+            signal=sig,
+            reason=reason,
+            duration_s=duration,
+            started=started,
+            limits_reached=reached,
+            cpu_seconds=stats.cpu_usage_ns / 1e9 if stats and stats.cpu_usage_ns else None,
+            memory_peak_bytes=stats.memory_peak_bytes if stats else None,
+        )
+
+
+def _descendants(root: int) -> list[int]:
+    """Every descendant of `root`, by walking /proc's children lists."""
+    found: list[int] = []
+    stack = [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            with contextlib.suppress(OSError):
+                for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split():
+                    found.append(int(child))
+                    stack.append(int(child))
+    return found

@@ -1,0 +1,113 @@
+"""The sandbox's seccomp filter, compiled once to classic BPF for bubblewrap's `--seccomp FD`."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import tempfile
+
+from sandbox_runtime.errors import SandboxUnavailableError
+
+# Syscalls no sandboxed program needs and that widen the kernel's attack surface or would let
+# the program leave its namespaces. They fail with EPERM so programs that probe them carry on.
+DENIED_SYSCALLS = (
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "unshare",
+    "setns",
+    "bpf",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "kexec_load",
+    "kexec_file_load",
+    "perf_event_open",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "userfaultfd",
+    "acct",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "syslog",
+    "quotactl",
+    "lookup_dcookie",
+    "iopl",
+    "ioperm",
+    "settimeofday",
+    "clock_settime",
+    "clock_adjtime",
+    "adjtimex",
+    "personality",
+    # io_uring can open sockets and files without passing through this filter.
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "fanotify_init",
+)
+
+TIOCSTI = 0x5412
+TIOCLINUX = 0x541C
+AF_UNIX = 1
+# Namespace flags a clone() may not ask for (unshare by another door).
+CLONE_NS_FLAGS = (
+    0x00020000,  # CLONE_NEWNS
+    0x02000000,  # CLONE_NEWCGROUP
+    0x04000000,  # CLONE_NEWUTS
+    0x08000000,  # CLONE_NEWIPC
+    0x10000000,  # CLONE_NEWUSER
+    0x20000000,  # CLONE_NEWPID
+    0x40000000,  # CLONE_NEWNET
+)
+
+
+@functools.cache
+def compile_filter(network: bool = False) -> bytes:
+    """The filter as BPF bytes. Raises SandboxUnavailableError if libseccomp is unusable."""
+    try:
+        import pyseccomp as sc
+    except (ImportError, OSError) as exc:  # missing module or missing libseccomp.so
+        raise SandboxUnavailableError(
+            f"libseccomp is not usable ({exc}); install it: apt-get install libseccomp2"
+        ) from exc
+    try:
+        filt = sc.SyscallFilter(sc.ALLOW)
+        eperm = sc.ERRNO(errno.EPERM)
+        for name in DENIED_SYSCALLS:
+            try:
+                filt.add_rule(eperm, name)
+            except (ValueError, OSError):
+                continue  # not a syscall on this architecture
+        filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
+        filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
+        for flag in CLONE_NS_FLAGS:  # one rule per bit: MASKED_EQ needs every masked bit set
+            filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
+        # clone3 passes its flags in memory the filter cannot read: make libc fall back to clone.
+        filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+        if not network:
+            filt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.NE, AF_UNIX))
+            filt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socketpair", sc.Arg(0, sc.NE, AF_UNIX))
+        with tempfile.TemporaryFile() as out:
+            filt.export_bpf(out)
+            out.seek(0)
+            program = out.read()
+    except OSError as exc:
+        raise SandboxUnavailableError(f"could not compile the seccomp filter: {exc}") from exc
+    if not program:
+        raise SandboxUnavailableError("libseccomp produced an empty seccomp program")
+    return program
