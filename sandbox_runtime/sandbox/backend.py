@@ -170,7 +170,7 @@ def sandbox_cwd(working_directory: str | None) -> str:
     if not isinstance(working_directory, str) or "\x00" in working_directory:
         raise InvalidRequestError("working_directory must be a string without NUL")
     path = posixpath.normpath(posixpath.join(WORKSPACE, working_directory))
-    for root in (WORKSPACE, "/tmp"):  # noqa: S108 - the sandbox's private tmpfs
+    for root in (WORKSPACE, "/tmp"):
         if path == root or path.startswith(root + "/"):
             return path
     raise InvalidRequestError(
@@ -368,7 +368,10 @@ class BubblewrapBackend:
         return args
 
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
-        """Start a sandbox. Raises SandboxUnavailableError, SandboxSpawnError, InvalidRequestError."""
+        """Start a sandbox.
+
+        Raises SandboxUnavailableError, SandboxSpawnError, InvalidRequestError.
+        """
         if self.unavailable_reason is not None:
             raise SandboxUnavailableError(self.unavailable_reason)
         validate_command(spec.argv)

@@ -24,7 +24,7 @@ class SandboxLimits:
     pids: int = 128
     """Processes and threads alive at once in the tree (fork bombs stop here)."""
     cpu_cores: float = 1.0
-    """CPU bandwidth: the tree gets at most this many cores' worth of time (throttled, not killed)."""
+    """CPU bandwidth: at most this many cores' worth of time for the tree (throttled)."""
     cpu_time_seconds: int = 600
     """CPU seconds any one process may burn (RLIMIT_CPU): SIGXCPU, then SIGKILL one second later."""
     file_size_mb: int = 256
