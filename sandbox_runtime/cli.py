@@ -1,0 +1,129 @@
+"""`srt-mcp-server`: serve (the default) or `doctor`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import sys
+from typing import Any
+
+from loguru import logger
+from pydantic import ValidationError
+
+from sandbox_runtime import __version__
+from sandbox_runtime.config import Settings
+from sandbox_runtime.logs import setup_logging
+
+FLAG_TO_SETTING = {
+    "host": "host",
+    "port": "port",
+    "token": "auth_token",
+    "redis_url": "redis_url",
+    "max_concurrent": "max_concurrent",
+    "max_per_session": "max_per_session",
+    "timeout": "timeout",
+    "max_timeout": "max_timeout",
+    "log_file": "log_file",
+    "log_level": "log_level",
+    "replica_id": "replica_id",
+    "state_dir": "state_dir",
+    "sandbox_user": "sandbox_user",
+    "allow_unauthenticated": "allow_unauthenticated",
+    "allowed_hosts": "allowed_hosts",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="srt-mcp-server",
+        description="Sandboxed, stateful code execution for AI agents over MCP (Streamable HTTP).",
+        epilog="Every flag also reads from the environment (SANDBOX_<NAME>, REDIS_URL) and .env.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("command", nargs="?", choices=["serve", "doctor"], default="serve")
+    parser.add_argument("--host", help="address to listen on (SANDBOX_HOST, default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port (SANDBOX_PORT, default 8080)")
+    parser.add_argument(
+        "--token",
+        help="bearer token clients must send (SANDBOX_AUTH_TOKEN; prefer the variable: "
+        "command lines are visible to other local users)",
+    )
+    parser.add_argument("--redis-url", help="Redis to mirror into (REDIS_URL)")
+    parser.add_argument("--max-concurrent", type=int, help="SANDBOX_MAX_CONCURRENT")
+    parser.add_argument("--max-per-session", type=int, help="SANDBOX_MAX_PER_SESSION")
+    parser.add_argument("--timeout", type=float, help="default timeout, s (SANDBOX_TIMEOUT)")
+    parser.add_argument("--max-timeout", type=float, help="SANDBOX_MAX_TIMEOUT")
+    parser.add_argument("--log-file", help="SANDBOX_LOG_FILE")
+    parser.add_argument("--log-level", help="SANDBOX_LOG_LEVEL")
+    parser.add_argument("--replica-id", help="SANDBOX_REPLICA_ID")
+    parser.add_argument("--state-dir", help="SANDBOX_STATE_DIR")
+    parser.add_argument("--sandbox-user", help="SANDBOX_SANDBOX_USER")
+    parser.add_argument("--allowed-hosts", help="SANDBOX_ALLOWED_HOSTS")
+    parser.add_argument(
+        "--allow-unauthenticated",
+        action="store_true",
+        default=None,
+        help="serve without a token on a non-loopback address (SANDBOX_ALLOW_UNAUTHENTICATED)",
+    )
+    return parser
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for flag, name in FLAG_TO_SETTING.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings(**overrides)
+
+
+def _describe_validation(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        env = "REDIS_URL" if loc == "redis_url" else f"SANDBOX_{loc.upper()}"
+        lines.append(f"invalid setting {env} (--{loc.replace('_', '-')}): {err['msg']}")
+    return "\n".join(lines)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = load_settings(args)
+    except ValidationError as exc:
+        print(_describe_validation(exc), file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"invalid settings: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "doctor":
+        from sandbox_runtime.doctor import run_doctor
+
+        return run_doctor(settings)
+    setup_logging(settings)
+    if not settings.tokens() and not is_loopback(settings.host):
+        if not settings.allow_unauthenticated:
+            print(
+                f"refusing to listen on {settings.host} without a token: set SANDBOX_AUTH_TOKEN "
+                "(or --token), or pass --allow-unauthenticated if a proxy authenticates",
+                file=sys.stderr,
+            )
+            return 2
+        logger.warning("serving on {} WITHOUT authentication", settings.host)
+    from sandbox_runtime.server.run import serve
+
+    return asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

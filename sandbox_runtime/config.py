@@ -1,0 +1,155 @@
+"""Every setting the server reads: from flags, the environment and `.env`, once at start-up."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from pathlib import Path
+
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sandbox_runtime.sandbox.policy import SandboxLimits
+
+
+class Settings(BaseSettings):
+    """Server settings. Environment variables are `SANDBOX_<NAME>` unless noted."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="SANDBOX_",
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    host: str = Field("127.0.0.1", description="Address to listen on.")
+    port: int = Field(8080, ge=0, le=65535, description="Port to listen on (0: any free port).")
+    auth_token: SecretStr | None = Field(
+        None, description="Bearer token clients must send (principal `default`)."
+    )
+    auth_tokens: SecretStr | None = Field(
+        None,
+        description="More tokens as `principal:token,principal2:token2`; each principal sees "
+        "only its own executions.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Allow serving without any token on a non-loopback address (not advised).",
+    )
+    allowed_hosts: str = Field(
+        "*",
+        description="Comma-separated Host header values accepted (DNS-rebinding protection); "
+        "`*` accepts any (the bearer token is the protection then).",
+    )
+    replica_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{secrets.token_hex(3)}",
+        description="This replica's id (Redis keys, session tags, /health).",
+    )
+    redis_url: str | None = Field(
+        None,
+        validation_alias=AliasChoices("REDIS_URL", "SANDBOX_REDIS_URL"),
+        description="Redis to mirror executions into (env REDIS_URL); none: in-memory only.",
+    )
+
+    max_concurrent: int = Field(16, ge=1, le=4096, description="Executions running at once.")
+    max_per_session: int = Field(
+        4, ge=1, le=4096, description="Executions running at once per (principal, session)."
+    )
+    timeout: float = Field(
+        300, gt=0, description="Default execution timeout in seconds (wall clock)."
+    )
+    max_timeout: float = Field(3600, gt=0, description="Largest timeout a caller may ask for.")
+    max_wait: float = Field(
+        60, gt=0, le=600, description="Longest a long-poll or a waiting execute_code call blocks."
+    )
+    retention_seconds: int = Field(
+        3600, ge=1, description="How long finished executions are kept (also the Redis TTL)."
+    )
+    max_retained: int = Field(
+        2000, ge=1, description="Most finished executions kept in memory; oldest evicted first."
+    )
+    cancel_grace: float = Field(
+        2.0, ge=0, le=60, description="Seconds between SIGTERM and SIGKILL on a cancel."
+    )
+    shutdown_grace: float = Field(
+        5.0, ge=0, le=300, description="Seconds running executions get on shutdown."
+    )
+
+    memory_mb: int = Field(512, ge=16, description="Memory per execution (cgroup), MiB.")
+    pids_limit: int = Field(128, ge=8, description="Processes+threads per execution.")
+    cpu_cores: float = Field(1.0, gt=0, description="CPU bandwidth per execution, in cores.")
+    cpu_time_seconds: int = Field(600, ge=1, description="CPU seconds per process (RLIMIT_CPU).")
+    file_size_mb: int = Field(256, ge=1, description="Largest file a process may write, MiB.")
+    tmp_size_mb: int = Field(64, ge=1, description="Size of the private /tmp tmpfs, MiB.")
+    open_files: int = Field(1024, ge=64, description="Open files per process (RLIMIT_NOFILE).")
+    output_limit_bytes: int = Field(
+        10 * 1024 * 1024, ge=1024, description="Output kept per execution; the rest is dropped."
+    )
+    sandbox_user: str = Field(
+        "nobody", description="Unprivileged host user sandboxes run as (never root)."
+    )
+    state_dir: Path = Field(
+        Path("/var/lib/sandbox-runtime"),
+        description="Server state: workspaces live in `<state_dir>/workspaces`.",
+    )
+    bwrap_path: str | None = Field(None, description="bubblewrap binary (default: from PATH).")
+
+    log_file: Path | None = Field(
+        None, description="Log file (rotated at 10 MB, kept 7 days); none: stderr only."
+    )
+    log_level: str = Field("INFO", description="Log level: DEBUG, INFO, WARNING, ERROR.")
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        value = value.upper()
+        if value not in {"TRACE", "DEBUG", "INFO", "SUCCESS", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"unknown log level {value!r}")
+        return value
+
+    @field_validator("replica_id")
+    @classmethod
+    def _replica(cls, value: str) -> str:
+        if not value or not all(c.isalnum() or c in "-_" for c in value) or len(value) > 64:
+            raise ValueError("replica_id: letters, digits, '-' and '_' only, at most 64")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.timeout > self.max_timeout:
+            raise ValueError(
+                f"SANDBOX_TIMEOUT ({self.timeout}) exceeds SANDBOX_MAX_TIMEOUT ({self.max_timeout})"
+            )
+        self.tokens()  # parse now so a bad SANDBOX_AUTH_TOKENS fails at start
+        return self
+
+    def tokens(self) -> dict[str, str]:
+        """token -> principal for every configured token."""
+        out: dict[str, str] = {}
+        if self.auth_token is not None and self.auth_token.get_secret_value():
+            out[self.auth_token.get_secret_value()] = "default"
+        if self.auth_tokens is not None:
+            for item in self.auth_tokens.get_secret_value().split(","):
+                if not item.strip():
+                    continue
+                principal, sep, token = item.strip().partition(":")
+                if not sep or not principal or not token:
+                    raise ValueError("SANDBOX_AUTH_TOKENS entries must look like principal:token")
+                if len(token) < 8:
+                    raise ValueError(f"the token of principal {principal!r} is under 8 characters")
+                out[token] = principal
+        return out
+
+    def limits(self) -> SandboxLimits:
+        """The sandbox policy: defaults and ceilings for every execution."""
+        return SandboxLimits(
+            memory_mb=self.memory_mb,
+            pids=self.pids_limit,
+            cpu_cores=self.cpu_cores,
+            cpu_time_seconds=self.cpu_time_seconds,
+            file_size_mb=self.file_size_mb,
+            tmp_size_mb=self.tmp_size_mb,
+            open_files=self.open_files,
+            output_bytes=self.output_limit_bytes,
+        )

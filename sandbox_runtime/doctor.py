@@ -1,0 +1,239 @@
+"""`srt-mcp-server doctor`: checks each sandbox layer on this host and says how to fix it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandbox_runtime.config import Settings
+from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxSpec, shell_argv
+from sandbox_runtime.sandbox.cgroups import CgroupLayout
+from sandbox_runtime.sandbox.seccomp import compile_filter
+
+APPARMOR_FIX = (
+    "Ubuntu 23.10+/24.04 restrict unprivileged user namespaces through AppArmor: allow bwrap "
+    "with an AppArmor profile (/etc/apparmor.d/bwrap: `abi <abi/4.0>, include <tunables/global> "
+    "profile bwrap /usr/bin/bwrap flags=(unconfined) { userns, }`, then "
+    "`systemctl reload apparmor`), or `sysctl kernel.apparmor_restrict_unprivileged_userns=0`"
+)
+CONTAINER_FIX = (
+    "inside Docker/Kubernetes the default seccomp and AppArmor profiles block the unshare() and "
+    "mount() bwrap needs: run the container with `--security-opt seccomp=unconfined "
+    "--security-opt apparmor=unconfined` (Kubernetes: seccompProfile Unconfined, "
+    "appArmorProfile Unconfined), or a seccomp profile that allows unshare/clone with "
+    "CLONE_NEWUSER; see DEPLOYMENT.md"
+)
+
+
+@dataclass
+class Check:
+    layer: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True
+
+    @property
+    def label(self) -> str:
+        if self.ok:
+            return "OK"
+        return "FAIL" if self.required else "WARN"
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def in_container() -> bool:
+    if os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv"):
+        return True
+    cgroup = _read("/proc/1/cgroup") or ""
+    return any(word in cgroup for word in ("docker", "kubepods", "containerd", "libpod"))
+
+
+def check_static(settings: Settings) -> list[Check]:
+    checks: list[Check] = []
+    bwrap = settings.bwrap_path or shutil.which("bwrap")
+    if bwrap:
+        version = subprocess.run(
+            [bwrap, "--version"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        checks.append(Check("bubblewrap", True, f"{bwrap} ({version or 'unknown version'})"))
+    else:
+        checks.append(Check("bubblewrap", False, "bwrap not found", "apt-get install bubblewrap"))
+    setpriv = shutil.which("setpriv")
+    checks.append(
+        Check("setpriv", bool(setpriv), setpriv or "not found", "apt-get install util-linux")
+    )
+
+    userns_problems = []
+    if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+        userns_problems.append(
+            ("kernel.unprivileged_userns_clone=0", "sysctl kernel.unprivileged_userns_clone=1")
+        )
+    if _read("/proc/sys/user/max_user_namespaces") == "0":
+        userns_problems.append(
+            ("user.max_user_namespaces=0", "sysctl user.max_user_namespaces=15000")
+        )
+    if _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
+        userns_problems.append(("AppArmor restricts unprivileged user namespaces", APPARMOR_FIX))
+    if userns_problems:
+        checks.append(
+            Check(
+                "user namespaces",
+                False,
+                "; ".join(p for p, _ in userns_problems),
+                "; ".join(f for _, f in userns_problems),
+            )
+        )
+    else:
+        checks.append(Check("user namespaces", True, "unprivileged user namespaces enabled"))
+
+    try:
+        entry = pwd.getpwnam(settings.sandbox_user)
+        if entry.pw_uid == 0:
+            checks.append(
+                Check("sandbox user", False, "the sandbox user is root", "SANDBOX_SANDBOX_USER")
+            )
+        elif os.geteuid() not in (0, entry.pw_uid):
+            checks.append(
+                Check(
+                    "sandbox user",
+                    False,
+                    f"server runs as uid {os.geteuid()} and cannot become {settings.sandbox_user}",
+                    "run as root, or set SANDBOX_SANDBOX_USER to the server's own user",
+                )
+            )
+        else:
+            checks.append(
+                Check("sandbox user", True, f"{settings.sandbox_user} (uid {entry.pw_uid})")
+            )
+    except KeyError:
+        checks.append(
+            Check(
+                "sandbox user",
+                False,
+                f"user {settings.sandbox_user!r} does not exist",
+                "useradd --system --no-create-home srt-sandbox; SANDBOX_SANDBOX_USER=srt-sandbox",
+            )
+        )
+
+    try:
+        size = len(compile_filter())
+        checks.append(Check("seccomp", True, f"filter compiled ({size // 8} BPF instructions)"))
+    except SandboxRuntimeError as exc:
+        checks.append(Check("seccomp", False, str(exc), "apt-get install libseccomp2"))
+
+    layout = CgroupLayout.setup("srt-doctor")
+    ok = layout.version != "none"
+    checks.append(
+        Check(
+            "cgroups",
+            ok,
+            layout.describe() + ("" if ok else f" ({'; '.join(layout.problems)})"),
+            "run as root on a host with cgroup v2 (memory, pids, cpu delegated) or v1 "
+            "memory+pids controllers; without them only rlimits bound an execution",
+            required=False,
+        )
+    )
+    for base in [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]:
+        try:
+            base.rmdir()
+        except OSError:
+            pass
+    return checks
+
+
+async def check_live(settings: Settings) -> list[Check]:
+    """Start a real sandbox and look at it from inside."""
+    with tempfile.TemporaryDirectory(prefix="srt-doctor-") as tmp:
+        os.chmod(tmp, 0o711)
+        backend = BubblewrapBackend(
+            BackendConfig(
+                limits=settings.limits(),
+                sandbox_user=settings.sandbox_user,
+                workspace_root=Path(tmp) / "ws",
+                bwrap_path=settings.bwrap_path,
+                group_name="srt-doctor",
+            )
+        )
+        backend.start()
+        if backend.unavailable_reason is not None:
+            return [Check("sandbox run", False, backend.unavailable_reason, "see the checks above")]
+        try:
+            proc = await backend.spawn(
+                SandboxSpec(
+                    argv=shell_argv("grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/self/status"),
+                    workspace=backend.create_workspace("doctor"),
+                    limits=settings.limits(),
+                    timeout=20,
+                )
+            )
+            out, err = await asyncio.gather(proc.stdout.read(), proc.stderr.read())
+            outcome = await proc.wait()
+            await proc.aclose()
+        except SandboxRuntimeError as exc:
+            return [Check("sandbox run", False, str(exc))]
+        finally:
+            await backend.close()
+    text = out.decode("utf-8", "replace")
+    fields = dict(
+        (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines())
+    )
+    if outcome.exit_code != 0 or not fields:
+        detail = err.decode("utf-8", "replace").strip() or f"exit code {outcome.exit_code}"
+        fix = CONTAINER_FIX if in_container() else "see the user namespaces check"
+        return [Check("sandbox run", False, f"bwrap failed: {detail}", fix)]
+    checks = [
+        Check("sandbox run", True, f"started and exited 0 in {outcome.duration_s * 1e3:.0f} ms")
+    ]
+    checks.append(
+        Check(
+            "seccomp active",
+            fields.get("Seccomp") == "2",
+            f"Seccomp mode {fields.get('Seccomp')} inside",
+            "bwrap --seccomp failed to load the filter",
+        )
+    )
+    checks.append(
+        Check(
+            "no privileges",
+            fields.get("NoNewPrivs") == "1" and int(fields.get("CapEff", "1"), 16) == 0,
+            f"NoNewPrivs={fields.get('NoNewPrivs')} CapEff={fields.get('CapEff')}",
+            "the sandbox kept capabilities: report a bug",
+        )
+    )
+    return checks
+
+
+def run_doctor(settings: Settings) -> int:
+    """Print OK/FAIL/WARN per layer; 0 only when every required layer works."""
+    checks = check_static(settings)
+    if all(c.ok or not c.required for c in checks):
+        checks += asyncio.run(check_live(settings))
+    if in_container():
+        checks.append(
+            Check("container", True, "inside a container (if bwrap fails there: DEPLOYMENT.md)")
+        )
+    width = max(len(c.layer) for c in checks)
+    for c in checks:
+        print(f"{c.label:<4}  {c.layer:<{width}}  {c.detail}")
+        if not c.ok and c.fix:
+            print(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
+    failed = [c for c in checks if not c.ok and c.required]
+    print()
+    if failed:
+        print(f"executions cannot run: {len(failed)} required layer(s) failed")
+        return 1
+    print("all required sandbox layers work: executions can run")
+    return 0

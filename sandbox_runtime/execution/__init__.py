@@ -1,0 +1,1 @@
+"""Executions: their records, events, processes and the manager that owns them."""

@@ -1,0 +1,292 @@
+"""One execution: its sandboxed process, the pumps that read its output, its event log."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from loguru import logger
+
+from sandbox_runtime.errors import ExecutionFinishedError, InvalidRequestError
+from sandbox_runtime.execution.models import (
+    EventType,
+    ExecutionInfo,
+    ExecutionStatus,
+    OutputEvent,
+)
+from sandbox_runtime.sandbox import SandboxOutcome, SandboxProcess
+
+CHUNK_BYTES = 64 * 1024  # largest piece of output one event carries
+MAX_EVENTS_IN_MEMORY = 20_000
+MAX_STDIN_BYTES = 1024 * 1024
+
+LIMIT_MESSAGES = {
+    "memory": "memory limit reached: the kernel killed the process",
+    "cpu": "CPU time limit reached",
+    "file_size": "file size limit reached",
+    "pids": "process limit reached: fork() failed inside the sandbox",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Who an execution belongs to: the token's principal and the session."""
+
+    principal: str
+    session_id: str
+
+
+class Execution:
+    """An execution and its output. The ExecutionManager creates, runs and evicts these."""
+
+    def __init__(self, info: ExecutionInfo, owner: Owner, output_limit: int) -> None:
+        self.info = info
+        self.owner = owner
+        self.output_limit = output_limit
+        self.process: SandboxProcess | None = None
+        self.finished = asyncio.Event()
+        self.events: deque[OutputEvent] = deque()
+        self.first_seq = 1  # oldest seq still held in memory
+        self.listeners: list[Callable[[Execution, list[OutputEvent]], None]] = []
+        self._wakeup = asyncio.Event()  # set and replaced on every change
+        self._retained_bytes = 0
+        self._truncated = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def execution_id(self) -> str:
+        return self.info.execution_id
+
+    @property
+    def status(self) -> ExecutionStatus:
+        return self.info.status
+
+    # -- events ------------------------------------------------------------------------------
+
+    def emit(self, event_type: EventType, **fields: object) -> OutputEvent:
+        self.info.last_seq += 1
+        event = OutputEvent(
+            seq=self.info.last_seq,
+            type=event_type,
+            timestamp=time.time(),
+            **fields,  # type: ignore[arg-type]
+        )
+        self.events.append(event)
+        if event.data:
+            self._retained_bytes += len(event.data)
+        while len(self.events) > MAX_EVENTS_IN_MEMORY:
+            old = self.events.popleft()
+            self.first_seq = old.seq + 1
+            if old.data:
+                self._retained_bytes -= len(old.data)
+        for listener in self.listeners:
+            listener(self, [event])
+        self._notify()
+        return event
+
+    def _notify(self) -> None:
+        self._wakeup.set()
+        self._wakeup = asyncio.Event()
+
+    def events_after(
+        self, after: int, limit: int, max_bytes: int
+    ) -> tuple[list[OutputEvent], bool]:
+        """Events with seq > after, at most `limit` of them and about `max_bytes` of data."""
+        if after >= self.info.last_seq:
+            return [], False
+        start = max(0, after + 1 - self.first_seq)
+        out: list[OutputEvent] = []
+        size = 0
+        for i in range(start, len(self.events)):
+            event = self.events[i]
+            size += len(event.data or "")
+            if out and (len(out) >= limit or size > max_bytes):
+                return out, True
+            out.append(event)
+        return out, False
+
+    async def wait_for_events(self, after: int, wait_seconds: float) -> None:
+        """Return when there is an event after `after`, the execution finished, or time is up."""
+        deadline = time.monotonic() + wait_seconds
+        while self.info.last_seq <= after and not self.finished.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), remaining)
+
+    # -- running -----------------------------------------------------------------------------
+
+    def attach(self, process: SandboxProcess) -> None:
+        """Start pumping `process`'s output; the execution now owns it."""
+        self.process = process
+        self.info.status = ExecutionStatus.RUNNING
+        self.info.started_at = time.time()
+        self.info.stdin_open = process.stdin is not None
+        self.emit(EventType.READY)
+        self._task = asyncio.get_running_loop().create_task(self._run(process))
+
+    def fail_to_start(self, message: str) -> None:
+        now = time.time()
+        self.info.status = ExecutionStatus.FAILED
+        self.info.error = message
+        self.info.finished_at = now
+        self.info.duration_ms = 0
+        self.emit(EventType.ERROR, message=message)
+        self.finished.set()
+
+    async def _run(self, process: SandboxProcess) -> None:
+        try:
+            stderr_head: list[bytes] = []
+            await asyncio.gather(
+                self._pump(process.stdout, EventType.STDOUT, None),
+                self._pump(process.stderr, EventType.STDERR, stderr_head),
+            )
+            outcome = await process.wait()
+            self._finish(outcome, b"".join(stderr_head))
+        except Exception as exc:  # root of the execution's task: record, never lose the end
+            logger.exception("execution {} failed internally", self.execution_id)
+            if not self.status.finished:
+                self.info.status = ExecutionStatus.FAILED
+                self.info.error = f"internal error: {exc}"
+                self.emit(EventType.ERROR, message=self.info.error)
+        finally:
+            await process.aclose()
+            self.info.stdin_open = False
+            self.finished.set()
+            self._notify()
+
+    async def _pump(
+        self, reader: asyncio.StreamReader, kind: EventType, head: list[bytes] | None
+    ) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        while True:
+            chunk = await reader.read(CHUNK_BYTES)
+            if head is not None and sum(map(len, head)) < 4096:
+                head.append(chunk[:4096])
+            final = not chunk
+            text = decoder.decode(chunk, final=final)
+            if text:
+                self._record_output(kind, text, len(chunk))
+            if final:
+                return
+
+    def _record_output(self, kind: EventType, text: str, raw_bytes: int) -> None:
+        if kind is EventType.STDOUT:
+            self.info.stdout_bytes += raw_bytes
+        else:
+            self.info.stderr_bytes += raw_bytes
+        kept = self.info.stdout_bytes + self.info.stderr_bytes - self.info.dropped_bytes
+        if self._truncated:
+            self.info.dropped_bytes += raw_bytes
+            return
+        if kept > self.output_limit:
+            over = kept - self.output_limit
+            keep_chars = max(0, len(text) - over)
+            if keep_chars:
+                self.emit(kind, data=text[:keep_chars])
+            self.info.dropped_bytes += over
+            self._truncated = True
+            self.emit(
+                EventType.TRUNCATED,
+                message=f"output limit of {self.output_limit} bytes reached; "
+                "further output is dropped (the process keeps running)",
+                dropped_bytes=self.info.dropped_bytes,
+            )
+            return
+        self.emit(kind, data=text)
+
+    def _finish(self, outcome: SandboxOutcome, stderr_head: bytes) -> None:
+        info = self.info
+        info.finished_at = time.time()
+        info.duration_ms = int(outcome.duration_s * 1000)
+        info.exit_code = outcome.exit_code
+        info.signal = outcome.signal_name
+        info.reason = outcome.reason
+        if self._truncated:
+            self.emit(
+                EventType.TRUNCATED,
+                message=f"{info.dropped_bytes} bytes of output were dropped in all",
+                dropped_bytes=info.dropped_bytes,
+            )
+        if not outcome.started:
+            info.status = ExecutionStatus.FAILED
+            detail = stderr_head.decode("utf-8", "replace").strip() or "no detail"
+            info.error = f"the sandbox failed to start: {detail}"
+            self.emit(EventType.ERROR, message=info.error)
+        elif outcome.reason == "timeout":
+            info.status = ExecutionStatus.TIMEOUT
+            self.emit(
+                EventType.TIMEOUT, message=f"timed out after {info.timeout_seconds:g} seconds"
+            )
+        elif outcome.reason in ("cancelled", "shutdown"):
+            info.status = ExecutionStatus.CANCELLED
+            message = "cancelled" if outcome.reason == "cancelled" else "server shutting down"
+            self.emit(EventType.CANCELLED, message=message)
+        elif outcome.reason in LIMIT_MESSAGES:
+            info.status = ExecutionStatus.FAILED
+            info.error = LIMIT_MESSAGES[outcome.reason]
+            self.emit(EventType.RESOURCE_LIMIT, reason=outcome.reason, message=info.error)
+        else:
+            info.status = ExecutionStatus.COMPLETED
+            if "pids" in outcome.limits_reached:
+                self.emit(EventType.RESOURCE_LIMIT, reason="pids", message=LIMIT_MESSAGES["pids"])
+        self.emit(
+            EventType.EXIT,
+            code=outcome.exit_code,
+            signal=outcome.signal_name,
+            duration_ms=info.duration_ms,
+        )
+
+    # -- control -----------------------------------------------------------------------------
+
+    async def write_stdin(self, data: str, close: bool) -> int:
+        """Write to the process's stdin. Raises ExecutionFinishedError, InvalidRequestError."""
+        if self.status.finished or self.process is None or not self.process.running:
+            raise ExecutionFinishedError(f"execution {self.execution_id} has already finished")
+        stdin = self.process.stdin
+        if stdin is None:
+            raise InvalidRequestError(
+                f"execution {self.execution_id} was not started with interactive=true; "
+                "it has no stdin"
+            )
+        if not self.info.stdin_open:
+            raise InvalidRequestError(f"stdin of execution {self.execution_id} is closed")
+        payload = data.encode("utf-8", "surrogatepass")
+        if len(payload) > MAX_STDIN_BYTES:
+            raise InvalidRequestError(
+                f"input_data is {len(payload)} bytes; at most {MAX_STDIN_BYTES} per call"
+            )
+        try:
+            if payload:
+                stdin.write(payload)
+                await asyncio.wait_for(stdin.drain(), timeout=10)
+            if close:
+                stdin.close()
+                self.info.stdin_open = False
+        except (BrokenPipeError, ConnectionResetError):
+            self.info.stdin_open = False
+            raise ExecutionFinishedError(
+                f"execution {self.execution_id} closed its stdin (the process is exiting)"
+            ) from None
+        except TimeoutError:
+            raise InvalidRequestError(
+                "the process is not reading its stdin; the write timed out after 10 s"
+            ) from None
+        return len(payload)
+
+    async def cancel(self, force: bool, grace: float) -> None:
+        """Stop the process tree (gracefully unless `force`) and wait until it is gone."""
+        process = self.process
+        if process is None or self.status.finished:
+            return
+        if force:
+            process.kill("cancelled")
+        else:
+            await process.terminate(grace=grace, reason="cancelled")
+        await self.finished.wait()

@@ -1,0 +1,87 @@
+"""What an execution is on the wire: its metadata and its output events."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ExecutionStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"  # the command exited on its own (any exit code)
+    FAILED = "failed"  # the sandbox could not start, or a resource limit killed it
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    LOST = "lost"  # the owning replica died while it ran
+
+    @property
+    def finished(self) -> bool:
+        return self not in (ExecutionStatus.PENDING, ExecutionStatus.RUNNING)
+
+
+class EventType(StrEnum):
+    READY = "ready"
+    STDOUT = "stdout"
+    STDERR = "stderr"
+    EXIT = "exit"
+    TIMEOUT = "timeout"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    RESOURCE_LIMIT = "resource_limit"
+    TRUNCATED = "truncated"
+
+
+class OutputEvent(BaseModel):
+    """One event of an execution's output. `seq` strictly increases; it is the cursor."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int
+    event_id: str = ""
+    type: EventType
+    timestamp: float
+    data: str | None = None
+    code: int | None = None
+    signal: str | None = None
+    duration_ms: int | None = None
+    reason: str | None = None
+    message: str | None = None
+    dropped_bytes: int | None = None
+
+    def model_post_init(self, context: Any, /) -> None:
+        if not self.event_id:
+            self.event_id = str(self.seq)
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class ExecutionInfo(BaseModel):
+    """An execution's metadata, as tools return it and as Redis stores it."""
+
+    execution_id: str
+    status: ExecutionStatus
+    principal: str
+    session_id: str
+    replica_id: str
+    command: str | list[str]
+    interactive: bool = False
+    working_directory: str = "/workspace"
+    timeout_seconds: float
+    limits: dict[str, Any] = Field(default_factory=dict)
+    exit_code: int | None = None
+    signal: str | None = None
+    reason: str | None = None
+    error: str | None = None
+    created_at: float
+    started_at: float | None = None
+    finished_at: float | None = None
+    duration_ms: int | None = None
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    dropped_bytes: int = 0
+    last_seq: int = 0
+    stdin_open: bool = False

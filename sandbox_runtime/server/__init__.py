@@ -1,0 +1,1 @@
+"""The HTTP and MCP edge: auth, tools, health, the ASGI app."""

@@ -1,0 +1,91 @@
+"""The ASGI application: lifespan (one ExecutionManager), /health, auth, the MCP endpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastmcp import FastMCP
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Mount, Route
+
+from sandbox_runtime import __version__
+from sandbox_runtime.config import Settings
+from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
+from sandbox_runtime.server.auth import PrincipalTokenVerifier
+from sandbox_runtime.server.session_tag import SessionTagMiddleware
+from sandbox_runtime.server.tools import register_tools
+
+INSTRUCTIONS = (
+    "Runs commands in an isolated Linux sandbox (no network, unprivileged, limited memory, "
+    "processes and time) with a persistent /workspace per session. execute_code runs and waits; "
+    "execute_code_async starts and returns an execution_id to poll with get_execution_output "
+    "(cursor: next_cursor), feed with send_stdin (interactive=true) and stop with "
+    "cancel_execution."
+)
+
+
+def build_mcp(settings: Settings) -> FastMCP:
+    tokens = settings.tokens()
+    auth = PrincipalTokenVerifier(tokens) if tokens else None
+    mcp = FastMCP(
+        "sandbox_runtime",
+        instructions=INSTRUCTIONS,
+        version=__version__,
+        auth=auth,
+        mask_error_details=True,
+    )
+    register_tools(mcp)
+    return mcp
+
+
+def create_app(settings: Settings, manager: ExecutionManager | None = None) -> Starlette:
+    """The whole server as one ASGI app. The manager is created and torn down in its lifespan."""
+    mcp = build_mcp(settings)
+    allowed = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
+    protect = "*" not in allowed
+    mcp_app = mcp.http_app(
+        path="/mcp",
+        stateless_http=False,
+        json_response=False,
+        host_origin_protection=protect,
+        allowed_hosts=allowed if protect else None,
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        own = manager or ExecutionManager(settings)
+        await own.start()
+        set_manager(own)
+        try:
+            async with mcp_app.lifespan(app):
+                yield
+        finally:
+            await own.shutdown()
+            set_manager(None)
+
+    async def health(request: Request) -> JSONResponse:
+        try:
+            current = get_manager()
+        except Exception:
+            return JSONResponse({"status": "starting", "version": __version__}, status_code=503)
+        sandbox = current.backend.unavailable_reason
+        body = {
+            "status": "ok" if sandbox is None else "degraded",
+            "version": __version__,
+            "replica_id": current.replica_id,
+            "running_executions": current.running_count,
+            "sandbox": "ok" if sandbox is None else f"unavailable: {sandbox}",
+            "uptime_seconds": round(time.time() - current.started_at, 1),
+        }
+        return JSONResponse(body)
+
+    return Starlette(
+        routes=[Route("/health", health, methods=["GET"]), Mount("/", app=mcp_app)],
+        middleware=[Middleware(SessionTagMiddleware, replica_id=settings.replica_id)],
+        lifespan=lifespan,
+    )

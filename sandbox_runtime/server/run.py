@@ -1,0 +1,63 @@
+"""Running the app under uvicorn with a bounded, execution-first graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from types import FrameType
+
+import uvicorn
+from loguru import logger
+
+from sandbox_runtime.config import Settings
+from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.server.app import create_app
+
+
+class _Server(uvicorn.Server):
+    """On SIGTERM/SIGINT, stop the executions first, then let uvicorn close connections."""
+
+    def __init__(self, config: uvicorn.Config, manager: ExecutionManager) -> None:
+        super().__init__(config)
+        self.manager = manager
+        self._stopping: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._stopping is None:
+            logger.info("signal {}: stopping executions, then the server", sig)
+            self._stopping = asyncio.get_running_loop().create_task(
+                self._stop_then_exit(sig, frame)
+            )
+        else:
+            super().handle_exit(sig, frame)
+
+    async def _stop_then_exit(self, sig: int, frame: FrameType | None) -> None:
+        try:
+            await self.manager.shutdown()
+        finally:
+            super().handle_exit(sig, frame)
+
+
+async def serve(settings: Settings) -> int:
+    manager = ExecutionManager(settings)
+    app = create_app(settings, manager)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(settings.shutdown_grace) + 1),
+        proxy_headers=True,
+        server_header=False,
+    )
+    server = _Server(config, manager)
+    logger.info(
+        "srt-mcp-server replica {} listening on http://{}:{}/mcp (auth: {})",
+        settings.replica_id,
+        settings.host,
+        settings.port,
+        "bearer" if settings.tokens() else "none",
+    )
+    await server.serve()
+    return 0

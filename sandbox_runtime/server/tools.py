@@ -1,0 +1,364 @@
+"""The MCP tools: thin: validate, call the ExecutionManager, shape a structured result."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, TypeVar
+
+from fastmcp import Context, FastMCP
+from fastmcp.exceptions import ToolError
+from fastmcp.server.dependencies import get_access_token, get_http_request
+from loguru import logger
+from pydantic import BaseModel, Field
+
+from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.execution.manager import ExecuteRequest, get_manager
+from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus
+
+SESSION_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+DEFAULT_SESSION = "default"
+ANONYMOUS = "anonymous"
+PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
+PROGRESS_MAX_CHARS = 4096
+
+T = TypeVar("T")
+
+SessionArg = Annotated[
+    str | None,
+    Field(
+        description="Explicit session name. Executions belong to (token, session); name one to "
+        "keep executions across reconnects. Default: the MCP transport session, else 'default'."
+    ),
+]
+
+
+class ExecutionResult(BaseModel):
+    execution_id: str
+    status: ExecutionStatus
+    exit_code: int | None = None
+    signal: str | None = None
+    reason: str | None = None
+    error: str | None = None
+    duration_ms: int | None = None
+    events: list[dict[str, Any]] = Field(default_factory=list)
+    next_cursor: int = 0
+    has_more: bool = False
+
+
+class OutputResult(ExecutionResult):
+    next_event_id: str = "0"
+    first_available_seq: int = 1
+    dropped_bytes: int = 0
+
+
+class StdinResult(BaseModel):
+    execution_id: str
+    status: ExecutionStatus
+    bytes_written: int
+    stdin_open: bool
+
+
+class CancelResult(BaseModel):
+    execution_id: str
+    status: ExecutionStatus
+    exit_code: int | None = None
+    signal: str | None = None
+    already_finished: bool = False
+
+
+class ExecutionList(BaseModel):
+    executions: list[ExecutionInfo]
+    count: int
+
+
+def owner_of(ctx: Context, session: str | None) -> Owner:
+    """The caller's owner key: the token's principal and the session it names or is in."""
+    token = get_access_token()
+    principal = token.client_id if token is not None else ANONYMOUS
+    if session is not None:
+        if not isinstance(session, str) or not SESSION_RE.match(session):
+            raise ToolError("session must be 1-128 characters of letters, digits and ._:@-")
+        return Owner(principal, f"s:{session}")
+    transport_session: str | None = None
+    with contextlib.suppress(RuntimeError):
+        transport_session = get_http_request().headers.get("mcp-session-id")
+    if transport_session:
+        return Owner(principal, f"t:{transport_session}")
+    return Owner(principal, DEFAULT_SESSION)
+
+
+async def call(op: Callable[[], Awaitable[T]], tool: str) -> T:
+    """Run a manager operation, turning domain errors into tool errors with their message."""
+    try:
+        return await op()
+    except SandboxRuntimeError as exc:
+        logger.info("tool {} refused: {}: {}", tool, type(exc).__name__, exc)
+        raise ToolError(str(exc)) from None
+
+
+def _result(execution: Execution, events: list[dict[str, Any]], cursor: int, more: bool) -> dict:
+    info = execution.info
+    return {
+        "execution_id": info.execution_id,
+        "status": info.status,
+        "exit_code": info.exit_code,
+        "signal": info.signal,
+        "reason": info.reason,
+        "error": info.error,
+        "duration_ms": info.duration_ms,
+        "events": events,
+        "next_cursor": cursor,
+        "has_more": more,
+    }
+
+
+async def _forward_output(ctx: Context, execution: Execution) -> None:
+    """Send output to the client as progress notifications while execute_code waits."""
+    after = 0
+    last_sent = 0.0
+    while not execution.finished.is_set():
+        await execution.wait_for_events(after, 5.0)
+        await asyncio.sleep(max(0.0, last_sent + PROGRESS_INTERVAL - time.monotonic()))
+        events, _ = execution.events_after(after, 10_000, PROGRESS_MAX_CHARS * 4)
+        if not events:
+            continue
+        after = events[-1].seq
+        text = "".join(e.data or "" for e in events if e.type in ("stdout", "stderr"))
+        if not text:
+            continue
+        if len(text) > PROGRESS_MAX_CHARS:
+            text = text[:PROGRESS_MAX_CHARS] + f"… [{len(text) - PROGRESS_MAX_CHARS} more chars]"
+        last_sent = time.monotonic()
+        with contextlib.suppress(Exception):  # a client that went away must not stop the wait
+            await ctx.report_progress(after, None, text)
+
+
+def register_tools(mcp: FastMCP) -> None:
+    """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server)."""
+
+    @mcp.tool
+    async def execute_code(
+        ctx: Context,
+        command: Annotated[
+            str | list[str],
+            Field(description="Shell command (run by /bin/sh -c) or an argv list."),
+        ],
+        timeout_seconds: Annotated[
+            float | None,
+            Field(description="Wall-clock limit; default and maximum are set by the server."),
+        ] = None,
+        interactive: Annotated[bool, Field(description="Keep stdin open for send_stdin.")] = False,
+        working_directory: Annotated[
+            str | None, Field(description="Directory inside the sandbox, under /workspace or /tmp.")
+        ] = None,
+        environment: Annotated[
+            dict[str, str] | None, Field(description="Extra environment variables.")
+        ] = None,
+        sandbox_config: Annotated[
+            dict[str, Any] | None,
+            Field(
+                description="Tighter limits: memory_mb, pids, cpu_cores, cpu_time_seconds, "
+                "file_size_mb, tmp_size_mb, open_files, output_bytes. Never looser."
+            ),
+        ] = None,
+        wait_for_completion: Annotated[
+            bool, Field(description="Wait for the end (up to the timeout) and return the output.")
+        ] = True,
+        session: SessionArg = None,
+    ) -> ExecutionResult:
+        """Run a command in a fresh sandbox; by default wait for it and return its output."""
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        request = ExecuteRequest(
+            command=command,
+            timeout_seconds=timeout_seconds,
+            interactive=interactive,
+            working_directory=working_directory,
+            environment=environment,
+            sandbox_config=sandbox_config,
+        )
+        execution = await call(lambda: manager.start_execution(owner, request), "execute_code")
+        if wait_for_completion:
+            forwarder = asyncio.create_task(_forward_output(ctx, execution))
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        execution.finished.wait(), execution.info.timeout_seconds + 10
+                    )
+            finally:
+                forwarder.cancel()
+        page = await call(
+            lambda: manager.read_output(owner, execution.execution_id, 0), "execute_code"
+        )
+        return ExecutionResult(
+            **_result(execution, [e.wire() for e in page.events], page.next_cursor, page.has_more)
+        )
+
+    @mcp.tool
+    async def execute_code_async(
+        ctx: Context,
+        command: Annotated[str | list[str], Field(description="Shell command or argv list.")],
+        timeout_seconds: float | None = None,
+        interactive: bool = False,
+        working_directory: str | None = None,
+        environment: dict[str, str] | None = None,
+        sandbox_config: dict[str, Any] | None = None,
+        session: SessionArg = None,
+    ) -> ExecutionResult:
+        """Start a command in a fresh sandbox and return at once with its execution_id."""
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        request = ExecuteRequest(
+            command=command,
+            timeout_seconds=timeout_seconds,
+            interactive=interactive,
+            working_directory=working_directory,
+            environment=environment,
+            sandbox_config=sandbox_config,
+        )
+        execution = await call(
+            lambda: manager.start_execution(owner, request), "execute_code_async"
+        )
+        return ExecutionResult(**_result(execution, [], 0, execution.info.last_seq > 0))
+
+    @mcp.tool
+    async def get_execution_output(
+        ctx: Context,
+        execution_id: str,
+        wait: Annotated[
+            bool, Field(description="Long-poll: block until new output or the end (bounded).")
+        ] = False,
+        last_event_id: Annotated[
+            str | int | None, Field(description="Return events after this event id (cursor).")
+        ] = None,
+        after: Annotated[int | None, Field(description="Same as last_event_id, as a seq.")] = None,
+        limit: Annotated[int, Field(description="Most events to return (<= 1000).")] = 1000,
+        wait_seconds: Annotated[
+            float | None, Field(description="How long `wait` may block; capped by the server.")
+        ] = None,
+        session: SessionArg = None,
+    ) -> OutputResult:
+        """Output events after a cursor. Reading never consumes: any number of readers."""
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        cursor = _cursor(last_event_id, after)
+        wait_for = 0.0
+        if wait:
+            wait_for = manager.settings.max_wait if wait_seconds is None else wait_seconds
+            if wait_for < 0:
+                raise ToolError("wait_seconds must not be negative")
+        page = await call(
+            lambda: manager.read_output(owner, execution_id, cursor, limit, wait_for),
+            "get_execution_output",
+        )
+        execution = manager.get(owner, execution_id)
+        base = _result(execution, [e.wire() for e in page.events], page.next_cursor, page.has_more)
+        return OutputResult(
+            **base,
+            next_event_id=str(page.next_cursor),
+            first_available_seq=page.first_available,
+            dropped_bytes=page.info.dropped_bytes,
+        )
+
+    @mcp.tool
+    async def send_stdin(
+        ctx: Context,
+        execution_id: str,
+        input_data: str,
+        close_stdin: bool = False,
+        session: SessionArg = None,
+    ) -> StdinResult:
+        """Write to the stdin of an interactive execution; optionally close it afterwards."""
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        written = await call(
+            lambda: manager.send_stdin(owner, execution_id, input_data, close_stdin),
+            "send_stdin",
+        )
+        info = manager.get(owner, execution_id).info
+        return StdinResult(
+            execution_id=execution_id,
+            status=info.status,
+            bytes_written=written,
+            stdin_open=info.stdin_open,
+        )
+
+    @mcp.tool
+    async def cancel_execution(
+        ctx: Context,
+        execution_id: str,
+        force: Annotated[
+            bool, Field(description="SIGKILL at once, without SIGTERM first.")
+        ] = False,
+        session: SessionArg = None,
+    ) -> CancelResult:
+        """Stop an execution and its whole process tree. Idempotent."""
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        was_finished = await call(
+            _async(lambda: manager.get(owner, execution_id).status.finished), "cancel_execution"
+        )
+        execution = await call(
+            lambda: manager.cancel(owner, execution_id, force), "cancel_execution"
+        )
+        info = execution.info
+        return CancelResult(
+            execution_id=execution_id,
+            status=info.status,
+            exit_code=info.exit_code,
+            signal=info.signal,
+            already_finished=was_finished,
+        )
+
+    @mcp.tool
+    async def get_execution_status(
+        ctx: Context, execution_id: str, session: SessionArg = None
+    ) -> ExecutionInfo:
+        """An execution's metadata: status, exit code, limits, timestamps, output counters."""
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        return await call(_async(lambda: manager.get(owner, execution_id).info), "status")
+
+    @mcp.tool
+    async def list_executions(
+        ctx: Context,
+        status: Annotated[
+            str | None, Field(description="Only executions with this status.")
+        ] = None,
+        limit: Annotated[int, Field(description="Most executions to return (<= 1000).")] = 100,
+        session: SessionArg = None,
+    ) -> ExecutionList:
+        """The caller's executions in this session, newest first."""
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        infos = await call(_async(lambda: manager.list(owner, status, limit)), "list_executions")
+        return ExecutionList(executions=infos, count=len(infos))
+
+
+def _async(fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:
+    async def run() -> T:
+        return fn()
+
+    return run
+
+
+def _cursor(last_event_id: str | int | None, after: int | None) -> int:
+    values = []
+    for name, value in (("last_event_id", last_event_id), ("after", after)):
+        if value is None or value == "":
+            continue
+        try:
+            number = int(value)
+        except (TypeError, ValueError):
+            raise ToolError(f"{name} must be an event id (an integer), got {value!r}") from None
+        if number < 0:
+            raise ToolError(f"{name} must be >= 0")
+        values.append(number)
+    if len(values) == 2 and values[0] != values[1]:
+        raise ToolError("last_event_id and after disagree; send one of them")
+    return values[0] if values else 0
