@@ -1,0 +1,1 @@
+"""Execution state beyond this process: the store interface, in-memory and Redis stores."""

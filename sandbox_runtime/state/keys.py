@@ -1,0 +1,45 @@
+"""Every Redis key this service uses, built in one place. The names are a public interface."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_TTL_SECONDS = 3600
+HEARTBEAT_TTL_SECONDS = 10
+HEARTBEAT_INTERVAL_SECONDS = 3
+CONTROL_REPLY_TTL_SECONDS = 60
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key builders; `prefix` (default empty) namespaces several deployments in one Redis."""
+
+    prefix: str = ""
+
+    def execution(self, execution_id: str) -> str:
+        """string: the execution's metadata as JSON."""
+        return f"{self.prefix}execution:{execution_id}"
+
+    def output(self, execution_id: str) -> str:
+        """list: the execution's output events as JSON, in seq order (index = seq - 1)."""
+        return f"{self.prefix}execution:{execution_id}:output"
+
+    def session(self, session_key: str) -> str:
+        """set: execution ids of one session (`principal:session`)."""
+        return f"{self.prefix}session:{session_key}:executions"
+
+    def replica(self, replica_id: str) -> str:
+        """string: a replica's heartbeat JSON; short TTL."""
+        return f"{self.prefix}replica:{replica_id}"
+
+    def control(self, replica_id: str) -> str:
+        """list: control requests (stdin, cancel) for the replica that owns the execution."""
+        return f"{self.prefix}replica:{replica_id}:control"
+
+    def reply(self, request_id: str) -> str:
+        """list: the answer to one control request."""
+        return f"{self.prefix}control:{request_id}:reply"
+
+
+def session_key(principal: str, session_id: str) -> str:
+    return f"{principal}:{session_id}"

@@ -1,0 +1,220 @@
+"""Mirrors executions into a StateStore in batches, off the hot path; heartbeat and control."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
+
+from sandbox_runtime.state.keys import HEARTBEAT_INTERVAL_SECONDS, HEARTBEAT_TTL_SECONDS
+from sandbox_runtime.state.store import Snapshot, StateStore
+
+if TYPE_CHECKING:
+    from sandbox_runtime.execution.execution import Execution
+    from sandbox_runtime.execution.models import OutputEvent
+
+FLUSH_INTERVAL = 0.01  # seconds between flushes while there is something to write
+MAX_EVENTS_PER_FLUSH = 2000  # per execution; the rest goes in the next flush
+MAX_BYTES_PER_FLUSH = 8 * 1024 * 1024
+BACKOFF_MAX = 5.0
+
+ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
+
+
+class Mirror:
+    """Writes changed executions to the store; never blocks output or tool calls.
+
+    Memory stays bounded while the store is slow or down: the mirror keeps only which
+    executions are dirty and how far each was written; the events themselves stay in the
+    executions' own bounded logs until a flush succeeds.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        replica_id: str,
+        session_key: Callable[[Execution], str],
+        heartbeat_payload: Callable[[], dict[str, Any]],
+        control_handler: ControlHandler,
+    ) -> None:
+        self.store = store
+        self.replica_id = replica_id
+        self.session_key = session_key
+        self.heartbeat_payload = heartbeat_payload
+        self.control_handler = control_handler
+        self.connected = False
+        self.last_error: str | None = None
+        self.lag_samples: deque[float] = deque(maxlen=10_000)
+        self._dirty: dict[str, Execution] = {}
+        self._version: dict[str, int] = {}
+        self._written_seq: dict[str, int] = {}
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+
+    # -- hooks -------------------------------------------------------------------------------
+
+    def on_events(self, execution: Execution, events: list[OutputEvent]) -> None:
+        self.mark(execution)
+
+    def mark(self, execution: Execution) -> None:
+        """Schedule `execution` (metadata and new events) for the next flush."""
+        execution_id = execution.execution_id
+        self._dirty[execution_id] = execution
+        self._version[execution_id] = self._version.get(execution_id, 0) + 1
+        self._wake.set()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._dirty)
+
+    @property
+    def degraded(self) -> bool:
+        return not self.connected
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._flush_forever()),
+            loop.create_task(self._heartbeat_forever()),
+            loop.create_task(self._control_forever()),
+        ]
+
+    async def stop(self, flush_timeout: float = 5.0) -> None:
+        """Flush what is left (bounded), drop the heartbeat, stop the tasks."""
+        self._stopping = True
+        deadline = time.monotonic() + flush_timeout
+        while self._dirty and time.monotonic() < deadline:
+            if not await self.flush_once():
+                await asyncio.sleep(0.2)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.store.drop_replica(self.replica_id), 2)
+        if self._dirty:
+            logger.warning("{} executions were not mirrored before shutdown", len(self._dirty))
+        await self.store.aclose()
+
+    # -- flushing ----------------------------------------------------------------------------
+
+    def _snapshot(self, execution: Execution) -> Snapshot:
+        execution_id = execution.execution_id
+        written = self._written_seq.get(execution_id, 0)
+        events: list[OutputEvent] = []
+        if written < execution.first_seq - 1:
+            logger.warning(
+                "execution {}: events {}..{} left memory before Redis took them",
+                execution_id,
+                written + 1,
+                execution.first_seq - 1,
+            )
+            written = execution.first_seq - 1
+        size = 0
+        start = written + 1 - execution.first_seq
+        for i in range(max(0, start), len(execution.events)):
+            event = execution.events[i]
+            size += len(event.data or "")
+            if events and (len(events) >= MAX_EVENTS_PER_FLUSH or size > MAX_BYTES_PER_FLUSH):
+                break
+            events.append(event)
+        info = execution.info.model_copy()
+        return Snapshot(info=info, session_key=self.session_key(execution), events=events)
+
+    async def flush_once(self) -> bool:
+        """Write every dirty execution in one batch. False when the store failed."""
+        if not self._dirty:
+            return True
+        versions = dict(self._version)
+        batch = [self._snapshot(e) for e in self._dirty.values()]
+        try:
+            await self.store.write(batch)
+        except Exception as exc:  # any store failure: stay dirty, retry with backoff
+            self._set_connected(False, exc)
+            return False
+        self._set_connected(True)
+        now = time.time()
+        for snap in batch:
+            execution_id = snap.info.execution_id
+            if snap.events:
+                self._written_seq[execution_id] = snap.events[-1].seq
+                for event in snap.events:
+                    self.lag_samples.append(now - event.timestamp)
+            complete = self._written_seq.get(execution_id, 0) >= snap.info.last_seq
+            if complete and self._version.get(execution_id) == versions.get(execution_id):
+                self._dirty.pop(execution_id, None)
+                self._version.pop(execution_id, None)
+        return True
+
+    def forget(self, execution_id: str) -> None:
+        """The execution left this replica's memory (evicted): stop tracking it."""
+        self._dirty.pop(execution_id, None)
+        self._version.pop(execution_id, None)
+        self._written_seq.pop(execution_id, None)
+
+    async def _flush_forever(self) -> None:
+        backoff = 0.1
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._dirty:
+                if await self.flush_once():
+                    backoff = 0.1
+                    await asyncio.sleep(FLUSH_INTERVAL)
+                else:
+                    await asyncio.sleep(backoff)
+                    backoff = min(BACKOFF_MAX, backoff * 2)
+
+    def _set_connected(self, connected: bool, exc: BaseException | None = None) -> None:
+        if connected and not self.connected:
+            logger.info("redis: connected; mirroring {} pending executions", len(self._dirty))
+        elif not connected and self.connected:
+            logger.warning("redis: unavailable ({}); serving from local state", exc)
+        self.connected = connected
+        self.last_error = None if connected else f"{type(exc).__name__}: {exc}"
+
+    # -- heartbeat and control ---------------------------------------------------------------
+
+    async def _heartbeat_forever(self) -> None:
+        while True:
+            try:
+                await self.store.heartbeat(
+                    self.replica_id, self.heartbeat_payload(), HEARTBEAT_TTL_SECONDS
+                )
+                self._set_connected(True)
+                if self._dirty:
+                    self._wake.set()
+            except Exception as exc:  # Redis down: keep serving, retry next beat
+                self._set_connected(False, exc)
+            await asyncio.sleep(HEARTBEAT_INTERVAL_SECONDS)
+
+    async def _control_forever(self) -> None:
+        while True:
+            try:
+                request = await self.store.next_control(self.replica_id, 1.0)
+            except Exception:  # Redis down: the heartbeat loop reports it
+                await asyncio.sleep(1.0)
+                continue
+            if request is None:
+                continue
+            if request.get("deadline", 0) < time.time():
+                continue  # the requester gave up; acting now would surprise it
+            asyncio.get_running_loop().create_task(self._answer(request))
+
+    async def _answer(self, request: dict[str, Any]) -> None:
+        try:
+            reply = await self.control_handler(request)
+        except Exception as exc:  # answer with the error rather than leave the caller waiting
+            logger.exception("control request failed")
+            reply = {"ok": False, "error": "SandboxRuntimeError", "message": str(exc)}
+        with contextlib.suppress(Exception):
+            await self.store.reply_control(request["request_id"], reply)

@@ -1,0 +1,176 @@
+"""The Redis StateStore: readable JSON under the keys of state/keys.py, TTLs refreshed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import WatchError
+
+from sandbox_runtime.execution.models import ExecutionInfo, OutputEvent
+from sandbox_runtime.state.keys import CONTROL_REPLY_TTL_SECONDS, Keys
+from sandbox_runtime.state.store import Snapshot, lost_event, mark_info_lost
+
+# Appends only the events that continue the list (seq == LLEN + 1), so a retried flush never
+# duplicates and list index = seq - 1 always holds; the list stops growing at the cap.
+WRITE_SCRIPT = """
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
+local n = redis.call('LLEN', KEYS[2])
+local cap = tonumber(ARGV[3])
+local first = tonumber(ARGV[4])
+for i = 6, #ARGV do
+  local seq = first + i - 6
+  if seq == n + 1 and n < cap then
+    redis.call('RPUSH', KEYS[2], ARGV[i])
+    n = n + 1
+  end
+end
+if n > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+redis.call('SADD', KEYS[3], ARGV[5])
+redis.call('EXPIRE', KEYS[3], ARGV[1])
+return n
+"""
+
+
+class RedisStore:
+    """StateStore on Redis. Raises redis.exceptions.RedisError (and OSError) when Redis fails."""
+
+    def __init__(
+        self,
+        url: str,
+        ttl_seconds: int = 3600,
+        max_events: int = 100_000,
+        keys: Keys | None = None,
+        timeout: float = 2.0,
+    ) -> None:
+        self.url = url
+        self.ttl_seconds = ttl_seconds
+        self.max_events = max_events
+        self.keys = keys or Keys()
+        common: dict[str, Any] = {
+            "decode_responses": True,
+            "socket_connect_timeout": timeout,
+            "health_check_interval": 15,
+            "retry_on_timeout": False,
+        }
+        self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout, **common)
+        # Blocking pops wait up to a few seconds server-side: give their socket more time.
+        self._blocking = aioredis.Redis.from_url(url, socket_timeout=timeout + 10, **common)
+        self._write = self.redis.register_script(WRITE_SCRIPT)
+
+    async def write(self, batch: list[Snapshot]) -> None:
+        if not batch:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for snap in batch:
+                execution_id = snap.info.execution_id
+                first = snap.events[0].seq if snap.events else 0
+                await self._write(
+                    keys=[
+                        self.keys.execution(execution_id),
+                        self.keys.output(execution_id),
+                        self.keys.session(snap.session_key),
+                    ],
+                    args=[
+                        self.ttl_seconds,
+                        snap.info.model_dump_json(),
+                        self.max_events,
+                        first,
+                        execution_id,
+                        *(json.dumps(e.wire(), ensure_ascii=False) for e in snap.events),
+                    ],
+                    client=pipe,
+                )
+            await pipe.execute()
+
+    async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.execution(execution_id))
+            pipe.expire(self.keys.execution(execution_id), self.ttl_seconds)
+            pipe.expire(self.keys.output(execution_id), self.ttl_seconds)
+            raw, _, _ = await pipe.execute()
+        return ExecutionInfo.model_validate_json(raw) if raw else None
+
+    async def get_events(self, execution_id: str, after: int, limit: int) -> list[OutputEvent]:
+        if limit <= 0:
+            return []
+        raw = await self.redis.lrange(self.keys.output(execution_id), after, after + limit - 1)
+        return [OutputEvent.model_validate_json(item) for item in raw]
+
+    async def session_executions(self, session_key: str) -> list[ExecutionInfo]:
+        key = self.keys.session(session_key)
+        ids = sorted(await self.redis.smembers(key))
+        if not ids:
+            return []
+        await self.redis.expire(key, self.ttl_seconds)
+        raws = await self.redis.mget([self.keys.execution(i) for i in ids])
+        return [ExecutionInfo.model_validate_json(r) for r in raws if r]
+
+    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None:
+        await self.redis.set(self.keys.replica(replica_id), json.dumps(payload), ex=ttl)
+
+    async def drop_replica(self, replica_id: str) -> None:
+        await self.redis.delete(self.keys.replica(replica_id))
+
+    async def replica_alive(self, replica_id: str) -> bool:
+        return bool(await self.redis.exists(self.keys.replica(replica_id)))
+
+    async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
+        meta_key = self.keys.execution(execution_id)
+        for _ in range(5):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                try:
+                    await pipe.watch(meta_key)
+                    raw = await pipe.get(meta_key)
+                    if not raw:
+                        return None
+                    info = ExecutionInfo.model_validate_json(raw)
+                    if info.status.finished or await pipe.exists(
+                        self.keys.replica(info.replica_id)
+                    ):
+                        return info
+                    length = await pipe.llen(self.keys.output(execution_id))
+                    mark_info_lost(info, now)
+                    info.last_seq = length + 1
+                    pipe.multi()
+                    pipe.set(meta_key, info.model_dump_json(), keepttl=True)
+                    pipe.rpush(
+                        self.keys.output(execution_id),
+                        json.dumps(lost_event(length + 1, now).wire()),
+                    )
+                    pipe.expire(self.keys.output(execution_id), self.ttl_seconds)
+                    await pipe.execute()
+                    return info
+                except WatchError:
+                    continue
+        return await self.get_execution(execution_id)
+
+    async def send_control(
+        self, replica_id: str, request: dict[str, Any], wait_seconds: float
+    ) -> dict[str, Any] | None:
+        key = self.keys.control(replica_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(key, json.dumps(request))
+            pipe.expire(key, CONTROL_REPLY_TTL_SECONDS)
+            await pipe.execute()
+        got = await self._blocking.blpop([self.keys.reply(request["request_id"])], wait_seconds)
+        return json.loads(got[1]) if got else None
+
+    async def next_control(self, replica_id: str, wait_seconds: float) -> dict[str, Any] | None:
+        got = await self._blocking.blpop([self.keys.control(replica_id)], wait_seconds)
+        return json.loads(got[1]) if got else None
+
+    async def reply_control(self, request_id: str, reply: dict[str, Any]) -> None:
+        key = self.keys.reply(request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.rpush(key, json.dumps(reply))
+            pipe.expire(key, CONTROL_REPLY_TTL_SECONDS)
+            await pipe.execute()
+
+    async def ping(self) -> bool:
+        return bool(await self.redis.ping())
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+        await self._blocking.aclose()

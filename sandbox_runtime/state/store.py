@@ -1,0 +1,193 @@
+"""The state-store interface and its in-memory implementation (the embedded default)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sandbox_runtime.execution.models import (
+    EventType,
+    ExecutionInfo,
+    ExecutionStatus,
+    OutputEvent,
+)
+
+LOST_MESSAGE = "the replica that ran this execution stopped answering; its process is gone"
+
+
+@dataclass
+class Snapshot:
+    """What a mirror flush writes for one execution: metadata plus events not yet stored."""
+
+    info: ExecutionInfo
+    session_key: str
+    events: list[OutputEvent] = field(default_factory=list)
+
+
+class StateStore(Protocol):
+    """Where executions live beyond the process that runs them. Errors: OSError/ConnectionError
+    subclasses (redis.exceptions.RedisError for Redis) mean "unavailable now, retry later"."""
+
+    ttl_seconds: int
+    max_events: int
+
+    async def write(self, batch: list[Snapshot]) -> None:
+        """Store every snapshot (metadata, appended events, session membership); refresh TTLs."""
+
+    async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
+        """An execution's metadata (refreshing its TTL), or None."""
+
+    async def get_events(self, execution_id: str, after: int, limit: int) -> list[OutputEvent]:
+        """Up to `limit` events with seq > after, in order."""
+
+    async def session_executions(self, session_key: str) -> list[ExecutionInfo]:
+        """Every execution of a session that is still stored."""
+
+    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None: ...
+
+    async def drop_replica(self, replica_id: str) -> None: ...
+
+    async def replica_alive(self, replica_id: str) -> bool: ...
+
+    async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
+        """Atomically mark a running execution whose owner has no heartbeat as lost.
+
+        Returns the stored metadata afterwards (changed or not), None if unknown.
+        """
+
+    async def send_control(
+        self, replica_id: str, request: dict[str, Any], wait_seconds: float
+    ) -> dict[str, Any] | None:
+        """Queue a control request for `replica_id` and wait for its reply (None: no reply)."""
+
+    async def next_control(self, replica_id: str, wait_seconds: float) -> dict[str, Any] | None:
+        """The next control request for this replica, waiting up to `wait_seconds`."""
+
+    async def reply_control(self, request_id: str, reply: dict[str, Any]) -> None: ...
+
+    async def ping(self) -> bool: ...
+
+    async def aclose(self) -> None: ...
+
+
+def lost_event(seq: int, now: float) -> OutputEvent:
+    return OutputEvent(seq=seq, type=EventType.ERROR, timestamp=now, message=LOST_MESSAGE)
+
+
+def mark_info_lost(info: ExecutionInfo, now: float) -> bool:
+    if info.status.finished:
+        return False
+    info.status = ExecutionStatus.LOST
+    info.finished_at = now
+    info.error = LOST_MESSAGE
+    info.reason = "lost"
+    info.stdin_open = False
+    return True
+
+
+class MemoryStore:
+    """A StateStore in this process's memory, with the same TTL and capping rules as Redis."""
+
+    def __init__(self, ttl_seconds: int = 3600, max_events: int = 100_000) -> None:
+        self.ttl_seconds = ttl_seconds
+        self.max_events = max_events
+        self._infos: dict[str, tuple[ExecutionInfo, float]] = {}
+        self._events: dict[str, list[OutputEvent]] = {}
+        self._sessions: dict[str, set[str]] = {}
+        self._replicas: dict[str, float] = {}
+        self._control: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._replies: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for execution_id, (_, deadline) in list(self._infos.items()):
+            if deadline <= now:
+                del self._infos[execution_id]
+                self._events.pop(execution_id, None)
+        for replica_id, deadline in list(self._replicas.items()):
+            if deadline <= now:
+                del self._replicas[replica_id]
+
+    async def write(self, batch: list[Snapshot]) -> None:
+        self._expire()
+        deadline = time.monotonic() + self.ttl_seconds
+        for snap in batch:
+            execution_id = snap.info.execution_id
+            self._infos[execution_id] = (snap.info.model_copy(deep=True), deadline)
+            events = self._events.setdefault(execution_id, [])
+            for event in snap.events:
+                if len(events) < self.max_events and event.seq == len(events) + 1:
+                    events.append(event)
+            self._sessions.setdefault(snap.session_key, set()).add(execution_id)
+
+    async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
+        self._expire()
+        entry = self._infos.get(execution_id)
+        if entry is None:
+            return None
+        self._infos[execution_id] = (entry[0], time.monotonic() + self.ttl_seconds)
+        return entry[0].model_copy(deep=True)
+
+    async def get_events(self, execution_id: str, after: int, limit: int) -> list[OutputEvent]:
+        self._expire()
+        return list(self._events.get(execution_id, [])[after : after + limit])
+
+    async def session_executions(self, session_key: str) -> list[ExecutionInfo]:
+        self._expire()
+        ids = self._sessions.get(session_key, set())
+        return [self._infos[i][0].model_copy(deep=True) for i in ids if i in self._infos]
+
+    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None:
+        self._replicas[replica_id] = time.monotonic() + ttl
+
+    async def drop_replica(self, replica_id: str) -> None:
+        self._replicas.pop(replica_id, None)
+
+    async def replica_alive(self, replica_id: str) -> bool:
+        self._expire()
+        return replica_id in self._replicas
+
+    async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
+        self._expire()
+        entry = self._infos.get(execution_id)
+        if entry is None:
+            return None
+        info = entry[0]
+        if not info.status.finished and info.replica_id not in self._replicas:
+            mark_info_lost(info, now)
+            events = self._events.setdefault(execution_id, [])
+            events.append(lost_event(len(events) + 1, now))
+            info.last_seq = len(events)
+        return info.model_copy(deep=True)
+
+    async def send_control(
+        self, replica_id: str, request: dict[str, Any], wait_seconds: float
+    ) -> dict[str, Any] | None:
+        replies = self._replies.setdefault(request["request_id"], asyncio.Queue())
+        await self._control.setdefault(replica_id, asyncio.Queue()).put(request)
+        try:
+            return await asyncio.wait_for(replies.get(), wait_seconds)
+        except TimeoutError:
+            return None
+        finally:
+            self._replies.pop(request["request_id"], None)
+
+    async def next_control(self, replica_id: str, wait_seconds: float) -> dict[str, Any] | None:
+        queue = self._control.setdefault(replica_id, asyncio.Queue())
+        try:
+            return await asyncio.wait_for(queue.get(), wait_seconds)
+        except TimeoutError:
+            return None
+
+    async def reply_control(self, request_id: str, reply: dict[str, Any]) -> None:
+        queue = self._replies.get(request_id)
+        if queue is not None:
+            await queue.put(reply)
+
+    async def ping(self) -> bool:
+        return True
+
+    async def aclose(self) -> None:
+        return None

@@ -1,0 +1,232 @@
+"""One contract for both state stores (in-memory and a real redis-server), plus the key layout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis_harness import RedisServer
+
+from sandbox_runtime.execution.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
+from sandbox_runtime.state.keys import Keys
+from sandbox_runtime.state.redis_store import RedisStore
+from sandbox_runtime.state.store import MemoryStore, Snapshot, StateStore
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def store(
+    request: pytest.FixtureRequest, redis_server: RedisServer
+) -> AsyncIterator[StateStore]:
+    if request.param == "memory":
+        yield MemoryStore(ttl_seconds=60, max_events=50)
+        return
+    redis_store = RedisStore(redis_server.url, ttl_seconds=60, max_events=50)
+    try:
+        yield redis_store
+    finally:
+        await redis_store.aclose()
+
+
+def make_info(
+    status: ExecutionStatus = ExecutionStatus.RUNNING, replica: str = "r1"
+) -> ExecutionInfo:
+    return ExecutionInfo(
+        execution_id=uuid.uuid4().hex,
+        status=status,
+        principal="alice",
+        session_id="s:one",
+        replica_id=replica,
+        command="echo hi",
+        timeout_seconds=30,
+        created_at=time.time(),
+    )
+
+
+def make_events(first: int, count: int) -> list[OutputEvent]:
+    return [
+        OutputEvent(seq=s, type=EventType.STDOUT, timestamp=time.time(), data=f"line {s}\n")
+        for s in range(first, first + count)
+    ]
+
+
+async def test_written_execution_reads_back_with_its_events(store: StateStore) -> None:
+    info = make_info()
+    info.last_seq = 3
+    await store.write([Snapshot(info, "alice:s:one", make_events(1, 3))])
+    got = await store.get_execution(info.execution_id)
+    assert got is not None and got.execution_id == info.execution_id
+    assert got.status is ExecutionStatus.RUNNING
+    events = await store.get_events(info.execution_id, 0, 10)
+    assert [e.seq for e in events] == [1, 2, 3]
+    assert events[1].data == "line 2\n"
+    assert [e.seq for e in await store.get_events(info.execution_id, 1, 1)] == [2]
+
+
+async def test_retried_flush_never_duplicates_events(store: StateStore) -> None:
+    info = make_info()
+    await store.write([Snapshot(info, "alice:s:one", make_events(1, 3))])
+    await store.write([Snapshot(info, "alice:s:one", make_events(2, 4))])  # 2,3 again; 4,5 new
+    events = await store.get_events(info.execution_id, 0, 100)
+    assert [e.seq for e in events] == [1, 2, 3, 4, 5]
+
+
+async def test_output_list_stops_at_the_cap(store: StateStore) -> None:
+    info = make_info()
+    await store.write([Snapshot(info, "alice:s:one", make_events(1, 80))])
+    events = await store.get_events(info.execution_id, 0, 1000)
+    assert len(events) == store.max_events == 50
+    assert events[-1].seq == 50
+
+
+async def test_session_lists_its_executions_only(store: StateStore) -> None:
+    a, b, other = make_info(), make_info(), make_info()
+    await store.write(
+        [
+            Snapshot(a, "alice:s:one", []),
+            Snapshot(b, "alice:s:one", []),
+            Snapshot(other, "bob:s:one", []),
+        ]
+    )
+    ids = {i.execution_id for i in await store.session_executions("alice:s:one")}
+    assert {a.execution_id, b.execution_id} <= ids
+    assert other.execution_id not in ids
+
+
+async def test_unknown_execution_is_none(store: StateStore) -> None:
+    assert await store.get_execution("does-not-exist") is None
+    assert await store.get_events("does-not-exist", 0, 10) == []
+
+
+async def test_running_execution_of_a_dead_replica_is_marked_lost_once(store: StateStore) -> None:
+    info = make_info(replica="gone-replica")
+    info.last_seq = 2
+    await store.write([Snapshot(info, "alice:s:one", make_events(1, 2))])
+    first, second = await asyncio.gather(
+        store.mark_lost(info.execution_id, time.time()),
+        store.mark_lost(info.execution_id, time.time()),
+    )
+    assert first is not None and second is not None
+    assert first.status is ExecutionStatus.LOST and second.status is ExecutionStatus.LOST
+    events = await store.get_events(info.execution_id, 0, 100)
+    assert [e.type for e in events] == ["stdout", "stdout", "error"], "one lost event, once"
+    assert [e.seq for e in events] == [1, 2, 3]
+
+
+async def test_execution_of_a_live_replica_is_not_marked_lost(store: StateStore) -> None:
+    info = make_info(replica="alive-replica")
+    await store.heartbeat("alive-replica", {"replica_id": "alive-replica"}, 30)
+    await store.write([Snapshot(info, "alice:s:one", [])])
+    got = await store.mark_lost(info.execution_id, time.time())
+    assert got is not None and got.status is ExecutionStatus.RUNNING
+    assert await store.replica_alive("alive-replica")
+    await store.drop_replica("alive-replica")
+    assert not await store.replica_alive("alive-replica")
+
+
+async def test_finished_execution_is_never_marked_lost(store: StateStore) -> None:
+    info = make_info(status=ExecutionStatus.COMPLETED, replica="gone")
+    await store.write([Snapshot(info, "alice:s:one", [])])
+    got = await store.mark_lost(info.execution_id, time.time())
+    assert got is not None and got.status is ExecutionStatus.COMPLETED
+
+
+async def test_control_request_reaches_its_replica_and_is_answered(store: StateStore) -> None:
+    request_id = uuid.uuid4().hex
+
+    async def owner() -> None:
+        request = await store.next_control("r-owner", 5)
+        assert request is not None and request["op"] == "cancel"
+        await store.reply_control(request["request_id"], {"ok": True, "echo": request["op"]})
+
+    task = asyncio.create_task(owner())
+    reply = await store.send_control(
+        "r-owner", {"request_id": request_id, "op": "cancel", "deadline": time.time() + 5}, 5
+    )
+    await task
+    assert reply == {"ok": True, "echo": "cancel"}
+
+
+async def test_control_request_without_an_owner_times_out(store: StateStore) -> None:
+    started = time.monotonic()
+    reply = await store.send_control(
+        "r-nobody", {"request_id": uuid.uuid4().hex, "op": "stdin"}, 0.3
+    )
+    assert reply is None
+    assert time.monotonic() - started < 3
+
+
+async def test_redis_keys_are_readable_with_redis_cli(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, ttl_seconds=120, max_events=100)
+    try:
+        info = make_info()
+        info.last_seq = 2
+        await store.write([Snapshot(info, "alice:s:one", make_events(1, 2))])
+        execution_id = info.execution_id
+        meta = json.loads(redis_server.cli_raw("get", f"execution:{execution_id}"))
+        assert meta["execution_id"] == execution_id and meta["status"] == "running"
+        lines = redis_server.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
+        events = [json.loads(line) for line in lines.splitlines()]
+        assert [e["seq"] for e in events] == [1, 2]
+        assert events[0]["type"] == "stdout" and events[0]["data"] == "line 1\n"
+        members = redis_server.cli_raw("smembers", "session:alice:s:one:executions").split()
+        assert execution_id in members
+        for key in (
+            f"execution:{execution_id}",
+            f"execution:{execution_id}:output",
+            "session:alice:s:one:executions",
+        ):
+            ttl = int(redis_server.cli_raw("ttl", key))
+            assert 0 < ttl <= 120, key
+        await store.heartbeat("r9", {"replica_id": "r9"}, 10)
+        assert json.loads(redis_server.cli_raw("get", "replica:r9"))["replica_id"] == "r9"
+        assert 0 < int(redis_server.cli_raw("ttl", "replica:r9")) <= 10
+    finally:
+        await store.aclose()
+
+
+async def test_reading_refreshes_the_ttl(redis_server: RedisServer) -> None:
+    store = RedisStore(redis_server.url, ttl_seconds=100, max_events=100)
+    try:
+        info = make_info()
+        await store.write([Snapshot(info, "alice:s:one", make_events(1, 1))])
+        key = Keys().execution(info.execution_id)
+        redis_server.cli("expire", key, "5")
+        redis_server.cli("expire", f"{key}:output", "5")
+        assert int(redis_server.cli_raw("ttl", key)) <= 5
+        await store.get_execution(info.execution_id)
+        assert int(redis_server.cli_raw("ttl", key)) > 50
+        assert int(redis_server.cli_raw("ttl", f"{key}:output")) > 50
+    finally:
+        await store.aclose()
+
+
+async def test_redis_store_raises_when_redis_is_down(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "down")
+    server.start()
+    store = RedisStore(server.url, ttl_seconds=60, timeout=0.5)
+    try:
+        assert await store.ping()
+        server.stop()
+        with pytest.raises((ConnectionError, OSError, Exception)) as excinfo:
+            await store.write([Snapshot(make_info(), "alice:s:one", make_events(1, 1))])
+        assert "onnect" in str(excinfo.value) or "refused" in str(excinfo.value).lower()
+    finally:
+        server.stop()
+        await store.aclose()
