@@ -451,7 +451,7 @@ class BubblewrapBackend:
     def reap_orphans(self) -> int:
         """Reap zombie children that are not ours to wait for (bwrap's reparented inits)."""
         reaped = 0
-        for pid in []:
+        for pid in _children(os.getpid()):
             if pid in self._tracked_pids:
                 continue
             try:

@@ -100,7 +100,7 @@ class RedisStore:
 
     async def session_executions(self, session_key: str) -> list[ExecutionInfo]:
         key = self.keys.session(session_key)
-        ids = sorted(await self.redis.smembers(key))
+        ids = sorted(str(i) for i in await self.redis.smembers(key))
         if not ids:
             return []
         await self.redis.expire(key, self.ttl_seconds)
