@@ -52,6 +52,14 @@ class Settings(BaseSettings):
         description="Redis to mirror executions into (env REDIS_URL); none: in-memory only.",
     )
 
+    heartbeat_ttl: int = Field(
+        10,
+        ge=2,
+        le=300,
+        description="Seconds a replica's Redis heartbeat lives; its running executions are "
+        "marked lost this long after it dies.",
+    )
+
     max_concurrent: int = Field(16, ge=1, le=4096, description="Executions running at once.")
     max_per_session: int = Field(
         4, ge=1, le=4096, description="Executions running at once per (principal, session)."

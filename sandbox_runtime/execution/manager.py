@@ -16,9 +16,12 @@ from loguru import logger
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import (
+    ExecutionFinishedError,
     ExecutionNotFoundError,
     InvalidRequestError,
     LimitExceededError,
+    OwnerUnavailableError,
+    PolicyViolationError,
     SandboxRuntimeError,
     SandboxSpawnError,
     SandboxUnavailableError,
@@ -34,9 +37,28 @@ from sandbox_runtime.sandbox import (
     validate_command,
     validate_env,
 )
+from sandbox_runtime.state.keys import session_key
+from sandbox_runtime.state.mirror import Mirror
+from sandbox_runtime.state.store import StateStore
 
 MAX_EVENTS_PER_READ = 1000
 MAX_BYTES_PER_READ = 1024 * 1024
+CONTROL_WAIT_SECONDS = 5.0  # how long a forwarded stdin/cancel waits for the owner's answer
+REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
+
+# Errors a forwarded control request may answer with, by name.
+_ERRORS: dict[str, type[SandboxRuntimeError]] = {
+    cls.__name__: cls
+    for cls in (
+        ExecutionFinishedError,
+        ExecutionNotFoundError,
+        InvalidRequestError,
+        LimitExceededError,
+        OwnerUnavailableError,
+        PolicyViolationError,
+        SandboxRuntimeError,
+    )
+}
 
 
 @dataclass
@@ -61,7 +83,12 @@ class OutputPage:
 class ExecutionManager:
     """Creates, runs, reads, controls and evicts executions. Create one per process."""
 
-    def __init__(self, settings: Settings, backend: BubblewrapBackend | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        backend: BubblewrapBackend | None = None,
+        store: StateStore | None = None,
+    ) -> None:
         self.settings = settings
         self.limits = settings.limits()
         self.backend = backend or BubblewrapBackend(
@@ -83,11 +110,30 @@ class ExecutionManager:
         self._evictor: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[Execution, list[OutputEvent]], None]] = []
+        if store is None and settings.redis_url:
+            from sandbox_runtime.state.redis_store import RedisStore
+
+            store = RedisStore(settings.redis_url, ttl_seconds=settings.retention_seconds)
+        self.store = store
+        self.mirror: Mirror | None = None
+        if store is not None:
+            self.mirror = Mirror(
+                store,
+                self.replica_id,
+                session_key=lambda e: session_key(e.owner.principal, e.owner.session_id),
+                heartbeat_payload=self._heartbeat_payload,
+                control_handler=self._handle_control,
+                heartbeat_ttl=settings.heartbeat_ttl,
+                known=lambda: list(self._executions.values()),
+            )
+            self.listeners.append(self.mirror.on_events)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
         self.backend.start()
+        if self.mirror is not None:
+            self.mirror.start()
         self._accepting = True
         self._evictor = asyncio.get_running_loop().create_task(self._evict_forever())
 
@@ -118,6 +164,8 @@ class ExecutionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
         await self.backend.close()
+        if self.mirror is not None:
+            await self.mirror.stop()
 
     @property
     def sandbox_status(self) -> str:
@@ -254,11 +302,60 @@ class ExecutionManager:
     # -- reading and control -----------------------------------------------------------------
 
     def get(self, owner: Owner, execution_id: str) -> Execution:
-        """The caller's execution. Raises ExecutionNotFoundError (also for other owners' ids)."""
+        """The caller's execution on this replica.
+
+        Raises ExecutionNotFoundError (also for other owners' ids: they look unknown).
+        """
         execution = self._executions.get(execution_id) if isinstance(execution_id, str) else None
         if execution is None or execution.owner != owner:
             raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
         return execution
+
+    async def find(self, owner: Owner, execution_id: str) -> Execution | ExecutionInfo:
+        """The caller's execution: local, or another replica's from the store.
+
+        An execution whose owner replica stopped heart-beating is marked lost on the way.
+        Raises ExecutionNotFoundError, OwnerUnavailableError (store unreachable).
+        """
+        if not isinstance(execution_id, str) or not 0 < len(execution_id) <= 128:
+            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+        local = self._executions.get(execution_id)
+        if local is not None:
+            if local.owner != owner:
+                raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+            if self.mirror is not None:
+                self.mirror.mark(local)  # refreshes the TTLs in Redis
+            return local
+        if self.store is None:
+            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+        try:
+            info = await self.store.get_execution(execution_id)
+            if info is None or (info.principal, info.session_id) != (
+                owner.principal,
+                owner.session_id,
+            ):
+                raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+            if not info.status.finished and info.replica_id != self.replica_id:
+                if not await self.store.replica_alive(info.replica_id):
+                    info = await self.store.mark_lost(execution_id, time.time()) or info
+                    logger.warning(
+                        "execution {} of replica {} marked {}",
+                        execution_id,
+                        info.replica_id,
+                        info.status.value,
+                    )
+            return info
+        except SandboxRuntimeError:
+            raise
+        except Exception as exc:  # the store failed: say so instead of "not found"
+            raise OwnerUnavailableError(
+                f"execution {execution_id!r} is not on this replica and the shared store is "
+                f"unavailable ({type(exc).__name__}); retry shortly"
+            ) from exc
+
+    async def status(self, owner: Owner, execution_id: str) -> ExecutionInfo:
+        found = await self.find(owner, execution_id)
+        return found.info if isinstance(found, Execution) else found
 
     async def read_output(
         self,
@@ -269,18 +366,21 @@ class ExecutionManager:
         wait: float = 0,
     ) -> OutputPage:
         """Events after the cursor; with `wait`, block up to that long for new ones."""
-        execution = self.get(owner, execution_id)
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidRequestError("the cursor (after / last_event_id) must be an integer >= 0")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidRequestError("limit must be a positive integer")
         limit = min(limit, MAX_EVENTS_PER_READ)
+        wait = min(max(0.0, float(wait or 0)), self.settings.max_wait)
+        found = await self.find(owner, execution_id)
+        if isinstance(found, ExecutionInfo):
+            return await self._read_remote(owner, found, after, limit, wait)
+        execution = found
         if wait:
-            await execution.wait_for_events(after, min(float(wait), self.settings.max_wait))
+            await execution.wait_for_events(after, wait)
         events, has_more = execution.events_after(after, limit, MAX_BYTES_PER_READ)
         next_cursor = events[-1].seq if events else max(after, execution.first_seq - 1)
-        if next_cursor > execution.info.last_seq:
-            next_cursor = execution.info.last_seq
+        next_cursor = min(next_cursor, execution.info.last_seq)
         return OutputPage(
             info=execution.info,
             events=events,
@@ -289,21 +389,131 @@ class ExecutionManager:
             first_available=execution.first_seq,
         )
 
-    async def send_stdin(self, owner: Owner, execution_id: str, data: str, close: bool) -> int:
-        execution = self.get(owner, execution_id)
+    async def _read_remote(
+        self, owner: Owner, info: ExecutionInfo, after: int, limit: int, wait: float
+    ) -> OutputPage:
+        assert self.store is not None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                events = await self.store.get_events(info.execution_id, after, limit + 1)
+            except Exception as exc:  # store failure: not the caller's fault
+                raise OwnerUnavailableError(
+                    f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
+                ) from exc
+            if events or info.status.finished or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(REMOTE_POLL_SECONDS)
+            refreshed = await self.find(owner, info.execution_id)
+            info = refreshed.info if isinstance(refreshed, Execution) else refreshed
+        has_more = len(events) > limit
+        events = events[:limit]
+        size = 0
+        for i, event in enumerate(events):
+            size += len(event.data or "")
+            if i and size > MAX_BYTES_PER_READ:
+                events, has_more = events[:i], True
+                break
+        next_cursor = events[-1].seq if events else after
+        return OutputPage(
+            info=info, events=events, next_cursor=next_cursor, has_more=has_more, first_available=1
+        )
+
+    async def send_stdin(
+        self, owner: Owner, execution_id: str, data: str, close: bool
+    ) -> tuple[int, ExecutionInfo]:
+        """Write to an interactive execution's stdin, forwarding to its replica if need be."""
         if not isinstance(data, str):
             raise InvalidRequestError("input_data must be a string")
-        return await execution.write_stdin(data, close)
+        found = await self.find(owner, execution_id)
+        if isinstance(found, Execution):
+            written = await found.write_stdin(data, close)
+            if self.mirror is not None:
+                self.mirror.mark(found)
+            return written, found.info
+        reply = await self._forward(
+            found, {"op": "stdin", "data": data, "close": bool(close)}, owner
+        )
+        return int(reply["bytes_written"]), ExecutionInfo.model_validate(reply["info"])
 
-    async def cancel(self, owner: Owner, execution_id: str, force: bool = False) -> Execution:
-        """Stop an execution and its whole tree; a finished one is returned as it is."""
-        execution = self.get(owner, execution_id)
-        await execution.cancel(force=force, grace=self.settings.cancel_grace)
-        return execution
+    async def cancel(
+        self, owner: Owner, execution_id: str, force: bool = False
+    ) -> tuple[bool, ExecutionInfo]:
+        """Stop an execution and its whole tree (idempotent). Returns (was it finished, info)."""
+        found = await self.find(owner, execution_id)
+        if isinstance(found, Execution):
+            was_finished = found.status.finished
+            await found.cancel(force=force, grace=self.settings.cancel_grace)
+            return was_finished, found.info
+        if found.status.finished:
+            return True, found
+        reply = await self._forward(found, {"op": "cancel", "force": bool(force)}, owner)
+        return bool(reply["was_finished"]), ExecutionInfo.model_validate(reply["info"])
 
-    def list(
+    async def _forward(
+        self, info: ExecutionInfo, request: dict[str, Any], owner: Owner
+    ) -> dict[str, Any]:
+        """Send a control request to the replica that owns `info` and return its answer."""
+        assert self.store is not None
+        if info.status.finished:
+            raise ExecutionFinishedError(
+                f"execution {info.execution_id} has already finished ({info.status.value})"
+            )
+        request = {
+            **request,
+            "request_id": uuid.uuid4().hex,
+            "execution_id": info.execution_id,
+            "principal": owner.principal,
+            "session_id": owner.session_id,
+            "from_replica": self.replica_id,
+            "deadline": time.time() + CONTROL_WAIT_SECONDS,
+        }
+        try:
+            reply = await self.store.send_control(info.replica_id, request, CONTROL_WAIT_SECONDS)
+        except Exception as exc:
+            raise OwnerUnavailableError(
+                f"could not reach replica {info.replica_id} through the shared store "
+                f"({type(exc).__name__}); retry shortly"
+            ) from exc
+        if reply is None:
+            raise OwnerUnavailableError(
+                f"replica {info.replica_id}, which runs execution {info.execution_id}, did not "
+                f"answer within {CONTROL_WAIT_SECONDS:g} s"
+            )
+        if not reply.get("ok"):
+            error = _ERRORS.get(str(reply.get("error")), SandboxRuntimeError)
+            raise error(str(reply.get("message", "the owning replica refused the request")))
+        return reply
+
+    async def _handle_control(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Answer a stdin/cancel request forwarded by another replica."""
+        owner = Owner(str(request.get("principal")), str(request.get("session_id")))
+        execution_id = str(request.get("execution_id"))
+        try:
+            execution = self.get(owner, execution_id)
+            if request.get("op") == "stdin":
+                written = await execution.write_stdin(
+                    str(request.get("data", "")), bool(request.get("close"))
+                )
+                if self.mirror is not None:
+                    self.mirror.mark(execution)
+                return {"ok": True, "bytes_written": written, "info": execution.info.model_dump()}
+            if request.get("op") == "cancel":
+                was_finished = execution.status.finished
+                await execution.cancel(bool(request.get("force")), self.settings.cancel_grace)
+                return {
+                    "ok": True,
+                    "was_finished": was_finished,
+                    "info": execution.info.model_dump(mode="json"),
+                }
+            raise InvalidRequestError(f"unknown control operation {request.get('op')!r}")
+        except SandboxRuntimeError as exc:
+            return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+
+    async def list(
         self, owner: Owner, status: str | None = None, limit: int = 100
     ) -> list[ExecutionInfo]:
+        """The owner's executions (this replica's and, with a store, every replica's)."""
         if status is not None:
             try:
                 wanted: ExecutionStatus | None = ExecutionStatus(status)
@@ -314,13 +524,39 @@ class ExecutionManager:
             wanted = None
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidRequestError("limit must be a positive integer")
-        out = [
-            e.info
-            for e in self._executions.values()
-            if e.owner == owner and (wanted is None or e.status == wanted)
-        ]
+        found = {e.execution_id: e.info for e in self._executions.values() if e.owner == owner}
+        if self.store is not None:
+            try:
+                remote = await self.store.session_executions(
+                    session_key(owner.principal, owner.session_id)
+                )
+            except Exception as exc:  # store down: local executions are still an answer
+                logger.warning("list_executions without the shared store: {}", exc)
+                remote = []
+            for info in remote:
+                if info.execution_id in found:
+                    continue
+                if (info.principal, info.session_id) != (owner.principal, owner.session_id):
+                    continue
+                if not info.status.finished and info.replica_id != self.replica_id:
+                    with contextlib.suppress(Exception):
+                        if not await self.store.replica_alive(info.replica_id):
+                            info = (
+                                await self.store.mark_lost(info.execution_id, time.time()) or info
+                            )
+                found[info.execution_id] = info
+        out = [i for i in found.values() if wanted is None or i.status == wanted]
         out.sort(key=lambda i: i.created_at, reverse=True)
         return out[: min(limit, 1000)]
+
+    def _heartbeat_payload(self) -> dict[str, Any]:
+        return {
+            "replica_id": self.replica_id,
+            "address": f"{self.settings.host}:{self.settings.port}",
+            "started_at": self.started_at,
+            "running_executions": len(self._running),
+            "last_seen": time.time(),
+        }
 
     # -- retention ---------------------------------------------------------------------------
 
@@ -335,6 +571,8 @@ class ExecutionManager:
             expired = (execution.info.finished_at or 0) + self.settings.retention_seconds <= now
             if expired or i < excess:
                 del self._executions[execution.execution_id]
+                if self.mirror is not None:
+                    self.mirror.forget(execution.execution_id)
                 dropped += 1
         if dropped:
             self._remove_idle_workspaces()

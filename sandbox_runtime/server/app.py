@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastmcp import FastMCP
 from starlette.applications import Starlette
@@ -54,6 +55,8 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
         json_response=False,
         host_origin_protection=protect,
         allowed_hosts=allowed if protect else None,
+        event_store=_event_store(settings),
+        retry_interval=1000 if settings.redis_url else None,
     )
 
     @contextlib.asynccontextmanager
@@ -74,12 +77,22 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
         except Exception:
             return JSONResponse({"status": "starting", "version": __version__}, status_code=503)
         sandbox = current.backend.unavailable_reason
+        mirror = current.mirror
+        if mirror is None:
+            redis = "disabled"
+        elif mirror.connected:
+            redis = "ok"
+        else:
+            redis = f"unavailable: {mirror.last_error or 'not connected yet'}"
+        healthy = sandbox is None and redis in ("ok", "disabled")
         body = {
-            "status": "ok" if sandbox is None else "degraded",
+            "status": "ok" if healthy else "degraded",
             "version": __version__,
             "replica_id": current.replica_id,
             "running_executions": current.running_count,
             "sandbox": "ok" if sandbox is None else f"unavailable: {sandbox}",
+            "redis": redis,
+            "mirror_backlog": mirror.backlog if mirror is not None else 0,
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }
         return JSONResponse(body)
@@ -88,4 +101,21 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
         routes=[Route("/health", health, methods=["GET"]), Mount("/", app=mcp_app)],
         middleware=[Middleware(SessionTagMiddleware, replica_id=settings.replica_id)],
         lifespan=lifespan,
+    )
+
+
+def _event_store(settings: Settings) -> Any:
+    """Legacy SSE streams resumable with Last-Event-ID; their events kept in Redis if configured.
+
+    Resumption works on the replica that holds the MCP session (sticky routing sends it there).
+    """
+    if not settings.redis_url:
+        return None
+    from fastmcp.server.event_store import EventStore
+    from key_value.aio.stores.redis import RedisStore as KeyValueRedisStore
+
+    return EventStore(
+        storage=KeyValueRedisStore(url=settings.redis_url),
+        max_events_per_stream=1000,
+        ttl=settings.retention_seconds,
     )

@@ -101,8 +101,7 @@ async def call(op: Callable[[], Awaitable[T]], tool: str) -> T:
         raise ToolError(str(exc)) from None
 
 
-def _result(execution: Execution, events: list[dict[str, Any]], cursor: int, more: bool) -> dict:
-    info = execution.info
+def _result(info: ExecutionInfo, events: list[dict[str, Any]], cursor: int, more: bool) -> dict:
     return {
         "execution_id": info.execution_id,
         "status": info.status,
@@ -195,9 +194,8 @@ def register_tools(mcp: FastMCP) -> None:
         page = await call(
             lambda: manager.read_output(owner, execution.execution_id, 0), "execute_code"
         )
-        return ExecutionResult(
-            **_result(execution, [e.wire() for e in page.events], page.next_cursor, page.has_more)
-        )
+        events = [e.wire() for e in page.events]
+        return ExecutionResult(**_result(page.info, events, page.next_cursor, page.has_more))
 
     @mcp.tool
     async def execute_code_async(
@@ -224,7 +222,7 @@ def register_tools(mcp: FastMCP) -> None:
         execution = await call(
             lambda: manager.start_execution(owner, request), "execute_code_async"
         )
-        return ExecutionResult(**_result(execution, [], 0, execution.info.last_seq > 0))
+        return ExecutionResult(**_result(execution.info, [], 0, execution.info.last_seq > 0))
 
     @mcp.tool
     async def get_execution_output(
@@ -256,8 +254,7 @@ def register_tools(mcp: FastMCP) -> None:
             lambda: manager.read_output(owner, execution_id, cursor, limit, wait_for),
             "get_execution_output",
         )
-        execution = manager.get(owner, execution_id)
-        base = _result(execution, [e.wire() for e in page.events], page.next_cursor, page.has_more)
+        base = _result(page.info, [e.wire() for e in page.events], page.next_cursor, page.has_more)
         return OutputResult(
             **base,
             next_event_id=str(page.next_cursor),
@@ -276,11 +273,10 @@ def register_tools(mcp: FastMCP) -> None:
         """Write to the stdin of an interactive execution; optionally close it afterwards."""
         manager = get_manager()
         owner = owner_of(ctx, session)
-        written = await call(
+        written, info = await call(
             lambda: manager.send_stdin(owner, execution_id, input_data, close_stdin),
             "send_stdin",
         )
-        info = manager.get(owner, execution_id).info
         return StdinResult(
             execution_id=execution_id,
             status=info.status,
@@ -300,13 +296,9 @@ def register_tools(mcp: FastMCP) -> None:
         """Stop an execution and its whole process tree. Idempotent."""
         manager = get_manager()
         owner = owner_of(ctx, session)
-        was_finished = await call(
-            _async(lambda: manager.get(owner, execution_id).status.finished), "cancel_execution"
-        )
-        execution = await call(
+        was_finished, info = await call(
             lambda: manager.cancel(owner, execution_id, force), "cancel_execution"
         )
-        info = execution.info
         return CancelResult(
             execution_id=execution_id,
             status=info.status,
@@ -322,7 +314,7 @@ def register_tools(mcp: FastMCP) -> None:
         """An execution's metadata: status, exit code, limits, timestamps, output counters."""
         manager = get_manager()
         owner = owner_of(ctx, session)
-        return await call(_async(lambda: manager.get(owner, execution_id).info), "status")
+        return await call(lambda: manager.status(owner, execution_id), "get_execution_status")
 
     @mcp.tool
     async def list_executions(
@@ -336,15 +328,8 @@ def register_tools(mcp: FastMCP) -> None:
         """The caller's executions in this session, newest first."""
         manager = get_manager()
         owner = owner_of(ctx, session)
-        infos = await call(_async(lambda: manager.list(owner, status, limit)), "list_executions")
+        infos = await call(lambda: manager.list(owner, status, limit), "list_executions")
         return ExecutionList(executions=infos, count=len(infos))
-
-
-def _async(fn: Callable[[], T]) -> Callable[[], Awaitable[T]]:
-    async def run() -> T:
-        return fn()
-
-    return run
 
 
 def _cursor(last_event_id: str | int | None, after: int | None) -> int:

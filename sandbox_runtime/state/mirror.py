@@ -41,12 +41,17 @@ class Mirror:
         session_key: Callable[[Execution], str],
         heartbeat_payload: Callable[[], dict[str, Any]],
         control_handler: ControlHandler,
+        heartbeat_ttl: int = HEARTBEAT_TTL_SECONDS,
+        known: Callable[[], list[Execution]] = list,
     ) -> None:
         self.store = store
         self.replica_id = replica_id
         self.session_key = session_key
         self.heartbeat_payload = heartbeat_payload
         self.control_handler = control_handler
+        self.heartbeat_ttl = heartbeat_ttl
+        self.known = known
+        self.heartbeat_interval = min(HEARTBEAT_INTERVAL_SECONDS, heartbeat_ttl / 3)
         self.connected = False
         self.last_error: str | None = None
         self.lag_samples: deque[float] = deque(maxlen=10_000)
@@ -137,7 +142,7 @@ class Mirror:
         versions = dict(self._version)
         batch = [self._snapshot(e) for e in self._dirty.values()]
         try:
-            await self.store.write(batch)
+            stored = await self.store.write(batch)
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
@@ -149,6 +154,12 @@ class Mirror:
                 self._written_seq[execution_id] = snap.events[-1].seq
                 for event in snap.events:
                     self.lag_samples.append(now - event.timestamp)
+            have = stored.get(execution_id, 0)
+            if have < self._written_seq.get(execution_id, 0) and have < self.store.max_events:
+                # The store lost events (restarted empty): resend from what it has.
+                self._written_seq[execution_id] = have
+                self._version[execution_id] = self._version.get(execution_id, 0) + 1
+                continue
             complete = self._written_seq.get(execution_id, 0) >= snap.info.last_seq
             if complete and self._version.get(execution_id) == versions.get(execution_id):
                 self._dirty.pop(execution_id, None)
@@ -176,7 +187,11 @@ class Mirror:
 
     def _set_connected(self, connected: bool, exc: BaseException | None = None) -> None:
         if connected and not self.connected:
-            logger.info("redis: connected; mirroring {} pending executions", len(self._dirty))
+            # The store may have lost what we wrote before (a restart without persistence):
+            # check every execution we still hold; the write script resends only what is missing.
+            for execution in self.known():
+                self.mark(execution)
+            logger.info("redis: connected; mirroring {} executions", len(self._dirty))
         elif not connected and self.connected:
             logger.warning("redis: unavailable ({}); serving from local state", exc)
         self.connected = connected
@@ -188,14 +203,14 @@ class Mirror:
         while True:
             try:
                 await self.store.heartbeat(
-                    self.replica_id, self.heartbeat_payload(), HEARTBEAT_TTL_SECONDS
+                    self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
                 )
                 self._set_connected(True)
                 if self._dirty:
                     self._wake.set()
             except Exception as exc:  # Redis down: keep serving, retry next beat
                 self._set_connected(False, exc)
-            await asyncio.sleep(HEARTBEAT_INTERVAL_SECONDS)
+            await asyncio.sleep(self.heartbeat_interval)
 
     async def _control_forever(self) -> None:
         while True:

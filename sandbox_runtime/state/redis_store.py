@@ -59,9 +59,9 @@ class RedisStore:
         self._blocking = aioredis.Redis.from_url(url, socket_timeout=timeout + 10, **common)
         self._write = self.redis.register_script(WRITE_SCRIPT)
 
-    async def write(self, batch: list[Snapshot]) -> None:
+    async def write(self, batch: list[Snapshot]) -> dict[str, int]:
         if not batch:
-            return
+            return {}
         async with self.redis.pipeline(transaction=False) as pipe:
             for snap in batch:
                 execution_id = snap.info.execution_id
@@ -82,7 +82,8 @@ class RedisStore:
                     ],
                     client=pipe,
                 )
-            await pipe.execute()
+            lengths = await pipe.execute()
+        return {s.info.execution_id: int(n) for s, n in zip(batch, lengths, strict=True)}
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
         async with self.redis.pipeline(transaction=False) as pipe:

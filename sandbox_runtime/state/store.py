@@ -33,8 +33,12 @@ class StateStore(Protocol):
     ttl_seconds: int
     max_events: int
 
-    async def write(self, batch: list[Snapshot]) -> None:
-        """Store every snapshot (metadata, appended events, session membership); refresh TTLs."""
+    async def write(self, batch: list[Snapshot]) -> dict[str, int]:
+        """Store every snapshot (metadata, appended events, session membership); refresh TTLs.
+
+        Returns how many events each execution has stored afterwards, so a writer can notice
+        that the store lost data (a restarted Redis without persistence) and resend it.
+        """
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
         """An execution's metadata (refreshing its TTL), or None."""
@@ -110,9 +114,10 @@ class MemoryStore:
             if deadline <= now:
                 del self._replicas[replica_id]
 
-    async def write(self, batch: list[Snapshot]) -> None:
+    async def write(self, batch: list[Snapshot]) -> dict[str, int]:
         self._expire()
         deadline = time.monotonic() + self.ttl_seconds
+        stored: dict[str, int] = {}
         for snap in batch:
             execution_id = snap.info.execution_id
             self._infos[execution_id] = (snap.info.model_copy(deep=True), deadline)
@@ -121,6 +126,8 @@ class MemoryStore:
                 if len(events) < self.max_events and event.seq == len(events) + 1:
                     events.append(event)
             self._sessions.setdefault(snap.session_key, set()).add(execution_id)
+            stored[execution_id] = len(events)
+        return stored
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
         self._expire()

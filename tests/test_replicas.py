@@ -1,0 +1,314 @@
+"""Several real replicas on one real redis-server: any replica answers for any execution."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from mcp_harness import Conn, ServerProcess, open_client, processes_with
+from redis_harness import RedisServer
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "replica-test-token-123"
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def replica(workdir: Path, redis: RedisServer, name: str, **settings: str) -> ServerProcess:
+    return ServerProcess(
+        workdir / name,
+        {
+            "SANDBOX_AUTH_TOKEN": TOKEN,
+            "REDIS_URL": redis.url,
+            "SANDBOX_REPLICA_ID": name,
+            "SANDBOX_HEARTBEAT_TTL": "3",
+            **settings,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
+) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    workdir = tmp_path_factory.mktemp("replicas")
+    a = replica(workdir, redis_server, f"ra-{uuid.uuid4().hex[:6]}").start()
+    b = replica(workdir, redis_server, f"rb-{uuid.uuid4().hex[:6]}").start()
+    try:
+        yield a, b
+    finally:
+        for server in (a, b):
+            if server.proc is not None and server.proc.poll() is None:
+                server.stop()
+
+
+async def wait_for(predicate: Any, within: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + within
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+async def all_output(conn: Conn, execution_id: str, session: str) -> tuple[str, dict[str, Any]]:
+    text, cursor = "", 0
+    while True:
+        page = await conn.ok(
+            "get_execution_output", execution_id=execution_id, after=cursor, session=session
+        )
+        text += "".join(e.get("data", "") for e in page["events"] if e["type"] == "stdout")
+        cursor = page["next_cursor"]
+        if not page["has_more"]:
+            return text, page
+
+
+async def test_execution_started_on_one_replica_is_read_and_listed_on_another(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    a, b = pair
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    async with open_client(a.url, TOKEN, "auto") as on_a, open_client(b.url, TOKEN, "auto") as on_b:
+        started = await on_a.ok(
+            "execute_code", command="for i in 1 2 3; do echo line$i; done", session=session
+        )
+        execution_id = started["execution_id"]
+        assert started["status"] == "completed"
+
+        async def mirrored() -> dict[str, Any] | None:
+            result = await on_b.call(
+                "get_execution_status", execution_id=execution_id, session=session
+            )
+            return None if result.is_error else dict(result.structured_content or {})
+
+        status = await wait_for(mirrored, 5, "the execution to be visible on B")
+        assert status["status"] == "completed" and status["exit_code"] == 0
+        assert status["replica_id"] == a.settings["SANDBOX_REPLICA_ID"]
+        text, _ = await all_output(on_b, execution_id, session)
+        assert text == "line1\nline2\nline3\n"
+        seqs = [e["seq"] for e in started["events"]]
+        cursor_page = await on_b.ok(
+            "get_execution_output", execution_id=execution_id, after=seqs[1], session=session
+        )
+        assert [e["seq"] for e in cursor_page["events"]] == seqs[2:], "same cursors on B"
+        listed = await on_b.ok("list_executions", session=session)
+        assert execution_id in [e["execution_id"] for e in listed["executions"]]
+        # Another principal's or session's view of the same id is "not found" on B too.
+        missing = await on_b.error(
+            "get_execution_status", execution_id=execution_id, session="someone-else"
+        )
+        assert "not found" in missing
+
+
+async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    a, b = pair
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    marker = f"marker-{uuid.uuid4().hex}"
+    async with open_client(a.url, TOKEN, "auto") as on_a, open_client(b.url, TOKEN, "auto") as on_b:
+        started = await on_a.ok(
+            "execute_code_async",
+            command=f"cat; sleep 1000 # {marker}",
+            interactive=True,
+            session=session,
+        )
+        execution_id = started["execution_id"]
+
+        async def visible() -> bool:
+            r = await on_b.call("get_execution_status", execution_id=execution_id, session=session)
+            return not r.is_error
+
+        await wait_for(visible, 5, "mirroring to B")
+        sent = await on_b.ok(
+            "send_stdin", execution_id=execution_id, input_data="hello via B\n", session=session
+        )
+        assert sent["bytes_written"] == len("hello via B\n")
+        page = await on_a.ok(
+            "get_execution_output", execution_id=execution_id, wait=True, session=session
+        )
+        assert "hello via B" in "".join(e.get("data", "") for e in page["events"])
+        closed = await on_b.ok(
+            "send_stdin",
+            execution_id=execution_id,
+            input_data="",
+            close_stdin=True,
+            session=session,
+        )
+        assert closed["stdin_open"] is False
+        assert processes_with(marker), "sleep runs on A after cat ended"
+        cancelled = await on_b.ok("cancel_execution", execution_id=execution_id, session=session)
+        assert cancelled["status"] == "cancelled"
+        assert cancelled["already_finished"] is False
+        assert not processes_with(marker), "the whole tree on A is gone"
+        again = await on_b.ok("cancel_execution", execution_id=execution_id, session=session)
+        assert again["already_finished"] is True
+        refused = await on_b.error(
+            "send_stdin", execution_id=execution_id, input_data="late\n", session=session
+        )
+        assert "finished" in refused
+
+
+async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
+    tmp_path: Path, redis_server: RedisServer, pair: tuple[ServerProcess, ServerProcess]
+) -> None:
+    _, b = pair
+    doomed = replica(tmp_path, redis_server, f"rdoomed-{uuid.uuid4().hex[:6]}").start()
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    marker = f"marker-{uuid.uuid4().hex}"
+    try:
+        async with open_client(doomed.url, TOKEN, "auto") as on_doomed:
+            started = await on_doomed.ok(
+                "execute_code_async",
+                command=f"for i in $(seq 1 50); do echo out$i; done; sleep 1000 # {marker}",
+                session=session,
+            )
+            execution_id = started["execution_id"]
+            await wait_for(
+                lambda: _count_stdout(redis_server, execution_id, 50), 10, "output mirrored"
+            )
+        doomed.kill()  # SIGKILL: no goodbye, no final state
+        async with open_client(b.url, TOKEN, "auto") as on_b:
+            killed_at = time.monotonic()
+
+            async def lost() -> bool:
+                info = await on_b.ok(
+                    "get_execution_status", execution_id=execution_id, session=session
+                )
+                return info["status"] == "lost"
+
+            await wait_for(lost, 15, "B to report the execution lost", interval=0.5)
+            assert time.monotonic() - killed_at < 15
+            text, page = await all_output(on_b, execution_id, session)
+            assert text == "".join(f"out{i}\n" for i in range(1, 51))
+            assert page["status"] == "lost"
+            assert any(e["type"] == "error" for e in page["events"]) or "lost" in json.dumps(page)
+            refused = await on_b.error(
+                "send_stdin", execution_id=execution_id, input_data="x", session=session
+            )
+            assert "finished" in refused or "lost" in refused
+        await wait_for(
+            _async(lambda: not processes_with(marker)), 10, "the dead replica's sandbox to die"
+        )
+    finally:
+        doomed.kill()
+
+
+async def _count_stdout(redis_server: RedisServer, execution_id: str, want: int) -> bool:
+    raw = redis_server.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
+    events = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    text = "".join(e.get("data", "") for e in events if e["type"] == "stdout")
+    return text.count("\n") >= want
+
+
+async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    server = replica(tmp_path, redis, f"rout-{uuid.uuid4().hex[:6]}").start()
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    try:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            started = await conn.ok(
+                "execute_code_async",
+                command="for i in $(seq 1 40); do echo tick$i; sleep 0.1; done",
+                session=session,
+            )
+            execution_id = started["execution_id"]
+            await asyncio.sleep(0.5)
+            redis.stop()
+            health = server.health()
+            # Tools keep answering from local state while Redis is down.
+            listed = await conn.ok("list_executions", session=session)
+            assert execution_id in [e["execution_id"] for e in listed["executions"]]
+            await wait_for(
+                _async(lambda: server.health()["status"] == "degraded"), 10, "degraded health"
+            )
+            health = server.health()
+            assert health["redis"].startswith("unavailable")
+            final = await conn.ok("execute_code", command="echo still works", session=session)
+            assert final["exit_code"] == 0
+            status = (
+                await wait_for(
+                    _async(lambda: None),
+                    0,
+                    "noop",
+                )
+                if False
+                else None
+            )
+            del status
+            page = await conn.ok(
+                "get_execution_output", execution_id=execution_id, wait=True, session=session
+            )
+            while page["status"] == "running":
+                page = await conn.ok(
+                    "get_execution_output",
+                    execution_id=execution_id,
+                    after=page["next_cursor"],
+                    wait=True,
+                    session=session,
+                )
+            assert page["status"] == "completed"
+            redis.start()  # same port, empty: everything must be written back
+            await wait_for(_async(lambda: server.health()["status"] == "ok"), 15, "reconnect")
+            await wait_for(
+                lambda: _count_stdout(redis, execution_id, 40), 10, "every event back in Redis"
+            )
+            raw = redis.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
+            events = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+            assert events[-1]["type"] == "exit"
+            meta = json.loads(redis.cli_raw("get", f"execution:{execution_id}"))
+            assert meta["status"] == "completed"
+    finally:
+        server.stop()
+        redis.stop()
+
+
+def _async(fn: Any) -> Any:
+    async def run() -> Any:
+        return fn()
+
+    return run
+
+
+async def test_ttls_are_set_and_refreshed_by_reads(
+    pair: tuple[ServerProcess, ServerProcess], redis_server: RedisServer
+) -> None:
+    a, b = pair
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    async with open_client(a.url, TOKEN, "auto") as on_a, open_client(b.url, TOKEN, "auto") as on_b:
+        started = await on_a.ok("execute_code", command="echo ttl", session=session)
+        execution_id = started["execution_id"]
+        key = f"execution:{execution_id}"
+        await wait_for(_async(lambda: redis_server.cli_raw("exists", key).strip() == "1"), 5, "key")
+        for k in (key, f"{key}:output", f"session:default:s:{session}:executions"):
+            ttl = int(redis_server.cli_raw("ttl", k))
+            assert 3500 < ttl <= 3600, (k, ttl)
+        redis_server.cli("expire", key, "100")
+        redis_server.cli("expire", f"{key}:output", "100")
+        await on_b.ok("get_execution_status", execution_id=execution_id, session=session)
+        assert int(redis_server.cli_raw("ttl", key)) > 3500
+        assert int(redis_server.cli_raw("ttl", f"{key}:output")) > 3500
+        heartbeat = json.loads(
+            redis_server.cli_raw("get", f"replica:{a.settings['SANDBOX_REPLICA_ID']}")
+        )
+        assert heartbeat["replica_id"] == a.settings["SANDBOX_REPLICA_ID"]
+        assert 0 < int(redis_server.cli_raw("ttl", f"replica:{heartbeat['replica_id']}")) <= 3
