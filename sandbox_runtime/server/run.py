@@ -22,19 +22,12 @@ class _Server(uvicorn.Server):
         self._stopping: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Stop listening at once (uvicorn) so a proxy sends new work elsewhere, and at the
+        # same time stop the executions; the lifespan's exit waits for both to finish.
         if self._stopping is None:
-            logger.info("signal {}: stopping executions, then the server", sig)
-            self._stopping = asyncio.get_running_loop().create_task(
-                self._stop_then_exit(sig, frame)
-            )
-        else:
-            super().handle_exit(sig, frame)
-
-    async def _stop_then_exit(self, sig: int, frame: FrameType | None) -> None:
-        try:
-            await self.manager.shutdown()
-        finally:
-            super().handle_exit(sig, frame)
+            logger.info("signal {}: stopping executions and the server", sig)
+            self._stopping = asyncio.get_running_loop().create_task(self.manager.shutdown())
+        super().handle_exit(sig, frame)
 
 
 async def serve(settings: Settings) -> int:
