@@ -81,7 +81,10 @@ def load_settings(args: argparse.Namespace) -> Settings:
 def _describe_validation(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "settings"
+        if not err["loc"]:  # a check across settings: its message names them
+            lines.append(f"invalid settings: {err['msg'].removeprefix('Value error, ')}")
+            continue
+        loc = ".".join(str(p) for p in err["loc"])
         env = "REDIS_URL" if loc == "redis_url" else f"SANDBOX_{loc.upper()}"
         lines.append(f"invalid setting {env} (--{loc.replace('_', '-')}): {err['msg']}")
     return "\n".join(lines)

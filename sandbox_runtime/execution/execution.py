@@ -96,7 +96,7 @@ class Execution:
     def events_after(
         self, after: int, limit: int, max_bytes: int
     ) -> tuple[list[OutputEvent], bool]:
-        """Events with seq > after, at most `limit` of them and about `max_bytes` of data."""
+        """Events with seq > after: at most `limit` of them and `max_bytes` of JSON (but >= 1)."""
         if after >= self.info.last_seq:
             return [], False
         start = max(0, after + 1 - self.first_seq)
@@ -104,7 +104,7 @@ class Execution:
         size = 0
         for i in range(start, len(self.events)):
             event = self.events[i]
-            size += len(event.data or "")
+            size += event.wire_size()
             if out and (len(out) >= limit or size > max_bytes):
                 return out, True
             out.append(event)

@@ -42,7 +42,10 @@ from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
 
 MAX_EVENTS_PER_READ = 1000
-MAX_BYTES_PER_READ = 1024 * 1024
+# JSON bytes of events per page. A tool reply carries them twice (structured content, and its
+# JSON text escaped once more: up to 3x in all) and the official MCP client refuses an SSE
+# event over 1 MiB, so a page stays well below a third of that.
+MAX_BYTES_PER_READ = 256 * 1024
 CONTROL_WAIT_SECONDS = 5.0  # how long a forwarded stdin/cancel waits for the owner's answer
 REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
 
@@ -135,6 +138,8 @@ class ExecutionManager:
         if self.mirror is not None:
             self.mirror.start()
         self._accepting = True
+        if self.backend.unavailable_reason is None:
+            self._remove_idle_workspaces()  # a previous run's: no execution refers to them
         self._evictor = asyncio.get_running_loop().create_task(self._evict_forever())
 
     async def shutdown(self) -> None:
@@ -410,7 +415,7 @@ class ExecutionManager:
         events = events[:limit]
         size = 0
         for i, event in enumerate(events):
-            size += len(event.data or "")
+            size += event.wire_size()
             if i and size > MAX_BYTES_PER_READ:
                 events, has_more = events[:i], True
                 break

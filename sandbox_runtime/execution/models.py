@@ -58,6 +58,10 @@ class OutputEvent(BaseModel):
     def wire(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)
 
+    def wire_size(self) -> int:
+        """Bytes of this event as JSON, escapes included (what a page of output budgets)."""
+        return len(self.model_dump_json(exclude_none=True).encode())
+
 
 class ExecutionInfo(BaseModel):
     """An execution's metadata, as tools return it and as Redis stores it."""

@@ -194,6 +194,7 @@ class BubblewrapBackend:
         self._running: set[SandboxProcess] = set()
         self._tracked_pids: set[int] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self._cleanups: set[asyncio.Task[None]] = set()  # referenced so they are not collected
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -267,6 +268,8 @@ class BubblewrapBackend:
             proc.kill("shutdown")
         for proc in list(self._running):
             await proc.aclose()
+        # Let pending cgroup removals finish: the loop may close right after us.
+        await asyncio.gather(*self._cleanups, return_exceptions=True)
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -435,7 +438,9 @@ class BubblewrapBackend:
     def _on_exit(self, proc: SandboxProcess) -> None:
         self._running.discard(proc)
         self._tracked_pids.discard(proc.pid)
-        asyncio.get_running_loop().create_task(self._after_exit(proc))
+        task = asyncio.get_running_loop().create_task(self._after_exit(proc))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     async def _after_exit(self, proc: SandboxProcess) -> None:
         await proc.wait()  # reads the cgroup's counters before the cgroup goes

@@ -13,6 +13,7 @@ from fastmcp import Context, FastMCP
 from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_access_token, get_http_request
 from loguru import logger
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
 
 from sandbox_runtime.errors import SandboxRuntimeError
@@ -25,6 +26,10 @@ DEFAULT_SESSION = "default"
 ANONYMOUS = "anonymous"
 PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
 PROGRESS_MAX_CHARS = 4096
+# Replies stay far below the official MCP client's 1 MiB limit per SSE event (a reply carries
+# its JSON twice; see MAX_BYTES_PER_READ): commands are shown as previews, lists are capped.
+COMMAND_PREVIEW_CHARS = 2000
+LIST_MAX_BYTES = 256 * 1024
 
 T = TypeVar("T")
 
@@ -74,6 +79,9 @@ class CancelResult(BaseModel):
 class ExecutionList(BaseModel):
     executions: list[ExecutionInfo]
     count: int
+    truncated: bool = Field(
+        False, description="The list was cut short to keep the reply small: lower `limit`."
+    )
 
 
 def owner_of(ctx: Context, session: str | None) -> Owner:
@@ -86,7 +94,12 @@ def owner_of(ctx: Context, session: str | None) -> Owner:
         return Owner(principal, f"s:{session}")
     transport_session: str | None = None
     with contextlib.suppress(RuntimeError):
-        transport_session = get_http_request().headers.get("mcp-session-id")
+        headers = get_http_request().headers
+        # Only the legacy era has transport sessions. Decide the era as the SDK routes requests,
+        # so that a 2026-07-28 request cannot borrow a legacy session's id.
+        version = headers.get("mcp-protocol-version")
+        if version is None or version in HANDSHAKE_PROTOCOL_VERSIONS:
+            transport_session = headers.get("mcp-session-id")
     if transport_session:
         return Owner(principal, f"t:{transport_session}")
     return Owner(principal, DEFAULT_SESSION)
@@ -314,7 +327,8 @@ def register_tools(mcp: FastMCP) -> None:
         """An execution's metadata: status, exit code, limits, timestamps, output counters."""
         manager = get_manager()
         owner = owner_of(ctx, session)
-        return await call(lambda: manager.status(owner, execution_id), "get_execution_status")
+        info = await call(lambda: manager.status(owner, execution_id), "get_execution_status")
+        return _brief(info)
 
     @mcp.tool
     async def list_executions(
@@ -329,7 +343,42 @@ def register_tools(mcp: FastMCP) -> None:
         manager = get_manager()
         owner = owner_of(ctx, session)
         infos = await call(lambda: manager.list(owner, status, limit), "list_executions")
-        return ExecutionList(executions=infos, count=len(infos))
+        shown: list[ExecutionInfo] = []
+        size = 0
+        for info in map(_brief, infos):
+            size += len(info.model_dump_json())
+            if shown and size > LIST_MAX_BYTES:
+                break
+            shown.append(info)
+        return ExecutionList(executions=shown, count=len(shown), truncated=len(shown) < len(infos))
+
+
+def _brief(info: ExecutionInfo) -> ExecutionInfo:
+    """`info` with a long command shortened to a preview."""
+    command = _preview(info.command, COMMAND_PREVIEW_CHARS)
+    return info if command is info.command else info.model_copy(update={"command": command})
+
+
+def _preview(command: str | list[str], budget: int) -> str | list[str]:
+    """`command` itself if short, else its first `budget` characters and how much is left out."""
+    if isinstance(command, str):
+        return _clip(command, budget)
+    if sum(map(len, command)) <= budget:
+        return command
+    out: list[str] = []
+    for i, arg in enumerate(command):
+        if budget <= 0:
+            out.append(f"… [{len(command) - i} more arguments]")
+            break
+        out.append(_clip(arg, budget))
+        budget -= len(arg)
+    return out
+
+
+def _clip(text: str, budget: int) -> str:
+    if len(text) <= budget:
+        return text
+    return f"{text[:budget]}… [{len(text) - budget} more characters]"
 
 
 def _cursor(last_event_id: str | int | None, after: int | None) -> int:
