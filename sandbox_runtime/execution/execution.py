@@ -214,7 +214,10 @@ class Execution:
                 message=f"{info.dropped_bytes} bytes of output were dropped in all",
                 dropped_bytes=info.dropped_bytes,
             )
-        if not outcome.started:
+        # bwrap reports the child's pid before it finishes setting the sandbox up; a setup
+        # failure after that looks like exit 1 with bwrap's own message on stderr.
+        setup_failed = outcome.exit_code == 1 and stderr_head.startswith(b"bwrap: ")
+        if not outcome.started or setup_failed:
             info.status = ExecutionStatus.FAILED
             detail = stderr_head.decode("utf-8", "replace").strip() or "no detail"
             info.error = f"the sandbox failed to start: {detail}"

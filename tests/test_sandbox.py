@@ -1,0 +1,689 @@
+"""The bubblewrap sandbox, end to end: isolation, limits, stopping and reaping (real bwrap)."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import itertools
+import json
+import os
+import pwd
+import re
+import signal
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import sandbox_runtime
+from sandbox_runtime.errors import PolicyViolationError
+from sandbox_runtime.sandbox import (
+    BubblewrapBackend,
+    SandboxLimits,
+    SandboxOutcome,
+    SandboxProcess,
+    SandboxSpec,
+    shell_argv,
+)
+from sandbox_runtime.sandbox.backend import BASE_ENV
+
+pytestmark = pytest.mark.integration
+
+PYTHON = "/usr/bin/python3"
+REPO_DIR = Path(sandbox_runtime.__file__).resolve().parent.parent
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    outcome: SandboxOutcome
+    stdout: str
+    stderr: str
+
+
+async def spawn(
+    backend: BubblewrapBackend,
+    workspace: Path,
+    command: str | list[str],
+    *,
+    limits: SandboxLimits | None = None,
+    env: dict[str, str] | None = None,
+    interactive: bool = False,
+    wall_timeout: float | None = 20.0,
+) -> SandboxProcess:
+    argv = shell_argv(command) if isinstance(command, str) else command
+    return await backend.spawn(
+        SandboxSpec(
+            argv=argv,
+            workspace=workspace,
+            limits=limits or backend.config.limits,
+            env=env or {},
+            interactive=interactive,
+            timeout=wall_timeout,
+        )
+    )
+
+
+async def collect(proc: SandboxProcess) -> Run:
+    """Drain both pipes while waiting, so a chatty program never blocks on a full pipe."""
+    try:
+        out, err, outcome = await asyncio.gather(
+            proc.stdout.read(), proc.stderr.read(), proc.wait()
+        )
+    finally:
+        await proc.aclose()
+    return Run(outcome, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+async def run(
+    backend: BubblewrapBackend, workspace: Path, command: str | list[str], **kw: object
+) -> Run:
+    return await collect(await spawn(backend, workspace, command, **kw))  # type: ignore[arg-type]
+
+
+async def wait_until(
+    condition: Callable[[], bool], within: float = 5.0, what: str = "condition"
+) -> None:
+    """Poll `condition` until it holds; fail the test at the deadline."""
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def host_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def read_proc(pid: int, name: str) -> bytes:
+    try:
+        with open(f"/proc/{pid}/{name}", "rb") as f:
+            return f.read()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+def status_field(pid: int, key: str) -> str | None:
+    for line in read_proc(pid, "status").decode().splitlines():
+        if line.startswith(key + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def with_marker(marker: str, *, bwrap: bool = True) -> list[int]:
+    """Host pids whose command line contains `marker` (bwrap's own too, unless `bwrap=False`)."""
+    me = os.getpid()
+    return [
+        p
+        for p in host_pids()
+        if p != me
+        and marker.encode() in read_proc(p, "cmdline")
+        and (bwrap or read_proc(p, "comm") != b"bwrap\n")
+    ]
+
+
+def zombie_children() -> list[int]:
+    me = str(os.getpid())
+    out = []
+    for pid in host_pids():
+        stat = read_proc(pid, "stat").decode()
+        # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) >= 2 and fields[0] == "Z" and fields[1] == me:
+            out.append(pid)
+    return out
+
+
+def sandbox_uid_processes(backend: BubblewrapBackend) -> list[int]:
+    """Processes running as the sandbox user that belong to this backend.
+
+    Owned by this backend means in one of its cgroups or descended from this test process
+    (which is a child subreaper, so escaped daemons would be re-parented to it).
+    """
+    uid = str(pwd.getpwnam(backend.config.sandbox_user).pw_uid)
+    group = backend.config.group_name
+    ours = set(descendants(os.getpid()))
+    found = []
+    for pid in host_pids():
+        uids = (status_field(pid, "Uid") or "").split()
+        if uid not in uids:
+            continue
+        if pid in ours or f"/{group}/".encode() in read_proc(pid, "cgroup"):
+            found.append(pid)
+    return found
+
+
+def descendants(root: int) -> list[int]:
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # gone meanwhile
+            continue
+        for tid in tids:
+            for child in read_proc(pid, f"task/{tid}/children").split():
+                found.append(int(child))
+                stack.append(int(child))
+    return found
+
+
+def execution_cgroups(backend: BubblewrapBackend) -> list[Path]:
+    layout = backend.cgroups
+    bases = [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]
+    return [d for base in bases if base.is_dir() for d in base.iterdir() if d.is_dir()]
+
+
+# Reports, as JSON, what happens when the sandbox tries to read or write each path.
+PROBE = """
+import errno, json, os, sys
+def attempt(fn):
+    try:
+        fn()
+        return "ok"
+    except OSError as exc:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+def read(p):
+    if os.path.isdir(p):
+        os.listdir(p)
+    else:
+        open(p, "rb").read(1)
+def write(p):
+    with open(p, "w") as f:
+        f.write("pwned")
+mode, paths = sys.argv[1], sys.argv[2:]
+print(json.dumps({p: attempt(lambda p=p: (read if mode == "read" else write)(p)) for p in paths}))
+"""
+
+
+# -- isolation --------------------------------------------------------------------------------
+
+
+async def test_sandbox_cannot_read_host_secrets_or_server_files(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    other = sandbox_backend.create_workspace("other")
+    (other / "secret.txt").write_text("other tenant's secret")
+    (sandbox_workspace / "mine.txt").write_text("readable")
+    private_dir = sandbox_backend._private_dir  # seccomp program and generated /etc files
+    assert private_dir is not None
+    forbidden = [
+        "/etc/shadow",
+        "/root",
+        str(REPO_DIR),
+        str(REPO_DIR / "pyproject.toml"),
+        str(Path(sandbox_runtime.__file__).parent),
+        sandbox_runtime.__file__,
+        str(sandbox_backend.config.workspace_root),
+        str(sandbox_backend.config.workspace_root.parent),
+        str(other),
+        str(other / "secret.txt"),
+        "/workspace/../other/secret.txt",
+        str(private_dir),
+        str(private_dir / "seccomp.bpf"),
+    ]
+    result = await run(
+        sandbox_backend,
+        sandbox_workspace,
+        [PYTHON, "-c", PROBE, "read", "/workspace/mine.txt", *forbidden],
+    )
+    assert result.outcome.exit_code == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen.pop("/workspace/mine.txt") == "ok"  # the probe itself works
+    readable = {path: how for path, how in seen.items() if how == "ok"}
+    assert readable == {}
+    assert "other tenant's secret" not in result.stdout
+
+
+async def test_sandbox_cannot_write_outside_workspace_and_tmp(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    outside = ["/usr/pwned", "/usr/bin/pwned", "/etc/pwned", "/etc/passwd", "/pwned", "/proc/pwned"]
+    outside.append(str(sandbox_backend.config.workspace_root / "pwned"))
+    result = await run(
+        sandbox_backend,
+        sandbox_workspace,
+        [PYTHON, "-c", PROBE, "write", "/workspace/ok.txt", "/tmp/ok.txt", *outside],
+    )
+    assert result.outcome.exit_code == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen.pop("/workspace/ok.txt") == "ok"
+    assert seen.pop("/tmp/ok.txt") == "ok"
+    assert {path: how for path, how in seen.items() if how == "ok"} == {}
+    assert not (sandbox_backend.config.workspace_root / "pwned").exists()
+    assert (sandbox_workspace / "ok.txt").read_text() == "pwned"
+
+
+async def test_sandbox_sees_only_its_own_processes(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    script = (
+        "import json, os\n"
+        "pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())\n"
+        "print(json.dumps({p: open(f'/proc/{p}/comm').read().strip() for p in pids}))\n"
+    )
+    result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", script])
+    assert result.outcome.exit_code == 0, result.stderr
+    inside = {int(pid): comm for pid, comm in json.loads(result.stdout).items()}
+    assert os.getpid() not in inside
+    assert set(inside.values()) <= {"bwrap", "python3"}, inside  # bwrap's init + the probe
+    assert len(inside) <= 3
+    assert max(inside) < 10  # a fresh pid namespace, not host pids
+
+
+async def test_sandbox_cannot_reach_a_tcp_server_on_host_loopback(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    connections: list[object] = []
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer.get_extra_info("peername"))
+        writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        connect = (
+            "import socket\n"
+            f"socket.create_connection(('127.0.0.1', {port}), timeout=3).sendall(b'hi')\n"
+            "print('connected')\n"
+        )
+        result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", connect])
+        assert result.outcome.exit_code != 0
+        assert "connected" not in result.stdout
+        # seccomp refuses AF_INET sockets (EAFNOSUPPORT); the empty network namespace would
+        # refuse the connection next (ENETUNREACH / ECONNREFUSED).
+        assert re.search(r"Error: \[Errno (97|101|111)\]", result.stderr), result.stderr
+
+        # Control: a host connection made afterwards is seen, and is the only one.
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        await wait_until(lambda: len(connections) >= 1, what="the control connection")
+        writer.close()
+        assert len(connections) == 1
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_sandbox_environment_holds_only_the_callers_variables(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret_name = f"SRT_TEST_SECRET_{uuid.uuid4().hex.upper()}"
+    secret_value = uuid.uuid4().hex
+    monkeypatch.setenv(secret_name, secret_value)
+    result = await run(sandbox_backend, sandbox_workspace, "env", env={"CALLER_VAR": "arrives"})
+    assert result.outcome.exit_code == 0, result.stderr
+    names = {line.split("=", 1)[0] for line in result.stdout.splitlines()}
+    assert "CALLER_VAR=arrives" in result.stdout.splitlines()
+    assert secret_name not in names
+    assert secret_value not in result.stdout
+    # Nothing but the fixed base set, the caller's variables and what the shell itself adds.
+    assert names <= {*BASE_ENV, "CALLER_VAR", "PWD", "SHLVL", "_"}, names
+    assert "HOME=/workspace" in result.stdout.splitlines()
+
+
+# Calls mount(2) and unshare(2) directly, so no tool's own uid check hides what the kernel says.
+MOUNT_UNSHARE = """
+import ctypes, errno, json
+libc = ctypes.CDLL(None, use_errno=True)
+def err(rc):
+    return errno.errorcode.get(ctypes.get_errno(), "?") if rc != 0 else "ok"
+print(json.dumps({
+    "mount": err(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
+    "unshare_user": err(libc.unshare(0x10000000)),
+    "unshare_mount": err(libc.unshare(0x00020000)),
+    "unshare_net": err(libc.unshare(0x40000000)),
+}))
+"""
+
+
+async def test_sandbox_cannot_mount_or_unshare_and_runs_unprivileged(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    result = await run(
+        sandbox_backend,
+        sandbox_workspace,
+        "mount -t tmpfs none /tmp; echo mount=$?; "
+        "unshare --user --map-root-user true; echo unshare_user=$?; "
+        "unshare --mount true; echo unshare_mount=$?; "
+        "grep -E '^(Seccomp|NoNewPrivs|CapEff|CapPrm|CapBnd):' /proc/self/status; "
+        "touch /workspace/made-inside",
+    )
+    assert result.outcome.exit_code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for probe in ("mount", "unshare_user", "unshare_mount"):
+        code = next(int(x.split("=")[1]) for x in lines if x.startswith(probe + "="))
+        assert code != 0, f"{probe} succeeded inside the sandbox"
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    assert status["Seccomp"] == "2"
+    assert status["NoNewPrivs"] == "1"
+    assert int(status["CapEff"], 16) == 0
+    assert int(status["CapPrm"], 16) == 0
+    # On the host, what the sandbox creates belongs to the unprivileged sandbox user.
+    sandbox_uid = pwd.getpwnam(sandbox_backend.config.sandbox_user).pw_uid
+    assert sandbox_uid != 0
+    assert (sandbox_workspace / "made-inside").stat().st_uid == sandbox_uid
+    assert result.stderr.count("Operation not permitted") >= 2, result.stderr  # unshare(1)
+
+    syscalls = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", MOUNT_UNSHARE])
+    assert syscalls.outcome.exit_code == 0, syscalls.stderr
+    assert json.loads(syscalls.stdout) == {
+        "mount": "EPERM",
+        "unshare_user": "EPERM",
+        "unshare_mount": "EPERM",
+        "unshare_net": "EPERM",
+    }
+
+
+async def test_sandboxed_processes_run_as_the_unprivileged_host_uid(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    marker = f"srt-uid-{uuid.uuid4().hex}"
+    proc = await spawn(
+        sandbox_backend, sandbox_workspace, f"echo ready; sleep 30 # {marker}", wall_timeout=10
+    )
+    try:
+        assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"ready\n"
+        await wait_until(lambda: proc.child_pid is not None, what="bwrap's child pid")
+        inside = with_marker(marker)
+        assert inside
+        sandbox_uid = str(pwd.getpwnam(sandbox_backend.config.sandbox_user).pw_uid)
+        for pid in [*inside, proc.child_pid]:
+            assert pid is not None
+            uids = status_field(pid, "Uid")
+            assert uids is not None and set(uids.split()) == {sandbox_uid}, (pid, uids)
+            cap_eff = status_field(pid, "CapEff")
+            assert cap_eff is not None and int(cap_eff, 16) == 0
+    finally:
+        proc.kill()
+        await proc.aclose()
+
+
+# -- limits -----------------------------------------------------------------------------------
+
+
+# Every process forks forever and shrugs off failures (a shell bomb gives up when fork fails).
+FORK_BOMB = """
+import os
+while True:
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+
+
+async def test_fork_bomb_is_held_by_pids_limit_while_host_stays_responsive(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    marker = f"srt-bomb-{uuid.uuid4().hex}"
+    limits = sandbox_backend.config.limits.tighten({"pids": 32})
+    argv = [PYTHON, "-c", FORK_BOMB, marker]
+    bomb = await spawn(sandbox_backend, sandbox_workspace, argv, limits=limits, wall_timeout=4)
+    bomb_result = asyncio.ensure_future(collect(bomb))
+
+    ticks: list[float] = []
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(time.monotonic())
+            await asyncio.sleep(0.01)
+
+    tick_task = asyncio.ensure_future(ticker())
+    try:
+        await wait_until(lambda: len(with_marker(marker)) >= 30, what="the fork bomb to spread")
+        started = time.monotonic()
+        ok = await run(sandbox_backend, sandbox_workspace, "echo ok", wall_timeout=5)
+        elapsed = time.monotonic() - started
+        assert ok.outcome.exit_code == 0 and ok.stdout == "ok\n"
+        assert elapsed < 2.0, f"a sandbox took {elapsed:.2f}s during the fork bomb"
+        assert bomb.running, "the bomb ended before we measured the host under it"
+        assert len(with_marker(marker)) <= 32
+        outcome = (await bomb_result).outcome
+    finally:
+        tick_task.cancel()
+    gaps = [b - a for a, b in itertools.pairwise(ticks)]
+    assert max(gaps) < 0.5, f"event loop stalled for {max(gaps):.2f}s"
+    assert outcome.reason == "timeout"
+    assert "pids" in outcome.limits_reached
+    await wait_until(lambda: not with_marker(marker), what="the fork bomb to be gone")
+    await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
+    await wait_until(lambda: not execution_cgroups(sandbox_backend), what="cgroups removed")
+
+
+async def test_memory_hog_is_killed_and_reported_as_memory(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    limits = sandbox_backend.config.limits.tighten({"memory_mb": 64})
+    hog = "a = [str(i % 10) * 10**6 for i in range(2000)]\nprint('survived')"
+    result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", hog], limits=limits)
+    assert result.outcome.reason == "memory"
+    assert "memory" in result.outcome.limits_reached
+    assert result.outcome.signal == signal.SIGKILL
+    assert "survived" not in result.stdout
+
+
+async def test_busy_loop_hits_cpu_time_limit(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    limits = sandbox_backend.config.limits.tighten({"cpu_time_seconds": 1})
+    result = await run(
+        sandbox_backend, sandbox_workspace, "while :; do :; done", limits=limits, wall_timeout=15
+    )
+    assert result.outcome.reason == "cpu"
+    assert "cpu" in result.outcome.limits_reached
+    assert result.outcome.signal in (signal.SIGXCPU, signal.SIGKILL)
+    assert result.outcome.duration_s < 10
+
+
+async def test_large_file_is_stopped_at_file_size_limit(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    limits = sandbox_backend.config.limits.tighten({"file_size_mb": 1})
+    # dd does not handle SIGXFSZ: the kernel kills it, and the outcome says why.
+    dd = await run(
+        sandbox_backend,
+        sandbox_workspace,
+        "dd if=/dev/zero of=/workspace/big.dd bs=1M count=5",
+        limits=limits,
+    )
+    assert dd.outcome.reason == "file_size"
+    assert dd.outcome.signal == signal.SIGXFSZ
+    assert (sandbox_workspace / "big.dd").stat().st_size <= 1024 * 1024
+    # Python ignores SIGXFSZ: its write fails with EFBIG instead and the program decides.
+    write = (
+        "try:\n"
+        "    open('/workspace/big.py', 'wb').write(b'x' * 5 * 2**20)\n"
+        "except OSError as exc:\n"
+        "    print(exc.errno)\n"
+    )
+    py = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", write], limits=limits)
+    assert py.outcome.exit_code == 0, py.stderr
+    assert py.stdout.strip() == str(errno.EFBIG)
+    assert (sandbox_workspace / "big.py").stat().st_size <= 1024 * 1024
+
+
+# -- stopping and reaping ---------------------------------------------------------------------
+
+# Ignores SIGTERM, forks grandchildren (which inherit that) and a daemon that double-forks
+# into a new session. Forked children keep the parent's command line, marker included.
+STUBBORN = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+for _ in range(3):
+    if os.fork() == 0:
+        time.sleep(1000)
+        os._exit(0)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(1000)
+    os._exit(0)
+print("ready", flush=True)
+time.sleep(1000)
+"""
+
+
+async def test_terminate_kills_sigterm_ignoring_child_grandchildren_and_daemons(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    marker = f"srt-stubborn-{uuid.uuid4().hex}"
+    proc = await spawn(sandbox_backend, sandbox_workspace, [PYTHON, "-c", STUBBORN, marker])
+    assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"ready\n"
+    # main + 3 grandchildren + the daemon (its intermediate parent exits)
+    await wait_until(
+        lambda: len(with_marker(marker, bwrap=False)) == 5, what="all five stubborn processes"
+    )
+    await proc.terminate(grace=0.3)
+    outcome = await asyncio.wait_for(proc.wait(), 5)
+    await proc.aclose()
+    assert outcome.reason == "cancelled"
+    assert outcome.signal == signal.SIGKILL
+    await wait_until(lambda: not with_marker(marker), what="every stubborn process to be gone")
+    await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
+    await wait_until(lambda: not execution_cgroups(sandbox_backend), what="cgroup removed")
+
+
+async def test_no_zombies_or_stray_processes_remain_after_200_runs(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    commands = [
+        "true",
+        "echo hi",
+        "exit 3",
+        "(sleep 5 &); true",  # leaves a daemonized child behind in the sandbox
+        "sleep 5 & exit 0",  # leaves a background child behind
+        "kill -9 $$",
+    ]
+    outcomes: list[SandboxOutcome] = []
+    for i in range(120):
+        outcomes.append((await run(sandbox_backend, sandbox_workspace, commands[i % 6])).outcome)
+    for batch in range(10):
+        results = await asyncio.gather(
+            *(run(sandbox_backend, sandbox_workspace, commands[(batch + j) % 6]) for j in range(8))
+        )
+        outcomes += [r.outcome for r in results]
+    assert len(outcomes) == 200
+    assert all(o.started for o in outcomes)
+    assert sum(o.exit_code == 3 for o in outcomes) >= 30
+    await wait_until(lambda: not zombie_children(), what="no zombie children")
+    await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
+    await wait_until(lambda: not execution_cgroups(sandbox_backend), what="cgroups removed")
+    assert sandbox_backend.running_count == 0
+
+
+# -- policy -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        ({"memory_mb": 100_000}, "memory_mb=100000 exceeds the server's maximum of 256"),
+        ({"pids": 1000}, "pids=1000 exceeds the server's maximum of 64"),
+        ({"network": True}, "network cannot be enabled"),
+        ({"no_such_limit": 1}, "unknown sandbox_config key 'no_such_limit'"),
+    ],
+)
+async def test_caller_cannot_loosen_the_servers_policy(
+    sandbox_backend: BubblewrapBackend, request_: dict[str, object], message: str
+) -> None:
+    with pytest.raises(PolicyViolationError, match=message):
+        sandbox_backend.config.limits.tighten(request_)
+
+
+# Forks children that wait on a pipe until it fails; prints how many it got.
+COUNT_FORKS = """
+import os
+r, w = os.pipe()
+count = 0
+try:
+    while count < 200:
+        if os.fork() == 0:
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+        count += 1
+except OSError:
+    pass
+os.close(w)
+print(count, flush=True)
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
+
+
+async def test_tighter_caller_policy_is_applied(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    ceiling = sandbox_backend.config.limits
+    tight = ceiling.tighten({"pids": 16, "memory_mb": 64})
+    assert (tight.pids, tight.memory_mb) == (16, 64)
+    assert tight.cpu_time_seconds == ceiling.cpu_time_seconds
+
+    limited = await run(
+        sandbox_backend, sandbox_workspace, [PYTHON, "-c", COUNT_FORKS], limits=tight
+    )
+    loose = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", COUNT_FORKS])
+    assert limited.outcome.exit_code == 0, limited.stderr
+    assert loose.outcome.exit_code == 0, loose.stderr
+    assert int(limited.stdout) < 16
+    assert "pids" in limited.outcome.limits_reached
+    assert 16 < int(loose.stdout) < 64
+
+
+# -- timeouts, stdin, exit codes --------------------------------------------------------------
+
+
+async def test_wall_clock_timeout_kills_a_sleeping_command(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    result = await run(sandbox_backend, sandbox_workspace, "sleep 100", wall_timeout=0.5)
+    assert result.outcome.reason == "timeout"
+    assert result.outcome.exit_code >= 128
+    assert result.outcome.signal in (signal.SIGTERM, signal.SIGKILL)
+    assert result.outcome.duration_s < 5
+
+
+async def test_interactive_stdin_reaches_the_program_and_closing_it_ends_cat(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    proc = await spawn(sandbox_backend, sandbox_workspace, ["cat"], interactive=True)
+    try:
+        assert proc.stdin is not None
+        for line in (b"hello\n", b"second line\n"):
+            proc.stdin.write(line)
+            await proc.stdin.drain()
+            assert await asyncio.wait_for(proc.stdout.readline(), 5) == line
+        proc.stdin.close()
+        outcome = await asyncio.wait_for(proc.wait(), 5)
+    finally:
+        await proc.aclose()
+    assert outcome.exit_code == 0
+    assert outcome.reason is None
+
+
+async def test_exit_code_is_reported(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    result = await run(sandbox_backend, sandbox_workspace, "exit 7")
+    assert result.outcome.exit_code == 7
+    assert result.outcome.signal is None
+    assert result.outcome.reason is None
+
+
+async def test_killing_signal_is_reported(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    result = await run(sandbox_backend, sandbox_workspace, "kill -9 $$")
+    assert result.outcome.signal == signal.SIGKILL
+    assert result.outcome.exit_code == 128 + signal.SIGKILL
+    assert result.outcome.reason is None
