@@ -102,11 +102,32 @@ class Settings(BaseSettings):
         description="Server state: workspaces live in `<state_dir>/workspaces`.",
     )
     bwrap_path: str | None = Field(None, description="bubblewrap binary (default: from PATH).")
+    cgroup_favordynmods: bool = Field(
+        True,
+        description="Turn on the kernel's cgroup `favordynmods` at start (root only): moving a "
+        "sandbox into its cgroup then costs microseconds instead of an RCU grace period.",
+    )
 
     log_file: Path | None = Field(
         None, description="Log file (rotated at 10 MB, kept 7 days); none: stderr only."
     )
     log_level: str = Field("INFO", description="Log level: DEBUG, INFO, WARNING, ERROR.")
+    log_format: str = Field(
+        "text", description="`text`, or `json` for one JSON object per line (log shippers)."
+    )
+    access_log: bool = Field(True, description="Log each HTTP request (method, path, status).")
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="Bearer token for GET /metrics; default: any client token is accepted.",
+    )
+
+    @field_validator("log_format")
+    @classmethod
+    def _format(cls, value: str) -> str:
+        value = value.lower()
+        if value not in ("text", "json"):
+            raise ValueError("log_format must be `text` or `json`")
+        return value
 
     @field_validator("log_level")
     @classmethod

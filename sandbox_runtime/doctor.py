@@ -134,7 +134,7 @@ def check_static(settings: Settings) -> list[Check]:
     except SandboxRuntimeError as exc:
         checks.append(Check("seccomp", False, str(exc), "apt-get install libseccomp2"))
 
-    layout = CgroupLayout.setup("srt-doctor")
+    layout = CgroupLayout.setup("srt-doctor", favordynmods=False)
     ok = layout.version != "none"
     checks.append(
         Check(
@@ -146,6 +146,17 @@ def check_static(settings: Settings) -> list[Check]:
             required=False,
         )
     )
+    if ok:
+        checks.append(
+            Check(
+                "cgroup migrations",
+                layout.favordynmods == "on",
+                f"favordynmods {layout.favordynmods.split(' ')[0]}",
+                "without it every sandbox start waits an RCU grace period (~7 ms); the server "
+                "turns it on at start when root (SANDBOX_CGROUP_FAVORDYNMODS=true, the default)",
+                required=False,
+            )
+        )
     for base in [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]:
         try:
             base.rmdir()

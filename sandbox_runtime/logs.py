@@ -1,32 +1,78 @@
-"""Logging with loguru: stderr and an optional rotating file; execution ids as context."""
+"""Logging with loguru: stderr and an optional rotating file, as text or one JSON object a line.
+
+Context fields (replica_id, execution_id, session, request_id, tool) come from
+`logger.contextualize`. uvicorn's and the MCP libraries' standard-library logging is routed
+here too. Never log tokens or request bodies (which carry code) at INFO or above.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import sys
+from typing import Any
 
 from loguru import logger
 
 from sandbox_runtime.config import Settings
 
-FORMAT = (
+TEXT_FORMAT = (
     "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[replica_id]} "
     "{extra[execution_id]} | {message}"
 )
+CONTEXT_FIELDS = ("replica_id", "execution_id", "session", "request_id", "tool")
+ROUTED_LOGGERS = ("uvicorn", "uvicorn.error", "uvicorn.access", "fastmcp", "mcp", "sse_starlette")
+
+
+def _json_line(record: Any) -> str:
+    extra = record["extra"]
+    obj: dict[str, Any] = {
+        "time": record["time"].isoformat(),
+        "level": record["level"].name,
+        "message": record["message"],
+        "logger": record["name"],
+    }
+    for field in CONTEXT_FIELDS:
+        value = extra.get(field)
+        if value not in (None, "-"):
+            obj[field] = value
+    if record["exception"] is not None:
+        obj["exception"] = repr(record["exception"].value)
+    record["extra"]["_json"] = json.dumps(obj, ensure_ascii=False, default=str)
+    return "{extra[_json]}\n"
+
+
+class _InterceptHandler(logging.Handler):
+    """Standard-library records into loguru, at their level."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            level: str | int = logger.level(record.levelname).name
+        except ValueError:
+            level = record.levelno
+        logger.opt(depth=6, exception=record.exc_info).log(level, record.getMessage())
 
 
 def setup_logging(settings: Settings) -> None:
-    """Replace loguru's default sink. Never logs tokens or request bodies (callers ensure it)."""
+    """Replace loguru's default sink and route standard logging into it."""
     logger.remove()
     logger.configure(extra={"replica_id": settings.replica_id, "execution_id": "-"})
-    logger.add(sys.stderr, level=settings.log_level, format=FORMAT, backtrace=False)
+    fmt: Any = _json_line if settings.log_format == "json" else TEXT_FORMAT
+    logger.add(sys.stderr, level=settings.log_level, format=fmt, backtrace=False)
     if settings.log_file is not None:
         settings.log_file.parent.mkdir(parents=True, exist_ok=True)
         logger.add(
             settings.log_file,
             level=settings.log_level,
-            format=FORMAT,
+            format=fmt,
             rotation="10 MB",
             retention="7 days",
             enqueue=True,
             backtrace=False,
         )
+    handler = _InterceptHandler()
+    for name in ROUTED_LOGGERS:
+        std = logging.getLogger(name)
+        std.handlers = [handler]
+        std.propagate = False
+        std.setLevel(settings.log_level if settings.log_level != "TRACE" else "DEBUG")

@@ -217,7 +217,10 @@ class Execution:
         # bwrap reports the child's pid before it finishes setting the sandbox up; a setup
         # failure after that looks like exit 1 with bwrap's own message on stderr.
         setup_failed = outcome.exit_code == 1 and stderr_head.startswith(b"bwrap: ")
-        if not outcome.started or setup_failed:
+        # A sandbox we stopped (cancel, shutdown, timeout) before it reported its start did not
+        # fail to start: the branches below say what ended it.
+        stopped = outcome.reason in ("timeout", "cancelled", "shutdown")
+        if (not outcome.started and not stopped) or setup_failed:
             info.status = ExecutionStatus.FAILED
             detail = stderr_head.decode("utf-8", "replace").strip() or "no detail"
             info.error = f"the sandbox failed to start: {detail}"

@@ -101,6 +101,7 @@ class ExecutionManager:
                 workspace_root=settings.state_dir / "workspaces",
                 bwrap_path=settings.bwrap_path,
                 group_name=f"srt-{settings.replica_id}",
+                cgroup_favordynmods=settings.cgroup_favordynmods,
             )
         )
         self.replica_id = settings.replica_id

@@ -100,6 +100,7 @@ class BackendConfig:
     workspace_root: Path = Path("/var/lib/sandbox-runtime/workspaces")
     bwrap_path: str | None = None
     group_name: str = "srt"
+    cgroup_favordynmods: bool = True
 
 
 @dataclass
@@ -259,7 +260,9 @@ class BubblewrapBackend:
             )
         if os.geteuid() == 0:
             _set_child_subreaper()
-        self.cgroups = CgroupLayout.setup(self.config.group_name)
+        self.cgroups = CgroupLayout.setup(
+            self.config.group_name, favordynmods=self.config.cgroup_favordynmods
+        )
         self.cgroups.cleanup_stale()
         for problem in self.cgroups.problems:
             logger.warning("cgroups: {}", problem)

@@ -7,10 +7,13 @@ from types import FrameType
 
 import uvicorn
 from loguru import logger
+from sse_starlette.sse import AppStatus
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.server.app import create_app
+
+REPLY_GRACE = 0.5  # after the executions stopped: time for calls that waited on one to answer
 
 
 class _Server(uvicorn.Server):
@@ -26,11 +29,22 @@ class _Server(uvicorn.Server):
         # same time stop the executions; the lifespan's exit waits for both to finish.
         if self._stopping is None:
             logger.info("signal {}: stopping executions and the server", sig)
-            self._stopping = asyncio.get_running_loop().create_task(self.manager.shutdown())
+            self._stopping = asyncio.get_running_loop().create_task(self._stop_executions())
         super().handle_exit(sig, frame)
+
+    async def _stop_executions(self) -> None:
+        try:
+            await self.manager.shutdown()
+            await asyncio.sleep(REPLY_GRACE)
+        finally:
+            AppStatus.should_exit = True  # now end the SSE streams still open
 
 
 async def serve(settings: Settings) -> int:
+    # sse-starlette ends every SSE response at the signal, the replies of legacy-era calls
+    # waiting on an execution included; end them once the executions have stopped instead.
+    AppStatus.disable_automatic_graceful_drain()
+    AppStatus.should_exit = False  # a process-wide flag: a previous serve() may have set it
     manager = ExecutionManager(settings)
     app = create_app(settings, manager)
     config = uvicorn.Config(

@@ -1,0 +1,130 @@
+"""Prometheus metrics: every series this service exports, in one registry per process.
+
+No label ever carries an execution id, a session or a principal: a scrape shows nothing of
+any owner's work beyond counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
+SPAWN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1)
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30)
+
+
+class Metrics:
+    """The service's metrics. One instance per ExecutionManager (its own registry)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.started = Counter(
+            "srt_executions_started_total", "Executions whose sandbox started.", registry=r
+        )
+        self.finished = Counter(
+            "srt_executions_finished_total",
+            "Executions that ended, by final status.",
+            ["status"],
+            registry=r,
+        )
+        self.running = Gauge("srt_executions_running", "Executions running now.", registry=r)
+        self.duration = Histogram(
+            "srt_execution_duration_seconds",
+            "Wall-clock duration of finished executions.",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.spawn = Histogram(
+            "srt_sandbox_spawn_seconds",
+            "Time to start a sandbox (cgroup, launcher, bwrap exec).",
+            buckets=SPAWN_BUCKETS,
+            registry=r,
+        )
+        self.limit_kills = Counter(
+            "srt_limit_kills_total",
+            "Executions ended by a limit, by kind (memory, cpu, file_size, timeout).",
+            ["kind"],
+            registry=r,
+        )
+        self.limits_reached = Counter(
+            "srt_limits_reached_total",
+            "Limits an execution ran into without necessarily ending (e.g. pids).",
+            ["kind"],
+            registry=r,
+        )
+        self.tool_calls = Counter(
+            "srt_tool_calls_total", "MCP tool calls, by tool.", ["tool"], registry=r
+        )
+        self.tool_errors = Counter(
+            "srt_tool_errors_total",
+            "MCP tool calls answered with an error, by tool and error kind.",
+            ["tool", "error"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "srt_concurrency_rejections_total",
+            "Executions refused because a concurrency limit was full, by scope.",
+            ["scope"],
+            registry=r,
+        )
+        self.output_bytes = Counter(
+            "srt_output_bytes_total", "Output bytes read from sandboxes.", ["stream"], registry=r
+        )
+        self.output_dropped = Counter(
+            "srt_output_dropped_bytes_total",
+            "Output bytes dropped past the per-execution cap.",
+            registry=r,
+        )
+        self.mirror_lag = Histogram(
+            "srt_redis_mirror_lag_seconds",
+            "From an event produced to it being written to Redis.",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.mirror_backlog = Gauge(
+            "srt_redis_mirror_backlog", "Executions with changes not yet in Redis.", registry=r
+        )
+        self.redis_connected = Gauge(
+            "srt_redis_connected", "1 when the last Redis operation succeeded.", registry=r
+        )
+        self.lost_detected = Counter(
+            "srt_lost_executions_detected_total",
+            "Executions of dead replicas this replica marked lost.",
+            registry=r,
+        )
+        self.control = Counter(
+            "srt_control_forwarded_total",
+            "stdin/cancel requests forwarded to the owning replica, by op and result.",
+            ["op", "result"],
+            registry=r,
+        )
+        self.control_served = Counter(
+            "srt_control_served_total",
+            "Forwarded requests this replica answered as the owner, by op.",
+            ["op"],
+            registry=r,
+        )
+
+    def bind(
+        self,
+        running: Callable[[], float],
+        backlog: Callable[[], float],
+        connected: Callable[[], float],
+    ) -> None:
+        """Gauges read at scrape time from the manager's state."""
+        self.running.set_function(running)
+        self.mirror_backlog.set_function(backlog)
+        self.redis_connected.set_function(connected)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
