@@ -444,7 +444,9 @@ async def test_fork_bomb_is_held_by_pids_limit_while_host_stays_responsive(
         assert ok.outcome.exit_code == 0 and ok.stdout == "ok\n"
         assert elapsed < 2.0, f"a sandbox took {elapsed:.2f}s during the fork bomb"
         assert bomb.running, "the bomb ended before we measured the host under it"
-        assert len(with_marker(marker)) <= 32
+        # 32 in the execution's cgroup (the sandbox's init among them); the outer bwrap that
+        # waits for it stays outside, in the server's own cgroup.
+        assert len(with_marker(marker, bwrap=False)) <= 31
         outcome = (await bomb_result).outcome
     finally:
         tick_task.cancel()

@@ -9,6 +9,7 @@ import os
 import posixpath
 import pwd
 import re
+import resource
 import shutil
 import subprocess
 import tempfile
@@ -32,14 +33,22 @@ MAX_ENV_VARS = 256
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 PR_SET_CHILD_SUBREAPER = 36
 
-# The launcher runs as root for a moment: joins the execution's cgroups, sets rlimits, then
-# execs setpriv, which drops to the unprivileged uid before bwrap starts. Its argv carries no
-# client data except after the final `--` of bwrap, and its environment is fixed.
-LAUNCH_SCRIPT = (
-    'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; '
+# How a sandbox starts: the server execs setpriv (drop to the unprivileged uid, no_new_privs,
+# parent-death signal) which execs bwrap. bwrap builds the namespaces and mounts, reports its
+# child's pid and then waits on --block-fd; meanwhile the server moves that child into the
+# execution's cgroups and sets its rlimits, and only then lets it run the command. The
+# launcher's argv carries client data only after bwrap's final `--`; its environment is fixed.
+SPAWN_HANDSHAKE_SECONDS = 10.0
+# Runs inside the sandbox as the command's parent-by-exec: lower the rlimits, then exec.
+# A command that does not exist gets the shell's 127; a failed ulimit 125.
+_ULIMITS = (
     'ulimit -S -t "$1" && ulimit -H -t "$2" && ulimit -f "$3" && ulimit -n "$4" '
-    '&& ulimit -v "$5" || exit 125; shift 5; exec "$@"'
+    '&& ulimit -v "$5" && ulimit -c 0 || exit 125; '
 )
+LIMITS_SCRIPT = _ULIMITS + 'shift 5; exec "$@"'
+# For a shell command the same shell runs it (one exec fewer): like `sh -c CMD`, with no
+# positional parameters left.
+LIMITS_SHELL_SCRIPT = _ULIMITS + '__srt_cmd=$6; set --; eval "$__srt_cmd"'
 LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 # What a program inside finds in its environment before the caller's variables.
@@ -347,36 +356,58 @@ class BubblewrapBackend:
         for key, value in env.items():
             args += ["--setenv", key, value]
         args += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
-        return args + spec.argv
+        limits = self.limits_argv(spec.limits)
+        if len(spec.argv) == 3 and spec.argv[:2] == ["/bin/sh", "-c"]:
+            limits[2] = LIMITS_SHELL_SCRIPT
+            return args + limits + [spec.argv[2]]
+        return args + limits + spec.argv
 
-    def launcher_args(self, spec: SandboxSpec, cgroup: ExecutionCgroup | None) -> list[str]:
-        limits = spec.limits
+    def launcher_args(self) -> list[str]:
+        """What runs before bwrap: setpriv, when the server is root."""
+        if os.geteuid() != 0:
+            return []
+        return [
+            self._setpriv,
+            f"--reuid={self._uid}",
+            f"--regid={self._gid}",
+            "--clear-groups",
+            "--nnp",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--pdeathsig=SIGKILL",
+            "--",
+        ]
+
+    def _confine(self, pid: int, cgroup: ExecutionCgroup | None) -> None:
+        """Put the waiting sandbox `pid` into its cgroups (everything it starts inherits them).
+        Raises OSError."""
+        if cgroup is not None:
+            for procs in cgroup.procs_files:
+                with open(procs, "w") as f:
+                    f.write(str(pid))
+
+    def limits_argv(self, limits: SandboxLimits) -> list[str]:
+        """The in-sandbox prefix that sets rlimits, then execs the command.
+
+        Inside, because the server may lack CAP_SYS_RESOURCE to prlimit() another uid's
+        process; lowering one's own limits needs no privilege, and the sandbox user cannot
+        raise them again.
+        """
+        nofile_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        nofile = limits.open_files
+        if nofile_hard != resource.RLIM_INFINITY:
+            nofile = min(nofile, nofile_hard)
         as_kb = "unlimited"
         if "memory" not in self.cgroups.controllers:
             as_kb = str(limits.memory_mb * 1024)  # no memory cgroup: address space instead
-        args = ["/bin/sh", "-c", LAUNCH_SCRIPT, "srt-launch"]
-        args += cgroup.procs_files if cgroup is not None else []
-        args += [
-            "--",
+        return [
+            "/bin/sh", "-c", LIMITS_SCRIPT, "srt-limits",
             str(limits.cpu_time_seconds),
             str(limits.cpu_time_seconds + 1),
             str(limits.file_size_mb * 2048),  # 512-byte blocks
-            str(limits.open_files),
+            str(nofile),
             as_kb,
-        ]
-        if os.geteuid() == 0:
-            args += [
-                self._setpriv,
-                f"--reuid={self._uid}",
-                f"--regid={self._gid}",
-                "--clear-groups",
-                "--nnp",
-                "--inh-caps=-all",
-                "--bounding-set=-all",
-                "--pdeathsig=SIGKILL",
-                "--",
-            ]
-        return args
+        ]  # fmt: skip
 
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         """Start a sandbox.
@@ -397,28 +428,32 @@ class BubblewrapBackend:
         loop = asyncio.get_running_loop()
         seccomp_fd = os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC)
         status_r, status_w = os.pipe()
+        block_r, block_w = os.pipe()
         try:
-            argv = self.launcher_args(spec, cgroup) + self.bwrap_args(spec, seccomp_fd, status_w)
+            bwrap = self.bwrap_args(spec, seccomp_fd, status_w)
+            bwrap[1:1] = ["--block-fd", str(block_r)]
             # Popen (not asyncio's subprocess) so that this backend alone reaps its children:
             # spawned from the event loop's thread, which the pdeathsig is tied to.
             popen = subprocess.Popen(
-                argv,
+                self.launcher_args() + bwrap,
                 stdin=subprocess.PIPE if spec.interactive else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(seccomp_fd, status_w),
+                pass_fds=(seccomp_fd, status_w, block_r),
                 start_new_session=True,
                 env=LAUNCH_ENV,
                 cwd="/",
             )
         except (OSError, ValueError) as exc:
             os.close(status_r)
+            os.close(block_w)
             if cgroup is not None:
                 cgroup.remove()
             raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
         finally:
             os.close(seccomp_fd)
             os.close(status_w)
+            os.close(block_r)
         # The Popen object must never wait on this pid itself: we reap it.
         popen.returncode = 0
         self._tracked_pids.add(popen.pid)
@@ -438,6 +473,23 @@ class BubblewrapBackend:
             on_exit=self._on_exit,
         )
         self._running.add(proc)
+        # Every path below kills the sandbox before block_w is closed: closing it without the
+        # go byte would also let bwrap continue (its read returns EOF).
+        try:
+            child = await proc.wait_child_pid(SPAWN_HANDSHAKE_SECONDS)
+            if child is None and proc.running:
+                raise SandboxSpawnError("the sandbox did not start within its handshake time")
+            if child is not None:
+                self._confine(child, cgroup)
+                os.write(block_w, b"1")  # go: the command may run now
+        except BaseException as exc:
+            proc.kill("cancelled")
+            await proc.aclose()
+            if isinstance(exc, OSError):
+                raise SandboxSpawnError(f"could not confine the sandbox: {exc}") from exc
+            raise
+        finally:
+            os.close(block_w)
         return proc
 
     def _on_exit(self, proc: SandboxProcess) -> None:

@@ -78,6 +78,7 @@ class SandboxProcess:
         self.stderr = stderr
         self.limits = limits
         self.child_pid: int | None = None
+        self._child_known = asyncio.Event()
         self._cgroup = cgroup
         self._started_at = time.monotonic()
         self._reason: str | None = None
@@ -113,6 +114,19 @@ class SandboxProcess:
         if self._outcome is None:
             self._outcome = self._finish()
         return self._outcome
+
+    async def wait_child_pid(self, wait_seconds: float) -> int | None:
+        """The sandbox's init pid once bwrap reports it; None if bwrap ended or time ran out."""
+        waiters = [
+            asyncio.ensure_future(self._child_known.wait()),
+            asyncio.ensure_future(self._status_done.wait()),
+        ]
+        try:
+            await asyncio.wait(waiters, timeout=wait_seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+        return self.child_pid
 
     def send_signal(self, sig: int) -> int:
         """Send `sig` to every process inside the sandbox; returns how many got it."""
@@ -235,6 +249,7 @@ class SandboxProcess:
             if isinstance(doc, dict):
                 if "child-pid" in doc and self.child_pid is None:
                     self.child_pid = int(doc["child-pid"])
+                    self._child_known.set()
                 if "exit-code" in doc:
                     self._inner_exit = int(doc["exit-code"])
 
