@@ -28,6 +28,7 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.execution.execution import Execution, Owner
 from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, OutputEvent
+from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
     BackendConfig,
     BubblewrapBackend,
@@ -114,6 +115,7 @@ class ExecutionManager:
         self._evictor: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[Execution, list[OutputEvent]], None]] = []
+        self.metrics = Metrics()
         if store is None and settings.redis_url:
             from sandbox_runtime.state.redis_store import RedisStore
 
@@ -129,6 +131,7 @@ class ExecutionManager:
                 control_handler=self._handle_control,
                 heartbeat_ttl=settings.heartbeat_ttl,
                 known=lambda: list(self._executions.values()),
+                observe_lag=self.metrics.mirror_lag.observe,
             )
             self.listeners.append(self.mirror.on_events)
 
@@ -138,6 +141,12 @@ class ExecutionManager:
         self.backend.start()
         if self.mirror is not None:
             self.mirror.start()
+        mirror = self.mirror
+        self.metrics.bind(
+            running=lambda: len(self._running),
+            backlog=lambda: mirror.backlog if mirror is not None else 0,
+            connected=lambda: 1 if mirror is not None and mirror.connected else 0,
+        )
         self._accepting = True
         if self.backend.unavailable_reason is None:
             self._remove_idle_workspaces()  # a previous run's: no execution refers to them
@@ -227,11 +236,13 @@ class ExecutionManager:
 
         # Take the slot before the first await: no lock is held across the spawn.
         if len(self._running) + self._reserved >= self.settings.max_concurrent:
+            self.metrics.rejections.labels("global").inc()
             raise LimitExceededError(
                 f"the server is running its maximum of {self.settings.max_concurrent} "
                 "executions; wait for one to finish or cancel one"
             )
         if self._per_owner.get(owner, 0) >= self.settings.max_per_session:
+            self.metrics.rejections.labels("session").inc()
             raise LimitExceededError(
                 f"this session is running its maximum of {self.settings.max_per_session} "
                 "executions; wait for one to finish or cancel one"
@@ -254,6 +265,7 @@ class ExecutionManager:
         )
         execution = Execution(info, owner, limits.output_bytes)
         execution.listeners.extend(self.listeners)
+        spawn_started = time.perf_counter()
         try:
             workspace = self.backend.create_workspace(workspace_name(owner))
             process = await self.backend.spawn(
@@ -271,6 +283,8 @@ class ExecutionManager:
             self._reserved -= 1
             self._release_owner(owner)
             raise
+        self.metrics.spawn.observe(time.perf_counter() - spawn_started)
+        self.metrics.started.inc()
         self._reserved -= 1
         self._executions[execution_id] = execution
         self._running[execution_id] = execution
@@ -296,6 +310,7 @@ class ExecutionManager:
         await execution.finished.wait()
         self._running.pop(execution.execution_id, None)
         self._release_owner(execution.owner)
+        self._count_finished(execution.info)
         with logger.contextualize(execution_id=execution.execution_id):
             logger.info(
                 "execution finished status={} exit_code={} reason={} duration_ms={}",
@@ -304,6 +319,16 @@ class ExecutionManager:
                 execution.info.reason,
                 execution.info.duration_ms,
             )
+
+    def _count_finished(self, info: ExecutionInfo) -> None:
+        m = self.metrics
+        m.finished.labels(info.status.value).inc()
+        m.duration.observe((info.duration_ms or 0) / 1000)
+        if info.reason in ("memory", "cpu", "file_size", "timeout"):
+            m.limit_kills.labels(info.reason).inc()
+        m.output_bytes.labels("stdout").inc(info.stdout_bytes)
+        m.output_bytes.labels("stderr").inc(info.stderr_bytes)
+        m.output_dropped.inc(info.dropped_bytes)
 
     # -- reading and control -----------------------------------------------------------------
 
@@ -344,6 +369,7 @@ class ExecutionManager:
             if not info.status.finished and info.replica_id != self.replica_id:
                 if not await self.store.replica_alive(info.replica_id):
                     info = await self.store.mark_lost(execution_id, time.time()) or info
+                    self.metrics.lost_detected.inc()
                     logger.warning(
                         "execution {} of replica {} marked {}",
                         execution_id,
@@ -474,18 +500,22 @@ class ExecutionManager:
             "from_replica": self.replica_id,
             "deadline": time.time() + CONTROL_WAIT_SECONDS,
         }
+        op = str(request["op"])
         try:
             reply = await self.store.send_control(info.replica_id, request, CONTROL_WAIT_SECONDS)
         except Exception as exc:
+            self.metrics.control.labels(op, "store_error").inc()
             raise OwnerUnavailableError(
                 f"could not reach replica {info.replica_id} through the shared store "
                 f"({type(exc).__name__}); retry shortly"
             ) from exc
         if reply is None:
+            self.metrics.control.labels(op, "no_answer").inc()
             raise OwnerUnavailableError(
                 f"replica {info.replica_id}, which runs execution {info.execution_id}, did not "
                 f"answer within {CONTROL_WAIT_SECONDS:g} s"
             )
+        self.metrics.control.labels(op, "ok" if reply.get("ok") else "refused").inc()
         if not reply.get("ok"):
             error = _ERRORS.get(str(reply.get("error")), SandboxRuntimeError)
             raise error(str(reply.get("message", "the owning replica refused the request")))
@@ -495,6 +525,7 @@ class ExecutionManager:
         """Answer a stdin/cancel request forwarded by another replica."""
         owner = Owner(str(request.get("principal")), str(request.get("session_id")))
         execution_id = str(request.get("execution_id"))
+        self.metrics.control_served.labels(str(request.get("op"))).inc()
         try:
             execution = self.get(owner, execution_id)
             if request.get("op") == "stdin":

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
+import hmac
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,7 +14,7 @@ from fastmcp import FastMCP
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 
 from sandbox_runtime import __version__
@@ -97,8 +100,50 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
         }
         return JSONResponse(body)
 
+    metrics_tokens = _metrics_token_digests(settings)
+
+    async def metrics(request: Request) -> Response:
+        if metrics_tokens is not None:
+            offered = request.headers.get("authorization", "")
+            scheme, _, token = offered.partition(" ")
+            digest = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).digest()
+            allowed = scheme.lower() == "bearer" and any(
+                hmac.compare_digest(digest, d) for d in metrics_tokens
+            )
+            if not allowed:
+                return Response(
+                    status_code=401, headers={"WWW-Authenticate": 'Bearer realm="metrics"'}
+                )
+        try:
+            current = get_manager()
+        except Exception:
+            return Response("starting\n", status_code=503)
+        body, content_type = current.metrics.render()
+        return Response(body, media_type=content_type)
+
+    async def ready(request: Request) -> JSONResponse:
+        try:
+            current = get_manager()
+        except Exception:
+            return JSONResponse({"ready": False, "reasons": ["starting"]}, status_code=503)
+        reasons = []
+        if current.backend.unavailable_reason is not None:
+            reasons.append(f"sandbox: {current.backend.unavailable_reason}")
+        if current.store is not None:
+            try:
+                await asyncio.wait_for(current.store.ping(), 2)
+            except Exception as exc:  # any failure to answer means not ready
+                reasons.append(f"redis: {type(exc).__name__}: {exc}")
+        body = {"ready": not reasons, "replica_id": current.replica_id, "reasons": reasons}
+        return JSONResponse(body, status_code=200 if not reasons else 503)
+
     return Starlette(
-        routes=[Route("/health", health, methods=["GET"]), Mount("/", app=mcp_app)],
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/ready", ready, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Mount("/", app=mcp_app),
+        ],
         middleware=[Middleware(SessionTagMiddleware, replica_id=settings.replica_id)],
         lifespan=lifespan,
     )
@@ -119,3 +164,14 @@ def _event_store(settings: Settings) -> Any:
         max_events_per_stream=1000,
         ttl=settings.retention_seconds,
     )
+
+
+def _metrics_token_digests(settings: Settings) -> list[bytes] | None:
+    """Digests of the tokens that may scrape /metrics; None: open (no token configured)."""
+    if settings.metrics_token is not None and settings.metrics_token.get_secret_value():
+        tokens = [settings.metrics_token.get_secret_value()]
+    else:
+        tokens = list(settings.tokens())
+    if not tokens:
+        return None
+    return [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in tokens]

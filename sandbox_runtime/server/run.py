@@ -11,6 +11,7 @@ from sse_starlette.sse import AppStatus
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.logs import setup_logging
 from sandbox_runtime.server.app import create_app
 
 REPLY_GRACE = 0.5  # after the executions stopped: time for calls that waited on one to answer
@@ -47,13 +48,15 @@ async def serve(settings: Settings) -> int:
     AppStatus.should_exit = False  # a process-wide flag: a previous serve() may have set it
     manager = ExecutionManager(settings)
     app = create_app(settings, manager)
+    setup_logging(settings)  # again: importing the MCP libraries installed their own handlers
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         lifespan="on",
-        log_level="warning",
-        access_log=False,
+        log_level="info" if settings.access_log else "warning",
+        access_log=settings.access_log,
+        log_config=None,  # keep our handlers: uvicorn's records go to loguru
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace) + 1),
         proxy_headers=True,
         server_header=False,

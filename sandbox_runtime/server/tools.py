@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import re
 import time
 from collections.abc import Awaitable, Callable
@@ -11,7 +12,7 @@ from typing import Annotated, Any, TypeVar
 
 from fastmcp import Context, FastMCP
 from fastmcp.exceptions import ToolError
-from fastmcp.server.dependencies import get_access_token, get_http_request
+from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
 from loguru import logger
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
@@ -84,7 +85,7 @@ class ExecutionList(BaseModel):
     )
 
 
-def owner_of(ctx: Context, session: str | None) -> Owner:
+def _owner_of(ctx: Context, session: str | None) -> Owner:
     """The caller's owner key: the token's principal and the session it names or is in."""
     token = get_access_token()
     principal = token.client_id if token is not None else ANONYMOUS
@@ -105,13 +106,48 @@ def owner_of(ctx: Context, session: str | None) -> Owner:
     return Owner(principal, DEFAULT_SESSION)
 
 
-async def call(op: Callable[[], Awaitable[T]], tool: str) -> T:
-    """Run a manager operation, turning domain errors into tool errors with their message."""
-    try:
-        return await op()
-    except SandboxRuntimeError as exc:
-        logger.info("tool {} refused: {}: {}", tool, type(exc).__name__, exc)
-        raise ToolError(str(exc)) from None
+def owner_of(ctx: Context, session: str | None) -> Owner:
+    """The caller's owner key (see _owner_of); remembered for this call's log context."""
+    owner = _owner_of(ctx, session)
+    _owner.set(owner)
+    return owner
+
+
+ERROR_KINDS = {
+    "ExecutionNotFoundError": "not_found",
+    "ExecutionFinishedError": "finished",
+    "InvalidRequestError": "invalid",
+    "PolicyViolationError": "policy",
+    "LimitExceededError": "limit",
+    "OwnerUnavailableError": "owner_unavailable",
+    "SandboxUnavailableError": "sandbox_unavailable",
+    "SandboxSpawnError": "spawn_failed",
+}
+_owner: contextvars.ContextVar[Owner | None] = contextvars.ContextVar("srt_owner", default=None)
+
+
+async def call(op: Callable[[], Awaitable[T]], tool: str, count: bool = True) -> T:
+    """Run a manager operation, turning domain errors into tool errors with their message.
+
+    Counts the call, and logs with the request id, session and tool as context.
+    """
+    metrics = get_manager().metrics
+    if count:
+        metrics.tool_calls.labels(tool).inc()
+    owner = _owner.get()
+    request_id = "-"
+    with contextlib.suppress(Exception):  # outside a request (tests calling tools directly)
+        request_id = str(get_context().request_id)
+    with logger.contextualize(
+        tool=tool, request_id=request_id, session=owner.session_id if owner else "-"
+    ):
+        try:
+            return await op()
+        except SandboxRuntimeError as exc:
+            kind = ERROR_KINDS.get(type(exc).__name__, "error")
+            metrics.tool_errors.labels(tool, kind).inc()
+            logger.info("tool {} refused: {}: {}", tool, type(exc).__name__, exc)
+            raise ToolError(str(exc)) from None
 
 
 def _result(info: ExecutionInfo, events: list[dict[str, Any]], cursor: int, more: bool) -> dict:
@@ -205,7 +241,7 @@ def register_tools(mcp: FastMCP) -> None:
             finally:
                 forwarder.cancel()
         page = await call(
-            lambda: manager.read_output(owner, execution.execution_id, 0), "execute_code"
+            lambda: manager.read_output(owner, execution.execution_id, 0), "execute_code", False
         )
         events = [e.wire() for e in page.events]
         return ExecutionResult(**_result(page.info, events, page.next_cursor, page.has_more))

@@ -43,6 +43,7 @@ class Mirror:
         control_handler: ControlHandler,
         heartbeat_ttl: int = HEARTBEAT_TTL_SECONDS,
         known: Callable[[], list[Execution]] = list,
+        observe_lag: Callable[[float], None] | None = None,
     ) -> None:
         self.store = store
         self.replica_id = replica_id
@@ -51,6 +52,7 @@ class Mirror:
         self.control_handler = control_handler
         self.heartbeat_ttl = heartbeat_ttl
         self.known = known
+        self.observe_lag = observe_lag
         self.heartbeat_interval = min(HEARTBEAT_INTERVAL_SECONDS, heartbeat_ttl / 3)
         self.connected = False
         self.last_error: str | None = None
@@ -153,7 +155,10 @@ class Mirror:
             if snap.events:
                 self._written_seq[execution_id] = snap.events[-1].seq
                 for event in snap.events:
-                    self.lag_samples.append(now - event.timestamp)
+                    lag = now - event.timestamp
+                    self.lag_samples.append(lag)
+                    if self.observe_lag is not None:
+                        self.observe_lag(lag)
             have = stored.get(execution_id, 0)
             if have < self._written_seq.get(execution_id, 0) and have < self.store.max_events:
                 # The store lost events (restarted empty): resend from what it has.
