@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from mcp_harness import traversable_by_others
+from redis_harness import RedisServer
 
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxLimits
 
@@ -22,20 +23,10 @@ SANDBOX_TEST_LIMITS = SandboxLimits(
 )
 
 
-def _traversable_by_others(path: Path) -> None:
-    """Let the unprivileged sandbox uid reach `path`: pytest makes its tmp dirs 0700."""
-    for p in (path, *path.parents):
-        if p == Path(p.anchor):
-            break
-        mode = p.stat().st_mode
-        if not mode & 0o001:
-            os.chmod(p, (mode & 0o7777) | 0o001)
-
-
 @pytest.fixture
 async def sandbox_backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
     """A started backend with its workspaces under tmp_path and a cgroup group of its own."""
-    _traversable_by_others(tmp_path)
+    traversable_by_others(tmp_path)
     backend = BubblewrapBackend(
         BackendConfig(
             workspace_root=tmp_path / "workspaces",
@@ -63,3 +54,18 @@ def sandbox_workspace(sandbox_backend: BubblewrapBackend) -> Path:
 
 
 # --- end of sandbox fixtures -----------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# A real redis-server, one per test module that asks for it
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

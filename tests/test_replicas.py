@@ -19,16 +19,6 @@ pytestmark = pytest.mark.e2e
 TOKEN = "replica-test-token-123"
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def replica(workdir: Path, redis: RedisServer, name: str, **settings: str) -> ServerProcess:
     return ServerProcess(
         workdir / name,

@@ -43,6 +43,27 @@ SessionArg = Annotated[
 ]
 
 
+CommandArg = Annotated[
+    str | list[str], Field(description="Shell command (run by /bin/sh -c) or an argv list.")
+]
+TimeoutArg = Annotated[
+    float | None,
+    Field(description="Wall-clock limit, s; the server sets the default and maximum."),
+]
+InteractiveArg = Annotated[bool, Field(description="Keep stdin open for send_stdin.")]
+WorkdirArg = Annotated[
+    str | None, Field(description="Directory inside the sandbox, under /workspace or /tmp.")
+]
+EnvironmentArg = Annotated[dict[str, str] | None, Field(description="Extra environment variables.")]
+SandboxConfigArg = Annotated[
+    dict[str, Any] | None,
+    Field(
+        description="Tighter limits: memory_mb, pids, cpu_cores, cpu_time_seconds, "
+        "file_size_mb, tmp_size_mb, open_files, output_bytes. Never looser."
+    ),
+]
+
+
 class ExecutionResult(BaseModel):
     execution_id: str
     status: ExecutionStatus
@@ -189,48 +210,33 @@ async def _forward_output(ctx: Context, execution: Execution) -> None:
 def register_tools(mcp: FastMCP) -> None:
     """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server)."""
 
+    async def start(
+        ctx: Context, request: ExecuteRequest, session: str | None, tool: str
+    ) -> tuple[Owner, Execution]:
+        manager = get_manager()
+        owner = owner_of(ctx, session)
+        execution = await call(lambda: manager.start_execution(owner, request), tool)
+        return owner, execution
+
     @mcp.tool
     async def execute_code(
         ctx: Context,
-        command: Annotated[
-            str | list[str],
-            Field(description="Shell command (run by /bin/sh -c) or an argv list."),
-        ],
-        timeout_seconds: Annotated[
-            float | None,
-            Field(description="Wall-clock limit; default and maximum are set by the server."),
-        ] = None,
-        interactive: Annotated[bool, Field(description="Keep stdin open for send_stdin.")] = False,
-        working_directory: Annotated[
-            str | None, Field(description="Directory inside the sandbox, under /workspace or /tmp.")
-        ] = None,
-        environment: Annotated[
-            dict[str, str] | None, Field(description="Extra environment variables.")
-        ] = None,
-        sandbox_config: Annotated[
-            dict[str, Any] | None,
-            Field(
-                description="Tighter limits: memory_mb, pids, cpu_cores, cpu_time_seconds, "
-                "file_size_mb, tmp_size_mb, open_files, output_bytes. Never looser."
-            ),
-        ] = None,
+        command: CommandArg,
+        timeout_seconds: TimeoutArg = None,
+        interactive: InteractiveArg = False,
+        working_directory: WorkdirArg = None,
+        environment: EnvironmentArg = None,
+        sandbox_config: SandboxConfigArg = None,
         wait_for_completion: Annotated[
             bool, Field(description="Wait for the end (up to the timeout) and return the output.")
         ] = True,
         session: SessionArg = None,
     ) -> ExecutionResult:
         """Run a command in a fresh sandbox; by default wait for it and return its output."""
-        manager = get_manager()
-        owner = owner_of(ctx, session)
         request = ExecuteRequest(
-            command=command,
-            timeout_seconds=timeout_seconds,
-            interactive=interactive,
-            working_directory=working_directory,
-            environment=environment,
-            sandbox_config=sandbox_config,
+            command, timeout_seconds, interactive, working_directory, environment, sandbox_config
         )
-        execution = await call(lambda: manager.start_execution(owner, request), "execute_code")
+        owner, execution = await start(ctx, request, session, "execute_code")
         if wait_for_completion:
             forwarder = asyncio.create_task(_forward_output(ctx, execution))
             try:
@@ -240,6 +246,7 @@ def register_tools(mcp: FastMCP) -> None:
                     )
             finally:
                 forwarder.cancel()
+        manager = get_manager()
         page = await call(
             lambda: manager.read_output(owner, execution.execution_id, 0), "execute_code", False
         )
@@ -249,28 +256,19 @@ def register_tools(mcp: FastMCP) -> None:
     @mcp.tool
     async def execute_code_async(
         ctx: Context,
-        command: Annotated[str | list[str], Field(description="Shell command or argv list.")],
-        timeout_seconds: float | None = None,
-        interactive: bool = False,
-        working_directory: str | None = None,
-        environment: dict[str, str] | None = None,
-        sandbox_config: dict[str, Any] | None = None,
+        command: CommandArg,
+        timeout_seconds: TimeoutArg = None,
+        interactive: InteractiveArg = False,
+        working_directory: WorkdirArg = None,
+        environment: EnvironmentArg = None,
+        sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
     ) -> ExecutionResult:
         """Start a command in a fresh sandbox and return at once with its execution_id."""
-        manager = get_manager()
-        owner = owner_of(ctx, session)
         request = ExecuteRequest(
-            command=command,
-            timeout_seconds=timeout_seconds,
-            interactive=interactive,
-            working_directory=working_directory,
-            environment=environment,
-            sandbox_config=sandbox_config,
+            command, timeout_seconds, interactive, working_directory, environment, sandbox_config
         )
-        execution = await call(
-            lambda: manager.start_execution(owner, request), "execute_code_async"
-        )
+        _, execution = await start(ctx, request, session, "execute_code_async")
         return ExecutionResult(**_result(execution.info, [], 0, execution.info.last_seq > 0))
 
     @mcp.tool
