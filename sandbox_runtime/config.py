@@ -38,9 +38,10 @@ class Settings(BaseSettings):
         description="Allow serving without any token on a non-loopback address (not advised).",
     )
     allowed_hosts: str = Field(
-        "*",
-        description="Comma-separated Host header values accepted (DNS-rebinding protection); "
-        "`*` accepts any (the bearer token is the protection then).",
+        "auto",
+        description="DNS-rebinding protection. `auto`: Host and Origin must be local when the "
+        "server listens on loopback (a web page cannot drive a local server); a comma-separated "
+        "list: only those Host values (plus local ones) anywhere; `*`: no check.",
     )
     replica_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{secrets.token_hex(3)}",

@@ -58,7 +58,7 @@ def setup_logging(settings: Settings) -> None:
     logger.remove()
     logger.configure(extra={"replica_id": settings.replica_id, "execution_id": "-"})
     fmt: Any = _json_line if settings.log_format == "json" else TEXT_FORMAT
-    logger.add(sys.stderr, level=settings.log_level, format=fmt, backtrace=False)
+    logger.add(sys.stderr, level=settings.log_level, format=fmt, backtrace=False, diagnose=False)
     if settings.log_file is not None:
         settings.log_file.parent.mkdir(parents=True, exist_ok=True)
         logger.add(
@@ -69,6 +69,7 @@ def setup_logging(settings: Settings) -> None:
             retention="7 days",
             enqueue=True,
             backtrace=False,
+            diagnose=False,  # locals in tracebacks can hold tokens and code
         )
     handler = _InterceptHandler()
     for name in ROUTED_LOGGERS:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import sandbox_runtime
-from sandbox_runtime.errors import PolicyViolationError
+from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError
 from sandbox_runtime.sandbox import (
     BubblewrapBackend,
     SandboxLimits,
@@ -689,3 +689,44 @@ async def test_killing_signal_is_reported(
     assert result.outcome.signal == signal.SIGKILL
     assert result.outcome.exit_code == 128 + signal.SIGKILL
     assert result.outcome.reason is None
+
+
+PRELOAD_SOURCE = r"""
+#include <stdio.h>
+#include <sys/resource.h>
+__attribute__((constructor)) static void report(void) {
+    struct rlimit r;
+    getrlimit(RLIMIT_FSIZE, &r);
+    fprintf(stderr, "preload-fsize=%lld\n", (long long) r.rlim_cur);
+}
+"""
+
+
+async def test_callers_ld_preload_runs_only_after_the_limits_are_set(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    (sandbox_workspace / "p.c").write_text(PRELOAD_SOURCE)
+    os.chmod(sandbox_workspace / "p.c", 0o644)
+    built = await run(
+        sandbox_backend, sandbox_workspace, "cc -shared -fPIC -o /workspace/p.so /workspace/p.c"
+    )
+    assert built.outcome.exit_code == 0, built.stderr
+    limits = sandbox_backend.config.limits.tighten({"file_size_mb": 1})
+    result = await run(
+        sandbox_backend,
+        sandbox_workspace,
+        "ulimit -f; /bin/true",
+        limits=limits,
+        env={"LD_PRELOAD": "/workspace/p.so"},
+    )
+    reported = [line for line in result.stderr.splitlines() if line.startswith("preload-fsize=")]
+    assert reported, f"the preloaded library never ran: {result.stderr!r}"
+    assert all(line == f"preload-fsize={1024 * 1024}" for line in reported), reported
+    assert result.stdout.strip() == "2048"
+
+
+async def test_reserved_environment_names_are_refused(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    with pytest.raises(InvalidRequestError, match="not valid"):
+        await run(sandbox_backend, sandbox_workspace, "true", env={"__srt_n": "1"})

@@ -268,6 +268,12 @@ class Execution:
             raise InvalidRequestError(
                 f"input_data is {len(payload)} bytes; at most {MAX_STDIN_BYTES} per call"
             )
+        pending = stdin.transport.get_write_buffer_size()
+        if pending + len(payload) > MAX_STDIN_BYTES:
+            raise InvalidRequestError(
+                f"{pending} bytes sent earlier are still waiting for the process to read them; "
+                f"at most {MAX_STDIN_BYTES} may wait at once"
+            )
         try:
             if payload:
                 stdin.write(payload)

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import hashlib
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from loguru import logger
@@ -149,7 +152,7 @@ class ExecutionManager:
         )
         self._accepting = True
         if self.backend.unavailable_reason is None:
-            self._remove_idle_workspaces()  # a previous run's: no execution refers to them
+            await self.remove_idle_workspaces()  # a previous run's, unused for the retention
         self._evictor = asyncio.get_running_loop().create_task(self._evict_forever())
 
     async def shutdown(self) -> None:
@@ -268,6 +271,7 @@ class ExecutionManager:
         spawn_started = time.perf_counter()
         try:
             workspace = self.backend.create_workspace(workspace_name(owner))
+            os.utime(workspace)  # last use: idle workspaces are removed after retention
             process = await self.backend.spawn(
                 SandboxSpec(
                     argv=argv,
@@ -598,37 +602,59 @@ class ExecutionManager:
     # -- retention ---------------------------------------------------------------------------
 
     def evict(self, now: float | None = None) -> int:
-        """Drop finished executions past retention (or past the count cap); returns how many."""
+        """Drop finished executions past retention, and past the count cap (taking from the
+        principal that holds the most first, so no one can push out another's); returns how
+        many were dropped."""
         now = time.time() if now is None else now
         finished = [e for e in self._executions.values() if e.status.finished]
-        finished.sort(key=lambda e: e.info.finished_at or 0)
-        excess = len(finished) - self.settings.max_retained
-        dropped = 0
-        for i, execution in enumerate(finished):
-            expired = (execution.info.finished_at or 0) + self.settings.retention_seconds <= now
-            if expired or i < excess:
-                del self._executions[execution.execution_id]
-                if self.mirror is not None:
-                    self.mirror.forget(execution.execution_id)
-                dropped += 1
-        if dropped:
-            self._remove_idle_workspaces()
-        return dropped
+        doomed = {
+            e.execution_id
+            for e in finished
+            if (e.info.finished_at or 0) + self.settings.retention_seconds <= now
+        }
+        kept = [e for e in finished if e.execution_id not in doomed]
+        excess = len(kept) - self.settings.max_retained
+        if excess > 0:
+            by_principal: dict[str, builtins.list[Execution]] = {}
+            for e in sorted(kept, key=lambda e: e.info.finished_at or 0):
+                by_principal.setdefault(e.owner.principal, []).append(e)
+            for _ in range(excess):
+                heaviest = max(by_principal.values(), key=len)
+                doomed.add(heaviest.pop(0).execution_id)
+        for execution_id in doomed:
+            del self._executions[execution_id]
+            if self.mirror is not None:
+                self.mirror.forget(execution_id)
+        return len(doomed)
 
-    def _remove_idle_workspaces(self) -> None:
+    def idle_workspaces(self, now: float | None = None) -> tuple[Path, ...]:
+        """Workspaces no retained execution uses and nobody started anything in for the
+        retention period (their mtime is touched at every start)."""
+        now = time.time() if now is None else now
         live = {workspace_name(e.owner) for e in self._executions.values()}
         root = self.backend.config.workspace_root
+        idle: builtins.list[Path] = []
         with contextlib.suppress(OSError):
             for path in root.iterdir():
-                if path.name not in live:
-                    self.backend.remove_workspace(path)
+                if path.name in live:
+                    continue
+                with contextlib.suppress(OSError):
+                    if path.lstat().st_mtime + self.settings.retention_seconds <= now:
+                        idle.append(path)
+        return tuple(idle)
+
+    async def remove_idle_workspaces(self) -> None:
+        """Delete idle workspaces in a worker thread: a huge tree must not stall the loop."""
+        for path in self.idle_workspaces():
+            await asyncio.to_thread(self.backend.remove_workspace, path)
 
     async def _evict_forever(self) -> None:
         while True:
             await asyncio.sleep(min(60.0, max(1.0, self.settings.retention_seconds / 4)))
             try:
                 self.evict()
-            except SandboxRuntimeError:
+                await self.remove_idle_workspaces()
+            except (SandboxRuntimeError, OSError):
                 logger.exception("eviction failed")
 
 

@@ -45,10 +45,16 @@ _ULIMITS = (
     'ulimit -S -t "$1" && ulimit -H -t "$2" && ulimit -f "$3" && ulimit -n "$4" '
     '&& ulimit -v "$5" && ulimit -c 0 || exit 125; '
 )
-LIMITS_SCRIPT = _ULIMITS + 'shift 5; exec "$@"'
+# Then the caller's variables ("$6" of them, as NAME=value) are exported: only now, so that
+# none of them (LD_PRELOAD, ...) can act on this shell before its limits are in place.
+_EXPORTS = (
+    '__srt_n=$6; shift 6; while [ "$__srt_n" -gt 0 ]; do export "$1"; shift; '
+    "__srt_n=$((__srt_n-1)); done; "
+)
+LIMITS_SCRIPT = _ULIMITS + _EXPORTS + 'unset __srt_n; exec "$@"'
 # For a shell command the same shell runs it (one exec fewer): like `sh -c CMD`, with no
 # positional parameters left.
-LIMITS_SHELL_SCRIPT = _ULIMITS + '__srt_cmd=$6; set --; eval "$__srt_cmd"'
+LIMITS_SHELL_SCRIPT = _ULIMITS + _EXPORTS + '__srt_cmd=$1; unset __srt_n; set --; eval "$__srt_cmd"'
 LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 # What a program inside finds in its environment before the caller's variables.
@@ -163,7 +169,7 @@ def validate_env(env: dict[str, str] | None) -> dict[str, str]:
         raise InvalidRequestError(f"environment has {len(env)} variables; at most {MAX_ENV_VARS}")
     size = 0
     for key, value in env.items():
-        if not isinstance(key, str) or not ENV_NAME.match(key):
+        if not isinstance(key, str) or not ENV_NAME.match(key) or key.startswith("__srt"):
             raise InvalidRequestError(f"environment variable name {key!r} is not valid")
         if not isinstance(value, str) or "\x00" in value:
             raise InvalidRequestError(f"environment variable {key} must be a string without NUL")
@@ -344,6 +350,10 @@ class BubblewrapBackend:
         args += [
             "--proc", "/proc",
             "--dev", "/dev",
+            # --dev's tmpfs (and /dev/shm in it) is writable and as big as half the RAM:
+            # bound /dev/shm like /tmp and make the rest of /dev read-only.
+            "--size", str(spec.limits.tmp_size_mb * MIB), "--tmpfs", "/dev/shm",
+            "--remount-ro", "/dev",
             "--size", str(spec.limits.tmp_size_mb * MIB), "--tmpfs", "/tmp",
             "--bind", str(spec.workspace), WORKSPACE,
             # bwrap's root is a tmpfs the sandbox uid owns: make it (and the /etc built in it)
@@ -352,11 +362,11 @@ class BubblewrapBackend:
             "--chdir", spec.cwd,
             "--clearenv",
         ]  # fmt: skip
-        env = {**BASE_ENV, **spec.env}
-        for key, value in env.items():
+        for key, value in BASE_ENV.items():
             args += ["--setenv", key, value]
         args += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
         limits = self.limits_argv(spec.limits)
+        limits += [str(len(spec.env)), *(f"{k}={v}" for k, v in spec.env.items())]
         if len(spec.argv) == 3 and spec.argv[:2] == ["/bin/sh", "-c"]:
             limits[2] = LIMITS_SHELL_SCRIPT
             return args + limits + [spec.argv[2]]

@@ -78,6 +78,9 @@ class SandboxProcess:
         self.stderr = stderr
         self.limits = limits
         self.child_pid: int | None = None
+        # Signals go through a pidfd: after the outer bwrap reaped the child, its pid could be
+        # reused by an unrelated process, and this server runs as root.
+        self._child_pidfd: int | None = None
         self._child_known = asyncio.Event()
         self._cgroup = cgroup
         self._started_at = time.monotonic()
@@ -145,10 +148,8 @@ class SandboxProcess:
             self._reason = reason
         if not self.running:
             return
-        if self.child_pid is not None:
-            # Killing the pid namespace's init makes the kernel kill everything inside it.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.child_pid, signal.SIGKILL)
+        # Killing the pid namespace's init makes the kernel kill everything inside it.
+        self._kill_child()
         if self._cgroup is not None:
             self._cgroup.kill()
         with contextlib.suppress(ProcessLookupError):
@@ -186,6 +187,11 @@ class SandboxProcess:
         logger.debug("sandbox {} hit its wall-clock timeout", self.pid)
         self.stop_in_background(grace=1.0, reason=REASON_TIMEOUT)
 
+    def _kill_child(self) -> None:
+        if self._child_pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._child_pidfd, signal.SIGKILL)
+
     def _sandbox_pids(self) -> list[int]:
         """Every process inside the sandbox except its init (which ignores signals)."""
         if self._cgroup is not None:
@@ -207,9 +213,10 @@ class SandboxProcess:
         if self._timer is not None:
             self._timer.cancel()
         # The tree ends with its outer bwrap (--die-with-parent); make sure of it.
-        if self.child_pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.child_pid, signal.SIGKILL)
+        self._kill_child()
+        if self._child_pidfd is not None:
+            os.close(self._child_pidfd)
+            self._child_pidfd = None
         if self._cgroup is not None:
             self._cgroup.kill()
         self._exited.set()
@@ -249,6 +256,8 @@ class SandboxProcess:
             if isinstance(doc, dict):
                 if "child-pid" in doc and self.child_pid is None:
                     self.child_pid = int(doc["child-pid"])
+                    with contextlib.suppress(OSError):
+                        self._child_pidfd = os.pidfd_open(self.child_pid)
                     self._child_known.set()
                 if "exit-code" in doc:
                     self._inner_exit = int(doc["exit-code"])

@@ -59,6 +59,14 @@ DENIED_SYSCALLS = (
     "io_uring_enter",
     "io_uring_register",
     "fanotify_init",
+    "modify_ldt",
+    "uselib",
+    "kcmp",
+    "pidfd_getfd",
+    "mbind",
+    "migrate_pages",
+    "move_pages",
+    "lookup_dcookie",
 )
 
 TIOCSTI = 0x5412

@@ -8,7 +8,7 @@ import hashlib
 import hmac
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 from fastmcp import FastMCP
 from starlette.applications import Starlette
@@ -54,13 +54,19 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
     """The whole server as one ASGI app. The manager is created and torn down in its lifespan."""
     mcp = build_mcp(settings)
     allowed = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
-    protect = "*" not in allowed
+    protection: bool | Literal["auto"]
+    if allowed == ["auto"] or not allowed:
+        protection, hosts = "auto", None
+    elif "*" in allowed:
+        protection, hosts = False, None
+    else:
+        protection, hosts = True, allowed
     mcp_app = mcp.http_app(
         path="/mcp",
         stateless_http=False,
         json_response=False,
-        host_origin_protection=protect,
-        allowed_hosts=allowed if protect else None,
+        host_origin_protection=protection,
+        allowed_hosts=hosts,
         event_store=_event_store(settings),
         retry_interval=1000 if settings.redis_url else None,
     )

@@ -1,0 +1,78 @@
+"""Retention of finished executions and workspaces, with a real manager and real sandboxes."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from mcp_harness import traversable_by_others
+
+from sandbox_runtime.config import Settings
+from sandbox_runtime.errors import ExecutionNotFoundError
+from sandbox_runtime.execution.execution import Owner
+from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager, workspace_name
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+async def manager(tmp_path: Path) -> AsyncIterator[ExecutionManager]:
+    traversable_by_others(tmp_path)
+    settings = Settings(
+        state_dir=tmp_path / "state",
+        replica_id=f"ret-{uuid.uuid4().hex[:6]}",
+        max_retained=5,
+        retention_seconds=600,
+        _env_file=None,  # type: ignore[call-arg]
+    )
+    mgr = ExecutionManager(settings)
+    await mgr.start()
+    assert mgr.backend.unavailable_reason is None, mgr.backend.unavailable_reason
+    try:
+        yield mgr
+    finally:
+        await mgr.shutdown()
+
+
+async def run(mgr: ExecutionManager, owner: Owner, command: str) -> str:
+    execution = await mgr.start_execution(owner, ExecuteRequest(command=command))
+    await execution.finished.wait()
+    return execution.execution_id
+
+
+async def test_one_principal_flooding_the_cap_does_not_evict_another(
+    manager: ExecutionManager,
+) -> None:
+    bob = Owner("bob", "s:notes")
+    alice = Owner("alice", "default")
+    kept = await run(manager, bob, "echo important > notes.txt")
+    for _ in range(8):
+        await run(manager, alice, "true")
+    manager.evict()
+    await manager.remove_idle_workspaces()
+    assert (await manager.status(bob, kept)).status == "completed"
+    workspace = manager.backend.config.workspace_root / workspace_name(bob)
+    assert (workspace / "notes.txt").read_text() == "important\n"
+    alice_left = await manager.list(alice)
+    assert len(alice_left) == 4, "alice's own oldest went first"
+
+
+async def test_idle_workspace_is_removed_only_after_the_retention(
+    manager: ExecutionManager,
+) -> None:
+    owner = Owner("carol", "s:tmp")
+    execution_id = await run(manager, owner, "echo x > f")
+    workspace = manager.backend.config.workspace_root / workspace_name(owner)
+    later = time.time() + 601
+    assert manager.evict(now=later) >= 1
+    with pytest.raises(ExecutionNotFoundError):
+        await manager.status(owner, execution_id)
+    assert workspace in manager.idle_workspaces(now=later)
+    assert workspace not in manager.idle_workspaces(), "used moments ago: not idle yet"
+    os.utime(workspace, (time.time() - 700, time.time() - 700))
+    await manager.remove_idle_workspaces()
+    assert not workspace.exists()
