@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import ctypes
 import hashlib
 import math
 import os
@@ -50,6 +51,7 @@ MAX_EVENTS_PER_READ = 1000
 # JSON text escaped once more: up to 3x in all) and the official MCP client refuses an SSE
 # event over 1 MiB, so a page stays well below a third of that.
 MAX_BYTES_PER_READ = 256 * 1024
+TRIM_AFTER_BYTES = 4 * 1024 * 1024
 CONTROL_WAIT_SECONDS = 5.0  # how long a forwarded stdin/cancel waits for the owner's answer
 REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
 
@@ -315,6 +317,8 @@ class ExecutionManager:
         self._running.pop(execution.execution_id, None)
         self._release_owner(execution.owner)
         self._count_finished(execution.info)
+        if execution.info.stdout_bytes + execution.info.stderr_bytes > TRIM_AFTER_BYTES:
+            _release_freed_memory()  # big outputs leave freed heap behind; give it back
         with logger.contextualize(execution_id=execution.execution_id):
             logger.info(
                 "execution finished status={} exit_code={} reason={} duration_ms={}",
@@ -656,6 +660,11 @@ class ExecutionManager:
                 await self.remove_idle_workspaces()
             except (SandboxRuntimeError, OSError):
                 logger.exception("eviction failed")
+
+
+def _release_freed_memory() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 def workspace_name(owner: Owner) -> str:
