@@ -106,6 +106,7 @@ class Bench:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        PLAIN_LAUNCHED.add(popen.pid)
         popen.returncode = 0  # never let Popen wait on it: we do, below
         exited: asyncio.Future[int | None] = loop.create_future()
         pidfd = os.pidfd_open(popen.pid)
@@ -124,6 +125,7 @@ class Bench:
         err = await _drain(loop, popen.stderr)
         code, _, _ = await asyncio.gather(exited, out, err)
         samples.latencies_ms.append((time.perf_counter() - started) * 1000)
+        PLAIN_LAUNCHED.discard(popen.pid)
         reap_plain_orphans(self.backend)
         if code is None:
             samples.stolen += 1
@@ -139,8 +141,10 @@ class Bench:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
+        PLAIN_LAUNCHED.add(proc.pid)
         await proc.communicate()
         samples.latencies_ms.append((time.perf_counter() - started) * 1000)
+        PLAIN_LAUNCHED.discard(proc.pid)
         reap_plain_orphans(self.backend)
         # asyncio reports 255 when someone else reaped its child (and logs a warning)
         if proc.returncode == 255:
@@ -149,12 +153,15 @@ class Bench:
             samples.failures += proc.returncode != 0
 
 
+PLAIN_LAUNCHED: set[int] = set()  # outer bwraps of plain runs: their runners wait for them
+
+
 def reap_plain_orphans(backend: BubblewrapBackend) -> None:
     """Reap the reparented inits of the plain-bwrap runs (root-owned, so the backend, which
     reaps only its own sandbox uid's, leaves them): zombies piling up in this process would
     slow every variant down."""
     for pid in _children(os.getpid()):
-        if pid in backend._tracked_pids:
+        if pid in backend._tracked_pids or pid in PLAIN_LAUNCHED:
             continue
         try:
             status = Path(f"/proc/{pid}/status").read_text()
