@@ -116,7 +116,7 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
     async with open_client(a.url, TOKEN, "auto") as on_a, open_client(b.url, TOKEN, "auto") as on_b:
         started = await on_a.ok(
             "execute_code_async",
-            command=f"cat; sleep 1000 # {marker}",
+            command=f"cat; sh -c 'sleep 1000; :' {marker}",
             interactive=True,
             session=session,
         )
@@ -167,7 +167,7 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
         async with open_client(doomed.url, TOKEN, "auto") as on_doomed:
             started = await on_doomed.ok(
                 "execute_code_async",
-                command=f"for i in $(seq 1 50); do echo out$i; done; sleep 1000 # {marker}",
+                command=f"for i in $(seq 1 50); do echo out$i; done; sh -c 'sleep 1000;:' {marker}",
                 session=session,
             )
             execution_id = started["execution_id"]

@@ -386,7 +386,10 @@ async def test_sandboxed_processes_run_as_the_unprivileged_host_uid(
 ) -> None:
     marker = f"srt-uid-{uuid.uuid4().hex}"
     proc = await spawn(
-        sandbox_backend, sandbox_workspace, f"echo ready; sleep 30 # {marker}", wall_timeout=10
+        sandbox_backend,
+        sandbox_workspace,
+        f"echo ready; sh -c 'sleep 30; :' {marker}",
+        wall_timeout=10,
     )
     try:
         assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"ready\n"
@@ -730,3 +733,26 @@ async def test_reserved_environment_names_are_refused(
 ) -> None:
     with pytest.raises(InvalidRequestError, match="not valid"):
         await run(sandbox_backend, sandbox_workspace, "true", env={"__srt_n": "1"})
+
+
+async def test_callers_environment_and_shell_code_never_show_in_a_command_line(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    secret = f"secret-{uuid.uuid4().hex}"
+    code_marker = f"code-{uuid.uuid4().hex}"
+    proc = await spawn(
+        sandbox_backend,
+        sandbox_workspace,
+        f': {code_marker}; echo "$API_KEY" > /workspace/seen; sleep 30',
+        env={"API_KEY": secret},
+    )
+    try:
+        await wait_until(lambda: (sandbox_workspace / "seen").exists(), what="the command")
+        assert (sandbox_workspace / "seen").read_text() == secret + "\n"
+        for pid in host_pids():
+            cmdline = read_proc(pid, "cmdline")
+            assert secret.encode() not in cmdline, f"pid {pid} shows the secret"
+            assert code_marker.encode() not in cmdline, f"pid {pid} shows the code"
+    finally:
+        proc.kill()
+        await collect(proc)

@@ -1094,9 +1094,9 @@ async def test_sigterm_with_running_executions_leaves_no_process_behind(tmp_path
         async with open_client(server.url, ALICE, "legacy") as conn:
             for i in range(3):
                 ignore = "trap '' TERM; " if i == 0 else ""  # this one outlasts the grace
-                await start(conn, f"{ignore}sleep 1000; : {marker}-{i}", session=f"s{i}")
+                await start(conn, f"{ignore}sh -c 'sleep 1000; :' {marker}-{i}", session=f"s{i}")
             waiting = asyncio.create_task(
-                conn.call("execute_code", command=f"sleep 1000; : {marker}-waiting")
+                conn.call("execute_code", command=f"sh -c 'sleep 1000; :' {marker}-waiting")
             )
             deadline = time.monotonic() + 10
             while (await asyncio.to_thread(server.health))["running_executions"] < 4:
@@ -1105,7 +1105,9 @@ async def test_sigterm_with_running_executions_leaves_no_process_behind(tmp_path
             tree = server.descendants()
             sandboxed = [pid for pid, _ in tree if proc_uid(pid) == SANDBOX_UID]
             assert len(sandboxed) >= 4, "the sandboxed sleepers are not visible on the host"
-            assert len(processes_with(marker)) >= 4
+            while len(processes_with(marker)) < 4:
+                assert time.monotonic() < deadline, "the marked sleepers never appeared"
+                await asyncio.sleep(0.05)
 
             started = time.monotonic()
             await asyncio.to_thread(server.stop, 15)

@@ -113,7 +113,7 @@ async def test_execution_is_polled_fed_and_cancelled_through_nginx_from_a_new_se
     async with open_client(topology.nginx.url, TOKEN, "legacy") as first:
         started = await first.ok(
             "execute_code_async",
-            command=f"cat; sleep 1000 # {marker}",
+            command=f"cat; sh -c 'sleep 1000; :' {marker}",
             interactive=True,
             session=session,
         )

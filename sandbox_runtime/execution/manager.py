@@ -185,7 +185,10 @@ class ExecutionManager:
                 await self._evictor
         await self.backend.close()
         if self.mirror is not None:
-            await self.mirror.stop()
+            try:
+                await asyncio.wait_for(self.mirror.stop(), 15)
+            except TimeoutError:
+                logger.error("redis: the final flush did not finish in 15 s; giving up")
 
     @property
     def sandbox_status(self) -> str:

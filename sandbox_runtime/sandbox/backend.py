@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import posixpath
 import pwd
@@ -32,6 +33,7 @@ MAX_ENV_BYTES = 64 * 1024
 MAX_ENV_VARS = 256
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 PR_SET_CHILD_SUBREAPER = 36
+F_SETPIPE_SZ = 1031
 
 # How a sandbox starts: the server execs setpriv (drop to the unprivileged uid, no_new_privs,
 # parent-death signal) which execs bwrap. bwrap builds the namespaces and mounts, reports its
@@ -45,16 +47,18 @@ _ULIMITS = (
     'ulimit -S -t "$1" && ulimit -H -t "$2" && ulimit -f "$3" && ulimit -n "$4" '
     '&& ulimit -v "$5" && ulimit -c 0 || exit 125; '
 )
-# Then the caller's variables ("$6" of them, as NAME=value) are exported: only now, so that
-# none of them (LD_PRELOAD, ...) can act on this shell before its limits are in place.
+# Then the caller's variables are exported: only now, so that none of them (LD_PRELOAD, ...)
+# acts on this shell before its limits are in place. bwrap sets them as __srt_env_NAME (from
+# its --args pipe: values never appear in a command line); "$6" names follow.
 _EXPORTS = (
-    '__srt_n=$6; shift 6; while [ "$__srt_n" -gt 0 ]; do export "$1"; shift; '
-    "__srt_n=$((__srt_n-1)); done; "
+    '__srt_n=$6; shift 6; while [ "$__srt_n" -gt 0 ]; do '
+    r'eval "export $1=\"\$__srt_env_$1\"; unset __srt_env_$1"; shift; '
+    "__srt_n=$((__srt_n-1)); done; unset __srt_n; "
 )
-LIMITS_SCRIPT = _ULIMITS + _EXPORTS + 'unset __srt_n; exec "$@"'
-# For a shell command the same shell runs it (one exec fewer): like `sh -c CMD`, with no
-# positional parameters left.
-LIMITS_SHELL_SCRIPT = _ULIMITS + _EXPORTS + '__srt_cmd=$1; unset __srt_n; set --; eval "$__srt_cmd"'
+LIMITS_SCRIPT = _ULIMITS + _EXPORTS + 'exec "$@"'
+# For a shell command the same shell runs it (one exec fewer), like `sh -c CMD`; the command
+# comes in __srt_cmd, which is gone from the environment before it runs.
+LIMITS_SHELL_SCRIPT = _ULIMITS + _EXPORTS + '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
 LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
 
 # What a program inside finds in its environment before the caller's variables.
@@ -364,13 +368,18 @@ class BubblewrapBackend:
         ]  # fmt: skip
         for key, value in BASE_ENV.items():
             args += ["--setenv", key, value]
-        args += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
+        for key, value in spec.env.items():
+            args += ["--setenv", f"__srt_env_{key}", value]
         limits = self.limits_argv(spec.limits)
-        limits += [str(len(spec.env)), *(f"{k}={v}" for k, v in spec.env.items())]
+        limits += [str(len(spec.env)), *spec.env]
         if len(spec.argv) == 3 and spec.argv[:2] == ["/bin/sh", "-c"]:
+            args += ["--setenv", "__srt_cmd", spec.argv[2]]
             limits[2] = LIMITS_SHELL_SCRIPT
-            return args + limits + [spec.argv[2]]
-        return args + limits + spec.argv
+            command = limits
+        else:
+            command = limits + spec.argv
+        args += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
+        return args + command
 
     def launcher_args(self) -> list[str]:
         """What runs before bwrap: setpriv, when the server is root."""
@@ -439,9 +448,15 @@ class BubblewrapBackend:
         seccomp_fd = os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC)
         status_r, status_w = os.pipe()
         block_r, block_w = os.pipe()
+        args_r, args_w = os.pipe()
         try:
-            bwrap = self.bwrap_args(spec, seccomp_fd, status_w)
-            bwrap[1:1] = ["--block-fd", str(block_r)]
+            full = self.bwrap_args(spec, seccomp_fd, status_w)
+            split = full.index("--")
+            # Options travel through a pipe (bwrap --args): host paths and the caller's
+            # environment and code never show in a command line, on the host or inside.
+            options = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in full[1:split])
+            written = _prefill_pipe(args_w, options)
+            bwrap = [full[0], "--args", str(args_r), "--block-fd", str(block_r), *full[split:]]
             # Popen (not asyncio's subprocess) so that this backend alone reaps its children:
             # spawned from the event loop's thread, which the pdeathsig is tied to.
             popen = subprocess.Popen(
@@ -449,7 +464,7 @@ class BubblewrapBackend:
                 stdin=subprocess.PIPE if spec.interactive else subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
-                pass_fds=(seccomp_fd, status_w, block_r),
+                pass_fds=(seccomp_fd, status_w, block_r, args_r),
                 start_new_session=True,
                 env=LAUNCH_ENV,
                 cwd="/",
@@ -457,6 +472,7 @@ class BubblewrapBackend:
         except (OSError, ValueError) as exc:
             os.close(status_r)
             os.close(block_w)
+            os.close(args_w)
             if cgroup is not None:
                 cgroup.remove()
             raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
@@ -464,6 +480,14 @@ class BubblewrapBackend:
             os.close(seccomp_fd)
             os.close(status_w)
             os.close(block_r)
+            os.close(args_r)
+        try:
+            if written < len(options):  # larger than the pipe: bwrap reads while we write
+                await asyncio.to_thread(_write_all, args_w, options[written:])
+        except OSError:
+            pass  # bwrap died early: its outcome says why
+        finally:
+            os.close(args_w)
         # The Popen object must never wait on this pid itself: we reap it.
         popen.returncode = 0
         self._tracked_pids.add(popen.pid)
@@ -552,6 +576,26 @@ class BubblewrapBackend:
         while True:
             await asyncio.sleep(2.0)
             self.reap_orphans()
+
+
+def _prefill_pipe(fd: int, data: bytes) -> int:
+    """Grow the pipe to fit `data` if allowed, write what fits without blocking; returns how
+    much was written."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(fd, F_SETPIPE_SZ, min(max(len(data) + 4096, 65536), 1024 * 1024))
+    os.set_blocking(fd, False)
+    try:
+        return os.write(fd, data) if data else 0
+    except BlockingIOError:
+        return 0
+    finally:
+        os.set_blocking(fd, True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _first_unsearchable(path: Path, uid: int, gid: int) -> Path | None:

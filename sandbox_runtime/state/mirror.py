@@ -103,14 +103,15 @@ class Mirror:
                 await asyncio.sleep(0.2)
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # A task stuck in a Redis call that ignores cancellation must not hold shutdown.
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.drop_replica(self.replica_id), 2)
         if self._dirty:
             logger.warning("{} executions were not mirrored before shutdown", len(self._dirty))
-        await self.store.aclose()
+        with contextlib.suppress(Exception):  # a half-dead connection must not hold shutdown
+            await asyncio.wait_for(self.store.aclose(), 2)
 
     # -- flushing ----------------------------------------------------------------------------
 
