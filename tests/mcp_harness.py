@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -378,3 +378,25 @@ async def client_in_task(url: str, token: str | None, mode: Mode = "legacy") -> 
     finally:
         closing.set()
         await task
+
+
+def stop_all(*stops: Callable[[], object]) -> None:
+    """Run every stop function even when one fails (nothing left running), then raise the
+    first failure."""
+    errors: list[BaseException] = []
+    for stop in stops:
+        try:
+            stop()
+        except BaseException as exc:  # keep stopping the rest; re-raised below
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def stop_if_running(server: ServerProcess) -> Callable[[], object]:
+    def stop() -> object:
+        if server.proc is not None and server.proc.poll() is None:
+            return server.stop()
+        return None
+
+    return stop

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from mcp_harness import ServerProcess, open_client
+from mcp_harness import ServerProcess, open_client, stop_all, stop_if_running
 from redis_harness import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -175,8 +175,7 @@ async def test_ready_flips_when_redis_stops_and_starts(tmp_path: Path) -> None:
         samples = scrape(srv, TOKEN)
         assert metric(samples, "srt_redis_connected") == 1
     finally:
-        srv.stop()
-        redis.stop()
+        stop_all(stop_if_running(srv), redis.stop)
 
 
 async def _until(predicate: object, within: float, what: str) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp_harness import Conn, ServerProcess, open_client, processes_with
+from mcp_harness import Conn, ServerProcess, open_client, processes_with, stop_all, stop_if_running
 from redis_harness import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -42,9 +42,7 @@ def pair(
     try:
         yield a, b
     finally:
-        for server in (a, b):
-            if server.proc is not None and server.proc.poll() is None:
-                server.stop()
+        stop_all(stop_if_running(a), stop_if_running(b))
 
 
 async def wait_for(predicate: Any, within: float, what: str, interval: float = 0.1) -> Any:
@@ -268,8 +266,7 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
             meta = json.loads(redis.cli_raw("get", f"execution:{execution_id}"))
             assert meta["status"] == "completed"
     finally:
-        server.stop()
-        redis.stop()
+        stop_all(stop_if_running(server), redis.stop)
 
 
 def _async(fn: Any) -> Any:

@@ -14,7 +14,14 @@ from typing import Any
 
 import pytest
 from mcp.shared.exceptions import MCPError
-from mcp_harness import ServerProcess, free_port, open_client, processes_with
+from mcp_harness import (
+    ServerProcess,
+    free_port,
+    open_client,
+    processes_with,
+    stop_all,
+    stop_if_running,
+)
 from nginx_harness import COMPOSE_REPLICAS, SHIPPED, Nginx, check_config, generate, main_config
 from redis_harness import RedisServer
 
@@ -64,12 +71,11 @@ def topology(tmp_path: Path) -> Iterator[Topology]:
         ).start()
         yield Topology(redis, replicas, nginx)
     finally:
-        if nginx is not None:
-            nginx.stop()
-        for server in replicas.values():
-            if server.proc is not None and server.proc.poll() is None:
-                server.stop()
-        redis.stop()
+        stop_all(
+            *([nginx.stop] if nginx is not None else []),
+            *(stop_if_running(server) for server in replicas.values()),
+            redis.stop,
+        )
     for server in replicas.values():
         assert server.proc is None or server.proc.poll() is not None
 
