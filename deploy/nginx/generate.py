@@ -26,7 +26,8 @@ def render(listen: str, replicas: list[tuple[str, str]]) -> str:
         raise ValueError("replica ids must be unique")
     blocks = []
     for rid, addr in replicas:
-        lines = [f"upstream srt_{_ident(rid)} {{", f"    server {addr} max_fails=1 fail_timeout=5s;"]
+        lines = [f"upstream srt_{_ident(rid)} {{"]
+        lines += [f"    server {addr} max_fails=1 fail_timeout=5s;"]
         lines += [f"    server {other} backup;" for orid, other in replicas if orid != rid]
         lines += ["    keepalive 16;", "}"]
         blocks.append("\n".join(lines))
@@ -34,9 +35,7 @@ def render(listen: str, replicas: list[tuple[str, str]]) -> str:
     everyone += [f"    server {addr} max_fails=1 fail_timeout=5s;" for _, addr in replicas]
     everyone += ["    keepalive 32;", "}"]
     blocks.append("\n".join(everyone))
-    session_map = "\n".join(
-        f"    ~^{re.escape(rid)}\\. srt_{_ident(rid)};" for rid, _ in replicas
-    )
+    session_map = "\n".join(f"    ~^{re.escape(rid)}\\. srt_{_ident(rid)};" for rid, _ in replicas)
     text = TEMPLATE.read_text()
     text = text.replace("# @@UPSTREAMS@@", "\n\n".join(blocks))
     text = text.replace("# @@SESSION_MAP@@", session_map)
