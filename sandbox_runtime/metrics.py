@@ -56,12 +56,6 @@ class Metrics:
             ["kind"],
             registry=r,
         )
-        self.limits_reached = Counter(
-            "srt_limits_reached_total",
-            "Limits an execution ran into without necessarily ending (e.g. pids).",
-            ["kind"],
-            registry=r,
-        )
         self.tool_calls = Counter(
             "srt_tool_calls_total", "MCP tool calls, by tool.", ["tool"], registry=r
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import os
 import signal
 import socket
@@ -400,3 +401,20 @@ def stop_if_running(server: ServerProcess) -> Callable[[], object]:
         return None
 
     return stop
+
+
+async def eventually(
+    predicate: Callable[[], Any], within: float, what: str, interval: float = 0.1
+) -> Any:
+    """Poll `predicate` (sync or async) until it returns something truthy; fail at the
+    deadline. Returns that value."""
+    deadline = time.monotonic() + within
+    while True:
+        value = predicate()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within:g}s waiting for {what}")
+        await asyncio.sleep(interval)

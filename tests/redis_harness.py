@@ -69,10 +69,10 @@ class RedisServer:
                 self.proc.wait()
             self.proc = None
 
-    def cli(self, *args: str) -> str:
+    def cli(self, *args: str, raw: bool = False) -> str:
         """Run the real redis-cli against this server; returns stdout."""
         result = subprocess.run(
-            ["redis-cli", "-p", str(self.port), "--no-raw", *args],
+            ["redis-cli", "-p", str(self.port), "--raw" if raw else "--no-raw", *args],
             capture_output=True,
             text=True,
             timeout=10,
@@ -81,11 +81,5 @@ class RedisServer:
         return result.stdout
 
     def cli_raw(self, *args: str) -> str:
-        result = subprocess.run(
-            ["redis-cli", "-p", str(self.port), "--raw", *args],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-        return result.stdout
+        """redis-cli --raw: values as they are stored (JSON parses directly)."""
+        return self.cli(*args, raw=True)

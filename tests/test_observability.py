@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
 import pytest
-from mcp_harness import ServerProcess, open_client, stop_all, stop_if_running
+from mcp_harness import ServerProcess, eventually, open_client, stop_all, stop_if_running
 from redis_harness import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -164,23 +163,15 @@ async def test_ready_flips_when_redis_stops_and_starts(tmp_path: Path) -> None:
         def ready() -> int:
             return httpx2.get(f"{srv.base_url}/ready", timeout=5).status_code
 
-        await _until(lambda: ready() == 200, 10, "ready with Redis up")
+        await eventually(lambda: ready() == 200, 10, "ready with Redis up")
         redis.stop()
-        await _until(lambda: ready() == 503, 10, "not ready with Redis down")
+        await eventually(lambda: ready() == 503, 10, "not ready with Redis down")
         body = httpx2.get(f"{srv.base_url}/ready", timeout=5).json()
         assert body["ready"] is False and "redis" in json.dumps(body)
         assert httpx2.get(f"{srv.base_url}/health", timeout=5).status_code == 200
         redis.start()
-        await _until(lambda: ready() == 200, 15, "ready again")
+        await eventually(lambda: ready() == 200, 15, "ready again")
         samples = scrape(srv, TOKEN)
         assert metric(samples, "srt_redis_connected") == 1
     finally:
         stop_all(stop_if_running(srv), redis.stop)
-
-
-async def _until(predicate: object, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.1)

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp_harness import Conn, ServerProcess, open_client, processes_with, stop_all, stop_if_running
+from mcp_harness import (
+    Conn,
+    ServerProcess,
+    eventually,
+    open_client,
+    processes_with,
+    stop_all,
+    stop_if_running,
+)
 from redis_harness import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -45,17 +53,6 @@ def pair(
         stop_all(stop_if_running(a), stop_if_running(b))
 
 
-async def wait_for(predicate: Any, within: float, what: str, interval: float = 0.1) -> Any:
-    deadline = time.monotonic() + within
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(interval)
-
-
 async def all_output(conn: Conn, execution_id: str, session: str) -> tuple[str, dict[str, Any]]:
     text, cursor = "", 0
     while True:
@@ -86,7 +83,7 @@ async def test_execution_started_on_one_replica_is_read_and_listed_on_another(
             )
             return None if result.is_error else dict(result.structured_content or {})
 
-        status = await wait_for(mirrored, 5, "the execution to be visible on B")
+        status = await eventually(mirrored, 5, "the execution to be visible on B")
         assert status["status"] == "completed" and status["exit_code"] == 0
         assert status["replica_id"] == a.settings["SANDBOX_REPLICA_ID"]
         text, _ = await all_output(on_b, execution_id, session)
@@ -124,7 +121,7 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
             r = await on_b.call("get_execution_status", execution_id=execution_id, session=session)
             return not r.is_error
 
-        await wait_for(visible, 5, "mirroring to B")
+        await eventually(visible, 5, "mirroring to B")
         sent = await on_b.ok(
             "send_stdin", execution_id=execution_id, input_data="hello via B\n", session=session
         )
@@ -169,7 +166,7 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
                 session=session,
             )
             execution_id = started["execution_id"]
-            await wait_for(
+            await eventually(
                 lambda: _count_stdout(redis_server, execution_id, 50), 10, "output mirrored"
             )
         doomed.kill()  # SIGKILL: no goodbye, no final state
@@ -182,7 +179,7 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
                 )
                 return info["status"] == "lost"
 
-            await wait_for(lost, 15, "B to report the execution lost", interval=0.5)
+            await eventually(lost, 15, "B to report the execution lost", interval=0.5)
             assert time.monotonic() - killed_at < 15
             text, page = await all_output(on_b, execution_id, session)
             assert text == "".join(f"out{i}\n" for i in range(1, 51))
@@ -192,8 +189,8 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
                 "send_stdin", execution_id=execution_id, input_data="x", session=session
             )
             assert "finished" in refused or "lost" in refused
-        await wait_for(
-            _async(lambda: not processes_with(marker)), 10, "the dead replica's sandbox to die"
+        await eventually(
+            lambda: not processes_with(marker), 10, "the dead replica's sandbox to die"
         )
     finally:
         doomed.kill()
@@ -225,23 +222,11 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
             # Tools keep answering from local state while Redis is down.
             listed = await conn.ok("list_executions", session=session)
             assert execution_id in [e["execution_id"] for e in listed["executions"]]
-            await wait_for(
-                _async(lambda: server.health()["status"] == "degraded"), 10, "degraded health"
-            )
+            await eventually(lambda: server.health()["status"] == "degraded", 10, "degraded health")
             health = server.health()
             assert health["redis"].startswith("unavailable")
             final = await conn.ok("execute_code", command="echo still works", session=session)
             assert final["exit_code"] == 0
-            status = (
-                await wait_for(
-                    _async(lambda: None),
-                    0,
-                    "noop",
-                )
-                if False
-                else None
-            )
-            del status
             page = await conn.ok(
                 "get_execution_output", execution_id=execution_id, wait=True, session=session
             )
@@ -255,8 +240,8 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
                 )
             assert page["status"] == "completed"
             redis.start()  # same port, empty: everything must be written back
-            await wait_for(_async(lambda: server.health()["status"] == "ok"), 15, "reconnect")
-            await wait_for(
+            await eventually(lambda: server.health()["status"] == "ok", 15, "reconnect")
+            await eventually(
                 lambda: _count_stdout(redis, execution_id, 40), 10, "every event back in Redis"
             )
             raw = redis.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
@@ -269,13 +254,6 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
         stop_all(stop_if_running(server), redis.stop)
 
 
-def _async(fn: Any) -> Any:
-    async def run() -> Any:
-        return fn()
-
-    return run
-
-
 async def test_ttls_are_set_and_refreshed_by_reads(
     pair: tuple[ServerProcess, ServerProcess], redis_server: RedisServer
 ) -> None:
@@ -285,7 +263,7 @@ async def test_ttls_are_set_and_refreshed_by_reads(
         started = await on_a.ok("execute_code", command="echo ttl", session=session)
         execution_id = started["execution_id"]
         key = f"execution:{execution_id}"
-        await wait_for(_async(lambda: redis_server.cli_raw("exists", key).strip() == "1"), 5, "key")
+        await eventually(lambda: redis_server.cli_raw("exists", key).strip() == "1", 5, "key")
         for k in (key, f"{key}:output", f"session:default:s:{session}:executions"):
             ttl = int(redis_server.cli_raw("ttl", k))
             assert 3500 < ttl <= 3600, (k, ttl)

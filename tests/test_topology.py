@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -10,12 +9,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mcp.shared.exceptions import MCPError
 from mcp_harness import (
     ServerProcess,
+    eventually,
     free_port,
     open_client,
     processes_with,
@@ -173,7 +172,7 @@ async def test_killed_replica_client_reinitializes_sees_lost_and_reads_mirrored_
             raw = topology.redis.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
             return raw.count("row") >= 30
 
-        await _until(mirrored, 10, "output mirrored")
+        await eventually(mirrored, 10, "output mirrored")
         topology.replicas[owner].kill()
         # The session's replica is gone: nginx hands the request to a backup, which answers
         # 404 "Session not found"; the client learns its session is over.
@@ -188,7 +187,7 @@ async def test_killed_replica_client_reinitializes_sees_lost_and_reads_mirrored_
             )
             return info["status"] == "lost"
 
-        await _until(lost, 15, "lost status")
+        await eventually(lost, 15, "lost status")
         text, cursor = "", 0
         while True:
             page = await fresh.ok(
@@ -245,7 +244,7 @@ async def test_redis_restart_through_nginx_loses_nothing_already_produced(
             events = [json.loads(line) for line in raw.splitlines() if line.strip()]
             return bool(events) and events[-1]["type"] == "exit"
 
-        await _until(complete, 20, "every event back in Redis")
+        await eventually(complete, 20, "every event back in Redis")
         raw = topology.redis.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
         events = [json.loads(line) for line in raw.splitlines()]
         assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
@@ -253,11 +252,3 @@ async def test_redis_restart_through_nginx_loses_nothing_already_produced(
         assert text == "".join(f"beat{i}\n" for i in range(1, 31))
         status = await conn.ok("get_execution_status", execution_id=execution_id, session=session)
         assert status["status"] == "completed" and status["replica_id"] == owner
-
-
-async def _until(predicate: Any, within: float, what: str) -> None:
-    deadline = time.monotonic() + within
-    while not await predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.1)
