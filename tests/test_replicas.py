@@ -138,7 +138,7 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
             session=session,
         )
         assert closed["stdin_open"] is False
-        assert processes_with(marker), "sleep runs on A after cat ended"
+        await eventually(lambda: processes_with(marker), 5, "sleep to run on A after cat ended")
         cancelled = await on_b.ok("cancel_execution", execution_id=execution_id, session=session)
         assert cancelled["status"] == "cancelled"
         assert cancelled["already_finished"] is False

@@ -394,8 +394,8 @@ async def test_sandboxed_processes_run_as_the_unprivileged_host_uid(
     try:
         assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"ready\n"
         await wait_until(lambda: proc.child_pid is not None, what="bwrap's child pid")
+        await wait_until(lambda: bool(with_marker(marker)), what="the marked sleeper")
         inside = with_marker(marker)
-        assert inside
         sandbox_uid = str(pwd.getpwnam(sandbox_backend.config.sandbox_user).pw_uid)
         for pid in [*inside, proc.child_pid]:
             assert pid is not None
