@@ -7,13 +7,14 @@ Run as root (the backend drops to its unprivileged sandbox user):
 Every latency is one process tree from "start it" to "it has exited and been reaped, its
 stdout/stderr drained to EOF". Variants, measured in the same process and run, alternating:
 
-- ours:          BubblewrapBackend.spawn + wait (+ aclose): cgroup create, launcher, setpriv,
-                 bwrap with seccomp, generated /etc, rlimits, read-only root, status pipe.
+- ours:          BubblewrapBackend.spawn + wait (+ aclose): the spawner (already the sandbox
+                 uid) starts bwrap and sets its rlimits, cgroup create and join, seccomp,
+                 generated /etc, workspace, bounded /dev/shm, read-only root, status pipe.
 - plain/popen:   bwrap with the same namespaces, started with subprocess.Popen and waited for
                  through a pidfd on the event loop, which is how the backend does it.
 - plain/asyncio: the same bwrap through asyncio.create_subprocess_exec (child watcher thread).
 
-The backend is a child subreaper and reaps zombie children it does not track; a plain run
+The backend is a child subreaper and reaps zombie bwraps of its sandbox uid; a plain run
 whose exit status it took anyway is counted in the "stolen" column (its latency still counts).
 """
 
@@ -161,7 +162,7 @@ def reap_plain_orphans(backend: BubblewrapBackend) -> None:
     reaps only its own sandbox uid's, leaves them): zombies piling up in this process would
     slow every variant down."""
     for pid in _children(os.getpid()):
-        if pid in backend._tracked_pids or pid in PLAIN_LAUNCHED:
+        if pid in PLAIN_LAUNCHED:
             continue
         try:
             status = Path(f"/proc/{pid}/status").read_text()

@@ -71,10 +71,6 @@ def check_static(settings: Settings) -> list[Check]:
         checks.append(Check("bubblewrap", True, f"{bwrap} ({version or 'unknown version'})"))
     else:
         checks.append(Check("bubblewrap", False, "bwrap not found", "apt-get install bubblewrap"))
-    setpriv = shutil.which("setpriv")
-    checks.append(
-        Check("setpriv", bool(setpriv), setpriv or "not found", "apt-get install util-linux")
-    )
 
     userns_problems = []
     if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
@@ -206,7 +202,13 @@ async def check_live(settings: Settings) -> list[Check]:
         fix = CONTAINER_FIX if in_container() else "see the user namespaces check"
         return [Check("sandbox run", False, f"bwrap failed: {detail}", fix)]
     checks = [
-        Check("sandbox run", True, f"started and exited 0 in {outcome.duration_s * 1e3:.0f} ms")
+        Check(
+            "spawner",
+            True,
+            f"started bwrap as {settings.sandbox_user if os.geteuid() == 0 else 'this user'}"
+            " with no capabilities and no_new_privs",
+        ),
+        Check("sandbox run", True, f"started and exited 0 in {outcome.duration_s * 1e3:.0f} ms"),
     ]
     checks.append(
         Check(

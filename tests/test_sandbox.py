@@ -128,8 +128,8 @@ def with_marker(marker: str, *, bwrap: bool = True) -> list[int]:
     ]
 
 
-def zombie_children() -> list[int]:
-    me = str(os.getpid())
+def zombie_children(parent: int | None = None) -> list[int]:
+    me = str(os.getpid() if parent is None else parent)
     out = []
     for pid in host_pids():
         stat = read_proc(pid, "stat").decode()
@@ -144,7 +144,8 @@ def sandbox_uid_processes(backend: BubblewrapBackend) -> list[int]:
     """Processes running as the sandbox user that belong to this backend.
 
     Owned by this backend means in one of its cgroups or descended from this test process
-    (which is a child subreaper, so escaped daemons would be re-parented to it).
+    (which is a child subreaper, so escaped daemons would be re-parented to it); the
+    backend's spawner, which runs as the sandbox user outside every sandbox, is not counted.
     """
     uid = str(pwd.getpwnam(backend.config.sandbox_user).pw_uid)
     group = backend.config.group_name
@@ -152,7 +153,7 @@ def sandbox_uid_processes(backend: BubblewrapBackend) -> list[int]:
     found = []
     for pid in host_pids():
         uids = (status_field(pid, "Uid") or "").split()
-        if uid not in uids:
+        if uid not in uids or pid == backend.spawner_pid:
             continue
         if pid in ours or f"/{group}/".encode() in read_proc(pid, "cgroup"):
             found.append(pid)
@@ -578,9 +579,48 @@ async def test_no_zombies_or_stray_processes_remain_after_200_runs(
     assert all(o.started for o in outcomes)
     assert sum(o.exit_code == 3 for o in outcomes) >= 30
     await wait_until(lambda: not zombie_children(), what="no zombie children")
+    spawner = sandbox_backend.spawner_pid
+    await wait_until(lambda: not zombie_children(spawner), what="no zombies of the spawner")
     await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
     await wait_until(lambda: not execution_cgroups(sandbox_backend), what="cgroups removed")
     assert sandbox_backend.running_count == 0
+
+
+# -- the spawner ------------------------------------------------------------------------------
+
+
+async def test_spawner_runs_as_the_sandbox_user_with_no_privileges(
+    sandbox_backend: BubblewrapBackend,
+) -> None:
+    spawner = sandbox_backend.spawner_pid
+    assert spawner is not None
+    sandbox_uid = pwd.getpwnam(sandbox_backend.config.sandbox_user)
+    assert status_field(spawner, "Uid") == "\t".join([str(sandbox_uid.pw_uid)] * 4)
+    assert status_field(spawner, "Gid") == "\t".join([str(sandbox_uid.pw_gid)] * 4)
+    assert status_field(spawner, "Groups") == ""
+    for capabilities in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status_field(spawner, capabilities) or "ff", 16) == 0, capabilities
+    assert status_field(spawner, "NoNewPrivs") == "1"
+    assert read_proc(spawner, "environ") == b""  # unreadable (not dumpable) or empty
+
+
+async def test_killed_spawner_ends_its_sandboxes_and_a_new_one_takes_over(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    marker = f"srt-orphan-{uuid.uuid4().hex}"
+    proc = await spawn(sandbox_backend, sandbox_workspace, f"echo up; sh -c 'sleep 60; :' {marker}")
+    assert await asyncio.wait_for(proc.stdout.readline(), 5) == b"up\n"
+    await wait_until(lambda: bool(with_marker(marker, bwrap=False)), what="the marked sleeper")
+    old = sandbox_backend.spawner_pid
+    assert old is not None
+    os.kill(old, signal.SIGKILL)
+    result = await asyncio.wait_for(collect(proc), 10)
+    assert result.outcome.signal == signal.SIGKILL
+    await wait_until(lambda: not with_marker(marker), what="the sandbox gone with its spawner")
+    again = await run(sandbox_backend, sandbox_workspace, "echo again")
+    assert (again.outcome.exit_code, again.stdout) == (0, "again\n")
+    assert sandbox_backend.spawner_pid not in (None, old)
+    await wait_until(lambda: not zombie_children(), what="no zombie children")
 
 
 # -- policy -----------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ import pwd
 import re
 import resource
 import shutil
-import subprocess
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
 from sandbox_runtime.sandbox.process import SandboxProcess
 from sandbox_runtime.sandbox.seccomp import compile_filter
+from sandbox_runtime.sandbox.spawn_client import SpawnerManager
 
 WORKSPACE = "/workspace"
 SANDBOX_UID = 1000  # the uid a program sees inside; on the host it is `sandbox_user`
@@ -35,31 +35,18 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
 
-# How a sandbox starts: the server execs setpriv (drop to the unprivileged uid, no_new_privs,
-# parent-death signal) which execs bwrap. bwrap builds the namespaces and mounts, reports its
-# child's pid and then waits on --block-fd; meanwhile the server moves that child into the
-# execution's cgroups and sets its rlimits, and only then lets it run the command. The
-# launcher's argv carries client data only after bwrap's final `--`; its environment is fixed.
+# How a sandbox starts: the spawner (spawner.py, already the unprivileged sandbox uid with
+# no capabilities and no_new_privs) starts bwrap with fds the server made and lowers its
+# rlimits before handing it its options through a pipe (--args: host paths, the caller's
+# environment and code never show in a command line). bwrap builds the namespaces and
+# mounts, reports its child's pid and then waits on --block-fd; meanwhile the server moves
+# that child into the execution's cgroups, and only then lets it exec the command.
 SPAWN_HANDSHAKE_SECONDS = 10.0
-# Runs inside the sandbox as the command's parent-by-exec: lower the rlimits, then exec.
-# A command that does not exist gets the shell's 127; a failed ulimit 125.
-_ULIMITS = (
-    'ulimit -S -t "$1" && ulimit -H -t "$2" && ulimit -f "$3" && ulimit -n "$4" '
-    '&& ulimit -v "$5" && ulimit -c 0 || exit 125; '
-)
-# Then the caller's variables are exported: only now, so that none of them (LD_PRELOAD, ...)
-# acts on this shell before its limits are in place. bwrap sets them as __srt_env_NAME (from
-# its --args pipe: values never appear in a command line); "$6" names follow.
-_EXPORTS = (
-    '__srt_n=$6; shift 6; while [ "$__srt_n" -gt 0 ]; do '
-    r'eval "export $1=\"\$__srt_env_$1\"; unset __srt_env_$1"; shift; '
-    "__srt_n=$((__srt_n-1)); done; unset __srt_n; "
-)
-LIMITS_SCRIPT = _ULIMITS + _EXPORTS + 'exec "$@"'
-# For a shell command the same shell runs it (one exec fewer), like `sh -c CMD`; the command
-# comes in __srt_cmd, which is gone from the environment before it runs.
-LIMITS_SHELL_SCRIPT = _ULIMITS + _EXPORTS + '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
-LAUNCH_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+# Fds of bwrap as the spawner sets them up: 0-2 stdio, then these.
+SECCOMP_FD, STATUS_FD, BLOCK_FD, ARGS_FD = 3, 4, 5, 6
+# A shell command is run by /bin/sh like `sh -c CMD`, but CMD comes in __srt_cmd, which is
+# gone from the environment before it runs (and CMD never shows in a command line).
+SHELL_SCRIPT = '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
 
 # What a program inside finds in its environment before the caller's variables.
 BASE_ENV = {
@@ -206,13 +193,12 @@ class BubblewrapBackend:
         self.unavailable_reason: str | None = "sandbox backend not started"
         self.cgroups: CgroupLayout = CgroupLayout()
         self._bwrap = ""
-        self._setpriv = ""
+        self._spawner: SpawnerManager | None = None
         self._uid = self._gid = -1
         self._private_dir: Path | None = None
         self._seccomp_path: Path | None = None
         self._etc_args: list[str] = []
         self._running: set[SandboxProcess] = set()
-        self._tracked_pids: set[int] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # referenced so they are not collected
 
@@ -236,12 +222,7 @@ class BubblewrapBackend:
             raise SandboxUnavailableError(
                 "bubblewrap (bwrap) is not installed; install it: apt-get install bubblewrap"
             )
-        setpriv = shutil.which("setpriv")
-        if not setpriv:
-            raise SandboxUnavailableError(
-                "setpriv (util-linux) is missing; install it: apt-get install util-linux"
-            )
-        self._bwrap, self._setpriv = bwrap, setpriv
+        self._bwrap = bwrap
         try:
             entry = pwd.getpwnam(self.config.sandbox_user)
         except KeyError:
@@ -285,6 +266,17 @@ class BubblewrapBackend:
         self.cgroups.cleanup_stale()
         for problem in self.cgroups.problems:
             logger.warning("cgroups: {}", problem)
+        if os.geteuid() == 0:
+            spawner = SpawnerManager(self._uid, self._gid)
+        else:  # the server already is the sandbox user
+            spawner = SpawnerManager(os.geteuid(), os.getegid())
+        spawner.start()
+        self._spawner = spawner
+
+    @property
+    def spawner_pid(self) -> int | None:
+        """The spawner process (it runs as the sandbox user, outside every sandbox)."""
+        return self._spawner.pid if self._spawner is not None else None
 
     async def close(self) -> None:
         """Kill every sandbox still running and remove the backend's private files."""
@@ -298,6 +290,9 @@ class BubblewrapBackend:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
+        if self._spawner is not None:
+            await self._spawner.close()
+            self._spawner = None
         self.reap_orphans()
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
@@ -326,10 +321,9 @@ class BubblewrapBackend:
 
     # -- spawning ----------------------------------------------------------------------------
 
-    def bwrap_args(self, spec: SandboxSpec, seccomp_fd: int, status_fd: int) -> list[str]:
-        """The bubblewrap command line for `spec` (without the launcher in front)."""
+    def bwrap_args(self, spec: SandboxSpec) -> tuple[list[str], list[str]]:
+        """bubblewrap's options for `spec` and the command it runs."""
         args = [
-            self._bwrap,
             "--unshare-user",
             "--unshare-pid",
             "--unshare-net",
@@ -368,34 +362,37 @@ class BubblewrapBackend:
         ]  # fmt: skip
         for key, value in BASE_ENV.items():
             args += ["--setenv", key, value]
+        # The caller's variables act on the command only: bwrap execs nothing else, and the
+        # rlimits are in place before the command starts.
         for key, value in spec.env.items():
-            args += ["--setenv", f"__srt_env_{key}", value]
-        limits = self.limits_argv(spec.limits)
-        limits += [str(len(spec.env)), *spec.env]
+            args += ["--setenv", key, value]
         if len(spec.argv) == 3 and spec.argv[:2] == ["/bin/sh", "-c"]:
             args += ["--setenv", "__srt_cmd", spec.argv[2]]
-            limits[2] = LIMITS_SHELL_SCRIPT
-            command = limits
+            command = ["/bin/sh", "-c", SHELL_SCRIPT]
         else:
-            command = limits + spec.argv
-        args += ["--seccomp", str(seccomp_fd), "--json-status-fd", str(status_fd), "--"]
-        return args + command
+            command = list(spec.argv)
+        args += ["--seccomp", str(SECCOMP_FD), "--json-status-fd", str(STATUS_FD)]
+        return args, command
 
-    def launcher_args(self) -> list[str]:
-        """What runs before bwrap: setpriv, when the server is root."""
-        if os.geteuid() != 0:
-            return []
-        return [
-            self._setpriv,
-            f"--reuid={self._uid}",
-            f"--regid={self._gid}",
-            "--clear-groups",
-            "--nnp",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--pdeathsig=SIGKILL",
-            "--",
+    def rlimits(self, limits: SandboxLimits) -> list[tuple[int, int, int]]:
+        """(resource, soft, hard) the command runs under; the second layer under the cgroup.
+
+        The spawner sets them on bwrap before bwrap reads its options, so the whole sandbox
+        inherits them; the sandbox user cannot raise them again.
+        """
+        nofile = limits.open_files
+        nofile_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if nofile_hard != resource.RLIM_INFINITY:
+            nofile = min(nofile, nofile_hard)
+        out = [
+            (resource.RLIMIT_CPU, limits.cpu_time_seconds, limits.cpu_time_seconds + 1),
+            (resource.RLIMIT_FSIZE, limits.file_size_mb * MIB, limits.file_size_mb * MIB),
+            (resource.RLIMIT_NOFILE, nofile, nofile),
+            (resource.RLIMIT_CORE, 0, 0),
         ]
+        if "memory" not in self.cgroups.controllers:  # no memory cgroup: address space instead
+            out.append((resource.RLIMIT_AS, limits.memory_mb * MIB, limits.memory_mb * MIB))
+        return out
 
     def _confine(self, pid: int, cgroup: ExecutionCgroup | None) -> None:
         """Put the waiting sandbox `pid` into its cgroups (everything it starts inherits them).
@@ -405,98 +402,80 @@ class BubblewrapBackend:
                 with open(procs, "w") as f:
                     f.write(str(pid))
 
-    def limits_argv(self, limits: SandboxLimits) -> list[str]:
-        """The in-sandbox prefix that sets rlimits, then execs the command.
-
-        Inside, because the server may lack CAP_SYS_RESOURCE to prlimit() another uid's
-        process; lowering one's own limits needs no privilege, and the sandbox user cannot
-        raise them again.
-        """
-        nofile_hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-        nofile = limits.open_files
-        if nofile_hard != resource.RLIM_INFINITY:
-            nofile = min(nofile, nofile_hard)
-        as_kb = "unlimited"
-        if "memory" not in self.cgroups.controllers:
-            as_kb = str(limits.memory_mb * 1024)  # no memory cgroup: address space instead
-        return [
-            "/bin/sh", "-c", LIMITS_SCRIPT, "srt-limits",
-            str(limits.cpu_time_seconds),
-            str(limits.cpu_time_seconds + 1),
-            str(limits.file_size_mb * 2048),  # 512-byte blocks
-            str(nofile),
-            as_kb,
-        ]  # fmt: skip
-
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         """Start a sandbox.
 
         Raises SandboxUnavailableError, SandboxSpawnError, InvalidRequestError.
         """
-        if self.unavailable_reason is not None:
-            raise SandboxUnavailableError(self.unavailable_reason)
+        if self.unavailable_reason is not None or self._spawner is None:
+            raise SandboxUnavailableError(self.unavailable_reason or "sandbox backend not started")
         validate_command(spec.argv)
         spec.env = validate_env(spec.env)
         assert self._seccomp_path is not None
+        loop = asyncio.get_running_loop()
+        options, command = self.bwrap_args(spec)
+        options_size = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in options)
+        ours: list[int] = []  # the server's ends of the pipes
+        theirs: list[int] = []  # bwrap's fds 0..6, closed here once sent
+        try:
+            if spec.interactive:
+                stdin_r, stdin_w = os.pipe()
+                ours.append(stdin_w)
+            else:
+                stdin_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            theirs.append(stdin_r)
+            for _ in range(2):  # stdout, stderr
+                r, w = os.pipe()
+                ours.append(r)
+                theirs.append(w)
+            theirs.append(os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC))
+            status_r, status_w = os.pipe()
+            block_r, block_w = os.pipe()
+            args_r, args_w = os.pipe()
+            ours += [status_r, block_w]
+            theirs = [args_w, *theirs, status_w, block_r, args_r]
+            # Room for all the options, so the spawner never waits for bwrap to read them.
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(args_w, F_SETPIPE_SZ, min(max(options_size, 65536), 1024 * 1024))
+        except OSError as exc:
+            _close_all(ours + theirs)
+            raise SandboxSpawnError(f"could not prepare the sandbox's pipes: {exc}") from exc
+        bwrap_argv = [
+            self._bwrap, "--args", str(ARGS_FD), "--block-fd", str(BLOCK_FD), "--", *command
+        ]  # fmt: skip
+        try:
+            spawning = self._spawner.request(bwrap_argv, options, self.rlimits(spec.limits), theirs)
+        except SandboxSpawnError:
+            _close_all(ours)
+            raise
+        finally:
+            _close_all(theirs)
+        # The request is on its way: build the cgroup while bwrap starts.
         cgroup: ExecutionCgroup | None = None
+        cgroup_error: OSError | None = None
         if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
             try:
                 cgroup = self.cgroups.create(f"x-{uuid.uuid4().hex}", spec.limits)
             except OSError as exc:
-                raise SandboxSpawnError(f"could not create the execution's cgroup: {exc}") from exc
-        loop = asyncio.get_running_loop()
-        seccomp_fd = os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC)
-        status_r, status_w = os.pipe()
-        block_r, block_w = os.pipe()
-        args_r, args_w = os.pipe()
+                cgroup_error = exc
         try:
-            full = self.bwrap_args(spec, seccomp_fd, status_w)
-            split = full.index("--")
-            # Options travel through a pipe (bwrap --args): host paths and the caller's
-            # environment and code never show in a command line, on the host or inside.
-            options = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in full[1:split])
-            written = _prefill_pipe(args_w, options)
-            bwrap = [full[0], "--args", str(args_r), "--block-fd", str(block_r), *full[split:]]
-            # Popen (not asyncio's subprocess) so that this backend alone reaps its children:
-            # spawned from the event loop's thread, which the pdeathsig is tied to.
-            popen = subprocess.Popen(
-                self.launcher_args() + bwrap,
-                stdin=subprocess.PIPE if spec.interactive else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                pass_fds=(seccomp_fd, status_w, block_r, args_r),
-                start_new_session=True,
-                env=LAUNCH_ENV,
-                cwd="/",
-            )
-        except (OSError, ValueError) as exc:
-            os.close(status_r)
-            os.close(block_w)
-            os.close(args_w)
+            pid, pidfd = await spawning
+        except BaseException as exc:
+            spawning.cancel()  # if it still comes, the spawner client kills it
+            _close_all(ours)
             if cgroup is not None:
                 cgroup.remove()
-            raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
-        finally:
-            os.close(seccomp_fd)
-            os.close(status_w)
-            os.close(block_r)
-            os.close(args_r)
-        try:
-            if written < len(options):  # larger than the pipe: bwrap reads while we write
-                await asyncio.to_thread(_write_all, args_w, options[written:])
-        except OSError:
-            pass  # bwrap died early: its outcome says why
-        finally:
-            os.close(args_w)
-        # The Popen object must never wait on this pid itself: we reap it.
-        popen.returncode = 0
-        self._tracked_pids.add(popen.pid)
-        assert popen.stdout is not None and popen.stderr is not None
-        stdout = await _reader(loop, popen.stdout)
-        stderr = await _reader(loop, popen.stderr)
-        stdin = await _writer(loop, popen.stdin) if popen.stdin is not None else None
+            if isinstance(exc, SandboxSpawnError):
+                raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
+            raise
+        stdin_fd = ours[0] if spec.interactive else None
+        stdout_r, stderr_r, status_r, block_w = ours[-4:]
+        stdout = await _reader(loop, os.fdopen(stdout_r, "rb", 0))
+        stderr = await _reader(loop, os.fdopen(stderr_r, "rb", 0))
+        stdin = await _writer(loop, os.fdopen(stdin_fd, "wb", 0)) if stdin_fd is not None else None
         proc = SandboxProcess(
-            pid=popen.pid,
+            pid=pid,
+            pidfd=pidfd,
             stdin=stdin,
             stdout=stdout,
             stderr=stderr,
@@ -507,9 +486,12 @@ class BubblewrapBackend:
             on_exit=self._on_exit,
         )
         self._running.add(proc)
+        self._spawner.watch(pid, proc.on_outer_status)
         # Every path below kills the sandbox before block_w is closed: closing it without the
         # go byte would also let bwrap continue (its read returns EOF).
         try:
+            if cgroup_error is not None:
+                raise SandboxSpawnError(f"could not create the execution's cgroup: {cgroup_error}")
             child = await proc.wait_child_pid(SPAWN_HANDSHAKE_SECONDS)
             if child is None and proc.running:
                 raise SandboxSpawnError("the sandbox did not start within its handshake time")
@@ -528,7 +510,6 @@ class BubblewrapBackend:
 
     def _on_exit(self, proc: SandboxProcess) -> None:
         self._running.discard(proc)
-        self._tracked_pids.discard(proc.pid)
         task = asyncio.get_running_loop().create_task(self._after_exit(proc))
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
@@ -538,17 +519,17 @@ class BubblewrapBackend:
         cgroup = proc._cgroup
         for delay in (0.0, 0.02, 0.1, 0.5, 2.0):
             await asyncio.sleep(delay)
-            self.reap_orphans()
             if cgroup is None or cgroup.remove():
                 return
             cgroup.kill()
         logger.warning("cgroup of sandbox {} could not be removed", proc.pid)
 
     def reap_orphans(self) -> int:
-        """Reap zombie children that are not ours to wait for (bwrap's reparented inits)."""
+        """Reap zombie bwraps reparented to this server (a child subreaper) when their spawner
+        died under them; normally the spawner reaps everything it starts."""
         reaped = 0
         for pid in _children(os.getpid()):
-            if pid in self._tracked_pids or not self._is_orphaned_sandbox(pid):
+            if not self._is_orphaned_sandbox(pid):
                 continue  # someone else's child: its owner waits for it
             try:
                 done, _ = os.waitpid(pid, os.WNOHANG)
@@ -578,24 +559,10 @@ class BubblewrapBackend:
             self.reap_orphans()
 
 
-def _prefill_pipe(fd: int, data: bytes) -> int:
-    """Grow the pipe to fit `data` if allowed, write what fits without blocking; returns how
-    much was written."""
-    with contextlib.suppress(OSError):
-        fcntl.fcntl(fd, F_SETPIPE_SZ, min(max(len(data) + 4096, 65536), 1024 * 1024))
-    os.set_blocking(fd, False)
-    try:
-        return os.write(fd, data) if data else 0
-    except BlockingIOError:
-        return 0
-    finally:
-        os.set_blocking(fd, True)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _first_unsearchable(path: Path, uid: int, gid: int) -> Path | None:

@@ -17,6 +17,8 @@ from loguru import logger
 from sandbox_runtime.sandbox.cgroups import ExecutionCgroup
 from sandbox_runtime.sandbox.policy import SandboxLimits
 
+# How long to wait for the spawner's word on how bwrap ended, when bwrap reported nothing.
+OUTER_STATUS_SECONDS = 5.0
 # Why a sandbox ended, when something other than its own exit ended it.
 REASON_TIMEOUT = "timeout"
 REASON_CANCELLED = "cancelled"
@@ -63,6 +65,7 @@ class SandboxProcess:
         self,
         *,
         pid: int,
+        pidfd: int,
         stdin: asyncio.StreamWriter | None,
         stdout: asyncio.StreamReader,
         stderr: asyncio.StreamReader,
@@ -93,8 +96,12 @@ class SandboxProcess:
         self._on_exit = on_exit
         self._stop_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
-        self._pidfd = os.pidfd_open(pid)
-        self._loop.add_reader(self._pidfd, self._poll_exit)
+        # bwrap is the spawner's child, not ours. Its pidfd tells us at once when it ends and
+        # signals it without any risk of pid reuse; the spawner, which reaps it, reports its
+        # wait status (`on_outer_status`), needed only when bwrap itself failed.
+        self._pidfd: int | None = pidfd
+        self._outer_status_known = asyncio.Event()
+        self._loop.add_reader(pidfd, self._on_outer_exit)
         self._status_task = self._loop.create_task(self._read_status(status_fd))
         self._timer = (
             self._loop.call_later(timeout, self._on_timeout) if timeout is not None else None
@@ -114,6 +121,9 @@ class SandboxProcess:
         """Wait for the whole tree to end and return how it ended."""
         await self._exited.wait()
         await self._status_done.wait()
+        if self._inner_exit is None and self._outcome is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._outer_status_known.wait(), OUTER_STATUS_SECONDS)
         if self._outcome is None:
             self._outcome = self._finish()
         return self._outcome
@@ -152,8 +162,9 @@ class SandboxProcess:
         self._kill_child()
         if self._cgroup is not None:
             self._cgroup.kill()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
     async def terminate(self, grace: float = 2.0, reason: str = REASON_CANCELLED) -> None:
         """Stop politely, then by force: SIGTERM to every process, `grace` seconds, SIGKILL."""
@@ -200,16 +211,17 @@ class SandboxProcess:
             return []
         return _descendants(self.child_pid)
 
-    def _poll_exit(self) -> None:
-        try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-        except ChildProcessError:
-            pid, status = self.pid, 255 << 8
-        if pid == 0:
+    def on_outer_status(self, status: int) -> None:
+        """bwrap has ended with wait status `status` (the spawner's report)."""
+        self._outer_status = status
+        self._outer_status_known.set()
+
+    def _on_outer_exit(self) -> None:
+        if not self.running or self._pidfd is None:
             return
         self._loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
-        self._outer_status = status
+        self._pidfd = None
         if self._timer is not None:
             self._timer.cancel()
         # The tree ends with its outer bwrap (--die-with-parent); make sure of it.
@@ -270,7 +282,9 @@ class SandboxProcess:
             exit_code = self._inner_exit
             sig = exit_code - 128 if 128 < exit_code < 128 + 65 else None
         else:
-            code = os.waitstatus_to_exitcode(self._outer_status or 0)
+            # No word from the spawner either (it died): bwrap was killed with it.
+            status = signal.SIGKILL if self._outer_status is None else self._outer_status
+            code = os.waitstatus_to_exitcode(status)
             if code < 0:
                 sig, exit_code = -code, 128 - code
             elif self._reason is not None and started:
