@@ -178,7 +178,19 @@ def descendants(root: int) -> list[int]:
 def execution_cgroups(backend: BubblewrapBackend) -> list[Path]:
     layout = backend.cgroups
     bases = [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]
-    return [d for base in bases if base.is_dir() for d in base.iterdir() if d.is_dir()]
+    return [d for base in set(bases) if base.is_dir() for d in base.iterdir() if d.is_dir()]
+
+
+def busy_execution_cgroups(backend: BubblewrapBackend) -> list[Path]:
+    """Execution cgroups with processes in them (ended executions' groups are pooled empty)."""
+    return [d for d in execution_cgroups(backend) if read_proc_file(d / "cgroup.procs").strip()]
+
+
+def read_proc_file(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:  # removed meanwhile
+        return ""
 
 
 # Reports, as JSON, what happens when the sandbox tries to read or write each path.
@@ -460,7 +472,7 @@ async def test_fork_bomb_is_held_by_pids_limit_while_host_stays_responsive(
     assert "pids" in outcome.limits_reached
     await wait_until(lambda: not with_marker(marker), what="the fork bomb to be gone")
     await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
-    await wait_until(lambda: not execution_cgroups(sandbox_backend), what="cgroups removed")
+    await wait_until(lambda: not busy_execution_cgroups(sandbox_backend), what="cgroups empty")
 
 
 async def test_memory_hog_is_killed_and_reported_as_memory(
@@ -473,6 +485,37 @@ async def test_memory_hog_is_killed_and_reported_as_memory(
     assert "memory" in result.outcome.limits_reached
     assert result.outcome.signal == signal.SIGKILL
     assert "survived" not in result.stdout
+
+
+async def test_reused_cgroup_reports_only_its_own_execution(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    hog = "a = [str(i % 10) * 10**6 for i in range(2000)]"
+    tight = sandbox_backend.config.limits.tighten({"memory_mb": 64, "pids": 8})
+
+    async def run_pooled(command: str, limits: SandboxLimits | None = None) -> Run:
+        await wait_until(lambda: sandbox_backend.cgroups.idle_count == 1, what="a pooled group")
+        pooled = set(execution_cgroups(sandbox_backend))
+        result = await run(sandbox_backend, sandbox_workspace, command, limits=limits)
+        assert set(execution_cgroups(sandbox_backend)) == pooled  # no new group: reused
+        return result
+
+    forks = await run(
+        sandbox_backend, sandbox_workspace, "for i in $(seq 20); do sleep 1 & done", limits=tight
+    )
+    assert "pids" in forks.outcome.limits_reached
+    hogged = await run_pooled(f"{PYTHON} -c '{hog}'", tight)
+    assert hogged.outcome.reason == "memory"
+    assert hogged.outcome.limits_reached == ["memory"]  # the pids hits were the first's
+    quiet = await run_pooled(f"{PYTHON} -c 'x = bytearray(10**6)'")
+    assert (quiet.outcome.exit_code, quiet.outcome.limits_reached) == (0, [])
+    assert quiet.outcome.memory_peak_bytes is not None
+    assert quiet.outcome.memory_peak_bytes < 64 * 1024 * 1024  # its own peak
+    assert quiet.outcome.cpu_seconds is not None and quiet.outcome.cpu_seconds < 5
+    big = await run_pooled(f"{PYTHON} -c 'x = bytearray(100 * 10**6); x[::4096] = b\"1\" * 24415'")
+    assert big.outcome.exit_code == 0, big.outcome  # the server's 256 MB again, not 64
+    assert big.outcome.memory_peak_bytes is not None
+    assert big.outcome.memory_peak_bytes > 64 * 1024 * 1024
 
 
 async def test_busy_loop_hits_cpu_time_limit(
@@ -553,7 +596,7 @@ async def test_terminate_kills_sigterm_ignoring_child_grandchildren_and_daemons(
     assert outcome.signal == signal.SIGKILL
     await wait_until(lambda: not with_marker(marker), what="every stubborn process to be gone")
     await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
-    await wait_until(lambda: not execution_cgroups(sandbox_backend), what="cgroup removed")
+    await wait_until(lambda: not busy_execution_cgroups(sandbox_backend), what="cgroup empty")
 
 
 async def test_no_zombies_or_stray_processes_remain_after_200_runs(
@@ -582,8 +625,12 @@ async def test_no_zombies_or_stray_processes_remain_after_200_runs(
     spawner = sandbox_backend.spawner_pid
     await wait_until(lambda: not zombie_children(spawner), what="no zombies of the spawner")
     await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
-    await wait_until(lambda: not execution_cgroups(sandbox_backend), what="cgroups removed")
+    await wait_until(lambda: not busy_execution_cgroups(sandbox_backend), what="cgroups empty")
     assert sandbox_backend.running_count == 0
+    groups = {d.name for d in execution_cgroups(sandbox_backend)}
+    assert len(groups) <= sandbox_backend.config.cgroup_pool  # only the pool of idle ones
+    await sandbox_backend.close()
+    assert not execution_cgroups(sandbox_backend)
 
 
 # -- the spawner ------------------------------------------------------------------------------

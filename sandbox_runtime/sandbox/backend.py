@@ -13,7 +13,6 @@ import re
 import resource
 import shutil
 import tempfile
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -107,6 +106,7 @@ class BackendConfig:
     bwrap_path: str | None = None
     group_name: str = "srt"
     cgroup_favordynmods: bool = True
+    cgroup_pool: int = 32  # idle execution cgroups kept for reuse
 
 
 @dataclass
@@ -263,6 +263,7 @@ class BubblewrapBackend:
         self.cgroups = CgroupLayout.setup(
             self.config.group_name, favordynmods=self.config.cgroup_favordynmods
         )
+        self.cgroups.pool_size = self.config.cgroup_pool
         self.cgroups.cleanup_stale()
         for problem in self.cgroups.problems:
             logger.warning("cgroups: {}", problem)
@@ -286,6 +287,7 @@ class BubblewrapBackend:
             await proc.aclose()
         # Let pending cgroup removals finish: the loop may close right after us.
         await asyncio.gather(*self._cleanups, return_exceptions=True)
+        self.cgroups.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -398,9 +400,7 @@ class BubblewrapBackend:
         """Put the waiting sandbox `pid` into its cgroups (everything it starts inherits them).
         Raises OSError."""
         if cgroup is not None:
-            for procs in cgroup.procs_files:
-                with open(procs, "w") as f:
-                    f.write(str(pid))
+            cgroup.join(pid)
 
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         """Start a sandbox.
@@ -455,7 +455,7 @@ class BubblewrapBackend:
         cgroup_error: OSError | None = None
         if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
             try:
-                cgroup = self.cgroups.create(f"x-{uuid.uuid4().hex}", spec.limits)
+                cgroup = self.cgroups.acquire(spec.limits)
             except OSError as exc:
                 cgroup_error = exc
         try:
@@ -464,7 +464,7 @@ class BubblewrapBackend:
             spawning.cancel()  # if it still comes, the spawner client kills it
             _close_all(ours)
             if cgroup is not None:
-                cgroup.remove()
+                self.cgroups.release(cgroup)
             if isinstance(exc, SandboxSpawnError):
                 raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
             raise
@@ -519,7 +519,7 @@ class BubblewrapBackend:
         cgroup = proc._cgroup
         for delay in (0.0, 0.02, 0.1, 0.5, 2.0):
             await asyncio.sleep(delay)
-            if cgroup is None or cgroup.remove():
+            if cgroup is None or self.cgroups.release(cgroup):
                 return
             cgroup.kill()
         logger.warning("cgroup of sandbox {} could not be removed", proc.pid)

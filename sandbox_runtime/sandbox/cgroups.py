@@ -7,6 +7,7 @@ import ctypes
 import errno
 import os
 import signal
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,11 +23,6 @@ MS_REMOUNT = 32
 
 def _read(path: Path) -> str:
     return path.read_text()
-
-
-def _write(path: Path, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
 
 
 def _mounts() -> tuple[Path | None, dict[str, Path]]:
@@ -121,6 +117,8 @@ class CgroupLayout:
     v1_bases: dict[str, Path] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     favordynmods: str = "off"
+    pool_size: int = 0  # how many idle groups to keep for reuse
+    _idle: list[ExecutionCgroup] = field(default_factory=list)
 
     @property
     def controllers(self) -> frozenset[str]:
@@ -209,60 +207,117 @@ class CgroupLayout:
             except OSError as exc:
                 self.problems.append(f"cgroup v1 {controller} at {base} not usable: {exc}")
 
-    def create(self, name: str, limits: SandboxLimits) -> ExecutionCgroup:
-        """A new group for one execution with `limits` written. Raises OSError on failure."""
+    def acquire(self, limits: SandboxLimits) -> ExecutionCgroup:
+        """A group for one execution with `limits` in force: an idle one from the pool when
+        there is one (making and removing cgroups costs more than the rest of the cgroup
+        work of a sandbox start together), else a new one. Raises OSError."""
+        while self._idle:
+            group = self._idle.pop()
+            try:
+                group.apply(limits)
+                return group
+            except OSError as exc:
+                logger.debug("cgroups: idle group unusable ({}); removing it", exc)
+                group.remove()
+        group = self.create(f"x-{uuid.uuid4().hex}")
+        try:
+            group.apply(limits)
+        except OSError:
+            group.remove()
+            raise
+        return group
+
+    @property
+    def idle_count(self) -> int:
+        return len(self._idle)
+
+    def release(self, group: ExecutionCgroup) -> bool:
+        """Take back the group of an execution that has ended: pooled if it is empty and clean,
+        else removed. False while processes are still leaving it (call again later)."""
+        if group.pids():
+            return False
+        if len(self._idle) < self.pool_size and group.make_reusable():
+            self._idle.append(group)
+            return True
+        return group.remove()
+
+    def create(self, name: str) -> ExecutionCgroup:
+        """A new, empty group in every hierarchy in use (no limits yet). Raises OSError."""
         group = ExecutionCgroup(self)
         try:
             if self.v2_base is not None:
                 d = self.v2_base / name
                 d.mkdir()
                 group.v2_dir = d
-                if self.version == "v2":
-                    _write_v2_limits(d, limits, self.v2_controllers)
             if self.version == "v1":
+                made: dict[Path, Path] = {}
                 for controller, base in self.v1_bases.items():
-                    d = base / name
-                    d.mkdir()
-                    group.v1_dirs[controller] = d
-                    _write_v1_limits(controller, d, limits)
+                    if base not in made:  # co-mounted controllers (cpu,cpuacct) share one
+                        made[base] = base / name
+                        made[base].mkdir()
+                    group.v1_dirs[controller] = made[base]
         except OSError:
             group.remove()
             raise
         return group
 
+    def close(self) -> None:
+        """Remove every pooled group."""
+        idle, self._idle = self._idle, []
+        for group in idle:
+            group.remove()
+
     def cleanup_stale(self) -> None:
         """Remove empty execution groups a previous run of this server left behind."""
         bases = [*self.v1_bases.values(), *([self.v2_base] if self.v2_base else [])]
-        for base in bases:
+        for base in set(bases):
             for child in base.iterdir():
                 if child.is_dir():
                     with contextlib.suppress(OSError):
                         child.rmdir()
 
 
-def _write_v2_limits(d: Path, limits: SandboxLimits, controllers: frozenset[str]) -> None:
-    if "memory" in controllers:
-        _write(d / "memory.max", str(limits.memory_mb * MIB))
-        with contextlib.suppress(OSError):
-            _write(d / "memory.swap.max", "0")
-        with contextlib.suppress(OSError):
-            _write(d / "memory.oom.group", "1")
-    if "pids" in controllers:
-        _write(d / "pids.max", str(limits.pids))
-    if "cpu" in controllers:
-        _write(d / "cpu.max", f"{max(1000, int(limits.cpu_cores * CPU_PERIOD_US))} {CPU_PERIOD_US}")
+def _write(path: Path | str, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, value.encode())
+    finally:
+        os.close(fd)
 
 
-def _write_v1_limits(controller: str, d: Path, limits: SandboxLimits) -> None:
-    if controller == "memory":
-        _write(d / "memory.limit_in_bytes", str(limits.memory_mb * MIB))
-        with contextlib.suppress(OSError):  # only when swap accounting is on
-            _write(d / "memory.memsw.limit_in_bytes", str(limits.memory_mb * MIB))
-    elif controller == "pids":
-        _write(d / "pids.max", str(limits.pids))
-    elif controller == "cpu":
-        _write(d / "cpu.cfs_period_us", str(CPU_PERIOD_US))
-        _write(d / "cpu.cfs_quota_us", str(max(1000, int(limits.cpu_cores * CPU_PERIOD_US))))
+def _try_write(path: Path, value: str) -> bool:
+    try:
+        _write(path, value)
+        return True
+    except OSError:
+        return False
+
+
+def _limit_values(layout: CgroupLayout, limits: SandboxLimits) -> dict[str, str]:
+    """Every limit file to write, relative to the controller's directory, keyed "ctl/file"."""
+    memory = str(limits.memory_mb * MIB)
+    quota = str(max(1000, int(limits.cpu_cores * CPU_PERIOD_US)))
+    values: dict[str, str] = {}
+    if layout.version == "v2":
+        controllers = layout.v2_controllers
+        if "memory" in controllers:
+            values["v2/memory.max"] = memory
+            values["v2/memory.swap.max?"] = "0"  # "?": the kernel may lack the file
+            values["v2/memory.oom.group?"] = "1"
+        if "pids" in controllers:
+            values["v2/pids.max"] = str(limits.pids)
+        if "cpu" in controllers:
+            values["v2/cpu.max"] = f"{quota} {CPU_PERIOD_US}"
+    elif layout.version == "v1":
+        if "memory" in layout.v1_bases:
+            values["memory/memory.limit_in_bytes"] = memory
+            values["memory/memory.memsw.limit_in_bytes?"] = memory  # with swap accounting
+        if "pids" in layout.v1_bases:
+            values["pids/pids.max"] = str(limits.pids)
+        if "cpu" in layout.v1_bases:
+            values["cpu/cpu.cfs_period_us"] = str(CPU_PERIOD_US)
+            values["cpu/cpu.cfs_quota_us"] = quota
+    return values
 
 
 @dataclass
@@ -273,6 +328,11 @@ class CgroupStats:
     memory_peak_bytes: int = 0
 
 
+# Pooled groups must come back this empty: what a finished execution left charged (page
+# cache of its files) would count against the next one's memory limit.
+REUSE_MAX_CHARGED_BYTES = 4 * MIB
+
+
 @dataclass
 class ExecutionCgroup:
     """One execution's group in every hierarchy in use."""
@@ -280,14 +340,46 @@ class ExecutionCgroup:
     layout: CgroupLayout
     v2_dir: Path | None = None
     v1_dirs: dict[str, Path] = field(default_factory=dict)
+    written: dict[str, str] = field(default_factory=dict)  # limit files as last written
+    # Counters are cumulative over the group's life; a pooled group reports what happened
+    # since it was last handed out.
+    baseline: CgroupStats = field(default_factory=CgroupStats)
+    _peak_fd: int | None = None  # v2: memory.peak, reset for this fd when handed out
+
+    def _file(self, key: str) -> Path:
+        controller, _, name = key.rstrip("?").partition("/")
+        directory = self.v2_dir if controller == "v2" else self.v1_dirs[controller]
+        assert directory is not None
+        return directory / name
+
+    def apply(self, limits: SandboxLimits) -> None:
+        """Write the limit files that differ from what the group has. Raises OSError."""
+        values = _limit_values(self.layout, limits)
+        memory, memsw = "memory/memory.limit_in_bytes", "memory/memory.memsw.limit_in_bytes?"
+        if memsw in self.written and int(values[memory]) > int(self.written.get(memory, "0")):
+            # v1 keeps memory <= memory+swap: raising both, the second must go first.
+            values = {memsw: values.pop(memsw), **values}
+        for key, value in values.items():
+            if self.written.get(key) == value:
+                continue
+            if key.endswith("?"):
+                _try_write(self._file(key), value)
+            else:
+                _write(self._file(key), value)
+            self.written[key] = value
 
     @property
     def procs_files(self) -> list[str]:
         """The cgroup.procs files a new process must join."""
-        files = [str(d / "cgroup.procs") for d in self.v1_dirs.values()]
+        files = [str(d / "cgroup.procs") for d in dict.fromkeys(self.v1_dirs.values())]
         if self.v2_dir is not None:
             files.append(str(self.v2_dir / "cgroup.procs"))
         return files
+
+    def join(self, pid: int) -> None:
+        """Move process `pid` into the group in every hierarchy. Raises OSError."""
+        for procs in self.procs_files:
+            _write(procs, str(pid))
 
     def pids(self) -> list[int]:
         d = self.v2_dir or self.v1_dirs.get("pids") or next(iter(self.v1_dirs.values()), None)
@@ -317,14 +409,17 @@ class ExecutionCgroup:
             if self.signal_all(signal.SIGKILL) == 0:
                 return
 
-    def stats(self) -> CgroupStats:
+    def _counters(self) -> CgroupStats:
+        """The group's cumulative counters (peak memory: since the last reset)."""
         s = CgroupStats()
         with contextlib.suppress(OSError, ValueError):
             if self.layout.version == "v2" and self.v2_dir is not None:
                 s.oom_kills = _keyed(self.v2_dir / "memory.events").get("oom_kill", 0)
                 s.pids_limit_hits = _keyed(self.v2_dir / "pids.events").get("max", 0)
                 s.cpu_usage_ns = _keyed(self.v2_dir / "cpu.stat").get("usage_usec", 0) * 1000
-                if (self.v2_dir / "memory.peak").exists():
+                if self._peak_fd is not None:
+                    s.memory_peak_bytes = int(os.pread(self._peak_fd, 64, 0))
+                elif (self.v2_dir / "memory.peak").exists():
                     s.memory_peak_bytes = int(_read(self.v2_dir / "memory.peak"))
             elif self.layout.version == "v1":
                 if "memory" in self.v1_dirs:
@@ -337,10 +432,60 @@ class ExecutionCgroup:
                     s.cpu_usage_ns = int(_read(self.v1_dirs["cpuacct"] / "cpuacct.usage"))
         return s
 
+    def stats(self) -> CgroupStats:
+        now, base = self._counters(), self.baseline
+        return CgroupStats(
+            oom_kills=now.oom_kills - base.oom_kills,
+            pids_limit_hits=now.pids_limit_hits - base.pids_limit_hits,
+            cpu_usage_ns=now.cpu_usage_ns - base.cpu_usage_ns,
+            memory_peak_bytes=now.memory_peak_bytes,
+        )
+
+    def make_reusable(self) -> bool:
+        """Ready an empty group for another execution: reset its peak memory, take its
+        counters as the new baseline. False if it still has memory charged to it or its
+        peak cannot be reset."""
+        try:
+            # (Reclaiming the rest would block the event loop for as long as it takes; a
+            # group left with more is removed instead, the kernel moves its charges up.)
+            if self.layout.version == "v1" and "memory" in self.v1_dirs:
+                m = self.v1_dirs["memory"]
+                if int(_read(m / "memory.usage_in_bytes")) > REUSE_MAX_CHARGED_BYTES:
+                    return False
+                _write(m / "memory.max_usage_in_bytes", "0")
+            elif self.layout.version == "v2" and self.v2_dir is not None:
+                if "memory" in self.layout.v2_controllers:
+                    if int(_read(self.v2_dir / "memory.current")) > REUSE_MAX_CHARGED_BYTES:
+                        return False
+                    self._reset_peak_v2()
+        except (OSError, ValueError):
+            return False
+        self.baseline = self._counters()
+        self.baseline.memory_peak_bytes = 0
+        return True
+
+    def _reset_peak_v2(self) -> None:
+        """memory.peak is reset per open file (Linux >= 6.12). Raises OSError without it."""
+        assert self.v2_dir is not None
+        self._close_peak()
+        fd = os.open(self.v2_dir / "memory.peak", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"reset\n")
+        except OSError:
+            os.close(fd)
+            raise
+        self._peak_fd = fd
+
+    def _close_peak(self) -> None:
+        if self._peak_fd is not None:
+            os.close(self._peak_fd)
+            self._peak_fd = None
+
     def remove(self) -> bool:
         """Remove the group's directories; False while processes are still in it."""
+        self._close_peak()
         ok = True
-        dirs = [*self.v1_dirs.values(), *([self.v2_dir] if self.v2_dir else [])]
+        dirs = [*dict.fromkeys(self.v1_dirs.values()), *([self.v2_dir] if self.v2_dir else [])]
         for d in dirs:
             try:
                 d.rmdir()
