@@ -197,6 +197,8 @@ class CgroupLayout:
         for controller in V1_CONTROLLERS:
             if controller not in mounts or controller not in own:
                 continue
+            if controller == "cpuacct" and self.v2_base is not None:
+                continue  # hybrid: the unified group's cpu.stat counts CPU time, one join fewer
             base = mounts[controller] / own[controller].lstrip("/") / group_name
             try:
                 base.mkdir(exist_ok=True)
@@ -262,10 +264,13 @@ class CgroupLayout:
         return group
 
     def close(self) -> None:
-        """Remove every pooled group."""
+        """Remove every pooled group, then this server's parent groups if they are empty."""
         idle, self._idle = self._idle, []
         for group in idle:
             group.remove()
+        for base in {*self.v1_bases.values(), *([self.v2_base] if self.v2_base else [])}:
+            with contextlib.suppress(OSError):
+                base.rmdir()
 
     def cleanup_stale(self) -> None:
         """Remove empty execution groups a previous run of this server left behind."""
@@ -428,7 +433,9 @@ class ExecutionCgroup:
                     s.memory_peak_bytes = int(_read(m / "memory.max_usage_in_bytes"))
                 if "pids" in self.v1_dirs:
                     s.pids_limit_hits = _keyed(self.v1_dirs["pids"] / "pids.events").get("max", 0)
-                if "cpuacct" in self.v1_dirs:
+                if self.v2_dir is not None:  # cpu.stat is there with no controller enabled
+                    s.cpu_usage_ns = _keyed(self.v2_dir / "cpu.stat").get("usage_usec", 0) * 1000
+                elif "cpuacct" in self.v1_dirs:
                     s.cpu_usage_ns = int(_read(self.v1_dirs["cpuacct"] / "cpuacct.usage"))
         return s
 
