@@ -343,15 +343,24 @@ async def test_sandbox_environment_holds_only_the_callers_variables(
 
 # Calls mount(2) and unshare(2) directly, so no tool's own uid check hides what the kernel says.
 MOUNT_UNSHARE = """
-import ctypes, errno, json
+import ctypes, errno, json, os, platform, signal
 libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+SYS_CLONE, SYS_CLONE3 = {"x86_64": (56, 435), "aarch64": (220, 435)}[platform.machine()]
 def err(rc):
-    return errno.errorcode.get(ctypes.get_errno(), "?") if rc != 0 else "ok"
+    if rc == 0:  # a clone that worked: this is the child
+        os._exit(0)
+    return errno.errorcode.get(ctypes.get_errno(), "?") if rc < 0 else "ok"
+def clone(flags):
+    return libc.syscall(SYS_CLONE, ctypes.c_ulong(flags | signal.SIGCHLD), 0, 0, 0, 0)
 print(json.dumps({
     "mount": err(libc.mount(b"none", b"/tmp", b"tmpfs", 0, None)),
     "unshare_user": err(libc.unshare(0x10000000)),
     "unshare_mount": err(libc.unshare(0x00020000)),
     "unshare_net": err(libc.unshare(0x40000000)),
+    "clone_newuser": err(clone(0x10000000)),
+    "clone_newns": err(clone(0x00020000)),
+    "clone3": err(libc.syscall(SYS_CLONE3, None, 0)),
 }))
 """
 
@@ -391,6 +400,9 @@ async def test_sandbox_cannot_mount_or_unshare_and_runs_unprivileged(
         "unshare_user": "EPERM",
         "unshare_mount": "EPERM",
         "unshare_net": "EPERM",
+        "clone_newuser": "EPERM",  # user namespaces: refused by the filter, not by bwrap
+        "clone_newns": "EPERM",
+        "clone3": "ENOSYS",  # its flags are out of the filter's sight: libc falls back to clone
     }
 
 

@@ -22,7 +22,11 @@ MS_REMOUNT = 32
 
 
 def _read(path: Path) -> str:
-    return path.read_text()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 65536).decode()
+    finally:
+        os.close(fd)
 
 
 def _mounts() -> tuple[Path | None, dict[str, Path]]:

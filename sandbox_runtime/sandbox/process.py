@@ -17,6 +17,8 @@ from loguru import logger
 from sandbox_runtime.sandbox.cgroups import ExecutionCgroup
 from sandbox_runtime.sandbox.policy import SandboxLimits
 
+# bwrap's status is a few short JSON documents; more is not read.
+MAX_STATUS_BYTES = 64 * 1024
 # How long to wait for the spawner's word on how bwrap ended, when bwrap reported nothing.
 OUTER_STATUS_SECONDS = 5.0
 # Why a sandbox ended, when something other than its own exit ended it.
@@ -84,7 +86,7 @@ class SandboxProcess:
         # Signals go through a pidfd: after the outer bwrap reaped the child, its pid could be
         # reused by an unrelated process, and this server runs as root.
         self._child_pidfd: int | None = None
-        self._child_known = asyncio.Event()
+        self._child_waiters: list[asyncio.Future[None]] = []
         self._cgroup = cgroup
         self._started_at = time.monotonic()
         self._reason: str | None = None
@@ -102,7 +104,11 @@ class SandboxProcess:
         self._pidfd: int | None = pidfd
         self._outer_status_known = asyncio.Event()
         self._loop.add_reader(pidfd, self._on_outer_exit)
-        self._status_task = self._loop.create_task(self._read_status(status_fd))
+        # bwrap's JSON status (child pid, exit code), read straight off the pipe.
+        self._status_fd: int | None = status_fd
+        self._status_data = b""
+        os.set_blocking(status_fd, False)
+        self._loop.add_reader(status_fd, self._on_status_readable)
         self._timer = (
             self._loop.call_later(timeout, self._on_timeout) if timeout is not None else None
         )
@@ -130,15 +136,12 @@ class SandboxProcess:
 
     async def wait_child_pid(self, wait_seconds: float) -> int | None:
         """The sandbox's init pid once bwrap reports it; None if bwrap ended or time ran out."""
-        waiters = [
-            asyncio.ensure_future(self._child_known.wait()),
-            asyncio.ensure_future(self._status_done.wait()),
-        ]
-        try:
-            await asyncio.wait(waiters, timeout=wait_seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
+        if self.child_pid is None and not self._status_done.is_set():
+            waiter = self._loop.create_future()
+            self._child_waiters.append(waiter)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_seconds):
+                    await waiter
         return self.child_pid
 
     def send_signal(self, sig: int) -> int:
@@ -234,23 +237,33 @@ class SandboxProcess:
         self._exited.set()
         self._on_exit(self)
 
-    async def _read_status(self, fd: int) -> None:
-        reader = asyncio.StreamReader()
-        transport = None
+    def _on_status_readable(self) -> None:
+        assert self._status_fd is not None
         try:
-            transport, _ = await self._loop.connect_read_pipe(
-                lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", 0)
-            )
-            data = b""
-            while chunk := await reader.read(4096):
-                data += chunk
-                self._parse_status(data)
-        except Exception:  # the status pipe is advisory; never let it break an execution
-            logger.exception("reading bwrap status failed")
-        finally:
-            if transport is not None:
-                transport.close()
-            self._status_done.set()
+            chunk = os.read(self._status_fd, 4096)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if chunk:
+            if len(self._status_data) < MAX_STATUS_BYTES:
+                self._status_data += chunk
+                try:
+                    self._parse_status(self._status_data)
+                except (ValueError, TypeError, OverflowError):  # advisory: never fatal
+                    logger.warning("sandbox {}: unreadable bwrap status", self.pid)
+            return
+        self._loop.remove_reader(self._status_fd)
+        os.close(self._status_fd)
+        self._status_fd = None
+        self._status_done.set()
+        self._wake_child_waiters()
+
+    def _wake_child_waiters(self) -> None:
+        waiters, self._child_waiters = self._child_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def _parse_status(self, data: bytes) -> None:
         decoder = json.JSONDecoder()
@@ -270,7 +283,7 @@ class SandboxProcess:
                     self.child_pid = int(doc["child-pid"])
                     with contextlib.suppress(OSError):
                         self._child_pidfd = os.pidfd_open(self.child_pid)
-                    self._child_known.set()
+                    self._wake_child_waiters()
                 if "exit-code" in doc:
                     self._inner_exit = int(doc["exit-code"])
 
