@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import ipaddress
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 from loguru import logger
@@ -125,7 +126,17 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("serving on {} WITHOUT authentication", settings.host)
     from sandbox_runtime.server.run import serve
 
-    return asyncio.run(serve(settings))
+    return _run(serve(settings))
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    """Run the server on uvloop when installed (uvicorn only picks it itself in uvicorn.run)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
 
 
 if __name__ == "__main__":

@@ -158,6 +158,11 @@ class Execution:
         finally:
             await process.aclose()
             self.info.stdin_open = False
+            # A finished execution is kept for the retention period: let go of the process
+            # and this task, whose tasks, timers and contexts pin the starting request (its
+            # scope, headers, auth, log context): ~30 KB per retained execution.
+            self.process = None
+            self._task = None
             self.finished.set()
             self._notify()
 

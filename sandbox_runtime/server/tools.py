@@ -207,6 +207,16 @@ async def _forward_output(ctx: Context, execution: Execution) -> None:
             await ctx.report_progress(after, None, text)
 
 
+def _wants_progress(ctx: Context) -> bool:
+    """Whether the caller asked for progress notifications (sent a progressToken).
+
+    Without one, report_progress sends nothing: skip the forwarding task altogether.
+    """
+    rc = ctx.request_context
+    meta = rc.meta if rc is not None else None
+    return meta is not None and meta.get("progressToken") is not None
+
+
 def register_tools(mcp: FastMCP) -> None:
     """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server)."""
 
@@ -238,14 +248,16 @@ def register_tools(mcp: FastMCP) -> None:
         )
         owner, execution = await start(ctx, request, session, "execute_code")
         if wait_for_completion:
-            forwarder = asyncio.create_task(_forward_output(ctx, execution))
+            forwarder = None
+            if _wants_progress(ctx):
+                forwarder = asyncio.create_task(_forward_output(ctx, execution))
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(
-                        execution.finished.wait(), execution.info.timeout_seconds + 10
-                    )
+                    async with asyncio.timeout(execution.info.timeout_seconds + 10):
+                        await execution.finished.wait()
             finally:
-                forwarder.cancel()
+                if forwarder is not None:
+                    forwarder.cancel()
         manager = get_manager()
         page = await call(
             lambda: manager.read_output(owner, execution.execution_id, 0), "execute_code", False
