@@ -141,6 +141,8 @@ class Spawner:
             )
         except InterruptedError:
             return True
+        except OSError:  # the server's end is gone (reset when it died)
+            return False
         fds: list[int] = []
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
