@@ -5,7 +5,10 @@ Run as root (the backend drops to its unprivileged sandbox user):
     .venv/bin/python bench/bench_sandbox.py [--seq 100] [--conc 200] [--width 8]
 
 Every latency is one process tree from "start it" to "it has exited and been reaped, its
-stdout/stderr drained to EOF". Variants, measured in the same process and run, alternating:
+stdout/stderr drained to EOF"; with N at a time, "start it" is when the batch of N arrived,
+for every variant (a Popen-based launcher blocks the event loop while it forks, so timing
+from each coroutine's own start would leave out the queueing behind the requests ahead).
+Variants, measured in the same process and run, alternating:
 
 - ours:          BubblewrapBackend.spawn + wait (+ aclose): the spawner (already the sandbox
                  uid) starts bwrap and sets its rlimits, cgroup create and join, seccomp,
@@ -83,8 +86,8 @@ class Bench:
         self.workspace = workspace
         self.bwrap = bwrap
 
-    async def ours(self, command: list[str], samples: Samples) -> None:
-        started = time.perf_counter()
+    async def ours(self, command: list[str], samples: Samples, arrived: float | None) -> None:
+        started = time.perf_counter() if arrived is None else arrived
         proc = await self.backend.spawn(
             SandboxSpec(argv=command, workspace=self.workspace, limits=self.backend.config.limits)
         )
@@ -97,9 +100,11 @@ class Bench:
         samples.latencies_ms.append((time.perf_counter() - started) * 1000)
         samples.failures += outcome.exit_code != 0
 
-    async def plain_popen(self, command: list[str], samples: Samples) -> None:
+    async def plain_popen(
+        self, command: list[str], samples: Samples, arrived: float | None
+    ) -> None:
         loop = asyncio.get_running_loop()
-        started = time.perf_counter()
+        started = time.perf_counter() if arrived is None else arrived
         popen = subprocess.Popen(
             plain_bwrap_argv(self.bwrap, command),
             stdin=subprocess.DEVNULL,
@@ -133,8 +138,10 @@ class Bench:
         else:
             samples.failures += code != 0
 
-    async def plain_asyncio(self, command: list[str], samples: Samples) -> None:
-        started = time.perf_counter()
+    async def plain_asyncio(
+        self, command: list[str], samples: Samples, arrived: float | None
+    ) -> None:
+        started = time.perf_counter() if arrived is None else arrived
         proc = await asyncio.create_subprocess_exec(
             *plain_bwrap_argv(self.bwrap, command),
             stdin=subprocess.DEVNULL,
@@ -186,7 +193,8 @@ async def _drain(loop: asyncio.AbstractEventLoop, pipe: object) -> asyncio.Futur
     return asyncio.ensure_future(read_all())
 
 
-Runner = Callable[[list[str], Samples], Awaitable[None]]
+# (command, samples, arrival time of its batch or None): records one latency in samples.
+Runner = Callable[[list[str], Samples, float | None], Awaitable[None]]
 
 
 async def sequential(variants: dict[str, Runner], command: list[str], runs: int) -> dict:
@@ -195,7 +203,7 @@ async def sequential(variants: dict[str, Runner], command: list[str], runs: int)
     for i in range(runs):
         order = names[i % len(names) :] + names[: i % len(names)]  # rotate who goes first
         for name in order:
-            await variants[name](command, results[name])
+            await variants[name](command, results[name], None)
     return results
 
 
@@ -209,7 +217,12 @@ async def concurrent(
         order = names[batch % len(names) :] + names[: batch % len(names)]
         for name in order:
             n = min(width, runs - batch * width)
-            await asyncio.gather(*(variants[name](command, results[name]) for _ in range(n)))
+            # Latency counts from the batch's arrival for every request in it: a launcher that
+            # blocks the loop (Popen) would otherwise hide the wait of the requests behind it.
+            arrived = time.perf_counter()
+            await asyncio.gather(
+                *(variants[name](command, results[name], arrived) for _ in range(n))
+            )
     return results
 
 
