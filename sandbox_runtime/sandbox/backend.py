@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import fcntl
 import os
 import posixpath
@@ -12,6 +13,7 @@ import pwd
 import re
 import resource
 import shutil
+import signal
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,13 +38,11 @@ F_SETPIPE_SZ = 1031
 
 # How a sandbox starts: the spawner (spawner.py, already the unprivileged sandbox uid with
 # no capabilities and no_new_privs) starts bwrap with fds the server made and lowers its
-# rlimits before handing it its options through a pipe (--args: host paths, the caller's
-# environment and code never show in a command line). bwrap builds the namespaces and
-# mounts, reports its child's pid and then waits on --block-fd; meanwhile the server moves
-# that child into the execution's cgroups, and only then lets it exec the command.
-SPAWN_HANDSHAKE_SECONDS = 10.0
+# rlimits; bwrap then waits for its options (--args: host paths, the caller's environment and
+# code never show in a command line). The server moves bwrap into the execution's cgroups and
+# only then writes the options: everything bwrap starts inherits the limits and the cgroup.
 # Fds of bwrap as the spawner sets them up: 0-2 stdio, then these.
-SECCOMP_FD, STATUS_FD, BLOCK_FD, ARGS_FD = 3, 4, 5, 6
+SECCOMP_FD, STATUS_FD, ARGS_FD = 3, 4, 5
 # A shell command is run by /bin/sh like `sh -c CMD`, but CMD comes in __srt_cmd, which is
 # gone from the environment before it runs (and CMD never shows in a command line).
 SHELL_SCRIPT = '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
@@ -403,12 +403,6 @@ class BubblewrapBackend:
             out.append((resource.RLIMIT_AS, limits.memory_mb * MIB, limits.memory_mb * MIB))
         return out
 
-    def _confine(self, pid: int, cgroup: ExecutionCgroup | None) -> None:
-        """Put the waiting sandbox `pid` into its cgroups (everything it starts inherits them).
-        Raises OSError."""
-        if cgroup is not None:
-            cgroup.join(pid)
-
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         """Start a sandbox.
 
@@ -419,11 +413,11 @@ class BubblewrapBackend:
         validate_command(spec.argv)
         spec.env = validate_env(spec.env)
         assert self._seccomp_path is not None
-        loop = asyncio.get_running_loop()
+        spawner = self._spawner
         options, command = self.bwrap_args(spec)
-        options_size = sum(len(a.encode("utf-8", "surrogatepass")) + 1 for a in options)
-        ours: list[int] = []  # the server's ends of the pipes
-        theirs: list[int] = []  # bwrap's fds 0..6, closed here once sent
+        blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in options)
+        ours: list[int] = []  # the server's ends: [stdin_w,] stdout_r, stderr_r, status_r, args_w
+        theirs: list[int] = []  # bwrap's fds 0..5, closed here once sent
         try:
             if spec.interactive:
                 stdin_r, stdin_w = os.pipe()
@@ -437,82 +431,96 @@ class BubblewrapBackend:
                 theirs.append(w)
             theirs.append(os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC))
             status_r, status_w = os.pipe()
-            block_r, block_w = os.pipe()
             args_r, args_w = os.pipe()
-            ours += [status_r, block_w]
-            theirs = [args_w, *theirs, status_w, block_r, args_r]
-            # Room for all the options, so the spawner never waits for bwrap to read them.
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(args_w, F_SETPIPE_SZ, min(max(options_size, 65536), 1024 * 1024))
+            ours += [status_r, args_w]
+            theirs += [status_w, args_r]
+            if len(blob) > 65536:  # all of it must fit, so that one write hands it over whole
+                fcntl.fcntl(args_w, F_SETPIPE_SZ, len(blob))
         except OSError as exc:
             _close_all(ours + theirs)
             raise SandboxSpawnError(f"could not prepare the sandbox's pipes: {exc}") from exc
-        bwrap_argv = [
-            self._bwrap, "--args", str(ARGS_FD), "--block-fd", str(BLOCK_FD), "--", *command
-        ]  # fmt: skip
+        # The server's ends become streams before anything starts: no await below leaves a
+        # started bwrap without an owner.
+        stdin_fd = ours.pop(0) if spec.interactive else None
+        stdout_r, stderr_r, status_r, args_w = ours
         try:
-            spawning = self._spawner.request(bwrap_argv, options, self.rlimits(spec.limits), theirs)
+            stdout, stderr, stdin = await _streams(stdout_r, stderr_r, stdin_fd)
+        except BaseException:
+            _close_all([status_r, args_w, *theirs])
+            raise
+        bwrap_argv = [self._bwrap, "--args", str(ARGS_FD), "--", *command]
+        try:
+            spawning = spawner.request(bwrap_argv, self.rlimits(spec.limits), theirs)
         except SandboxSpawnError:
-            _close_all(ours)
+            _close_streams(stdout, stderr, stdin)
+            _close_all([status_r, args_w])
             raise
         finally:
             _close_all(theirs)
-        # The request is on its way: build the cgroup while bwrap starts.
+        # Until bwrap has its options it only waits: if anything below fails, closing the
+        # options pipe unwritten leaves it nothing to run (an empty root, no command to exec).
+        pid: int | None = None
+        pidfd: int | None = None
+        proc: SandboxProcess | None = None
         cgroup: ExecutionCgroup | None = None
-        cgroup_error: OSError | None = None
-        if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
+        try:
+            # The request is on its way: take a cgroup while the spawner starts bwrap.
+            if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
+                try:
+                    cgroup = self.cgroups.acquire(spec.limits)
+                except OSError as exc:
+                    raise SandboxSpawnError(
+                        f"could not create the execution's cgroup: {exc}"
+                    ) from exc
             try:
-                cgroup = self.cgroups.acquire(spec.limits)
-            except OSError as exc:
-                cgroup_error = exc
-        try:
-            pid, pidfd = await spawning
-        except BaseException as exc:
-            spawning.cancel()  # if it still comes, the spawner client kills it
-            _close_all(ours)
-            if cgroup is not None:
-                self.cgroups.release(cgroup)
-            if isinstance(exc, SandboxSpawnError):
+                pid = await spawning
+            except SandboxSpawnError as exc:
                 raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
-            raise
-        stdin_fd = ours[0] if spec.interactive else None
-        stdout_r, stderr_r, status_r, block_w = ours[-4:]
-        stdout = await _reader(loop, os.fdopen(stdout_r, "rb", 0))
-        stderr = await _reader(loop, os.fdopen(stderr_r, "rb", 0))
-        stdin = await _writer(loop, os.fdopen(stdin_fd, "wb", 0)) if stdin_fd is not None else None
-        proc = SandboxProcess(
-            pid=pid,
-            pidfd=pidfd,
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            status_fd=status_r,
-            cgroup=cgroup,
-            limits=spec.limits,
-            timeout=spec.timeout,
-            on_exit=self._on_exit,
-        )
-        self._running.add(proc)
-        self._spawner.watch(pid, proc.on_outer_status)
-        # Every path below kills the sandbox before block_w is closed: closing it without the
-        # go byte would also let bwrap continue (its read returns EOF).
-        try:
-            if cgroup_error is not None:
-                raise SandboxSpawnError(f"could not create the execution's cgroup: {cgroup_error}")
-            child = await proc.wait_child_pid(SPAWN_HANDSHAKE_SECONDS)
-            if child is None and proc.running:
-                raise SandboxSpawnError("the sandbox did not start within its handshake time")
-            if child is not None:
-                self._confine(child, cgroup)
-                os.write(block_w, b"1")  # go: the command may run now
+            # From here to the options no await: nothing can interrupt.
+            pidfd = _open_child_of(pid, spawner.pid)
+            if cgroup is not None:
+                cgroup.join(pid)  # bwrap has not cloned yet: all it starts is inside
+            proc = SandboxProcess(
+                pid=pid,
+                pidfd=pidfd,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=stderr,
+                status_fd=status_r,
+                cgroup=cgroup,
+                limits=spec.limits,
+                timeout=spec.timeout,
+                on_exit=self._on_exit,
+            )
+            pidfd = None  # the process owns it and the status pipe now
+            self._running.add(proc)
+            spawner.watch(pid, proc.on_outer_status)
+            if os.write(args_w, blob) != len(blob):  # go: the pipe holds it all
+                raise SandboxSpawnError("could not hand bwrap its options")
         except BaseException as exc:
-            proc.kill("cancelled")
-            await proc.aclose()
+            if proc is not None:
+                proc.kill("cancelled")
+                await proc.aclose()  # its exit releases the cgroup
+            else:
+                if pid is None and spawning.done() and not spawning.cancelled():
+                    if spawning.exception() is None:
+                        pid = spawning.result()  # it came as we were cancelled
+                spawning.cancel()
+                if pidfd is not None:
+                    with contextlib.suppress(OSError):
+                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    os.close(pidfd)
+                if pid is not None:
+                    spawner.forget(pid)
+                _close_streams(stdout, stderr, stdin)
+                os.close(status_r)
+                if cgroup is not None:
+                    self._release_later(cgroup, f"unstarted sandbox {pid}")
             if isinstance(exc, OSError):
                 raise SandboxSpawnError(f"could not confine the sandbox: {exc}") from exc
             raise
         finally:
-            os.close(block_w)
+            os.close(args_w)
         return proc
 
     def _on_exit(self, proc: SandboxProcess) -> None:
@@ -523,13 +531,22 @@ class BubblewrapBackend:
 
     async def _after_exit(self, proc: SandboxProcess) -> None:
         await proc.wait()  # reads the cgroup's counters before the cgroup goes
-        cgroup = proc._cgroup
+        if proc._cgroup is not None:
+            await self._release_cgroup(proc._cgroup, f"sandbox {proc.pid}")
+
+    def _release_later(self, cgroup: ExecutionCgroup, what: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._release_cgroup(cgroup, what))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
+
+    async def _release_cgroup(self, cgroup: ExecutionCgroup, what: str) -> None:
+        """Back to the pool (or removed) once its processes are gone; killed if they linger."""
         for delay in (0.0, 0.02, 0.1, 0.5, 2.0):
             await asyncio.sleep(delay)
-            if cgroup is None or self.cgroups.release(cgroup):
+            if self.cgroups.release(cgroup):
                 return
             cgroup.kill()
-        logger.warning("cgroup of sandbox {} could not be removed", proc.pid)
+        logger.warning("cgroup of {} could not be removed", what)
 
     def reap_orphans(self) -> int:
         """Reap zombie bwraps reparented to this server (a child subreaper) when their spawner
@@ -564,6 +581,20 @@ class BubblewrapBackend:
         while True:
             await asyncio.sleep(2.0)
             self.reap_orphans()
+
+
+def _open_child_of(pid: int, parent: int | None) -> int:
+    """A pidfd for `pid`, checked to be a child of `parent` (no pid reuse). Raises OSError."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        ppid = -1
+    if ppid != parent:
+        os.close(pidfd)
+        raise OSError(errno.ESRCH, f"process {pid} is not the spawner's child")
+    return pidfd
 
 
 def _close_all(fds: list[int]) -> None:
@@ -638,6 +669,51 @@ def _build_etc(etc: Path) -> None:
             path = os.path.join(root, d)
             if not os.path.islink(path):
                 os.chmod(path, 0o755)
+
+
+async def _streams(
+    stdout_r: int, stderr_r: int, stdin_w: int | None
+) -> tuple[asyncio.StreamReader, asyncio.StreamReader, asyncio.StreamWriter | None]:
+    """Streams over the server's ends of a sandbox's stdio pipes (the fds are consumed; on
+    failure everything is closed)."""
+    loop = asyncio.get_running_loop()
+    files = [os.fdopen(stdout_r, "rb", 0), os.fdopen(stderr_r, "rb", 0)]
+    if stdin_w is not None:
+        files.append(os.fdopen(stdin_w, "wb", 0))
+    made: list[asyncio.StreamReader | asyncio.StreamWriter] = []
+    try:
+        made.append(await _reader(loop, files[0]))
+        made.append(await _reader(loop, files[1]))
+        if stdin_w is not None:
+            made.append(await _writer(loop, files[2]))
+    except BaseException:
+        for stream in made:
+            _close_stream(stream)
+        for f in files:
+            f.close()
+        raise
+    stdout, stderr = made[0], made[1]
+    assert isinstance(stdout, asyncio.StreamReader) and isinstance(stderr, asyncio.StreamReader)
+    stdin = made[2] if stdin_w is not None else None
+    assert stdin is None or isinstance(stdin, asyncio.StreamWriter)
+    return stdout, stderr, stdin
+
+
+def _close_stream(stream: asyncio.StreamReader | asyncio.StreamWriter) -> None:
+    if isinstance(stream, asyncio.StreamWriter):
+        stream.close()
+        return
+    transport = getattr(stream, "_transport", None)
+    if transport is not None:
+        transport.close()
+
+
+def _close_streams(
+    stdout: asyncio.StreamReader, stderr: asyncio.StreamReader, stdin: asyncio.StreamWriter | None
+) -> None:
+    for stream in (stdout, stderr, stdin):
+        if stream is not None:
+            _close_stream(stream)
 
 
 async def _reader(loop: asyncio.AbstractEventLoop, pipe: object) -> asyncio.StreamReader:

@@ -240,7 +240,7 @@ class CgroupLayout:
     def release(self, group: ExecutionCgroup) -> bool:
         """Take back the group of an execution that has ended: pooled if it is empty and clean,
         else removed. False while processes are still leaving it (call again later)."""
-        if group.pids():
+        if group.busy():
             return False
         if len(self._idle) < self.pool_size and group.make_reusable():
             self._idle.append(group)
@@ -398,6 +398,18 @@ class ExecutionCgroup:
             return [int(p) for p in _read(d / "cgroup.procs").split()]
         except OSError:
             return []
+
+    def busy(self) -> bool:
+        """Whether processes are (or may be: unreadable) still in the group."""
+        d = self.v2_dir or self.v1_dirs.get("pids") or next(iter(self.v1_dirs.values()), None)
+        if d is None:
+            return False
+        try:
+            return bool(_read(d / "cgroup.procs").strip())
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
 
     def signal_all(self, sig: int) -> int:
         """Send `sig` to every process in the group; returns how many were signalled."""

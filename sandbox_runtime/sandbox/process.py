@@ -86,7 +86,6 @@ class SandboxProcess:
         # Signals go through a pidfd: after the outer bwrap reaped the child, its pid could be
         # reused by an unrelated process, and this server runs as root.
         self._child_pidfd: int | None = None
-        self._child_waiters: list[asyncio.Future[None]] = []
         self._cgroup = cgroup
         self._started_at = time.monotonic()
         self._reason: str | None = None
@@ -133,16 +132,6 @@ class SandboxProcess:
         if self._outcome is None:
             self._outcome = self._finish()
         return self._outcome
-
-    async def wait_child_pid(self, wait_seconds: float) -> int | None:
-        """The sandbox's init pid once bwrap reports it; None if bwrap ended or time ran out."""
-        if self.child_pid is None and not self._status_done.is_set():
-            waiter = self._loop.create_future()
-            self._child_waiters.append(waiter)
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_seconds):
-                    await waiter
-        return self.child_pid
 
     def send_signal(self, sig: int) -> int:
         """Send `sig` to every process inside the sandbox; returns how many got it."""
@@ -257,13 +246,6 @@ class SandboxProcess:
         os.close(self._status_fd)
         self._status_fd = None
         self._status_done.set()
-        self._wake_child_waiters()
-
-    def _wake_child_waiters(self) -> None:
-        waiters, self._child_waiters = self._child_waiters, []
-        for waiter in waiters:
-            if not waiter.done():
-                waiter.set_result(None)
 
     def _parse_status(self, data: bytes) -> None:
         decoder = json.JSONDecoder()
@@ -281,9 +263,7 @@ class SandboxProcess:
             if isinstance(doc, dict):
                 if "child-pid" in doc and self.child_pid is None:
                     self.child_pid = int(doc["child-pid"])
-                    with contextlib.suppress(OSError):
-                        self._child_pidfd = os.pidfd_open(self.child_pid)
-                    self._wake_child_waiters()
+                    self._child_pidfd = _pidfd_of_child(self.child_pid, self.pid)
                 if "exit-code" in doc:
                     self._inner_exit = int(doc["exit-code"])
 
@@ -332,6 +312,24 @@ class SandboxProcess:
             cpu_seconds=stats.cpu_usage_ns / 1e9 if stats and stats.cpu_usage_ns else None,
             memory_peak_bytes=stats.memory_peak_bytes if stats else None,
         )
+
+
+def _pidfd_of_child(pid: int, parent: int) -> int | None:
+    """A pidfd for `pid` if it is still `parent`'s child (it may have exited and its pid been
+    reused: then None, and nothing is ever signalled through it)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        ppid = -1
+    if ppid != parent:
+        os.close(pidfd)
+        return None
+    return pidfd
 
 
 def _descendants(root: int) -> list[int]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,6 +21,8 @@ from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 SPAWNER_PROGRAM = Path(__file__).with_name("spawner.py")
 READY_SECONDS = 10.0
 STOP_SECONDS = 5.0
+# After a spawner died, how long before another restart may be tried (a restart blocks).
+RESTART_SECONDS = 1.0
 # The wait status reported for bwraps whose spawner died under them (as if SIGKILLed).
 KILLED_STATUS = signal.SIGKILL
 
@@ -35,10 +37,11 @@ class SpawnerManager:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._next = 0
-        self._pending: dict[int, asyncio.Future[tuple[int, int]]] = {}
+        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._last_start = 0.0
         self._watchers: dict[int, Callable[[int], None]] = {}
         self._exits: dict[int, int] = {}  # exits heard before anyone watched for them
-        self._unowned: set[int] = set()  # bwraps whose spawn() was cancelled: killed on arrival
+        self._unowned: set[int] = set()  # bwraps nobody waits for: their exits are dropped
 
     @property
     def pid(self) -> int | None:
@@ -87,20 +90,19 @@ class SpawnerManager:
         self._loop.add_reader(ours.fileno(), self._on_readable)
 
     def request(
-        self,
-        argv: list[str],
-        options: list[str],
-        rlimits: list[tuple[int, int, int]],
-        fds: list[int],
-    ) -> asyncio.Future[tuple[int, int]]:
-        """Ask for bwrap with `argv`, `rlimits` and `fds` (the options pipe's write end, then
-        bwrap's fds 0..6, the last its options pipe's read end). Sent at once: the caller may
-        close its copies on return. The future gives (pid, pidfd); if it is cancelled, what
-        the spawner started is killed when its answer comes.
+        self, argv: list[str], rlimits: list[tuple[int, int, int]], fds: list[int]
+    ) -> asyncio.Future[int]:
+        """Ask for bwrap with `argv` and `rlimits`, `fds` as its fds 0..5. Sent at once: the
+        caller may close its copies on return. The future gives bwrap's pid; bwrap then waits
+        for its options on fd 5 (a requester that gives up just closes that pipe).
 
         Raises SandboxSpawnError; the future may too.
         """
         if self._sock is None:
+            now = time.monotonic()
+            if now - self._last_start < RESTART_SECONDS:
+                raise SandboxSpawnError("the sandbox spawner died; it is restarted shortly")
+            self._last_start = now
             logger.warning("sandbox spawner is gone; starting a new one")
             try:
                 self.start()
@@ -111,11 +113,11 @@ class SpawnerManager:
         number = self._next
         memfd = os.memfd_create("srt-argv", os.MFD_CLOEXEC)
         try:
-            blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in argv + options)
+            blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in argv)
             view = memoryview(blob)
             while view:
                 view = view[os.write(memfd, view) :]
-            header = {"spawn": number, "argc": len(argv), "rlimits": rlimits}
+            header = {"spawn": number, "rlimits": rlimits}
             rights = array.array("i", [memfd, *fds])
             try:
                 self._sock.sendmsg(
@@ -126,7 +128,7 @@ class SpawnerManager:
                 raise SandboxSpawnError(f"could not reach the sandbox spawner: {exc}") from exc
         finally:
             os.close(memfd)
-        future: asyncio.Future[tuple[int, int]] = self._loop.create_future()
+        future: asyncio.Future[int] = self._loop.create_future()
         self._pending[number] = future
         return future
 
@@ -138,6 +140,11 @@ class SpawnerManager:
             on_exit(KILLED_STATUS)
         else:
             self._watchers[pid] = on_exit
+
+    def forget(self, pid: int) -> None:
+        """Nobody will watch bwrap `pid` (its start was abandoned): drop its exit when it comes."""
+        if self._exits.pop(pid, None) is None and self._sock is not None:
+            self._unowned.add(pid)
 
     def _on_readable(self) -> None:
         assert self._sock is not None
@@ -151,21 +158,19 @@ class SpawnerManager:
             except OSError as exc:
                 self._lost(f"reading from it failed: {exc}")
                 return
-            fds: list[int] = []
-            for level, kind, payload in ancdata:
+            for level, kind, payload in ancdata:  # it sends none; never keep any
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds += array.array("i", payload[: len(payload) - len(payload) % 4]).tolist()
+                    for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
+                        os.close(fd)
             if not data:
                 self._lost("it exited")
                 return
             try:
-                self._dispatch(json.loads(data), fds)
+                self._dispatch(json.loads(data))
             except (ValueError, TypeError, KeyError) as exc:
-                for fd in fds:
-                    os.close(fd)
                 logger.error("sandbox spawner sent a bad message: {}", exc)
 
-    def _dispatch(self, doc: dict[str, object], fds: list[int]) -> None:
+    def _dispatch(self, doc: dict[str, object]) -> None:
         if "exited" in doc:
             pid, status = int(doc["exited"]), int(doc["status"])  # type: ignore[call-overload]
             watcher = self._watchers.pop(pid, None)
@@ -178,18 +183,13 @@ class SpawnerManager:
             return
         number = int(doc["spawned"])  # type: ignore[call-overload]
         future = self._pending.pop(number, None)
-        if "pid" in doc and fds:
-            result = (int(doc["pid"]), fds[0])  # type: ignore[call-overload]
-            for fd in fds[1:]:
-                os.close(fd)
+        if "pid" in doc:
+            pid = int(doc["pid"])  # type: ignore[call-overload]
             if future is not None and not future.done():
-                future.set_result(result)
-            else:  # its requester gave up before the answer came
-                self._unowned.add(result[0])
-                _kill_pidfd(result[1])
+                future.set_result(pid)
+            else:  # its requester gave up: it closed the options pipe, bwrap ends on its own
+                self._unowned.add(pid)
             return
-        for fd in fds:
-            os.close(fd)
         if future is not None and not future.done():
             future.set_exception(SandboxSpawnError(str(doc.get("error", "spawn failed"))))
 
@@ -229,9 +229,3 @@ class SpawnerManager:
         await asyncio.to_thread(self._stop_process, STOP_SECONDS)
         self._exits.clear()
         self._unowned.clear()
-
-
-def _kill_pidfd(pidfd: int) -> None:
-    with contextlib.suppress(OSError):
-        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-    os.close(pidfd)

@@ -9,16 +9,16 @@ Run by the server as `python -I -S -B spawner.py FD UID GID PARENT_PID`, with FD
 SOCK_SEQPACKET socketpair. Standard library only, and everything imported before the drop:
 afterwards this process may not be able to read the server's installation.
 
-Protocol, one message each way per event, JSON with file descriptors as SCM_RIGHTS:
-- server -> spawner `{"spawn": N, "argc": K, "rlimits": [[RESOURCE, SOFT, HARD], ...]}` + fds
-  [memfd, options pipe's write end, stdin, stdout, stderr, seccomp, status, block, options
-  pipe's read end]. The memfd holds NUL-separated strings: bwrap's argv (the first K), then
-  its options. The last seven fds become fds 0-6 of the new bwrap; its argv names 3-6.
-  The spawner starts bwrap, lowers bwrap's rlimits (prlimit: same uid, so no privilege is
-  needed), and only then writes the options into the pipe bwrap reads them from (--args):
-  bwrap cannot start its sandbox before its limits are set, and everything in the sandbox
-  inherits them.
-- spawner -> server `{"spawned": N, "pid": P}` + [pidfd of P], or `{"spawned": N, "error": E}`.
+Protocol, one message each way per event, JSON; the server's requests carry fds (SCM_RIGHTS),
+the spawner's answers never do (fds in flight count against the sender's uid, which the
+sandboxes share: they could make such a send fail):
+- server -> spawner `{"spawn": N, "rlimits": [[RESOURCE, SOFT, HARD], ...]}` + fds [memfd,
+  stdin, stdout, stderr, seccomp, status, options]: the memfd holds bwrap's argv,
+  NUL-separated; the other six become fds 0-5 of the new bwrap (its argv names 3-5). The
+  spawner starts bwrap and lowers its rlimits (prlimit: same uid, no privilege needed) while
+  bwrap waits for its options on fd 5 (--args); the server writes them once it has moved
+  bwrap into the execution's cgroups. Everything in the sandbox inherits both.
+- spawner -> server `{"spawned": N, "pid": P}` or `{"spawned": N, "error": E}`.
 - spawner -> server `{"exited": P, "status": S}` (a wait status) when bwrap P has ended.
 - first message `{"ready": true}` or `{"ready": false, "error": E}`.
 The spawner exits when the server's end closes; its bwraps die with it (--die-with-parent).
@@ -46,8 +46,10 @@ PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
-CHILD_FDS = 7  # stdin, stdout, stderr, seccomp, status, block, args -> fds 0..6 of bwrap
-MAX_FDS = 2 + CHILD_FDS
+CHILD_FDS = 6  # stdin, stdout, stderr, seccomp, status, options -> fds 0..5 of bwrap
+MAX_FDS = 1 + CHILD_FDS
+# rlimits are bounded so a bad value is refused here, not by an OverflowError in prlimit.
+MAX_RLIMIT = 2**62
 RLIMITS = frozenset(
     {resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_NOFILE, resource.RLIMIT_CORE}
     | {resource.RLIMIT_AS, resource.RLIMIT_NPROC, resource.RLIMIT_DATA, resource.RLIMIT_STACK}
@@ -124,14 +126,8 @@ class Spawner:
         self.sock = sock
         self.children: set[int] = set()
 
-    def send(self, doc: dict[str, object], fds: list[int] | None = None) -> None:
-        data = json.dumps(doc).encode()
-        if fds:
-            self.sock.sendmsg(
-                [data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
-            )
-        else:
-            self.sock.send(data)
+    def send(self, doc: dict[str, object]) -> None:
+        self.sock.send(json.dumps(doc).encode())
 
     def handle_request(self) -> bool:
         """Serve one message; False when the server's end is closed."""
@@ -151,42 +147,36 @@ class Spawner:
         try:
             if not data:
                 return False
-            request = json.loads(data)
-            number = request.get("spawn")
+            try:
+                request = json.loads(data)
+                number = request.get("spawn")
+            except (ValueError, AttributeError):
+                return True  # not from our server: nothing to answer
             if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(fds) != MAX_FDS:
                 self.send({"spawned": number, "error": "malformed spawn request"})
                 return True
             try:
                 pid = self.spawn(fds, request)
-            except (OSError, ValueError, TypeError) as exc:
+            except Exception as exc:  # one bad request never ends the spawner
                 self.send({"spawned": number, "error": f"could not start bwrap: {exc}"})
                 return True
-            pidfd = os.pidfd_open(pid)
-            try:
-                self.send({"spawned": number, "pid": pid}, [pidfd])
-            finally:
-                os.close(pidfd)
+            self.send({"spawned": number, "pid": pid})
             return True
         finally:
             for fd in fds:
                 os.close(fd)
 
     def spawn(self, fds: list[int], request: dict[str, object]) -> int:
-        """Start bwrap, limit it, hand it its options; its pid. Raises OSError, ValueError."""
-        memfd, options_w, *child_fds = fds
-        argc = request["argc"]
+        """Start bwrap and lower its rlimits; its pid. Raises OSError, ValueError."""
+        memfd, *child_fds = fds
         rlimits = [tuple(item) for item in request["rlimits"]]  # type: ignore[attr-defined]
-        if not isinstance(argc, int) or argc < 1:
-            raise ValueError("bad argc")
         for which, soft, hard in rlimits:
-            if which not in RLIMITS or not 0 <= soft <= hard:
+            if which not in RLIMITS or not 0 <= soft <= hard <= MAX_RLIMIT:
                 raise ValueError(f"bad rlimit {which} {soft} {hard}")
         size = os.fstat(memfd).st_size
-        strings = (os.pread(memfd, size, 0) if size else b"").split(b"\0")[:-1]
-        if len(strings) < argc:
-            raise ValueError("argv shorter than argc")
-        argv = [os.fsdecode(a) for a in strings[:argc]]
-        options = b"".join(a + b"\0" for a in strings[argc:])
+        argv = [os.fsdecode(a) for a in os.pread(memfd, size, 0).split(b"\0")[:-1]]
+        if not argv:
+            raise ValueError("empty argv")
         actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(child_fds)]
         pid = os.posix_spawn(
             argv[0],
@@ -201,16 +191,10 @@ class Spawner:
         try:
             for which, soft, hard in rlimits:
                 resource.prlimit(pid, which, (soft, hard))
-        except OSError:
+        except BaseException:
             os.kill(pid, signal.SIGKILL)  # never let it run unlimited
             self.children.discard(pid)  # reaped, not reported: the server hears of an error
             raise
-        try:
-            view = memoryview(options)
-            while view:
-                view = view[os.write(options_w, view) :]
-        except BrokenPipeError:
-            pass  # bwrap died already; its exit is reported
         return pid
 
     def reap(self) -> None:
