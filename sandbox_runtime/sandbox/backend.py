@@ -259,6 +259,12 @@ class BubblewrapBackend:
             )
         if os.geteuid() == 0:
             _set_child_subreaper()
+        # Every running or pooled sandbox holds a few fds here: lift the soft limit (often 1024).
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        wanted = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
         self.cgroups = CgroupLayout.setup(
             self.config.group_name, favordynmods=self.config.cgroup_favordynmods
         )
@@ -439,32 +445,27 @@ class BubblewrapBackend:
         except OSError as exc:
             _close_all(ours + theirs)
             raise SandboxSpawnError(f"could not prepare the sandbox's pipes: {exc}") from exc
-        # The server's ends become streams before anything starts: no await below leaves a
-        # started bwrap without an owner.
-        stdin_fd = ours.pop(0) if spec.interactive else None
-        stdout_r, stderr_r, status_r, args_w = ours
-        try:
-            stdout, stderr, stdin = await _streams(stdout_r, stderr_r, stdin_fd)
-        except BaseException:
-            _close_all([status_r, args_w, *theirs])
-            raise
         bwrap_argv = [self._bwrap, "--args", str(ARGS_FD), "--", *command]
         try:
             spawning = spawner.request(bwrap_argv, self.rlimits(spec.limits), theirs)
         except SandboxSpawnError:
-            _close_streams(stdout, stderr, stdin)
-            _close_all([status_r, args_w])
+            _close_all(ours)
             raise
         finally:
             _close_all(theirs)
         # Until bwrap has its options it only waits: if anything below fails, closing the
         # options pipe unwritten leaves it nothing to run (an empty root, no command to exec).
+        stdin_fd = ours.pop(0) if spec.interactive else None
+        stdout_r, stderr_r, status_r, args_w = ours
+        streams: Streams | None = None
         pid: int | None = None
         pidfd: int | None = None
         proc: SandboxProcess | None = None
         cgroup: ExecutionCgroup | None = None
         try:
-            # The request is on its way: take a cgroup while the spawner starts bwrap.
+            # The request is on its way: make the streams and take a cgroup meanwhile.
+            streams = await _streams(stdout_r, stderr_r, stdin_fd)
+            stdout, stderr, stdin = streams
             if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
                 try:
                     cgroup = self.cgroups.acquire(spec.limits)
@@ -512,7 +513,8 @@ class BubblewrapBackend:
                     os.close(pidfd)
                 if pid is not None:
                     spawner.forget(pid)
-                _close_streams(stdout, stderr, stdin)
+                if streams is not None:
+                    _close_streams(*streams)
                 os.close(status_r)
                 if cgroup is not None:
                     self._release_later(cgroup, f"unstarted sandbox {pid}")
@@ -671,9 +673,11 @@ def _build_etc(etc: Path) -> None:
                 os.chmod(path, 0o755)
 
 
-async def _streams(
-    stdout_r: int, stderr_r: int, stdin_w: int | None
-) -> tuple[asyncio.StreamReader, asyncio.StreamReader, asyncio.StreamWriter | None]:
+# A sandbox's stdout, stderr and (interactive) stdin, as the server sees them.
+Streams = tuple[asyncio.StreamReader, asyncio.StreamReader, asyncio.StreamWriter | None]
+
+
+async def _streams(stdout_r: int, stderr_r: int, stdin_w: int | None) -> Streams:
     """Streams over the server's ends of a sandbox's stdio pipes (the fds are consumed; on
     failure everything is closed)."""
     loop = asyncio.get_running_loop()

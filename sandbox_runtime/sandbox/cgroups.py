@@ -354,6 +354,7 @@ class ExecutionCgroup:
     # since it was last handed out.
     baseline: CgroupStats = field(default_factory=CgroupStats)
     _peak_fd: int | None = None  # v2: memory.peak, reset for this fd when handed out
+    _procs_fds: list[int] = field(default_factory=list)
 
     def _file(self, key: str) -> Path:
         controller, _, name = key.rstrip("?").partition("/")
@@ -387,8 +388,12 @@ class ExecutionCgroup:
 
     def join(self, pid: int) -> None:
         """Move process `pid` into the group in every hierarchy. Raises OSError."""
-        for procs in self.procs_files:
-            _write(procs, str(pid))
+        if not self._procs_fds:  # kept open while the group lives: a pooled one joins often
+            for procs in self.procs_files:
+                self._procs_fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
+        value = str(pid).encode()
+        for fd in self._procs_fds:
+            os.write(fd, value)
 
     def pids(self) -> list[int]:
         d = self.v2_dir or self.v1_dirs.get("pids") or next(iter(self.v1_dirs.values()), None)
@@ -507,6 +512,9 @@ class ExecutionCgroup:
     def remove(self) -> bool:
         """Remove the group's directories; False while processes are still in it."""
         self._close_peak()
+        fds, self._procs_fds = self._procs_fds, []
+        for fd in fds:
+            os.close(fd)
         ok = True
         dirs = [*dict.fromkeys(self.v1_dirs.values()), *([self.v2_dir] if self.v2_dir else [])]
         for d in dirs:
