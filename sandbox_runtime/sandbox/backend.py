@@ -23,7 +23,7 @@ from loguru import logger
 from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
-from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.sandbox.process import SandboxProcess, pidfd_of_child
 from sandbox_runtime.sandbox.seccomp import compile_filter
 from sandbox_runtime.sandbox.spawn_client import SpawnerManager
 
@@ -478,7 +478,9 @@ class BubblewrapBackend:
             except SandboxSpawnError as exc:
                 raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
             # From here to the options no await: nothing can interrupt.
-            pidfd = _open_child_of(pid, spawner.pid)
+            pidfd = pidfd_of_child(pid, spawner.pid)
+            if pidfd is None:
+                raise OSError(errno.ESRCH, f"process {pid} is not the spawner's child")
             if cgroup is not None:
                 cgroup.join(pid)  # bwrap has not cloned yet: all it starts is inside
             proc = SandboxProcess(
@@ -583,20 +585,6 @@ class BubblewrapBackend:
         while True:
             await asyncio.sleep(2.0)
             self.reap_orphans()
-
-
-def _open_child_of(pid: int, parent: int | None) -> int:
-    """A pidfd for `pid`, checked to be a child of `parent` (no pid reuse). Raises OSError."""
-    pidfd = os.pidfd_open(pid)
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        ppid = -1
-    if ppid != parent:
-        os.close(pidfd)
-        raise OSError(errno.ESRCH, f"process {pid} is not the spawner's child")
-    return pidfd
 
 
 def _close_all(fds: list[int]) -> None:

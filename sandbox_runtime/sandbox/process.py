@@ -263,7 +263,7 @@ class SandboxProcess:
             if isinstance(doc, dict):
                 if "child-pid" in doc and self.child_pid is None:
                     self.child_pid = int(doc["child-pid"])
-                    self._child_pidfd = _pidfd_of_child(self.child_pid, self.pid)
+                    self._child_pidfd = pidfd_of_child(self.child_pid, self.pid)
                 if "exit-code" in doc:
                     self._inner_exit = int(doc["exit-code"])
 
@@ -314,9 +314,9 @@ class SandboxProcess:
         )
 
 
-def _pidfd_of_child(pid: int, parent: int) -> int | None:
-    """A pidfd for `pid` if it is still `parent`'s child (it may have exited and its pid been
-    reused: then None, and nothing is ever signalled through it)."""
+def pidfd_of_child(pid: int, parent: int | None) -> int | None:
+    """A pidfd for `pid` if it is still `parent`'s child, else None (it exited and its pid may
+    have been reused: nothing must ever be signalled through such a pidfd)."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
