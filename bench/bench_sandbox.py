@@ -11,7 +11,7 @@ from each coroutine's own start would leave out the queueing behind the requests
 Variants, measured in the same process and run, alternating:
 
 - ours:          BubblewrapBackend.spawn + wait (+ aclose): the spawner (already the sandbox
-                 uid) starts bwrap and sets its rlimits, cgroup create and join, seccomp,
+                 uid) starts bwrap and sets its rlimits, a (pooled) cgroup joined, seccomp,
                  generated /etc, workspace, bounded /dev/shm, read-only root, status pipe.
 - plain/popen:   bwrap with the same namespaces, started with subprocess.Popen and waited for
                  through a pidfd on the event loop, which is how the backend does it.
@@ -274,10 +274,6 @@ async def main() -> int:
         return 0 if all(verdict(label, mode, r)[0] for label, mode, r in rows) else 1
     finally:
         await backend.close()
-        layout = backend.cgroups
-        for base in [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]:
-            with contextlib.suppress(OSError):
-                base.rmdir()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -40,11 +39,7 @@ async def sandbox_backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
     try:
         yield backend
     finally:
-        await backend.close()
-        layout = backend.cgroups
-        for base in [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]:
-            with contextlib.suppress(OSError):
-                base.rmdir()
+        await backend.close()  # removes its cgroups too
 
 
 @pytest.fixture

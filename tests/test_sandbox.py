@@ -176,9 +176,8 @@ def descendants(root: int) -> list[int]:
 
 
 def execution_cgroups(backend: BubblewrapBackend) -> list[Path]:
-    layout = backend.cgroups
-    bases = [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]
-    return [d for base in set(bases) if base.is_dir() for d in base.iterdir() if d.is_dir()]
+    bases = backend.cgroups.bases
+    return [d for base in bases if base.is_dir() for d in base.iterdir() if d.is_dir()]
 
 
 def busy_execution_cgroups(backend: BubblewrapBackend) -> list[Path]:

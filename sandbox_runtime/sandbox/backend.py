@@ -672,40 +672,27 @@ async def _streams(stdout_r: int, stderr_r: int, stdin_w: int | None) -> Streams
     files = [os.fdopen(stdout_r, "rb", 0), os.fdopen(stderr_r, "rb", 0)]
     if stdin_w is not None:
         files.append(os.fdopen(stdin_w, "wb", 0))
-    made: list[asyncio.StreamReader | asyncio.StreamWriter] = []
+    readers: list[asyncio.StreamReader] = []
+    stdin: asyncio.StreamWriter | None = None
     try:
-        made.append(await _reader(loop, files[0]))
-        made.append(await _reader(loop, files[1]))
+        for f in files[:2]:
+            readers.append(await _reader(loop, f))
         if stdin_w is not None:
-            made.append(await _writer(loop, files[2]))
+            stdin = await _writer(loop, files[2])
     except BaseException:
-        for stream in made:
-            _close_stream(stream)
+        _close_streams(*readers, stdin)
         for f in files:
             f.close()
         raise
-    stdout, stderr = made[0], made[1]
-    assert isinstance(stdout, asyncio.StreamReader) and isinstance(stderr, asyncio.StreamReader)
-    stdin = made[2] if stdin_w is not None else None
-    assert stdin is None or isinstance(stdin, asyncio.StreamWriter)
-    return stdout, stderr, stdin
+    return readers[0], readers[1], stdin
 
 
-def _close_stream(stream: asyncio.StreamReader | asyncio.StreamWriter) -> None:
-    if isinstance(stream, asyncio.StreamWriter):
-        stream.close()
-        return
-    transport = getattr(stream, "_transport", None)
-    if transport is not None:
-        transport.close()
-
-
-def _close_streams(
-    stdout: asyncio.StreamReader, stderr: asyncio.StreamReader, stdin: asyncio.StreamWriter | None
-) -> None:
-    for stream in (stdout, stderr, stdin):
-        if stream is not None:
-            _close_stream(stream)
+def _close_streams(*streams: asyncio.StreamReader | asyncio.StreamWriter | None) -> None:
+    for stream in streams:
+        if isinstance(stream, asyncio.StreamWriter):
+            stream.close()
+        elif stream is not None and (transport := getattr(stream, "_transport", None)):
+            transport.close()
 
 
 async def _reader(loop: asyncio.AbstractEventLoop, pipe: object) -> asyncio.StreamReader:

@@ -267,19 +267,23 @@ class CgroupLayout:
             raise
         return group
 
+    @property
+    def bases(self) -> set[Path]:
+        """This server's parent group in each hierarchy in use."""
+        return {*self.v1_bases.values(), *([self.v2_base] if self.v2_base else [])}
+
     def close(self) -> None:
         """Remove every pooled group, then this server's parent groups if they are empty."""
         idle, self._idle = self._idle, []
         for group in idle:
             group.remove()
-        for base in {*self.v1_bases.values(), *([self.v2_base] if self.v2_base else [])}:
+        for base in self.bases:
             with contextlib.suppress(OSError):
                 base.rmdir()
 
     def cleanup_stale(self) -> None:
         """Remove empty execution groups a previous run of this server left behind."""
-        bases = [*self.v1_bases.values(), *([self.v2_base] if self.v2_base else [])]
-        for base in set(bases):
+        for base in self.bases:
             for child in base.iterdir():
                 if child.is_dir():
                     with contextlib.suppress(OSError):
@@ -395,22 +399,21 @@ class ExecutionCgroup:
         for fd in self._procs_fds:
             os.write(fd, value)
 
-    def pids(self) -> list[int]:
+    def _procs(self) -> str:
+        """The group's cgroup.procs (one hierarchy holds them all). Raises OSError."""
         d = self.v2_dir or self.v1_dirs.get("pids") or next(iter(self.v1_dirs.values()), None)
-        if d is None:
-            return []
+        return "" if d is None else _read(d / "cgroup.procs")
+
+    def pids(self) -> list[int]:
         try:
-            return [int(p) for p in _read(d / "cgroup.procs").split()]
+            return [int(p) for p in self._procs().split()]
         except OSError:
             return []
 
     def busy(self) -> bool:
         """Whether processes are (or may be: unreadable) still in the group."""
-        d = self.v2_dir or self.v1_dirs.get("pids") or next(iter(self.v1_dirs.values()), None)
-        if d is None:
-            return False
         try:
-            return bool(_read(d / "cgroup.procs").strip())
+            return bool(self._procs().strip())
         except FileNotFoundError:
             return False
         except OSError:
@@ -439,10 +442,13 @@ class ExecutionCgroup:
         """The group's cumulative counters (peak memory: since the last reset)."""
         s = CgroupStats()
         with contextlib.suppress(OSError, ValueError):
+            if self.v2_dir is not None:  # cpu.stat is there even with no controller enabled
+                s.cpu_usage_ns = _keyed(self.v2_dir / "cpu.stat").get("usage_usec", 0) * 1000
+            elif "cpuacct" in self.v1_dirs:
+                s.cpu_usage_ns = int(_read(self.v1_dirs["cpuacct"] / "cpuacct.usage"))
             if self.layout.version == "v2" and self.v2_dir is not None:
                 s.oom_kills = _keyed(self.v2_dir / "memory.events").get("oom_kill", 0)
                 s.pids_limit_hits = _keyed(self.v2_dir / "pids.events").get("max", 0)
-                s.cpu_usage_ns = _keyed(self.v2_dir / "cpu.stat").get("usage_usec", 0) * 1000
                 if self._peak_fd is not None:
                     s.memory_peak_bytes = int(os.pread(self._peak_fd, 64, 0))
                 elif (self.v2_dir / "memory.peak").exists():
@@ -454,10 +460,6 @@ class ExecutionCgroup:
                     s.memory_peak_bytes = int(_read(m / "memory.max_usage_in_bytes"))
                 if "pids" in self.v1_dirs:
                     s.pids_limit_hits = _keyed(self.v1_dirs["pids"] / "pids.events").get("max", 0)
-                if self.v2_dir is not None:  # cpu.stat is there with no controller enabled
-                    s.cpu_usage_ns = _keyed(self.v2_dir / "cpu.stat").get("usage_usec", 0) * 1000
-                elif "cpuacct" in self.v1_dirs:
-                    s.cpu_usage_ns = int(_read(self.v1_dirs["cpuacct"] / "cpuacct.usage"))
         return s
 
     def stats(self) -> CgroupStats:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import array
 import asyncio
 import json
 import os
@@ -46,10 +45,6 @@ class SpawnerManager:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
-
-    @property
-    def alive(self) -> bool:
-        return self._sock is not None
 
     def start(self) -> None:
         """Start the spawner and wait until it has dropped its privileges.
@@ -118,12 +113,8 @@ class SpawnerManager:
             while view:
                 view = view[os.write(memfd, view) :]
             header = {"spawn": number, "rlimits": rlimits}
-            rights = array.array("i", [memfd, *fds])
             try:
-                self._sock.sendmsg(
-                    [json.dumps(header).encode()],
-                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)],
-                )
+                socket.send_fds(self._sock, [json.dumps(header).encode()], [memfd, *fds])
             except OSError as exc:  # a full queue (BlockingIOError) or a dead spawner
                 raise SandboxSpawnError(f"could not reach the sandbox spawner: {exc}") from exc
         finally:
@@ -150,18 +141,12 @@ class SpawnerManager:
         assert self._sock is not None
         while True:
             try:
-                data, ancdata, _, _ = self._sock.recvmsg(
-                    4096, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
-                )
+                data = self._sock.recv(4096)  # no room for fds: the kernel drops any sent
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
                 self._lost(f"reading from it failed: {exc}")
                 return
-            for level, kind, payload in ancdata:  # it sends none; never keep any
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    for fd in array.array("i", payload[: len(payload) - len(payload) % 4]):
-                        os.close(fd)
             if not data:
                 self._lost("it exited")
                 return
@@ -204,6 +189,8 @@ class SpawnerManager:
         watchers, self._watchers = self._watchers, {}
         for on_exit in watchers.values():
             on_exit(KILLED_STATUS)
+        self._exits.clear()  # no exit will be reported any more
+        self._unowned.clear()
         self._stop_process()
 
     def _close_socket(self) -> None:
