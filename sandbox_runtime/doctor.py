@@ -64,13 +64,14 @@ def in_container() -> bool:
 def check_static(settings: Settings) -> list[Check]:
     checks: list[Check] = []
     bwrap = settings.bwrap_path or shutil.which("bwrap")
-    if bwrap:
+    if bwrap and os.access(bwrap, os.X_OK):
         version = subprocess.run(
             [bwrap, "--version"], capture_output=True, text=True, check=False
         ).stdout.strip()
         checks.append(Check("bubblewrap", True, f"{bwrap} ({version or 'unknown version'})"))
     else:
-        checks.append(Check("bubblewrap", False, "bwrap not found", "apt-get install bubblewrap"))
+        missing = f"{bwrap or 'bwrap'} not found"
+        checks.append(Check("bubblewrap", False, missing, "apt-get install bubblewrap"))
 
     userns_problems = []
     if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
@@ -153,11 +154,7 @@ def check_static(settings: Settings) -> list[Check]:
                 required=False,
             )
         )
-    for base in [*layout.v1_bases.values(), *([layout.v2_base] if layout.v2_base else [])]:
-        try:
-            base.rmdir()
-        except OSError:
-            pass
+    layout.close()
     return checks
 
 
@@ -177,6 +174,7 @@ async def check_live(settings: Settings) -> list[Check]:
         backend.start()
         if backend.unavailable_reason is not None:
             return [Check("sandbox run", False, backend.unavailable_reason, "see the checks above")]
+        spawner = _spawner_check(backend)
         try:
             proc = await backend.spawn(
                 SandboxSpec(
@@ -202,12 +200,7 @@ async def check_live(settings: Settings) -> list[Check]:
         fix = CONTAINER_FIX if in_container() else "see the user namespaces check"
         return [Check("sandbox run", False, f"bwrap failed: {detail}", fix)]
     checks = [
-        Check(
-            "spawner",
-            True,
-            f"started bwrap as {settings.sandbox_user if os.geteuid() == 0 else 'this user'}"
-            " with no capabilities and no_new_privs",
-        ),
+        spawner,
         Check("sandbox run", True, f"started and exited 0 in {outcome.duration_s * 1e3:.0f} ms"),
     ]
     checks.append(
@@ -227,6 +220,26 @@ async def check_live(settings: Settings) -> list[Check]:
         )
     )
     return checks
+
+
+def _spawner_check(backend: BubblewrapBackend) -> Check:
+    """What the running spawner's /proc/PID/status says of its ids and privileges."""
+    pid = backend.spawner_pid
+    text = _read(f"/proc/{pid}/status") if pid is not None else None
+    fields = {
+        key: value.split()
+        for key, _, value in (line.partition(":") for line in (text or "").splitlines())
+    }
+    uids = set(fields.get("Uid", []))
+    caps = ["CapInh", "CapPrm", "CapEff", "CapAmb"] + (["CapBnd"] if os.geteuid() == 0 else [])
+    unprivileged = all(int(fields.get(c, ["1"])[0], 16) == 0 for c in caps)
+    ok = len(uids) == 1 and "0" not in uids and unprivileged and fields.get("NoNewPrivs") == ["1"]
+    detail = (
+        f"pid {pid}, uid {'/'.join(sorted(uids)) or '?'}, "
+        + " ".join(f"{c}={fields.get(c, ['?'])[0]}" for c in caps)
+        + f" NoNewPrivs={fields.get('NoNewPrivs', ['?'])[0]}"
+    )
+    return Check("spawner", ok, detail, "the spawner kept privileges: report a bug")
 
 
 def run_doctor(settings: Settings) -> int:
