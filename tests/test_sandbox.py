@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import sandbox_runtime
-from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError
+from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError, SandboxSpawnError
 from sandbox_runtime.sandbox import (
     BubblewrapBackend,
     SandboxLimits,
@@ -29,6 +29,7 @@ from sandbox_runtime.sandbox import (
     shell_argv,
 )
 from sandbox_runtime.sandbox.backend import BASE_ENV
+from sandbox_runtime.sandbox.cgroups import ExecutionCgroup
 
 pytestmark = pytest.mark.integration
 
@@ -683,11 +684,19 @@ async def test_killed_spawner_ends_its_sandboxes_and_a_new_one_takes_over(
 async def test_a_start_cancelled_at_any_point_never_leaves_a_sandbox_running(
     sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
 ) -> None:
-    """Cancelled before spawn() returns: nothing ran. Returned: the caller owns and ends it."""
+    """Cancelled before spawn() returns: what the spawner started is killed once it answers, and
+    whatever of it ran had its limits (the spawner sets them, and the cgroups, before bwrap gets
+    its options). Returned: the caller owns and ends it. Either way nothing is left running."""
+    limits = sandbox_backend.config.limits.tighten({"open_files": 77})
     cancelled: list[int] = []
     for i in range(120):
         task = asyncio.ensure_future(
-            spawn(sandbox_backend, sandbox_workspace, f"touch /workspace/ran-{i}; sleep 30")
+            spawn(
+                sandbox_backend,
+                sandbox_workspace,
+                f"ulimit -n > /workspace/ran-{i}; sleep 30",
+                limits=limits,
+            )
         )
         if i < 20:
             for _ in range(i):  # every await point of the start
@@ -706,9 +715,32 @@ async def test_a_start_cancelled_at_any_point_never_leaves_a_sandbox_running(
     await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
     await wait_until(lambda: not busy_execution_cgroups(sandbox_backend), what="cgroups empty")
     assert sandbox_backend.running_count == 0
-    names = os.listdir(sandbox_workspace)
-    ran = {int(name.removeprefix("ran-")) for name in names if name.startswith("ran-")}
-    assert not ran & set(cancelled), f"cancelled starts ran anyway: {sorted(ran & set(cancelled))}"
+    for name in os.listdir(sandbox_workspace):
+        if name.startswith("ran-"):
+            assert (sandbox_workspace / name).read_text() in ("", "77\n"), name
+
+
+async def test_a_sandbox_the_spawner_cannot_move_into_its_cgroup_never_runs(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spawner moves bwrap into the execution's cgroups before it hands bwrap its options;
+    if that fails, bwrap is killed with nothing run and the start fails with the cause."""
+    if sandbox_backend.cgroups.version == "none":
+        pytest.fail("this test needs the backend's cgroups (run it as root)")
+    refusing = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)  # any write to it fails
+    try:
+        monkeypatch.setattr(ExecutionCgroup, "procs_fds", lambda self: [refusing])
+        with pytest.raises(
+            SandboxSpawnError, match=r"could not move it into its cgroup: .*Bad file descriptor"
+        ):
+            await spawn(sandbox_backend, sandbox_workspace, "touch /workspace/escaped")
+    finally:
+        os.close(refusing)
+    monkeypatch.undo()
+    await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
+    assert not (sandbox_workspace / "escaped").exists()
+    result = await run(sandbox_backend, sandbox_workspace, "echo fine")
+    assert (result.outcome.exit_code, result.stdout) == (0, "fine\n")
 
 
 # Run inside a sandbox: park as many fds as it may in flight on a unix socket (counted against

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import errno
 import fcntl
 import os
 import posixpath
@@ -15,6 +14,7 @@ import resource
 import shutil
 import signal
 import tempfile
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -422,8 +422,18 @@ class BubblewrapBackend:
         spawner = self._spawner
         options, command = self.bwrap_args(spec)
         blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in options)
-        ours: list[int] = []  # the server's ends: [stdin_w,] stdout_r, stderr_r, status_r, args_w
-        theirs: list[int] = []  # bwrap's fds 0..5, closed here once sent
+        cgroup: ExecutionCgroup | None = None
+        cgroup_procs: list[int] = []
+        if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
+            try:
+                cgroup = self.cgroups.acquire(spec.limits)
+                cgroup_procs = cgroup.procs_fds()
+            except OSError as exc:
+                if cgroup is not None:
+                    self._release_later(cgroup, "unstarted sandbox")
+                raise SandboxSpawnError(f"could not create the execution's cgroup: {exc}") from exc
+        ours: list[int] = []  # the server's ends: [stdin_w,] stdout_r, stderr_r, status_r
+        theirs: list[int] = []  # bwrap's fds 0..5 and the options pipe's write end
         try:
             if spec.interactive:
                 stdin_r, stdin_w = os.pipe()
@@ -438,51 +448,45 @@ class BubblewrapBackend:
             theirs.append(os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC))
             status_r, status_w = os.pipe()
             args_r, args_w = os.pipe()
-            ours += [status_r, args_w]
-            theirs += [status_w, args_r]
-            if len(blob) > 65536:  # all of it must fit, so that one write hands it over whole
+            ours.append(status_r)
+            theirs += [status_w, args_r, args_w]
+            if len(blob) > 65536:  # all of it must fit: the spawner's write must not block
                 fcntl.fcntl(args_w, F_SETPIPE_SZ, len(blob))
         except OSError as exc:
             _close_all(ours + theirs)
+            if cgroup is not None:
+                self._release_later(cgroup, "unstarted sandbox")
             raise SandboxSpawnError(f"could not prepare the sandbox's pipes: {exc}") from exc
         bwrap_argv = [self._bwrap, "--args", str(ARGS_FD), "--", *command]
         try:
-            spawning = spawner.request(bwrap_argv, self.rlimits(spec.limits), theirs)
+            spawning = spawner.request(
+                bwrap_argv, blob, self.rlimits(spec.limits), theirs, cgroup_procs
+            )
         except SandboxSpawnError:
             _close_all(ours)
+            if cgroup is not None:
+                self._release_later(cgroup, "unstarted sandbox")
             raise
         finally:
             _close_all(theirs)
-        # Until bwrap has its options it only waits: if anything below fails, closing the
-        # options pipe unwritten leaves it nothing to run (an empty root, no command to exec).
+        # From here the spawner starts bwrap, sets its rlimits, moves it into the cgroup and
+        # hands it its options, all before it answers. A start abandoned before the answer is
+        # ended once the answer comes (_abandon_start); the cgroup is not reused before then.
         stdin_fd = ours.pop(0) if spec.interactive else None
-        stdout_r, stderr_r, status_r, args_w = ours
+        stdout_r, stderr_r, status_r = ours
         streams: Streams | None = None
         pid: int | None = None
         pidfd: int | None = None
         proc: SandboxProcess | None = None
-        cgroup: ExecutionCgroup | None = None
         try:
-            # The request is on its way: make the streams and take a cgroup meanwhile.
-            streams = await _streams(stdout_r, stderr_r, stdin_fd)
+            streams = await _streams(stdout_r, stderr_r, stdin_fd)  # meanwhile
             stdout, stderr, stdin = streams
-            if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
-                try:
-                    cgroup = self.cgroups.acquire(spec.limits)
-                except OSError as exc:
-                    raise SandboxSpawnError(
-                        f"could not create the execution's cgroup: {exc}"
-                    ) from exc
             try:
-                pid = await spawning
+                pid = await asyncio.shield(spawning)
             except SandboxSpawnError as exc:
                 raise SandboxSpawnError(f"could not start the sandbox: {exc}") from exc
-            # From here to the options no await: nothing can interrupt.
+            # None: bwrap has already ended and been reaped; the spawner reports its end.
             pidfd = pidfd_of_child(pid, spawner.pid)
-            if pidfd is None:
-                raise OSError(errno.ESRCH, f"process {pid} is not the spawner's child")
-            if cgroup is not None:
-                cgroup.join(pid)  # bwrap has not cloned yet: all it starts is inside
             proc = SandboxProcess(
                 pid=pid,
                 pidfd=pidfd,
@@ -498,40 +502,49 @@ class BubblewrapBackend:
             pidfd = None  # the process owns it and the status pipe now
             self._running.add(proc)
             spawner.watch(pid, proc.on_outer_status)
-            if os.write(args_w, blob) != len(blob):  # go: the pipe holds it all
-                raise SandboxSpawnError("could not hand bwrap its options")
         except BaseException as exc:
             if proc is not None:
                 proc.kill("cancelled")
                 await proc.aclose()  # its exit releases the cgroup
             else:
-                if pid is None and spawning.done() and not spawning.cancelled():
-                    if spawning.exception() is None:
-                        pid = spawning.result()  # it came as we were cancelled
-                spawning.cancel()
                 if pidfd is not None:
                     with contextlib.suppress(OSError):
                         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
                     os.close(pidfd)
-                if pid is not None:
-                    spawner.forget(pid)
-                if streams is not None:
+                if streams is not None:  # (_streams closes the fds itself when it fails)
                     _close_streams(*streams)
                 os.close(status_r)
-                if cgroup is not None:
-                    self._release_later(cgroup, f"unstarted sandbox {pid}")
+                self._track(self._abandon_start(spawning, cgroup))
             if isinstance(exc, OSError):
                 raise SandboxSpawnError(f"could not confine the sandbox: {exc}") from exc
             raise
-        finally:
-            os.close(args_w)
         return proc
+
+    async def _abandon_start(
+        self, spawning: asyncio.Future[int], cgroup: ExecutionCgroup | None
+    ) -> None:
+        """End what an abandoned start set going: wait for the spawner's answer (until then it
+        may still move a process into the cgroup), kill that bwrap, then release the cgroup."""
+        assert self._spawner is not None
+        spawner = self._spawner
+        try:
+            pid: int | None = await spawning
+        except SandboxSpawnError:
+            pid = None  # nothing runs: the spawner killed it, or died and took it along
+        if pid is not None:
+            spawner.forget(pid)
+            pidfd = pidfd_of_child(pid, spawner.pid)
+            if pidfd is not None:
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                os.close(pidfd)
+        if cgroup is not None:
+            cgroup.kill()
+            await self._release_cgroup(cgroup, f"abandoned sandbox {pid}")
 
     def _on_exit(self, proc: SandboxProcess) -> None:
         self._running.discard(proc)
-        task = asyncio.get_running_loop().create_task(self._after_exit(proc))
-        self._cleanups.add(task)
-        task.add_done_callback(self._cleanups.discard)
+        self._track(self._after_exit(proc))
 
     async def _after_exit(self, proc: SandboxProcess) -> None:
         await proc.wait()  # reads the cgroup's counters before the cgroup goes
@@ -539,7 +552,11 @@ class BubblewrapBackend:
             await self._release_cgroup(proc._cgroup, f"sandbox {proc.pid}")
 
     def _release_later(self, cgroup: ExecutionCgroup, what: str) -> None:
-        task = asyncio.get_running_loop().create_task(self._release_cgroup(cgroup, what))
+        self._track(self._release_cgroup(cgroup, what))
+
+    def _track(self, cleanup: Coroutine[object, object, None]) -> None:
+        """Run `cleanup` in the background; close() waits for it."""
+        task = asyncio.get_running_loop().create_task(cleanup)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 

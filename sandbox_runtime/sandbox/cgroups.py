@@ -359,6 +359,10 @@ class ExecutionCgroup:
     baseline: CgroupStats = field(default_factory=CgroupStats)
     _peak_fd: int | None = None  # v2: memory.peak, reset for this fd when handed out
     _procs_fds: list[int] = field(default_factory=list)
+    # Counter files stay open while the group lives (a pooled one is read twice per execution
+    # and opening a cgroup file costs several times reading it); cgroup.procs cannot be
+    # re-read this way: an open cgroup.procs keeps showing what it showed first.
+    _stat_fds: dict[str, int] = field(default_factory=dict)  # by "ctl/file", as _file()
 
     def _file(self, key: str) -> Path:
         controller, _, name = key.rstrip("?").partition("/")
@@ -390,14 +394,15 @@ class ExecutionCgroup:
             files.append(str(self.v2_dir / "cgroup.procs"))
         return files
 
-    def join(self, pid: int) -> None:
-        """Move process `pid` into the group in every hierarchy. Raises OSError."""
-        if not self._procs_fds:  # kept open while the group lives: a pooled one joins often
+    def procs_fds(self) -> list[int]:
+        """The group's cgroup.procs files, open for writing (kept open while the group lives:
+        a pooled one is joined often). Writing a pid to each moves that process into the
+        group; the kernel checks such a write against the credentials of this opener, so
+        whoever is handed these fds can join its own processes. Raises OSError."""
+        if not self._procs_fds:
             for procs in self.procs_files:
                 self._procs_fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
-        value = str(pid).encode()
-        for fd in self._procs_fds:
-            os.write(fd, value)
+        return self._procs_fds
 
     def _procs(self) -> str:
         """The group's cgroup.procs (one hierarchy holds them all). Raises OSError."""
@@ -413,10 +418,15 @@ class ExecutionCgroup:
     def busy(self) -> bool:
         """Whether processes are (or may be: unreadable) still in the group."""
         try:
+            # pids.current (tasks not yet reaped) reads through a kept fd; cgroup.procs cannot.
+            if "pids" in self.v1_dirs:
+                return int(self._stat("pids/pids.current")) > 0
+            if self.layout.version == "v2" and "pids" in self.layout.v2_controllers:
+                return int(self._stat("v2/pids.current")) > 0
             return bool(self._procs().strip())
         except FileNotFoundError:
             return False
-        except OSError:
+        except (OSError, ValueError):
             return True
 
     def signal_all(self, sig: int) -> int:
@@ -438,28 +448,38 @@ class ExecutionCgroup:
             if self.signal_all(signal.SIGKILL) == 0:
                 return
 
+    def _stat(self, key: str) -> str:
+        """The current text of counter file `key` ("ctl/file"), through an fd kept open.
+        Raises OSError."""
+        fd = self._stat_fds.get(key)
+        if fd is None:
+            fd = self._stat_fds[key] = os.open(self._file(key), os.O_RDONLY | os.O_CLOEXEC)
+        return os.pread(fd, 65536, 0).decode()
+
+    def _keyed(self, key: str) -> dict[str, int]:
+        return _keyed(self._stat(key))
+
     def _counters(self) -> CgroupStats:
         """The group's cumulative counters (peak memory: since the last reset)."""
         s = CgroupStats()
         with contextlib.suppress(OSError, ValueError):
             if self.v2_dir is not None:  # cpu.stat is there even with no controller enabled
-                s.cpu_usage_ns = _keyed(self.v2_dir / "cpu.stat").get("usage_usec", 0) * 1000
+                s.cpu_usage_ns = self._keyed("v2/cpu.stat").get("usage_usec", 0) * 1000
             elif "cpuacct" in self.v1_dirs:
-                s.cpu_usage_ns = int(_read(self.v1_dirs["cpuacct"] / "cpuacct.usage"))
+                s.cpu_usage_ns = int(self._stat("cpuacct/cpuacct.usage"))
             if self.layout.version == "v2" and self.v2_dir is not None:
-                s.oom_kills = _keyed(self.v2_dir / "memory.events").get("oom_kill", 0)
-                s.pids_limit_hits = _keyed(self.v2_dir / "pids.events").get("max", 0)
+                s.oom_kills = self._keyed("v2/memory.events").get("oom_kill", 0)
+                s.pids_limit_hits = self._keyed("v2/pids.events").get("max", 0)
                 if self._peak_fd is not None:
                     s.memory_peak_bytes = int(os.pread(self._peak_fd, 64, 0))
                 elif (self.v2_dir / "memory.peak").exists():
-                    s.memory_peak_bytes = int(_read(self.v2_dir / "memory.peak"))
+                    s.memory_peak_bytes = int(self._stat("v2/memory.peak"))
             elif self.layout.version == "v1":
                 if "memory" in self.v1_dirs:
-                    m = self.v1_dirs["memory"]
-                    s.oom_kills = _keyed(m / "memory.oom_control").get("oom_kill", 0)
-                    s.memory_peak_bytes = int(_read(m / "memory.max_usage_in_bytes"))
+                    s.oom_kills = self._keyed("memory/memory.oom_control").get("oom_kill", 0)
+                    s.memory_peak_bytes = int(self._stat("memory/memory.max_usage_in_bytes"))
                 if "pids" in self.v1_dirs:
-                    s.pids_limit_hits = _keyed(self.v1_dirs["pids"] / "pids.events").get("max", 0)
+                    s.pids_limit_hits = self._keyed("pids/pids.events").get("max", 0)
         return s
 
     def stats(self) -> CgroupStats:
@@ -479,13 +499,12 @@ class ExecutionCgroup:
             # (Reclaiming the rest would block the event loop for as long as it takes; a
             # group left with more is removed instead, the kernel moves its charges up.)
             if self.layout.version == "v1" and "memory" in self.v1_dirs:
-                m = self.v1_dirs["memory"]
-                if int(_read(m / "memory.usage_in_bytes")) > REUSE_MAX_CHARGED_BYTES:
+                if int(self._stat("memory/memory.usage_in_bytes")) > REUSE_MAX_CHARGED_BYTES:
                     return False
-                _write(m / "memory.max_usage_in_bytes", "0")
+                _write(self.v1_dirs["memory"] / "memory.max_usage_in_bytes", "0")
             elif self.layout.version == "v2" and self.v2_dir is not None:
                 if "memory" in self.layout.v2_controllers:
-                    if int(_read(self.v2_dir / "memory.current")) > REUSE_MAX_CHARGED_BYTES:
+                    if int(self._stat("v2/memory.current")) > REUSE_MAX_CHARGED_BYTES:
                         return False
                     self._reset_peak_v2()
         except (OSError, ValueError):
@@ -515,6 +534,8 @@ class ExecutionCgroup:
         """Remove the group's directories; False while processes are still in it."""
         self._close_peak()
         fds, self._procs_fds = self._procs_fds, []
+        fds += self._stat_fds.values()
+        self._stat_fds = {}
         for fd in fds:
             os.close(fd)
         ok = True
@@ -529,9 +550,10 @@ class ExecutionCgroup:
         return ok
 
 
-def _keyed(path: Path) -> dict[str, int]:
+def _keyed(text: str) -> dict[str, int]:
+    """`key value` lines, as cgroup counter files have them."""
     out: dict[str, int] = {}
-    for line in _read(path).splitlines():
+    for line in text.splitlines():
         key, _, value = line.partition(" ")
         with contextlib.suppress(ValueError):
             out[key] = int(value.strip())

@@ -67,7 +67,7 @@ class SandboxProcess:
         self,
         *,
         pid: int,
-        pidfd: int,
+        pidfd: int | None,
         stdin: asyncio.StreamWriter | None,
         stdout: asyncio.StreamReader,
         stderr: asyncio.StreamReader,
@@ -99,10 +99,12 @@ class SandboxProcess:
         self._loop = asyncio.get_running_loop()
         # bwrap is the spawner's child, not ours. Its pidfd tells us at once when it ends and
         # signals it without any risk of pid reuse; the spawner, which reaps it, reports its
-        # wait status (`on_outer_status`), needed only when bwrap itself failed.
+        # wait status (`on_outer_status`). No pidfd: bwrap ended (and was reaped) before the
+        # server could open one, and the spawner's report is the end.
         self._pidfd: int | None = pidfd
         self._outer_status_known = asyncio.Event()
-        self._loop.add_reader(pidfd, self._on_outer_exit)
+        if pidfd is not None:
+            self._loop.add_reader(pidfd, self._on_outer_exit)
         # bwrap's JSON status (child pid, exit code), read straight off the pipe.
         self._status_fd: int | None = status_fd
         self._status_data = b""
@@ -207,13 +209,15 @@ class SandboxProcess:
         """bwrap has ended with wait status `status` (the spawner's report)."""
         self._outer_status = status
         self._outer_status_known.set()
+        self._on_outer_exit()  # (bwrap's pidfd has normally told us already)
 
     def _on_outer_exit(self) -> None:
-        if not self.running or self._pidfd is None:
+        if not self.running:
             return
-        self._loop.remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        self._pidfd = None
+        if self._pidfd is not None:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
         if self._timer is not None:
             self._timer.cancel()
         # The tree ends with its outer bwrap (--die-with-parent); make sure of it.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import tempfile
@@ -95,6 +96,11 @@ def compile_filter(network: bool = False) -> bytes:
         ) from exc
     try:
         filt = sc.SyscallFilter(sc.ALLOW)
+        # A binary tree over syscall numbers (libseccomp >= 2.5) instead of one long chain:
+        # fewer instructions run per syscall, and each sandbox's load is cheaper (the kernel
+        # walks the filter for every syscall number to cache the always-allowed ones).
+        with contextlib.suppress(AttributeError, ValueError, OSError):
+            filt.set_attr(sc.Attr.CTL_OPTIMIZE, 2)
         eperm = sc.ERRNO(errno.EPERM)
         for name in DENIED_SYSCALLS:
             try:

@@ -16,6 +16,7 @@ from pathlib import Path
 from loguru import logger
 
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.sandbox.process import pidfd_of_child
 
 SPAWNER_PROGRAM = Path(__file__).with_name("spawner.py")
 READY_SECONDS = 10.0
@@ -85,11 +86,19 @@ class SpawnerManager:
         self._loop.add_reader(ours.fileno(), self._on_readable)
 
     def request(
-        self, argv: list[str], rlimits: list[tuple[int, int, int]], fds: list[int]
+        self,
+        argv: list[str],
+        options: bytes,
+        rlimits: list[tuple[int, int, int]],
+        fds: list[int],
+        cgroup_procs: list[int],
     ) -> asyncio.Future[int]:
-        """Ask for bwrap with `argv` and `rlimits`, `fds` as its fds 0..5. Sent at once: the
-        caller may close its copies on return. The future gives bwrap's pid; bwrap then waits
-        for its options on fd 5 (a requester that gives up just closes that pipe).
+        """Ask for bwrap with `argv`, `rlimits` and `fds` as its fds 0..5 (fd 5 a pipe it reads
+        `options` from; `fds[6]` that pipe's write end), moved into the cgroups whose
+        cgroup.procs files are `cgroup_procs` before it gets its options. Sent at once: the
+        caller may close its copies on return (it must close the write end). The future gives
+        bwrap's pid once bwrap runs with its limits; it fails if bwrap could not be started
+        or confined (it was then killed before it had its options).
 
         Raises SandboxSpawnError; the future may too.
         """
@@ -109,12 +118,14 @@ class SpawnerManager:
         memfd = os.memfd_create("srt-argv", os.MFD_CLOEXEC)
         try:
             blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in argv)
-            view = memoryview(blob)
+            view = memoryview(blob + options)
             while view:
                 view = view[os.write(memfd, view) :]
-            header = {"spawn": number, "rlimits": rlimits}
+            header = {"spawn": number, "rlimits": rlimits, "argv_bytes": len(blob)}
             try:
-                socket.send_fds(self._sock, [json.dumps(header).encode()], [memfd, *fds])
+                socket.send_fds(
+                    self._sock, [json.dumps(header).encode()], [memfd, *fds, *cgroup_procs]
+                )
             except OSError as exc:  # a full queue (BlockingIOError) or a dead spawner
                 raise SandboxSpawnError(f"could not reach the sandbox spawner: {exc}") from exc
         finally:
@@ -172,8 +183,12 @@ class SpawnerManager:
             pid = int(doc["pid"])  # type: ignore[call-overload]
             if future is not None and not future.done():
                 future.set_result(pid)
-            else:  # its requester gave up: it closed the options pipe, bwrap ends on its own
+            else:  # nobody waits for it (requesters do not cancel the future): never run it
                 self._unowned.add(pid)
+                pidfd = pidfd_of_child(pid, self.pid)
+                if pidfd is not None:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                    os.close(pidfd)
             return
         if future is not None and not future.done():
             future.set_exception(SandboxSpawnError(str(doc.get("error", "spawn failed"))))

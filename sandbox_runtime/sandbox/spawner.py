@@ -12,12 +12,16 @@ afterwards this process may not be able to read the server's installation.
 Protocol, one message each way per event, JSON; the server's requests carry fds (SCM_RIGHTS),
 the spawner's answers never do (fds in flight count against the sender's uid, which the
 sandboxes share: they could make such a send fail):
-- server -> spawner `{"spawn": N, "rlimits": [[RESOURCE, SOFT, HARD], ...]}` + fds [memfd,
-  stdin, stdout, stderr, seccomp, status, options]: the memfd holds bwrap's argv,
-  NUL-separated; the other six become fds 0-5 of the new bwrap (its argv names 3-5). The
-  spawner starts bwrap and lowers its rlimits (prlimit: same uid, no privilege needed) while
-  bwrap waits for its options on fd 5 (--args); the server writes them once it has moved
-  bwrap into the execution's cgroups. Everything in the sandbox inherits both.
+- server -> spawner `{"spawn": N, "rlimits": [[RESOURCE, SOFT, HARD], ...], "argv_bytes": A}`
+  + fds [memfd, stdin, stdout, stderr, seccomp, status, options_r, options_w, cgroup.procs...]:
+  the memfd holds bwrap's argv (its first A bytes, NUL-separated) and then bwrap's options;
+  the next six fds become fds 0-5 of the new bwrap (its argv names 3-5); options_w is the
+  other end of fd 5; then up to MAX_CGROUPS cgroup.procs files the server opened (as root)
+  for the execution's cgroups. bwrap first waits for its options on fd 5 (--args, read to
+  EOF). Meanwhile the spawner lowers its rlimits (prlimit: same uid, no privilege needed) and
+  moves it into the cgroups (the kernel checks a cgroup.procs write against the credentials
+  the file was opened with); only then does it write the options. Everything in the sandbox
+  inherits the limits and the cgroups; if any step fails, bwrap is killed before it has any.
 - spawner -> server `{"spawned": N, "pid": P}` or `{"spawned": N, "error": E}`.
 - spawner -> server `{"exited": P, "status": S}` (a wait status) when bwrap P has ended.
 - first message `{"ready": true}` or `{"ready": false, "error": E}`.
@@ -47,7 +51,9 @@ PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 CHILD_FDS = 6  # stdin, stdout, stderr, seccomp, status, options -> fds 0..5 of bwrap
-MAX_FDS = 1 + CHILD_FDS
+FIXED_FDS = 1 + CHILD_FDS + 1  # the memfd, bwrap's six, the options pipe's write end
+MAX_CGROUPS = 8  # cgroup.procs files: one per hierarchy
+MAX_FDS = FIXED_FDS + MAX_CGROUPS
 # rlimits are bounded so a bad value is refused here, not by an OverflowError in prlimit.
 MAX_RLIMIT = 2**62
 RLIMITS = frozenset(
@@ -152,7 +158,7 @@ class Spawner:
                 number = request.get("spawn")
             except (ValueError, AttributeError):
                 return True  # not from our server: nothing to answer
-            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(fds) != MAX_FDS:
+            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(fds) < FIXED_FDS:
                 self.send({"spawned": number, "error": "malformed spawn request"})
                 return True
             try:
@@ -167,14 +173,20 @@ class Spawner:
                 os.close(fd)
 
     def spawn(self, fds: list[int], request: dict[str, object]) -> int:
-        """Start bwrap and lower its rlimits; its pid. Raises OSError, ValueError."""
-        memfd, *child_fds = fds
+        """Start bwrap, lower its rlimits, move it into its cgroups, hand it its options; its
+        pid. Raises OSError, ValueError (bwrap killed: it never got its options)."""
+        memfd, *child_fds = fds[: 1 + CHILD_FDS]
+        options_w, cgroup_procs = fds[1 + CHILD_FDS], fds[FIXED_FDS:]
         rlimits = [tuple(item) for item in request["rlimits"]]  # type: ignore[attr-defined]
         for which, soft, hard in rlimits:
             if which not in RLIMITS or not 0 <= soft <= hard <= MAX_RLIMIT:
                 raise ValueError(f"bad rlimit {which} {soft} {hard}")
-        size = os.fstat(memfd).st_size
-        argv = [os.fsdecode(a) for a in os.pread(memfd, size, 0).split(b"\0")[:-1]]
+        blob = os.pread(memfd, os.fstat(memfd).st_size, 0)
+        argv_bytes = request["argv_bytes"]
+        if not isinstance(argv_bytes, int) or not 0 < argv_bytes <= len(blob):
+            raise ValueError(f"bad argv size {argv_bytes!r}")
+        argv = [os.fsdecode(a) for a in blob[:argv_bytes].split(b"\0")[:-1]]
+        options = memoryview(blob)[argv_bytes:]
         if not argv:
             raise ValueError("empty argv")
         actions = [(os.POSIX_SPAWN_DUP2, fd, target) for target, fd in enumerate(child_fds)]
@@ -191,8 +203,17 @@ class Spawner:
         try:
             for which, soft, hard in rlimits:
                 resource.prlimit(pid, which, (soft, hard))
+            try:
+                for procs in cgroup_procs:
+                    os.write(procs, str(pid).encode())
+            except OSError as exc:
+                raise OSError(exc.errno, f"could not move it into its cgroup: {exc}") from exc
+            # The server sized the pipe to hold them all: a write that would block is an error.
+            os.set_blocking(options_w, False)
+            while options:
+                options = options[os.write(options_w, options) :]
         except BaseException:
-            os.kill(pid, signal.SIGKILL)  # never let it run unlimited
+            os.kill(pid, signal.SIGKILL)  # never let it run unlimited or outside its cgroups
             self.children.discard(pid)  # reaped, not reported: the server hears of an error
             raise
         return pid
