@@ -63,8 +63,9 @@ def server_env(state_dir: Path, port: int, **settings: str) -> dict[str, str]:
     return env
 
 
-def run_server_once(workdir: Path, timeout: float = 20.0, **settings: str) -> tuple[int, str]:
-    """Run the server with `settings` expecting it to exit on its own: (exit code, stderr)."""
+def run_server_once(workdir: Path, **settings: str) -> tuple[int, str]:
+    """Run the server with `settings` expecting it to exit on its own (within 20 s): (exit code,
+    stderr)."""
     env = server_env(workdir, free_port(), **settings)
     proc = subprocess.run(
         [sys.executable, "-m", "sandbox_runtime.cli"],
@@ -72,7 +73,7 @@ def run_server_once(workdir: Path, timeout: float = 20.0, **settings: str) -> tu
         cwd=workdir,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=20.0,
         check=False,
     )
     return proc.returncode, proc.stderr

@@ -125,7 +125,7 @@ async def test_execution_is_polled_fed_and_cancelled_through_nginx_from_a_new_se
     execution_id = started["execution_id"]
     owner = topology.replica_of(execution_id)
     for mode in ("legacy", "auto"):
-        async with open_client(topology.nginx.url, TOKEN, mode) as again:  # type: ignore[arg-type]
+        async with open_client(topology.nginx.url, TOKEN, mode) as again:
             status = await again.ok(
                 "get_execution_status", execution_id=execution_id, session=session
             )
