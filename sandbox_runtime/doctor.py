@@ -23,6 +23,12 @@ APPARMOR_FIX = (
     "profile bwrap /usr/bin/bwrap flags=(unconfined) { userns, }`, then "
     "`systemctl reload apparmor`), or `sysctl kernel.apparmor_restrict_unprivileged_userns=0`"
 )
+# The spawner (the sandbox uid) moves bwrap into its cgroups through cgroup.procs files the
+# server opened as root; the kernel must judge such a write by the opener's credentials.
+CGROUP_MOVE_FIX = (
+    "the kernel refused the spawner's move into the execution cgroup: it needs Linux >= 5.16 "
+    "or a kernel with the CVE-2021-4197 fix (open-time credentials for cgroup.procs writes)"
+)
 CONTAINER_FIX = (
     "inside Docker/Kubernetes the default seccomp and AppArmor profiles block the unshare() and "
     "mount() bwrap needs: run the container with `--security-opt seccomp=unconfined "
@@ -188,7 +194,10 @@ async def check_live(settings: Settings) -> list[Check]:
             outcome = await proc.wait()
             await proc.aclose()
         except SandboxRuntimeError as exc:
-            return [Check("sandbox run", False, str(exc))]
+            fix = ""
+            if "into its cgroup" in str(exc):
+                fix = CGROUP_MOVE_FIX
+            return [Check("sandbox run", False, str(exc), fix)]
         finally:
             await backend.close()
     text = out.decode("utf-8", "replace")

@@ -37,10 +37,12 @@ PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
 
 # How a sandbox starts: the spawner (spawner.py, already the unprivileged sandbox uid with
-# no capabilities and no_new_privs) starts bwrap with fds the server made and lowers its
-# rlimits; bwrap then waits for its options (--args: host paths, the caller's environment and
-# code never show in a command line). The server moves bwrap into the execution's cgroups and
-# only then writes the options: everything bwrap starts inherits the limits and the cgroup.
+# no capabilities and no_new_privs) starts bwrap with fds the server made; bwrap first waits
+# for its options (--args: host paths, the caller's environment and code never show in a
+# command line). Meanwhile the spawner lowers bwrap's rlimits and moves it into the
+# execution's cgroups (through cgroup.procs files the server opened), and only then writes
+# the options: everything bwrap starts inherits the limits and the cgroups. One turn of the
+# spawner, no round trip through the server before bwrap may go on.
 # Fds of bwrap as the spawner sets them up: 0-2 stdio, then these.
 SECCOMP_FD, STATUS_FD, ARGS_FD = 3, 4, 5
 # A shell command is run by /bin/sh like `sh -c CMD`, but CMD comes in __srt_cmd, which is
