@@ -228,6 +228,10 @@ class SpawnerManager:
     async def close(self) -> None:
         """Stop the spawner; any bwrap still running dies with it."""
         self._close_socket()  # the spawner exits when it reads the end of its socket
+        pending, self._pending = self._pending, {}
+        for future in pending.values():
+            if not future.done():
+                future.set_exception(SandboxSpawnError("the sandbox spawner was stopped"))
         await asyncio.to_thread(self._stop_process, STOP_SECONDS)
         self._exits.clear()
         self._unowned.clear()
