@@ -12,7 +12,6 @@ import pwd
 import re
 import resource
 import shutil
-import signal
 import tempfile
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ from loguru import logger
 from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
-from sandbox_runtime.sandbox.process import SandboxProcess, pidfd_of_child
+from sandbox_runtime.sandbox.process import SandboxProcess, kill_if_child, pidfd_of_child
 from sandbox_runtime.sandbox.seccomp import compile_filter
 from sandbox_runtime.sandbox.spawn_client import SpawnerManager
 
@@ -510,36 +509,31 @@ class BubblewrapBackend:
                 await proc.aclose()  # its exit releases the cgroup
             else:
                 if pidfd is not None:
-                    with contextlib.suppress(OSError):
-                        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    os.close(pidfd)
+                    os.close(pidfd)  # (_abandon_start kills bwrap)
                 if streams is not None:  # (_streams closes the fds itself when it fails)
                     _close_streams(*streams)
                 os.close(status_r)
-                self._track(self._abandon_start(spawning, cgroup))
+                self._track(self._abandon_start(spawner, spawning, cgroup))
             if isinstance(exc, OSError):
                 raise SandboxSpawnError(f"could not confine the sandbox: {exc}") from exc
             raise
         return proc
 
     async def _abandon_start(
-        self, spawning: asyncio.Future[int], cgroup: ExecutionCgroup | None
+        self,
+        spawner: SpawnerManager,
+        spawning: asyncio.Future[int],
+        cgroup: ExecutionCgroup | None,
     ) -> None:
         """End what an abandoned start set going: wait for the spawner's answer (until then it
         may still move a process into the cgroup), kill that bwrap, then release the cgroup."""
-        assert self._spawner is not None
-        spawner = self._spawner
         try:
             pid: int | None = await spawning
         except SandboxSpawnError:
             pid = None  # nothing runs: the spawner killed it, or died and took it along
         if pid is not None:
             spawner.forget(pid)
-            pidfd = pidfd_of_child(pid, spawner.pid)
-            if pidfd is not None:
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                os.close(pidfd)
+            kill_if_child(pid, spawner.pid)
         if cgroup is not None:
             cgroup.kill()
             await self._release_cgroup(cgroup, f"abandoned sandbox {pid}")

@@ -336,6 +336,15 @@ def pidfd_of_child(pid: int, parent: int | None) -> int | None:
     return pidfd
 
 
+def kill_if_child(pid: int, parent: int | None) -> None:
+    """SIGKILL `pid` if it is still `parent`'s child (never a process that reused its pid)."""
+    pidfd = pidfd_of_child(pid, parent)
+    if pidfd is not None:
+        with contextlib.suppress(OSError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
+
+
 def _descendants(root: int) -> list[int]:
     """Every descendant of `root`, by walking /proc's children lists."""
     found: list[int] = []

@@ -16,7 +16,7 @@ from pathlib import Path
 from loguru import logger
 
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
-from sandbox_runtime.sandbox.process import pidfd_of_child
+from sandbox_runtime.sandbox.process import kill_if_child
 
 SPAWNER_PROGRAM = Path(__file__).with_name("spawner.py")
 READY_SECONDS = 10.0
@@ -185,10 +185,7 @@ class SpawnerManager:
                 future.set_result(pid)
             else:  # nobody waits for it (requesters do not cancel the future): never run it
                 self._unowned.add(pid)
-                pidfd = pidfd_of_child(pid, self.pid)
-                if pidfd is not None:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-                    os.close(pidfd)
+                kill_if_child(pid, self.pid)
             return
         if future is not None and not future.done():
             future.set_exception(SandboxSpawnError(str(doc.get("error", "spawn failed"))))
