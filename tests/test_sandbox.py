@@ -17,10 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import SANDBOX_TEST_LIMITS
+from mcp_harness import traversable_by_others
 
 import sandbox_runtime
 from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError, SandboxSpawnError
 from sandbox_runtime.sandbox import (
+    BackendConfig,
     BubblewrapBackend,
     SandboxLimits,
     SandboxOutcome,
@@ -258,6 +261,7 @@ async def test_sandbox_cannot_write_outside_workspace_and_tmp(
     sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
 ) -> None:
     outside = ["/usr/pwned", "/usr/bin/pwned", "/etc/pwned", "/etc/passwd", "/pwned", "/proc/pwned"]
+    outside += ["/dev/pwned", "/dev/null/pwned"]
     outside.append(str(sandbox_backend.config.workspace_root / "pwned"))
     result = await run(
         sandbox_backend,
@@ -271,6 +275,87 @@ async def test_sandbox_cannot_write_outside_workspace_and_tmp(
     assert {path: how for path, how in seen.items() if how == "ok"} == {}
     assert not (sandbox_backend.config.workspace_root / "pwned").exists()
     assert (sandbox_workspace / "ok.txt").read_text() == "pwned"
+
+
+# Lists /dev (following no links), then uses what a program expects there.
+DEV_PROBE = """
+import json, multiprocessing, os, stat
+entries = {}
+for name in sorted(os.listdir("/dev")):
+    st = os.lstat("/dev/" + name)
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        kind = "chr" if stat.S_ISCHR(st.st_mode) else "blk"
+        entries[name] = [kind, os.major(st.st_rdev), os.minor(st.st_rdev)]
+    else:
+        entries[name] = "link" if stat.S_ISLNK(st.st_mode) else "other"
+with open("/dev/null", "w") as f:
+    f.write("discarded")
+used = {
+    "zero": open("/dev/zero", "rb").read(4).hex(),
+    "urandom": len(open("/dev/urandom", "rb").read(16)),
+    "stdout": os.readlink("/dev/stdout"),
+}
+lock = multiprocessing.Lock()  # a POSIX semaphore in /dev/shm
+with lock:
+    used["lock"] = True
+print(json.dumps({"entries": entries, "used": used}))
+"""
+# The character devices a sandbox may have: null, zero, full, random, urandom, tty and, with
+# bwrap's own /dev, the pty multiplexer.
+HARMLESS_DEVICES = {(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0), (5, 2)}
+
+
+async def test_sandbox_dev_holds_only_harmless_devices_and_they_work(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    private_dir = sandbox_backend._private_dir
+    assert private_dir is not None
+    if os.geteuid() == 0 and not os.statvfs(private_dir).f_flag & os.ST_NODEV:
+        assert sandbox_backend._dev_dir is not None  # the cheap prebuilt /dev is in use
+    result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", DEV_PROBE])
+    assert result.outcome.exit_code == 0, result.stderr
+    seen = json.loads(result.stdout)
+    nodes = {name: e for name, e in seen["entries"].items() if isinstance(e, list)}
+    assert all(kind == "chr" for kind, _, _ in nodes.values()), nodes  # no block devices
+    assert {"null", "zero", "full", "random", "urandom", "tty"} <= set(nodes)
+    assert {(major, minor) for _, major, minor in nodes.values()} <= HARMLESS_DEVICES, nodes
+    assert seen["used"] == {"zero": "00000000", "urandom": 16, "stdout": "/proc/self/fd/1",
+                            "lock": True}  # fmt: skip
+
+
+async def test_where_device_nodes_cannot_be_made_bwraps_dev_is_used_minimal_and_read_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*_: object, **__: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")  # as without CAP_MKNOD
+
+    traversable_by_others(tmp_path)
+    backend = BubblewrapBackend(
+        BackendConfig(
+            workspace_root=tmp_path / "workspaces",
+            limits=SANDBOX_TEST_LIMITS,
+            group_name=f"srt-test-{uuid.uuid4().hex[:12]}",
+        )
+    )
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "mknod", refuse)
+        backend.start()
+    try:
+        assert backend.unavailable_reason is None, backend.unavailable_reason
+        assert backend._dev_dir is None
+        workspace = backend.create_workspace("ws")
+        result = await run(backend, workspace, [PYTHON, "-c", DEV_PROBE])
+        assert result.outcome.exit_code == 0, result.stderr
+        nodes = {
+            n: e for n, e in json.loads(result.stdout)["entries"].items() if isinstance(e, list)
+        }
+        assert {(major, minor) for _, major, minor in nodes.values()} <= HARMLESS_DEVICES, nodes
+        written = await run(
+            backend, workspace, [PYTHON, "-c", PROBE, "write", "/dev/pwned", "/dev/shm/ok"]
+        )
+        assert json.loads(written.stdout) == {"/dev/pwned": "EROFS", "/dev/shm/ok": "ok"}
+    finally:
+        await backend.close()
 
 
 async def test_sandbox_sees_only_its_own_processes(
