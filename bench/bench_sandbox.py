@@ -12,7 +12,8 @@ Variants, measured in the same process and run, alternating:
 
 - ours:          BubblewrapBackend.spawn + wait (+ aclose): the spawner (already the sandbox
                  uid) starts bwrap and sets its rlimits, a (pooled) cgroup joined, seccomp,
-                 generated /etc, workspace, bounded /dev/shm, read-only root, status pipe.
+                 generated /etc and /dev (bwrap --dev only where nodes cannot be made), workspace,
+                 read-only root, status pipe.
 - plain/popen:   bwrap with the same namespaces, started with subprocess.Popen and waited for
                  through a pidfd on the event loop, which is how the backend does it.
 - plain/asyncio: the same bwrap through asyncio.create_subprocess_exec (child watcher thread).

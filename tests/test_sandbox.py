@@ -311,7 +311,7 @@ async def test_sandbox_dev_holds_only_harmless_devices_and_they_work(
     private_dir = sandbox_backend._private_dir
     assert private_dir is not None
     if os.geteuid() == 0 and not os.statvfs(private_dir).f_flag & os.ST_NODEV:
-        assert sandbox_backend._dev_dir is not None  # the cheap prebuilt /dev is in use
+        assert sandbox_backend.dev_problem is None  # the cheap prebuilt /dev is in use
     result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", DEV_PROBE])
     assert result.outcome.exit_code == 0, result.stderr
     seen = json.loads(result.stdout)
@@ -342,7 +342,7 @@ async def test_where_device_nodes_cannot_be_made_bwraps_dev_is_used_minimal_and_
         backend.start()
     try:
         assert backend.unavailable_reason is None, backend.unavailable_reason
-        assert backend._dev_dir is None
+        assert backend.dev_problem is not None and "not permitted" in backend.dev_problem
         workspace = backend.create_workspace("ws")
         result = await run(backend, workspace, [PYTHON, "-c", DEV_PROBE])
         assert result.outcome.exit_code == 0, result.stderr

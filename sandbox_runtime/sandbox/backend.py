@@ -201,6 +201,7 @@ class BubblewrapBackend:
         self._seccomp_path: Path | None = None
         self._root_dir: Path | None = None
         self._dev_dir: Path | None = None  # a prebuilt /dev, when the host allows one
+        self.dev_problem: str | None = None  # why there is none
         self._fixed: list[str] | None = None
         self._running: set[SandboxProcess] = set()
         self._sweeper: asyncio.Task[None] | None = None
@@ -251,8 +252,15 @@ class BubblewrapBackend:
         os.chmod(self._seccomp_path, 0o600)
         self._root_dir = self._private_dir / "root"
         _build_root(self._root_dir)
-        if os.geteuid() == 0 and self._uid != 0:
-            self._dev_dir = _build_dev(self._root_dir / "dev")
+        if os.geteuid() == 0:
+            try:
+                self._dev_dir = _build_dev(self._root_dir / "dev")
+            except OSError as exc:
+                self.dev_problem = f"device nodes cannot be made in {self._private_dir}: {exc}"
+        else:
+            self.dev_problem = "device nodes can only be made by a server running as root"
+        if self.dev_problem is not None:
+            logger.info("no prebuilt /dev ({}); bwrap builds one per sandbox", self.dev_problem)
         self.config.workspace_root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.config.workspace_root, 0o711)
         blocked = _first_unsearchable(self.config.workspace_root, self._uid, self._gid)
@@ -663,10 +671,10 @@ DEV_LINKS = {
 }
 
 
-def _build_dev(dev: Path) -> Path | None:
-    """Fill `dev` (in the sandbox's root) with the minimal /dev; None when the host refuses
-    device nodes there (no CAP_MKNOD, or a nodev filesystem): bwrap's --dev is used instead.
-    """
+def _build_dev(dev: Path) -> Path:
+    """Fill `dev` (in the sandbox's root) with the minimal /dev. Raises OSError (and leaves
+    `dev` empty) when the host refuses device nodes there (no CAP_MKNOD, a nodev filesystem):
+    bwrap's --dev is used instead."""
     try:
         for name, (major, minor) in DEV_NODES.items():
             os.mknod(dev / name, 0o666 | stat.S_IFCHR, os.makedev(major, minor))
@@ -674,11 +682,10 @@ def _build_dev(dev: Path) -> Path | None:
         for name, target in DEV_LINKS.items():
             (dev / name).symlink_to(target)
         os.close(os.open(dev / "null", os.O_WRONLY | os.O_CLOEXEC))  # EACCES on nodev
-    except OSError as exc:
-        logger.info("a prebuilt /dev is not possible here ({}); bwrap builds one each time", exc)
+    except OSError:
         for entry in dev.iterdir():
             entry.unlink()
-        return None
+        raise
     return dev
 
 
