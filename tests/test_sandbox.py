@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import itertools
 import json
@@ -10,6 +11,8 @@ import os
 import pwd
 import re
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -1034,3 +1037,146 @@ async def test_callers_environment_and_shell_code_never_show_in_a_command_line(
     finally:
         proc.kill()
         await collect(proc)
+
+
+# -- a server that is not root ----------------------------------------------------------------
+
+# Run by a server process that is the sandbox user itself (uid 65534, `nobody`): starts a
+# backend, looks at a sandbox from inside, stops a stubborn one, hits the file size limit.
+NON_ROOT_SERVER = """
+import asyncio, json, os, sys
+from pathlib import Path
+from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxLimits, SandboxSpec
+from sandbox_runtime.sandbox import shell_argv
+
+root, probe, stubborn, marker = sys.argv[1:5]
+
+def marked(bwrap=True):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():  # this server has the marker in its own argv
+            continue
+        try:
+            if marker.encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+                if bwrap or open(f"/proc/{pid}/comm").read().strip() != "bwrap":
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+async def main():
+    backend = BubblewrapBackend(BackendConfig(
+        workspace_root=Path(root) / "workspaces", sandbox_user="nobody",
+        limits=SandboxLimits(memory_mb=256, pids=64, open_files=77, file_size_mb=1),
+        group_name="srt-test-non-root"))
+    backend.start()
+    report = {"euid": os.geteuid(), "unavailable": backend.unavailable_reason,
+              "cgroups": backend.cgroups.describe(), "dev_problem": backend.dev_problem}
+    if backend.unavailable_reason is not None:
+        print(json.dumps(report))
+        return
+    ws = backend.create_workspace("ws")
+    def spec(argv):
+        return SandboxSpec(argv=argv, workspace=ws, limits=backend.config.limits, timeout=20)
+    async def run(argv):
+        proc = await backend.spawn(spec(argv))
+        out, err, outcome = await asyncio.gather(proc.stdout.read(), proc.stderr.read(),
+                                                 proc.wait())
+        await proc.aclose()
+        return out.decode(), err.decode(), outcome
+    with open(f"/proc/{backend.spawner_pid}/status") as f:
+        report["spawner_uids"] = f.read().split("Uid:")[1].split()[:4]
+    out, err, outcome = await run(["/usr/bin/python3", "-c", probe, "read", "/etc/shadow",
+                                   "/root", root + "/workspaces"])
+    report["read"] = json.loads(out) if outcome.exit_code == 0 else err
+    out, err, outcome = await run(["/usr/bin/python3", "-c", probe, "write", "/etc/x",
+                                   "/usr/x", "/dev/x", "/workspace/ok"])
+    report["write"] = json.loads(out) if outcome.exit_code == 0 else err
+    out, err, outcome = await run(shell_argv(
+        "grep -E '^(Uid|CapEff|NoNewPrivs|Seccomp):' /proc/self/status; ulimit -n; ulimit -v"))
+    report["inside"] = out.split()
+    proc = await backend.spawn(spec(["/usr/bin/python3", "-c", stubborn, marker]))
+    report["stubborn_ready"] = (await asyncio.wait_for(proc.stdout.readline(), 10)).decode()
+    for _ in range(250):
+        # main, 3 children and the daemon, which its short-lived parent forks
+        report["stubborn_running"] = len(marked(bwrap=False))
+        if report["stubborn_running"] == 5 and len(marked(bwrap=False)) == 5:
+            break
+        await asyncio.sleep(0.02)
+    await proc.terminate(grace=0.3)
+    outcome = await proc.wait()
+    report["stubborn_outcome"] = [outcome.exit_code, outcome.reason]
+    await proc.aclose()
+    for _ in range(250):
+        if not marked():
+            break
+        await asyncio.sleep(0.02)
+    report["stubborn_left"] = len(marked())
+    out, err, outcome = await run(shell_argv("head -c 2000000 /dev/zero > /workspace/big"))
+    report["file_size"] = [outcome.signal_name, outcome.reason, (ws / "big").stat().st_size]
+    await backend.close()
+    print(json.dumps(report))
+
+asyncio.run(main())
+"""
+CAP_DAC_READ_SEARCH = 2
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _become_nobody_keeping_read_search() -> None:
+    """preexec: uid/gid 65534 with one capability kept across exec, CAP_DAC_READ_SEARCH, only
+    so the interpreter can read its own installation (under root's 0700 home on the machines
+    this runs on). The server's code treats itself as non-root (euid 65534); its spawner
+    drops this capability like every other before it starts a sandbox, and checks. (Only
+    system calls here: libc was loaded before the fork.)"""
+    if libc.prctl(8, 1, 0, 0, 0) != 0:  # PR_SET_KEEPCAPS
+        raise OSError(ctypes.get_errno(), "PR_SET_KEEPCAPS")
+    os.setgroups([])
+    os.setresgid(65534, 65534, 65534)
+    os.setresuid(65534, 65534, 65534)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable for caps 0-31, 32-63
+    data[0] = data[1] = data[2] = 1 << CAP_DAC_READ_SEARCH
+    if libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+    if libc.prctl(47, 2, CAP_DAC_READ_SEARCH, 0, 0) != 0:  # PR_CAP_AMBIENT, RAISE
+        raise OSError(ctypes.get_errno(), "PR_CAP_AMBIENT_RAISE")
+
+
+def test_a_server_that_is_not_root_runs_sandboxes_as_itself_with_rlimits(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("the sandbox tests run as root (they start a non-root server from it)")
+    traversable_by_others(tmp_path)
+    os.chown(tmp_path, 65534, 65534)
+    marker = f"srt-non-root-{uuid.uuid4().hex}"
+    result = subprocess.run(
+        [sys.executable, "-c", NON_ROOT_SERVER, str(tmp_path), PROBE, STUBBORN, marker],
+        preexec_fn=_become_nobody_keeping_read_search,
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["euid"] == 65534
+    assert report["unavailable"] is None, report
+    assert "no usable cgroup" in report["cgroups"]  # only root makes cgroups: rlimits only
+    assert "root" in report["dev_problem"]  # bwrap's own /dev
+    assert report["spawner_uids"] == ["65534"] * 4
+    assert "ok" not in report["read"].values(), report["read"]
+    write = report["write"]
+    assert write.pop("/workspace/ok") == "ok"
+    assert "ok" not in write.values(), write
+    # Only the sandbox uid, no capabilities, the filter; open files and (no memory cgroup)
+    # address space limited by rlimits, in KiB.
+    assert report["inside"] == [
+        "Uid:", "1000", "1000", "1000", "1000", "CapEff:", "0" * 16, "NoNewPrivs:", "1",
+        "Seccomp:", "2", "77", str(256 * 1024),
+    ]  # fmt: skip
+    assert report["stubborn_ready"] == "ready\n"
+    assert report["stubborn_running"] == 5
+    assert report["stubborn_outcome"] == [128 + signal.SIGKILL, "cancelled"]
+    assert report["stubborn_left"] == 0
+    assert report["file_size"] == ["SIGXFSZ", "file_size", 1024 * 1024]
