@@ -90,10 +90,16 @@ class Settings(BaseSettings):
     cpu_cores: float = Field(1.0, gt=0, description="CPU bandwidth per execution, in cores.")
     cpu_time_seconds: int = Field(600, ge=1, description="CPU seconds per process (RLIMIT_CPU).")
     file_size_mb: int = Field(256, ge=1, description="Largest file a process may write, MiB.")
-    tmp_size_mb: int = Field(64, ge=1, description="Size of the private /tmp tmpfs, MiB.")
+    tmp_size_mb: int = Field(
+        64, ge=1, description="Size of the private /tmp tmpfs (also /dev/shm), MiB."
+    )
     open_files: int = Field(1024, ge=64, description="Open files per process (RLIMIT_NOFILE).")
     output_limit_bytes: int = Field(
         10 * 1024 * 1024, ge=1024, description="Output kept per execution; the rest is dropped."
+    )
+    pseudo_terminals: bool = Field(
+        False,
+        description="Give sandboxes pseudo-terminals (/dev/pts); a caller may turn them off.",
     )
     sandbox_user: str = Field(
         "nobody", description="Unprivileged host user sandboxes run as (never root)."
@@ -182,4 +188,5 @@ class Settings(BaseSettings):
             tmp_size_mb=self.tmp_size_mb,
             open_files=self.open_files,
             output_bytes=self.output_limit_bytes,
+            pseudo_terminals=self.pseudo_terminals,
         )

@@ -185,7 +185,10 @@ async def check_live(settings: Settings) -> list[Check]:
         try:
             proc = await backend.spawn(
                 SandboxSpec(
-                    argv=shell_argv("grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/self/status"),
+                    argv=shell_argv(
+                        "grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/self/status; "
+                        ": >/dev/null </dev/zero && echo Devices: usable"
+                    ),
                     workspace=backend.create_workspace("doctor"),
                     limits=settings.limits(),
                     timeout=20,
@@ -215,12 +218,24 @@ async def check_live(settings: Settings) -> list[Check]:
         Check(
             "prebuilt /dev",
             dev_problem is None,
-            dev_problem or "device nodes made once at start; each sandbox binds them",
+            dev_problem
+            or "device nodes made once at start; every sandbox binds that one directory",
             "bwrap builds /dev for every sandbox instead (~1.5 ms more CPU per start): run the "
             "server as root, with TMPDIR on a filesystem mounted without nodev",
             required=False,
         ),
     ]
+    checks.append(
+        Check(
+            "sandbox /dev",
+            fields.get("Devices") == "usable",
+            "/dev/null and /dev/zero open inside"
+            if fields.get("Devices") == "usable"
+            else f"cannot open /dev/null or /dev/zero inside: {err.decode(errors='replace')}",
+            "a device cgroup or security module (SELinux, AppArmor) refuses the sandbox user "
+            "its devices: allow the character devices 1:3, 1:5, 1:7, 1:8, 1:9 and 5:0",
+        )
+    )
     checks.append(
         Check(
             "seccomp active",

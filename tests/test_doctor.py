@@ -38,7 +38,14 @@ def test_doctor_passes_every_layer_on_this_host_and_checks_the_spawner() -> None
     result = doctor()
     assert result.returncode == 0, result.stdout + result.stderr
     seen = layers(result.stdout)
-    for layer in ("bubblewrap", "user namespaces", "seccomp", "spawner", "sandbox run"):
+    for layer in (
+        "bubblewrap",
+        "user namespaces",
+        "seccomp",
+        "spawner",
+        "sandbox run",
+        "sandbox /dev",
+    ):
         assert seen.get(layer) == "OK", (layer, result.stdout)
     assert "CapEff=0000000000000000" in result.stdout
     assert "NoNewPrivs=1" in result.stdout

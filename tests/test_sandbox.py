@@ -11,12 +11,13 @@ import os
 import pwd
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -326,6 +327,75 @@ async def test_sandbox_dev_holds_only_harmless_devices_and_they_work(
                             "lock": True}  # fmt: skip
 
 
+async def test_the_prebuilt_dev_is_roots_shared_read_only_and_its_shm_is_the_bounded_tmp(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    dev = sandbox_backend._dev_dir
+    if dev is None:
+        pytest.fail(f"no prebuilt /dev on this host: {sandbox_backend.dev_problem}")
+    # Every sandbox binds this one directory: only root may change anything in it.
+    assert (os.stat(dev).st_uid, stat.S_IMODE(os.stat(dev).st_mode)) == (0, 0o755)
+    for entry in dev.iterdir():
+        st = os.lstat(entry)
+        assert st.st_uid == 0, entry
+        if stat.S_ISCHR(st.st_mode):
+            assert stat.S_IMODE(st.st_mode) == 0o666, entry
+    script = (
+        "readlink /dev/shm; chmod 000 /dev/null || echo no-chmod; ln -s x /dev/y || echo no-ln; "
+        "head -c 3000000 /dev/zero > /dev/shm/fill; echo shm-write=$?; "
+        "df -k /dev/shm/ | tail -1 | awk '{print $2}'"
+    )
+    limits = replace(sandbox_backend.config.limits, tmp_size_mb=2)
+    result = await run(sandbox_backend, sandbox_workspace, script, limits=limits)
+    lines = result.stdout.split()
+    assert lines[:3] == ["/tmp", "no-chmod", "no-ln"], result.stdout + result.stderr
+    assert lines[3] == "shm-write=1" and "No space left" in result.stderr  # 2 MiB, no more
+    assert lines[4] == str(2 * 1024)
+    assert stat.S_IMODE(os.stat(dev / "null").st_mode) == 0o666
+
+
+async def test_stdout_and_stderr_can_be_reopened_by_path(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    result = await run(
+        sandbox_backend,
+        sandbox_workspace,
+        "echo to-stdout > /dev/stdout; echo to-stderr > /dev/stderr; echo fd1 >> /proc/self/fd/1",
+    )
+    assert result.outcome.exit_code == 0, result.stderr
+    assert result.stdout == "to-stdout\nfd1\n"
+    assert result.stderr == "to-stderr\n"
+
+
+# Says whether a pseudo-terminal can be had.
+OPENPTY = """
+import os
+try:
+    main, tty = os.openpty()
+    print("pty", os.ttyname(tty))
+except OSError as exc:
+    print("no pty", exc.errno)
+"""
+
+
+async def test_pseudo_terminals_only_where_the_server_allows_them(
+    sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
+) -> None:
+    server = sandbox_backend.config.limits
+    assert server.pseudo_terminals is False  # the default
+    result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", OPENPTY])
+    assert result.stdout == f"no pty {errno.ENOENT}\n", result.stderr
+    with pytest.raises(PolicyViolationError, match="pseudo_terminals"):
+        server.tighten({"pseudo_terminals": True})
+
+    allowing = replace(server, pseudo_terminals=True)  # a server that allows them
+    result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", OPENPTY], limits=allowing)
+    assert result.stdout == "pty /dev/pts/0\n", result.stderr  # a devpts of its own
+    off = allowing.tighten({"pseudo_terminals": False})  # a caller turns them off
+    result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", OPENPTY], limits=off)
+    assert result.stdout == f"no pty {errno.ENOENT}\n", result.stderr
+
+
 async def test_where_device_nodes_cannot_be_made_bwraps_dev_is_used_minimal_and_read_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -354,9 +424,18 @@ async def test_where_device_nodes_cannot_be_made_bwraps_dev_is_used_minimal_and_
         }
         assert {(major, minor) for _, major, minor in nodes.values()} <= HARMLESS_DEVICES, nodes
         written = await run(
-            backend, workspace, [PYTHON, "-c", PROBE, "write", "/dev/pwned", "/dev/shm/ok"]
+            backend,
+            workspace,
+            [PYTHON, "-c", PROBE, "write", "/dev/pwned", "/dev/pts/pwned", "/dev/shm/ok"],
         )
-        assert json.loads(written.stdout) == {"/dev/pwned": "EROFS", "/dev/shm/ok": "ok"}
+        assert json.loads(written.stdout) == {
+            "/dev/pwned": "EROFS", "/dev/pts/pwned": "EROFS", "/dev/shm/ok": "ok"
+        }  # fmt: skip
+        result = await run(backend, workspace, [PYTHON, "-c", OPENPTY])
+        assert result.stdout == f"no pty {errno.ENOENT}\n", result.stderr  # devpts hidden
+        allowing = replace(backend.config.limits, pseudo_terminals=True)
+        result = await run(backend, workspace, [PYTHON, "-c", OPENPTY], limits=allowing)
+        assert result.stdout == "pty /dev/pts/0\n", result.stderr
     finally:
         await backend.close()
 
@@ -873,6 +952,8 @@ async def test_fds_in_flight_from_a_sandbox_do_not_break_other_starts(
         ({"memory_mb": 100_000}, "memory_mb=100000 exceeds the server's maximum of 256"),
         ({"pids": 1000}, "pids=1000 exceeds the server's maximum of 64"),
         ({"network": True}, "network cannot be enabled"),
+        ({"pseudo_terminals": True}, "pseudo_terminals: this server does not allow them"),
+        ({"pty": "yes"}, "pseudo_terminals must be true or false"),
         ({"no_such_limit": 1}, "unknown sandbox_config key 'no_such_limit'"),
     ],
 )

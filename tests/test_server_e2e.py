@@ -573,6 +573,12 @@ BAD_INPUT: list[tuple[str, str, dict[str, Any], str]] = [
         "the network cannot be enabled by a caller",
     ),
     (
+        "sandbox-config-pseudo-terminals",
+        "execute_code",
+        {"command": "true", "sandbox_config": {"pseudo_terminals": True}},
+        "sandbox_config.pseudo_terminals: this server does not allow them",
+    ),
+    (
         "sandbox-config-unknown-key",
         "execute_code",
         {"command": "true", "sandbox_config": {"privileged": 1}},

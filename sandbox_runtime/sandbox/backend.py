@@ -371,13 +371,6 @@ class BubblewrapBackend:
             if os.path.isdir(host) and not os.path.islink(host):
                 args += ["--ro-bind", host, host]
         args += ["--proc", "/proc"]
-        if self._dev_dir is not None:
-            # A /dev built at start (root-owned: the sandbox user cannot change it; the only
-            # device nodes on it are ours): one bind, where --dev costs bwrap a tmpfs, seven
-            # binds and a devpts, ~1.5 ms of CPU per sandbox.
-            args += ["--dev-bind", str(self._dev_dir), "/dev"]
-        else:
-            args += ["--dev", "/dev"]
         self._fixed = args
         return args
 
@@ -385,11 +378,19 @@ class BubblewrapBackend:
         """bubblewrap's options for `spec` and the command it runs."""
         tmp_size = str(spec.limits.tmp_size_mb * MIB)
         args = self._fixed_args().copy()
-        if self._dev_dir is None:
+        if self._dev_dir is not None and not spec.limits.pseudo_terminals:
+            # A /dev built at start (root-owned: the sandbox user cannot change it; the only
+            # device nodes on it are ours; /dev/shm links to /tmp): one bind, where --dev
+            # costs bwrap a tmpfs, six binds and a devpts, ~1.5 ms of CPU per sandbox.
+            args += ["--dev-bind", str(self._dev_dir), "/dev"]
+        else:
             # --dev's tmpfs (and /dev/shm in it) is writable and as big as half the RAM:
-            # bound /dev/shm like /tmp and make the rest of /dev read-only. (The prebuilt
-            # /dev has /dev/shm as a link to /tmp.)
-            args += ["--size", tmp_size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+            # bound /dev/shm like /tmp and make the rest of /dev read-only.
+            args += ["--dev", "/dev", "--size", tmp_size, "--tmpfs", "/dev/shm"]
+            args += ["--remount-ro", "/dev"]
+            if not spec.limits.pseudo_terminals:  # (a server that could not prebuild /dev)
+                # An empty read-only tmpfs hides --dev's devpts: /dev/ptmx leads nowhere.
+                args += ["--size", "4096", "--tmpfs", "/dev/pts", "--remount-ro", "/dev/pts"]
         args += [
             "--size", tmp_size, "--tmpfs", "/tmp",
             "--bind", str(spec.workspace), WORKSPACE,
@@ -459,6 +460,7 @@ class BubblewrapBackend:
             if spec.interactive:
                 stdin_r, stdin_w = os.pipe()
                 ours.append(stdin_w)
+                self._give_pipe(stdin_r)
             else:
                 stdin_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
             theirs.append(stdin_r)
@@ -466,6 +468,7 @@ class BubblewrapBackend:
                 r, w = os.pipe()
                 ours.append(r)
                 theirs.append(w)
+                self._give_pipe(w)
             theirs.append(os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC))
             status_r, status_w = os.pipe()
             args_r, args_w = os.pipe()
@@ -538,6 +541,13 @@ class BubblewrapBackend:
                 raise SandboxSpawnError(f"could not confine the sandbox: {exc}") from exc
             raise
         return proc
+
+    def _give_pipe(self, fd: int) -> None:
+        """Make a stdio pipe the sandbox user's: a pipe the server (root) made is mode 0600
+        and root's, and reopening it through /proc/self/fd, as `> /dev/stdout` does, would
+        fail. Raises OSError."""
+        if os.geteuid() != self._uid:
+            os.fchown(fd, self._uid, self._gid)
 
     async def _abandon_start(
         self,

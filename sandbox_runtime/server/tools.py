@@ -59,7 +59,8 @@ SandboxConfigArg = Annotated[
     dict[str, Any] | None,
     Field(
         description="Tighter limits: memory_mb, pids, cpu_cores, cpu_time_seconds, "
-        "file_size_mb, tmp_size_mb, open_files, output_bytes. Never looser."
+        "file_size_mb, tmp_size_mb, open_files, output_bytes; pseudo_terminals: false. "
+        "Never looser."
     ),
 ]
 
