@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
+import fcntl
 import itertools
 import json
 import os
@@ -14,6 +15,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -438,6 +440,47 @@ async def test_where_device_nodes_cannot_be_made_bwraps_dev_is_used_minimal_and_
         assert result.stdout == "pty /dev/pts/0\n", result.stderr
     finally:
         await backend.close()
+
+
+async def test_private_directories_of_servers_that_are_gone_are_removed_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    temp = tmp_path / "tmp"  # the servers' TMPDIR
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+
+    def private_dir(name: str, lock: bool) -> Path:
+        path = temp / f"srt-sandbox-{name}"
+        (path / "root" / "dev").mkdir(parents=True)
+        if lock:
+            (path / "lock").touch()
+        return path
+
+    gone = private_dir("gone", lock=True)  # its server died: nobody holds the lock
+    live = private_dir("live", lock=True)
+    being_made = private_dir("new", lock=False)  # (or an older server's: left alone)
+    held = os.open(live / "lock", os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a live server does
+    try:
+        backend = BubblewrapBackend(
+            BackendConfig(
+                workspace_root=tmp_path / "workspaces",
+                limits=SANDBOX_TEST_LIMITS,
+                group_name=f"srt-test-{uuid.uuid4().hex[:12]}",
+            )
+        )
+        traversable_by_others(tmp_path)
+        backend.start()
+        try:
+            assert backend.unavailable_reason is None, backend.unavailable_reason
+            assert backend._private_dir is not None and backend._private_dir.parent == temp
+            assert not gone.exists()
+            assert live.exists() and being_made.exists()
+        finally:
+            await backend.close()
+        assert sorted(p.name for p in temp.iterdir()) == ["srt-sandbox-live", "srt-sandbox-new"]
+    finally:
+        os.close(held)
 
 
 async def test_sandbox_sees_only_its_own_processes(

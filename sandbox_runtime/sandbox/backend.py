@@ -34,6 +34,8 @@ MAX_ENV_BYTES = 64 * 1024
 MAX_ENV_VARS = 256
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 PR_SET_CHILD_SUBREAPER = 36
+# The backend's private directory (seccomp program, the sandbox's root and /dev), in TMPDIR.
+PRIVATE_PREFIX = "srt-sandbox-"
 F_SETPIPE_SZ = 1031
 
 # How a sandbox starts: the spawner (spawner.py, already the unprivileged sandbox uid with
@@ -198,6 +200,7 @@ class BubblewrapBackend:
         self._spawner: SpawnerManager | None = None
         self._uid = self._gid = -1
         self._private_dir: Path | None = None
+        self._private_lock: int | None = None  # held while the private dir is in use
         self._seccomp_path: Path | None = None
         self._root_dir: Path | None = None
         self._dev_dir: Path | None = None  # a prebuilt /dev, when the host allows one
@@ -245,8 +248,12 @@ class BubblewrapBackend:
                 "to the server's own user"
             )
         program = compile_filter(network=False)
-        self._private_dir = Path(tempfile.mkdtemp(prefix="srt-sandbox-"))
+        self._private_dir = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
         os.chmod(self._private_dir, 0o711)
+        self._private_lock = _lock_private_dir(self._private_dir)
+        removed = _remove_stale_private_dirs(self._private_dir)
+        if removed:
+            logger.info("removed {} private directories of servers that are gone", removed)
         self._seccomp_path = self._private_dir / "seccomp.bpf"
         self._seccomp_path.write_bytes(program)
         os.chmod(self._seccomp_path, 0o600)
@@ -317,6 +324,9 @@ class BubblewrapBackend:
         if self._private_dir is not None:
             shutil.rmtree(self._private_dir, ignore_errors=True)
             self._private_dir = None
+        if self._private_lock is not None:
+            os.close(self._private_lock)
+            self._private_lock = None
         self.unavailable_reason = "sandbox backend closed"
 
     @property
@@ -634,6 +644,47 @@ def _close_all(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+def _lock_private_dir(private: Path) -> int:
+    """Lock `private` for as long as this process lives (the fd returned). Raises OSError."""
+    fd = os.open(private / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def _remove_stale_private_dirs(own: Path) -> int:
+    """Remove the private directories next to `own` that servers which ended without closing
+    left behind: this user's, with a lock file no live server holds. (One without a lock file
+    is being made, or is an older server's, which may still run: it is left alone.) How many
+    were removed."""
+    removed = 0
+    with os.scandir(own.parent) as entries:
+        candidates = [e.path for e in entries if e.name.startswith(PRIVATE_PREFIX)]
+    for path in candidates:
+        if path == str(own):
+            continue
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            continue  # not ours to remove
+        try:
+            fd = os.open(os.path.join(path, "lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live server holds it
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _first_unsearchable(path: Path, uid: int, gid: int) -> Path | None:
