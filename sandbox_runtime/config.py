@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     cpu_time_seconds: int = Field(600, ge=1, description="CPU seconds per process (RLIMIT_CPU).")
     file_size_mb: int = Field(256, ge=1, description="Largest file a process may write, MiB.")
     tmp_size_mb: int = Field(
-        64, ge=1, description="Size of the private /tmp tmpfs (also /dev/shm), MiB."
+        64, ge=1, description="Size of the private /tmp tmpfs (and of /dev/shm), MiB."
     )
     open_files: int = Field(1024, ge=64, description="Open files per process (RLIMIT_NOFILE).")
     output_limit_bytes: int = Field(

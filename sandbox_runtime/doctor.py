@@ -8,7 +8,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sandbox_runtime.config import Settings
@@ -187,10 +187,11 @@ async def check_live(settings: Settings) -> list[Check]:
                 SandboxSpec(
                     argv=shell_argv(
                         "grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/self/status; "
-                        ": >/dev/null </dev/zero && echo Devices: usable"
+                        "if (: >/dev/null </dev/zero) 2>/dev/null; then echo Devices: usable; "
+                        "else echo Devices: refused; fi"
                     ),
                     workspace=backend.create_workspace("doctor"),
-                    limits=settings.limits(),
+                    limits=replace(settings.limits(), pseudo_terminals=False),  # the prebuilt /dev
                     timeout=20,
                 )
             )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -63,3 +64,42 @@ def test_doctor_fails_with_the_fix_when_bubblewrap_is_missing() -> None:
     assert layers(result.stdout).get("bubblewrap") == "FAIL", result.stdout
     assert "apt-get install bubblewrap" in result.stdout
     assert "executions cannot run" in result.stdout
+
+
+# In a process of its own (a backend makes its process a child subreaper): doctor's live
+# checks with a prebuilt /dev whose /dev/null the sandbox user may not open (root may).
+DEV_REFUSED = """
+import asyncio, dataclasses, json, os
+import sandbox_runtime.sandbox.backend as backend_module
+from sandbox_runtime.config import Settings
+from sandbox_runtime.doctor import check_live
+
+real_build_dev = backend_module._build_dev
+
+def refused_inside(dev):
+    built = real_build_dev(dev)
+    os.chmod(built / "null", 0o600)
+    return built
+
+backend_module._build_dev = refused_inside
+checks = asyncio.run(check_live(Settings(_env_file=None)))
+print(json.dumps({c.layer: dataclasses.asdict(c) for c in checks}))
+"""
+
+
+def test_doctor_fails_the_sandbox_dev_when_a_sandbox_cannot_open_its_devices() -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", DEV_REFUSED],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")},
+    )
+    assert result.returncode == 0, result.stderr
+    checks = json.loads(result.stdout)
+    assert checks["sandbox run"]["ok"], checks["sandbox run"]
+    assert checks["prebuilt /dev"]["ok"]
+    dev = checks["sandbox /dev"]
+    assert not dev["ok"] and dev["required"]
+    assert "Permission denied" in dev["detail"] and "device cgroup" in dev["fix"]

@@ -27,6 +27,7 @@ from conftest import SANDBOX_TEST_LIMITS
 from mcp_harness import traversable_by_others
 
 import sandbox_runtime
+from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError, SandboxSpawnError
 from sandbox_runtime.sandbox import (
     BackendConfig,
@@ -368,6 +369,14 @@ async def test_stdout_and_stderr_can_be_reopened_by_path(
     assert result.stdout == "to-stdout\nfd1\n"
     assert result.stderr == "to-stderr\n"
 
+    proc = await spawn(sandbox_backend, sandbox_workspace, "cat /dev/stdin", interactive=True)
+    assert proc.stdin is not None
+    proc.stdin.write(b"typed in\n")
+    await proc.stdin.drain()
+    proc.stdin.close()
+    typed = await collect(proc)
+    assert (typed.stdout, typed.outcome.exit_code) == ("typed in\n", 0), typed.stderr
+
 
 # Says whether a pseudo-terminal can be had.
 OPENPTY = """
@@ -390,9 +399,23 @@ async def test_pseudo_terminals_only_where_the_server_allows_them(
     with pytest.raises(PolicyViolationError, match="pseudo_terminals"):
         server.tighten({"pseudo_terminals": True})
 
+    assert Settings(pseudo_terminals=True, _env_file=None).limits().pseudo_terminals  # type: ignore[call-arg]
     allowing = replace(server, pseudo_terminals=True)  # a server that allows them
     result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", OPENPTY], limits=allowing)
     assert result.stdout == "pty /dev/pts/0\n", result.stderr  # a devpts of its own
+    # No other line discipline (one could autoload a module with a history of holes).
+    set_ldisc = OPENPTY + (
+        "import errno, fcntl, struct\n"
+        "try:\n"
+        "    fcntl.ioctl(tty, 0x5423, struct.pack('i', 0))\n"  # TIOCSETD, even to N_TTY
+        "    print('ldisc set')\n"
+        "except OSError as exc:\n"
+        "    print('ldisc', errno.errorcode[exc.errno])\n"
+    )
+    result = await run(
+        sandbox_backend, sandbox_workspace, [PYTHON, "-c", set_ldisc], limits=allowing
+    )
+    assert result.stdout == "pty /dev/pts/0\nldisc EPERM\n", result.stderr
     off = allowing.tighten({"pseudo_terminals": False})  # a caller turns them off
     result = await run(sandbox_backend, sandbox_workspace, [PYTHON, "-c", OPENPTY], limits=off)
     assert result.stdout == f"no pty {errno.ENOENT}\n", result.stderr
@@ -457,6 +480,10 @@ async def test_private_directories_of_servers_that_are_gone_are_removed_at_start
         return path
 
     gone = private_dir("gone", lock=True)  # its server died: nobody holds the lock
+    someone_elses = private_dir("nobodys", lock=True)  # unlocked, but not this user's
+    for path in (someone_elses, someone_elses / "lock"):
+        os.chown(path, 65534, 65534)
+    (temp / "srt-sandbox-link").symlink_to(someone_elses)  # a link is never followed
     live = private_dir("live", lock=True)
     being_made = private_dir("new", lock=False)  # (or an older server's: left alone)
     held = os.open(live / "lock", os.O_RDWR)
@@ -475,10 +502,12 @@ async def test_private_directories_of_servers_that_are_gone_are_removed_at_start
             assert backend.unavailable_reason is None, backend.unavailable_reason
             assert backend._private_dir is not None and backend._private_dir.parent == temp
             assert not gone.exists()
-            assert live.exists() and being_made.exists()
+            assert live.exists() and being_made.exists() and someone_elses.exists()
         finally:
             await backend.close()
-        assert sorted(p.name for p in temp.iterdir()) == ["srt-sandbox-live", "srt-sandbox-new"]
+        assert sorted(p.name for p in temp.iterdir()) == [
+            "srt-sandbox-link", "srt-sandbox-live", "srt-sandbox-new", "srt-sandbox-nobodys"
+        ]  # fmt: skip
     finally:
         os.close(held)
 

@@ -250,10 +250,19 @@ class BubblewrapBackend:
         program = compile_filter(network=False)
         self._private_dir = Path(tempfile.mkdtemp(prefix=PRIVATE_PREFIX))
         os.chmod(self._private_dir, 0o711)
-        self._private_lock = _lock_private_dir(self._private_dir)
-        removed = _remove_stale_private_dirs(self._private_dir)
-        if removed:
-            logger.info("removed {} private directories of servers that are gone", removed)
+        try:
+            self._private_lock = _lock_private_dir(self._private_dir)
+        except OSError as exc:
+            raise SandboxUnavailableError(
+                f"cannot lock the private directory {self._private_dir}: {exc}"
+            ) from exc
+        try:
+            removed = _remove_stale_private_dirs(self._private_dir)
+        except OSError as exc:  # an unreadable TMPDIR: nothing removed, nothing else wrong
+            logger.warning("could not look for stale private directories: {}", exc)
+        else:
+            if removed:
+                logger.info("removed {} private directories of servers that are gone", removed)
         self._seccomp_path = self._private_dir / "seccomp.bpf"
         self._seccomp_path.write_bytes(program)
         os.chmod(self._seccomp_path, 0o600)
@@ -647,9 +656,16 @@ def _close_all(fds: list[int]) -> None:
 
 
 def _lock_private_dir(private: Path) -> int:
-    """Lock `private` for as long as this process lives (the fd returned). Raises OSError."""
-    fd = os.open(private / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    """Lock `private` for as long as this process lives (the fd returned). The lock file gets
+    its name only once it is locked: another server's cleanup never finds it unlocked.
+    Raises OSError."""
+    fd = os.open(private / "lock.new", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(private / "lock.new", private / "lock")
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 

@@ -30,7 +30,8 @@ class SandboxLimits:
     file_size_mb: int = 256
     """Largest file any process may write (RLIMIT_FSIZE)."""
     tmp_size_mb: int = 64
-    """Size of the private tmpfs mounted at /tmp (which also holds /dev/shm)."""
+    """Size of the private tmpfs mounted at /tmp. /dev/shm is in it, or, where bwrap builds
+    /dev, a tmpfs of its own of this size."""
     open_files: int = 1024
     """Open file descriptors per process (RLIMIT_NOFILE)."""
     output_bytes: int = 10 * MIB

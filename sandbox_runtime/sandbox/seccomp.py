@@ -72,6 +72,7 @@ DENIED_SYSCALLS = (
 
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
+TIOCSETD = 0x5423  # a line discipline other than the default can autoload a module
 AF_UNIX = 1
 # Namespace flags a clone() may not ask for (unshare by another door).
 CLONE_NS_FLAGS = (
@@ -109,6 +110,7 @@ def compile_filter(network: bool = False) -> bytes:
                 continue  # not a syscall on this architecture
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
+        filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSETD))
         for flag in CLONE_NS_FLAGS:  # one rule per bit: MASKED_EQ needs every masked bit set
             filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
         # clone3 passes its flags in memory the filter cannot read: make libc fall back to clone.
