@@ -22,17 +22,23 @@ SANDBOX_TEST_LIMITS = SandboxLimits(
 )
 
 
-@pytest.fixture
-async def sandbox_backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
-    """A started backend with its workspaces under tmp_path and a cgroup group of its own."""
+def new_sandbox_backend(tmp_path: Path) -> BubblewrapBackend:
+    """A backend (not started) with its workspaces under tmp_path and a cgroup group of its
+    own, under the test policy."""
     traversable_by_others(tmp_path)
-    backend = BubblewrapBackend(
+    return BubblewrapBackend(
         BackendConfig(
             workspace_root=tmp_path / "workspaces",
             limits=SANDBOX_TEST_LIMITS,
             group_name=f"srt-test-{uuid.uuid4().hex[:12]}",
         )
     )
+
+
+@pytest.fixture
+async def sandbox_backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
+    """A started backend with its workspaces under tmp_path and a cgroup group of its own."""
+    backend = new_sandbox_backend(tmp_path)
     backend.start()
     if backend.unavailable_reason is not None:
         pytest.fail(f"sandbox unavailable: {backend.unavailable_reason}")

@@ -23,14 +23,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from conftest import SANDBOX_TEST_LIMITS
+from conftest import new_sandbox_backend
 from mcp_harness import traversable_by_others
 
 import sandbox_runtime
 from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError, SandboxSpawnError
 from sandbox_runtime.sandbox import (
-    BackendConfig,
     BubblewrapBackend,
     SandboxLimits,
     SandboxOutcome,
@@ -427,14 +426,7 @@ async def test_where_device_nodes_cannot_be_made_bwraps_dev_is_used_minimal_and_
     def refuse(*_: object, **__: object) -> None:
         raise PermissionError(errno.EPERM, "Operation not permitted")  # as without CAP_MKNOD
 
-    traversable_by_others(tmp_path)
-    backend = BubblewrapBackend(
-        BackendConfig(
-            workspace_root=tmp_path / "workspaces",
-            limits=SANDBOX_TEST_LIMITS,
-            group_name=f"srt-test-{uuid.uuid4().hex[:12]}",
-        )
-    )
+    backend = new_sandbox_backend(tmp_path)
     with monkeypatch.context() as patch:
         patch.setattr(os, "mknod", refuse)
         backend.start()
@@ -489,14 +481,7 @@ async def test_private_directories_of_servers_that_are_gone_are_removed_at_start
     held = os.open(live / "lock", os.O_RDWR)
     fcntl.flock(held, fcntl.LOCK_EX)  # as a live server does
     try:
-        backend = BubblewrapBackend(
-            BackendConfig(
-                workspace_root=tmp_path / "workspaces",
-                limits=SANDBOX_TEST_LIMITS,
-                group_name=f"srt-test-{uuid.uuid4().hex[:12]}",
-            )
-        )
-        traversable_by_others(tmp_path)
+        backend = new_sandbox_backend(tmp_path)
         backend.start()
         try:
             assert backend.unavailable_reason is None, backend.unavailable_reason
