@@ -53,6 +53,40 @@ class Settings(BaseSettings):
         description="Redis to mirror executions into (env REDIS_URL); none: in-memory only.",
     )
 
+    cluster_secret: SecretStr | None = Field(
+        None,
+        description="Shared secret of the replicas of one deployment (at least 16 characters): "
+        "signs forwarded calls and control messages. Required when several replicas share a "
+        "Redis.",
+    )
+    cluster_host: str | None = Field(
+        None,
+        description="Address of the cluster listener (calls from other replicas); default: "
+        "SANDBOX_HOST. Never expose it through the public proxy.",
+    )
+    cluster_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="Port of the cluster listener; default SANDBOX_PORT + 1 (0: any free port).",
+    )
+    cluster_advertise: str | None = Field(
+        None,
+        description="host:port other replicas use to reach this replica's cluster listener; "
+        "default: the cluster host (the machine's hostname when it listens on every "
+        "address) and port.",
+    )
+    max_sessions_per_principal: int = Field(
+        1000,
+        ge=1,
+        description="Live sessions per token principal, across every replica.",
+    )
+    max_running_per_principal: int = Field(
+        64,
+        ge=1,
+        description="Executions running at once per token principal, across every replica.",
+    )
+
     heartbeat_ttl: int = Field(
         10,
         ge=2,
@@ -158,6 +192,12 @@ class Settings(BaseSettings):
                 f"SANDBOX_TIMEOUT ({self.timeout}) exceeds SANDBOX_MAX_TIMEOUT ({self.max_timeout})"
             )
         self.tokens()  # parse now so a bad SANDBOX_AUTH_TOKENS fails at start
+        secret = self.cluster_secret.get_secret_value() if self.cluster_secret else ""
+        if secret and len(secret) < 16:
+            raise ValueError("SANDBOX_CLUSTER_SECRET must be at least 16 characters")
+        if self.redis_url and self.cluster_port is not None and self.cluster_port != 0:
+            if self.cluster_port == self.port:
+                raise ValueError("SANDBOX_CLUSTER_PORT must differ from SANDBOX_PORT")
         return self
 
     def tokens(self) -> dict[str, str]:
@@ -176,6 +216,13 @@ class Settings(BaseSettings):
                     raise ValueError(f"the token of principal {principal!r} is under 8 characters")
                 out[token] = principal
         return out
+
+    def cluster_bind(self) -> tuple[str, int]:
+        """(host, port) of the cluster listener."""
+        host = self.cluster_host or self.host
+        if self.cluster_port is not None:
+            return host, self.cluster_port
+        return host, 0 if self.port in (0, 65535) else self.port + 1
 
     def limits(self) -> SandboxLimits:
         """The sandbox policy: defaults and ceilings for every execution."""

@@ -109,6 +109,37 @@ class Metrics:
             registry=r,
         )
 
+        self.control_refused = Counter(
+            "srt_control_refused_total",
+            "Control messages dropped: unsigned, forged, stale, replayed or misaddressed.",
+            registry=r,
+        )
+        self.sessions = Counter(
+            "srt_sessions_homed_total",
+            "Sessions given a home here, by cause (created; home_lost or home_stopped: "
+            "re-homed from a replica that died or stopped).",
+            ["cause"],
+            registry=r,
+        )
+        self.forwarded = Counter(
+            "srt_forwarded_calls_total",
+            "Session-bound calls sent to the session's home replica, by op and result.",
+            ["op", "result"],
+            registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "srt_forwarded_call_seconds",
+            "Duration of forwarded calls, as the receiving replica saw them.",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.forwarded_served = Counter(
+            "srt_forwarded_calls_served_total",
+            "Forwarded calls this replica ran as the session's home, by op.",
+            ["op"],
+            registry=r,
+        )
+
     def bind(
         self,
         running: Callable[[], float],

@@ -26,6 +26,7 @@ from mcp.types import CallToolResult
 Mode = Literal["legacy", "auto"]
 MODERN_PROTOCOL = "2026-07-28"
 SANDBOX_UID = 65534  # host uid of the default sandbox user `nobody`
+CLUSTER_SECRET = "test-cluster-secret-0123456789"
 
 
 def free_port() -> int:
@@ -56,6 +57,7 @@ def server_env(state_dir: Path, port: int, **settings: str) -> dict[str, str]:
             "SANDBOX_STATE_DIR": str(state_dir),
             "SANDBOX_REPLICA_ID": f"e2e-{uuid.uuid4().hex[:10]}",
             "SANDBOX_LOG_LEVEL": "INFO",
+            "SANDBOX_CLUSTER_PORT": "0",  # with Redis: a free port of its own for peers' calls
             "PYTHONUNBUFFERED": "1",
         }
     )

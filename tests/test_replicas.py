@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from mcp_harness import (
+    CLUSTER_SECRET,
     Conn,
     ServerProcess,
     eventually,
@@ -35,6 +36,7 @@ def replica(workdir: Path, redis: RedisServer, name: str, **settings: str) -> Se
             "REDIS_URL": redis.url,
             "SANDBOX_REPLICA_ID": name,
             "SANDBOX_HEARTBEAT_TTL": "3",
+            "SANDBOX_CLUSTER_SECRET": CLUSTER_SECRET,
             **settings,
         },
     )

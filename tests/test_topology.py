@@ -7,76 +7,21 @@ import re
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from mcp.shared.exceptions import MCPError
-from mcp_harness import (
-    ServerProcess,
-    eventually,
-    free_port,
-    open_client,
-    processes_with,
-    stop_all,
-    stop_if_running,
-)
-from nginx_harness import COMPOSE_REPLICAS, SHIPPED, Nginx, check_config, generate, main_config
-from redis_harness import RedisServer
+from mcp_harness import eventually, open_client, processes_with
+from nginx_harness import COMPOSE_REPLICAS, SHIPPED, check_config, generate, main_config
+from topology_harness import TOKEN, Topology, running_topology
 
 pytestmark = pytest.mark.e2e
-
-TOKEN = "topology-test-token-42"
-
-
-@dataclass
-class Topology:
-    redis: RedisServer
-    replicas: dict[str, ServerProcess]
-    nginx: Nginx
-
-    def replica_of(self, execution_id: str) -> str:
-        meta = json.loads(self.redis.cli_raw("get", f"execution:{execution_id}"))
-        return str(meta["replica_id"])
-
-
-def _replica(workdir: Path, redis: RedisServer, rid: str) -> ServerProcess:
-    return ServerProcess(
-        workdir / rid,
-        {
-            "SANDBOX_AUTH_TOKEN": TOKEN,
-            "REDIS_URL": redis.url,
-            "SANDBOX_REPLICA_ID": rid,
-            "SANDBOX_HEARTBEAT_TTL": "3",
-            "SANDBOX_SHUTDOWN_GRACE": "2",
-        },
-    )
 
 
 @pytest.fixture
 def topology(tmp_path: Path) -> Iterator[Topology]:
-    redis = RedisServer(tmp_path / "redis")
-    redis.start()
-    suffix = uuid.uuid4().hex[:4]
-    replicas = {f"t{i}{suffix}": _replica(tmp_path, redis, f"t{i}{suffix}") for i in (1, 2, 3)}
-    nginx: Nginx | None = None
-    try:
-        for server in replicas.values():
-            server.start()
-        nginx = Nginx(
-            tmp_path / "nginx",
-            free_port(),
-            [f"{rid}=127.0.0.1:{s.port}" for rid, s in replicas.items()],
-        ).start()
-        yield Topology(redis, replicas, nginx)
-    finally:
-        stop_all(
-            *([nginx.stop] if nginx is not None else []),
-            *(stop_if_running(server) for server in replicas.values()),
-            redis.stop,
-        )
-    for server in replicas.values():
-        assert server.proc is None or server.proc.poll() is not None
+    with running_topology(tmp_path) as topology:
+        yield topology
 
 
 def test_shipped_nginx_config_is_the_generated_one_and_passes_nginx_t(tmp_path: Path) -> None:
@@ -103,11 +48,22 @@ async def test_legacy_session_sticks_to_one_replica_and_sessionless_calls_reach_
             seen.add(topology.replica_of(out["execution_id"]))
         assert seen == {tag}
     async with open_client(topology.nginx.url, TOKEN, "auto") as modern:
+        # Sessionless calls are spread over the replicas; the default session's executions
+        # all run on its one home, the others forwarding to it.
         seen = set()
         for _ in range(12):
             out = await modern.ok("execute_code", command="echo spread")
             seen.add(topology.replica_of(out["execution_id"]))
-        assert seen == set(topology.replicas), seen
+        assert len(seen) == 1, seen
+        home = seen.pop()
+        recorded = topology.redis.cli_raw("hget", "session:default:default:home", "home")
+        assert recorded.strip() == home
+        forwarders = [
+            rid
+            for rid in topology.replicas
+            if rid != home and topology.metric(rid, "srt_forwarded_calls_total") > 0
+        ]
+        assert forwarders, "no replica forwarded a call: nginx did not spread them"
 
 
 async def test_execution_is_polled_fed_and_cancelled_through_nginx_from_a_new_session(

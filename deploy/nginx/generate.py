@@ -35,6 +35,10 @@ def render(listen: str, replicas: list[tuple[str, str]]) -> str:
     everyone += [f"    server {addr} max_fails=1 fail_timeout=5s;" for _, addr in replicas]
     everyone += ["    keepalive 32;", "}"]
     blocks.append("\n".join(everyone))
+    by_session = ["upstream srt_by_session {", "    hash $srt_session_name consistent;"]
+    by_session += [f"    server {addr} max_fails=1 fail_timeout=5s;" for _, addr in replicas]
+    by_session += ["    keepalive 32;", "}"]
+    blocks.append("\n".join(by_session))
     session_map = "\n".join(f"    ~^{re.escape(rid)}\\. srt_{_ident(rid)};" for rid, _ in replicas)
     text = TEMPLATE.read_text()
     text = text.replace("# @@UPSTREAMS@@", "\n\n".join(blocks))

@@ -11,7 +11,7 @@ import math
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,12 +20,9 @@ from loguru import logger
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import (
-    ExecutionFinishedError,
     ExecutionNotFoundError,
     InvalidRequestError,
     LimitExceededError,
-    OwnerUnavailableError,
-    PolicyViolationError,
     SandboxRuntimeError,
     SandboxSpawnError,
     SandboxUnavailableError,
@@ -52,22 +49,8 @@ MAX_EVENTS_PER_READ = 1000
 # event over 1 MiB, so a page stays well below a third of that.
 MAX_BYTES_PER_READ = 256 * 1024
 TRIM_AFTER_BYTES = 4 * 1024 * 1024
-CONTROL_WAIT_SECONDS = 5.0  # how long a forwarded stdin/cancel waits for the owner's answer
-REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
 
-# Errors a forwarded control request may answer with, by name.
-_ERRORS: dict[str, type[SandboxRuntimeError]] = {
-    cls.__name__: cls
-    for cls in (
-        ExecutionFinishedError,
-        ExecutionNotFoundError,
-        InvalidRequestError,
-        LimitExceededError,
-        OwnerUnavailableError,
-        PolicyViolationError,
-        SandboxRuntimeError,
-    )
-}
+Admission = Callable[[Owner, str], Awaitable[None]]
 
 
 @dataclass
@@ -120,6 +103,13 @@ class ExecutionManager:
         self._evictor: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[Execution, list[OutputEvent]], None]] = []
+        # Hooks of the session layer (sessions/router.py): a cluster-wide admission check
+        # before a sandbox starts, calls when one ends, work to do first on shutdown, and
+        # fields to add to the heartbeat.
+        self.admission: Admission | None = None
+        self.on_finished: list[Callable[[Execution], None]] = []
+        self.before_shutdown: list[Callable[[], Awaitable[None]]] = []
+        self.heartbeat_fields: Callable[[], dict[str, Any]] = dict
         self.metrics = Metrics()
         if store is None and settings.redis_url:
             from sandbox_runtime.state.redis_store import RedisStore
@@ -133,7 +123,6 @@ class ExecutionManager:
                 self.replica_id,
                 session_key=lambda e: session_key(e.owner.principal, e.owner.session_id),
                 heartbeat_payload=self._heartbeat_payload,
-                control_handler=self._handle_control,
                 heartbeat_ttl=settings.heartbeat_ttl,
                 known=lambda: list(self._executions.values()),
                 observe_lag=self.metrics.mirror_lag.observe,
@@ -168,6 +157,11 @@ class ExecutionManager:
 
     async def _shutdown_once(self) -> None:
         self._accepting = False
+        for hook in self.before_shutdown:
+            try:
+                await hook()
+            except Exception:  # a failed hook must not keep executions running
+                logger.exception("shutdown hook failed")
         running = list(self._running.values())
         if running:
             logger.info("shutdown: stopping {} running executions", len(running))
@@ -197,6 +191,11 @@ class ExecutionManager:
     @property
     def running_count(self) -> int:
         return len(self._running)
+
+    @property
+    def accepting(self) -> bool:
+        """False once shutdown began: no new executions or sessions here."""
+        return self._accepting
 
     # -- starting ----------------------------------------------------------------------------
 
@@ -258,6 +257,13 @@ class ExecutionManager:
         self._reserved += 1
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
         execution_id = uuid.uuid4().hex
+        if self.admission is not None:
+            try:
+                await self.admission(owner, execution_id)
+            except BaseException:
+                self._reserved -= 1
+                self._release_owner(owner)
+                raise
         info = ExecutionInfo(
             execution_id=execution_id,
             status=ExecutionStatus.PENDING,
@@ -291,6 +297,8 @@ class ExecutionManager:
         except BaseException:
             self._reserved -= 1
             self._release_owner(owner)
+            for hook in self.on_finished:
+                hook(execution)
             raise
         self.metrics.spawn.observe(time.perf_counter() - spawn_started)
         self.metrics.started.inc()
@@ -319,6 +327,8 @@ class ExecutionManager:
         await execution.finished.wait()
         self._running.pop(execution.execution_id, None)
         self._release_owner(execution.owner)
+        for hook in self.on_finished:
+            hook(execution)
         self._count_finished(execution.info)
         if execution.info.stdout_bytes + execution.info.stderr_bytes > TRIM_AFTER_BYTES:
             _release_freed_memory()  # big outputs leave freed heap behind; give it back
@@ -353,52 +363,17 @@ class ExecutionManager:
             raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
         return execution
 
-    async def find(self, owner: Owner, execution_id: str) -> Execution | ExecutionInfo:
-        """The caller's execution: local, or another replica's from the store.
-
-        An execution whose owner replica stopped heart-beating is marked lost on the way.
-        Raises ExecutionNotFoundError, OwnerUnavailableError (store unreachable).
-        """
-        if not isinstance(execution_id, str) or not 0 < len(execution_id) <= 128:
+    def lookup(self, owner: Owner, execution_id: str) -> Execution | None:
+        """The caller's execution if this replica holds it (None: not here, or another
+        owner's); refreshes its TTLs in the store."""
+        local = self._executions.get(execution_id) if isinstance(execution_id, str) else None
+        if local is None:
+            return None
+        if local.owner != owner:
             raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
-        local = self._executions.get(execution_id)
-        if local is not None:
-            if local.owner != owner:
-                raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
-            if self.mirror is not None:
-                self.mirror.mark(local)  # refreshes the TTLs in Redis
-            return local
-        if self.store is None:
-            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
-        try:
-            info = await self.store.get_execution(execution_id)
-            if info is None or (info.principal, info.session_id) != (
-                owner.principal,
-                owner.session_id,
-            ):
-                raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
-            if not info.status.finished and info.replica_id != self.replica_id:
-                if not await self.store.replica_alive(info.replica_id):
-                    info = await self.store.mark_lost(execution_id, time.time()) or info
-                    self.metrics.lost_detected.inc()
-                    logger.warning(
-                        "execution {} of replica {} marked {}",
-                        execution_id,
-                        info.replica_id,
-                        info.status.value,
-                    )
-            return info
-        except SandboxRuntimeError:
-            raise
-        except Exception as exc:  # the store failed: say so instead of "not found"
-            raise OwnerUnavailableError(
-                f"execution {execution_id!r} is not on this replica and the shared store is "
-                f"unavailable ({type(exc).__name__}); retry shortly"
-            ) from exc
-
-    async def status(self, owner: Owner, execution_id: str) -> ExecutionInfo:
-        found = await self.find(owner, execution_id)
-        return found.info if isinstance(found, Execution) else found
+        if self.mirror is not None:
+            self.mirror.mark(local)
+        return local
 
     async def read_output(
         self,
@@ -408,17 +383,15 @@ class ExecutionManager:
         limit: int = MAX_EVENTS_PER_READ,
         wait: float = 0,
     ) -> OutputPage:
-        """Events after the cursor; with `wait`, block up to that long for new ones."""
+        """Events of a local execution after the cursor; with `wait`, block up to that long
+        for new ones. Raises ExecutionNotFoundError, InvalidRequestError."""
         if isinstance(after, bool) or not isinstance(after, int) or after < 0:
             raise InvalidRequestError("the cursor (after / last_event_id) must be an integer >= 0")
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidRequestError("limit must be a positive integer")
         limit = min(limit, MAX_EVENTS_PER_READ)
         wait = min(max(0.0, float(wait or 0)), self.settings.max_wait)
-        found = await self.find(owner, execution_id)
-        if isinstance(found, ExecutionInfo):
-            return await self._read_remote(owner, found, after, limit, wait)
-        execution = found
+        execution = self.get(owner, execution_id)
         if wait:
             await execution.wait_for_events(after, wait)
         events, has_more = execution.events_after(after, limit, MAX_BYTES_PER_READ)
@@ -432,170 +405,34 @@ class ExecutionManager:
             first_available=execution.first_seq,
         )
 
-    async def _read_remote(
-        self, owner: Owner, info: ExecutionInfo, after: int, limit: int, wait: float
-    ) -> OutputPage:
-        assert self.store is not None
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                events = await self.store.get_events(info.execution_id, after, limit + 1)
-            except Exception as exc:  # store failure: not the caller's fault
-                raise OwnerUnavailableError(
-                    f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
-                ) from exc
-            if events or info.status.finished or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(REMOTE_POLL_SECONDS)
-            refreshed = await self.find(owner, info.execution_id)
-            info = refreshed.info if isinstance(refreshed, Execution) else refreshed
-        has_more = len(events) > limit
-        events = events[:limit]
-        size = 0
-        for i, event in enumerate(events):
-            size += event.wire_size()
-            if i and size > MAX_BYTES_PER_READ:
-                events, has_more = events[:i], True
-                break
-        next_cursor = events[-1].seq if events else after
-        return OutputPage(
-            info=info, events=events, next_cursor=next_cursor, has_more=has_more, first_available=1
-        )
+    async def status(self, owner: Owner, execution_id: str) -> ExecutionInfo:
+        """A local execution's metadata. Raises ExecutionNotFoundError."""
+        return self.get(owner, execution_id).info
 
-    async def send_stdin(
-        self, owner: Owner, execution_id: str, data: str, close: bool
-    ) -> tuple[int, ExecutionInfo]:
-        """Write to an interactive execution's stdin, forwarding to its replica if need be."""
-        if not isinstance(data, str):
-            raise InvalidRequestError("input_data must be a string")
-        found = await self.find(owner, execution_id)
-        if isinstance(found, Execution):
-            written = await found.write_stdin(data, close)
-            if self.mirror is not None:
-                self.mirror.mark(found)
-            return written, found.info
-        reply = await self._forward(
-            found, {"op": "stdin", "data": data, "close": bool(close)}, owner
-        )
-        return int(reply["bytes_written"]), ExecutionInfo.model_validate(reply["info"])
+    async def write_stdin(self, execution: Execution, data: str, close: bool) -> int:
+        """Write to a local interactive execution's stdin (see Execution.write_stdin)."""
+        written = await execution.write_stdin(data, close)
+        if self.mirror is not None:
+            self.mirror.mark(execution)
+        return written
 
-    async def cancel(
-        self, owner: Owner, execution_id: str, force: bool = False
-    ) -> tuple[bool, ExecutionInfo]:
-        """Stop an execution and its whole tree (idempotent). Returns (was it finished, info)."""
-        found = await self.find(owner, execution_id)
-        if isinstance(found, Execution):
-            was_finished = found.status.finished
-            await found.cancel(force=force, grace=self.settings.cancel_grace)
-            return was_finished, found.info
-        if found.status.finished:
-            return True, found
-        reply = await self._forward(found, {"op": "cancel", "force": bool(force)}, owner)
-        return bool(reply["was_finished"]), ExecutionInfo.model_validate(reply["info"])
+    async def cancel_local(self, execution: Execution, force: bool) -> bool:
+        """Stop a local execution and its whole tree; whether it had already finished."""
+        was_finished = execution.status.finished
+        await execution.cancel(force=force, grace=self.settings.cancel_grace)
+        return was_finished
 
-    async def _forward(
-        self, info: ExecutionInfo, request: dict[str, Any], owner: Owner
-    ) -> dict[str, Any]:
-        """Send a control request to the replica that owns `info` and return its answer."""
-        assert self.store is not None
-        if info.status.finished:
-            raise ExecutionFinishedError(
-                f"execution {info.execution_id} has already finished ({info.status.value})"
-            )
-        request = {
-            **request,
-            "request_id": uuid.uuid4().hex,
-            "execution_id": info.execution_id,
-            "principal": owner.principal,
-            "session_id": owner.session_id,
-            "from_replica": self.replica_id,
-            "deadline": time.time() + CONTROL_WAIT_SECONDS,
-        }
-        op = str(request["op"])
-        try:
-            reply = await self.store.send_control(info.replica_id, request, CONTROL_WAIT_SECONDS)
-        except Exception as exc:
-            self.metrics.control.labels(op, "store_error").inc()
-            raise OwnerUnavailableError(
-                f"could not reach replica {info.replica_id} through the shared store "
-                f"({type(exc).__name__}); retry shortly"
-            ) from exc
-        if reply is None:
-            self.metrics.control.labels(op, "no_answer").inc()
-            raise OwnerUnavailableError(
-                f"replica {info.replica_id}, which runs execution {info.execution_id}, did not "
-                f"answer within {CONTROL_WAIT_SECONDS:g} s"
-            )
-        self.metrics.control.labels(op, "ok" if reply.get("ok") else "refused").inc()
-        if not reply.get("ok"):
-            error = _ERRORS.get(str(reply.get("error")), SandboxRuntimeError)
-            raise error(str(reply.get("message", "the owning replica refused the request")))
-        return reply
+    def local_infos(self, owner: Owner) -> builtins.list[ExecutionInfo]:
+        """The owner's executions this replica holds."""
+        return [e.info for e in self._executions.values() if e.owner == owner]
 
-    async def _handle_control(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Answer a stdin/cancel request forwarded by another replica."""
-        owner = Owner(str(request.get("principal")), str(request.get("session_id")))
-        execution_id = str(request.get("execution_id"))
-        self.metrics.control_served.labels(str(request.get("op"))).inc()
-        try:
-            execution = self.get(owner, execution_id)
-            if request.get("op") == "stdin":
-                written = await execution.write_stdin(
-                    str(request.get("data", "")), bool(request.get("close"))
-                )
-                if self.mirror is not None:
-                    self.mirror.mark(execution)
-                return {"ok": True, "bytes_written": written, "info": execution.info.model_dump()}
-            if request.get("op") == "cancel":
-                was_finished = execution.status.finished
-                await execution.cancel(bool(request.get("force")), self.settings.cancel_grace)
-                return {
-                    "ok": True,
-                    "was_finished": was_finished,
-                    "info": execution.info.model_dump(mode="json"),
-                }
-            raise InvalidRequestError(f"unknown control operation {request.get('op')!r}")
-        except SandboxRuntimeError as exc:
-            return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+    def running(self) -> builtins.list[Execution]:
+        return list(self._running.values())
 
-    async def list(
-        self, owner: Owner, status: str | None = None, limit: int = 100
-    ) -> list[ExecutionInfo]:
-        """The owner's executions (this replica's and, with a store, every replica's)."""
-        if status is not None:
-            try:
-                wanted: ExecutionStatus | None = ExecutionStatus(status)
-            except ValueError:
-                names = ", ".join(s.value for s in ExecutionStatus)
-                raise InvalidRequestError(f"unknown status {status!r}; one of {names}") from None
-        else:
-            wanted = None
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidRequestError("limit must be a positive integer")
-        found = {e.execution_id: e.info for e in self._executions.values() if e.owner == owner}
-        if self.store is not None:
-            try:
-                remote = await self.store.session_executions(
-                    session_key(owner.principal, owner.session_id)
-                )
-            except Exception as exc:  # store down: local executions are still an answer
-                logger.warning("list_executions without the shared store: {}", exc)
-                remote = []
-            for info in remote:
-                if info.execution_id in found:
-                    continue
-                if (info.principal, info.session_id) != (owner.principal, owner.session_id):
-                    continue
-                if not info.status.finished and info.replica_id != self.replica_id:
-                    with contextlib.suppress(Exception):
-                        if not await self.store.replica_alive(info.replica_id):
-                            info = (
-                                await self.store.mark_lost(info.execution_id, time.time()) or info
-                            )
-                found[info.execution_id] = info
-        out = [i for i in found.values() if wanted is None or i.status == wanted]
-        out.sort(key=lambda i: i.created_at, reverse=True)
-        return out[: min(limit, 1000)]
+    async def list(self, owner: Owner, status: str | None = None) -> builtins.list[ExecutionInfo]:
+        """The owner's local executions, newest first (optionally of one status)."""
+        infos = [i for i in self.local_infos(owner) if status is None or i.status == status]
+        return sorted(infos, key=lambda i: i.created_at, reverse=True)
 
     def _heartbeat_payload(self) -> dict[str, Any]:
         return {
@@ -604,6 +441,7 @@ class ExecutionManager:
             "started_at": self.started_at,
             "running_executions": len(self._running),
             "last_seen": time.time(),
+            **self.heartbeat_fields(),
         }
 
     # -- retention ---------------------------------------------------------------------------

@@ -17,13 +17,17 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandbox_runtime import __version__
 from sandbox_runtime.config import Settings
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
 from sandbox_runtime.server.auth import PrincipalTokenVerifier
+from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
+from sandbox_runtime.sessions.channel import ClusterApp
+from sandbox_runtime.sessions.router import Router, get_router, set_router
 
 INSTRUCTIONS = (
     "Runs commands in an isolated Linux sandbox (no network, unprivileged, limited memory, "
@@ -66,8 +70,17 @@ async def _cache_input_schemas(mcp: FastMCP) -> None:
     mcp._mcp_server.get_tool_input_schema = annotated.get
 
 
-def create_app(settings: Settings, manager: ExecutionManager | None = None) -> Starlette:
-    """The whole server as one ASGI app. The manager is created and torn down in its lifespan."""
+def create_app(
+    settings: Settings,
+    manager: ExecutionManager | None = None,
+    cluster_port: int | None = None,
+    cluster_address: str = "",
+) -> ASGIApp:
+    """The whole server as one ASGI app. The manager is created and torn down in its lifespan.
+
+    With `cluster_port`, requests that arrive on that port (the cluster listener) reach only
+    the replica-to-replica calls, and requests on any other port never do.
+    """
     mcp = build_mcp(settings)
     allowed = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
     protection: bool | Literal["auto"]
@@ -90,14 +103,26 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         own = manager or ExecutionManager(settings)
+        router = Router(settings, own)
+        router.cluster_address = cluster_address
         await own.start()
+        try:
+            await router.check_cluster(starting=True)
+        except BaseException:
+            await own.shutdown()
+            await router.aclose()
+            raise
+        router.start()
         set_manager(own)
+        set_router(router)
         await _cache_input_schemas(mcp)
         try:
             async with mcp_app.lifespan(app):
                 yield
         finally:
             await own.shutdown()
+            await router.aclose()
+            set_router(None)
             set_manager(None)
 
     async def health(request: Request) -> JSONResponse:
@@ -113,7 +138,8 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
             redis = "ok"
         else:
             redis = f"unavailable: {mirror.last_error or 'not connected yet'}"
-        healthy = sandbox is None and redis in ("ok", "disabled")
+        cluster = get_router().cluster_problem if mirror is not None else None
+        healthy = sandbox is None and redis in ("ok", "disabled") and cluster is None
         body = {
             "status": "ok" if healthy else "degraded",
             "version": __version__,
@@ -122,6 +148,7 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
             "sandbox": "ok" if sandbox is None else f"unavailable: {sandbox}",
             "redis": redis,
             "mirror_backlog": mirror.backlog if mirror is not None else 0,
+            "cluster": "disabled" if mirror is None else cluster or "ok",
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }
         return JSONResponse(body)
@@ -163,16 +190,40 @@ def create_app(settings: Settings, manager: ExecutionManager | None = None) -> S
         body = {"ready": not reasons, "replica_id": current.replica_id, "reasons": reasons}
         return JSONResponse(body, status_code=200 if not reasons else 503)
 
-    return Starlette(
+    public = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Mount("/", app=mcp_app),
         ],
-        middleware=[Middleware(SessionTagMiddleware, replica_id=settings.replica_id)],
+        middleware=[
+            Middleware(SessionTagMiddleware, replica_id=settings.replica_id),
+            Middleware(SessionPathMiddleware),
+        ],
         lifespan=lifespan,
     )
+    if cluster_port is None:
+        return public
+
+    return ClusterDispatch(public, ClusterApp(get_router), cluster_port)
+
+
+class ClusterDispatch:
+    """Sends requests that arrived on the cluster port to the cluster app, all else to the
+    public app (lifespan included)."""
+
+    def __init__(self, public: ASGIApp, cluster: ASGIApp, cluster_port: int) -> None:
+        self.public = public
+        self.cluster = cluster
+        self.cluster_port = cluster_port
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server = scope.get("server")
+        if scope["type"] == "http" and server is not None and server[1] == self.cluster_port:
+            await self.cluster(scope, receive, send)
+        else:
+            await self.public(scope, receive, send)
 
 
 def _event_store(settings: Settings) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from types import FrameType
 
 import uvicorn
@@ -47,7 +48,27 @@ async def serve(settings: Settings) -> int:
     AppStatus.disable_automatic_graceful_drain()
     AppStatus.should_exit = False  # a process-wide flag: a previous serve() may have set it
     manager = ExecutionManager(settings)
-    app = create_app(settings, manager)
+    sockets: list[socket.socket] | None = None
+    cluster_port: int | None = None
+    cluster_address = ""
+    if settings.redis_url:  # several replicas may share it: listen for their calls too
+        try:
+            public = bind(settings.host, settings.port)
+            cluster_host, port = settings.cluster_bind()
+            cluster = bind(cluster_host, port)
+        except OSError as exc:
+            logger.error("cannot listen: {}", exc)
+            return 1
+        sockets = [public, cluster]
+        cluster_port = cluster.getsockname()[1]
+        cluster_address = settings.cluster_advertise or f"{advertised(cluster_host)}:{cluster_port}"
+        logger.info(
+            "cluster listener on {}:{} (advertised as {})",
+            cluster_host,
+            cluster_port,
+            cluster_address,
+        )
+    app = create_app(settings, manager, cluster_port, cluster_address)
     setup_logging(settings)  # again: importing the MCP libraries installed their own handlers
     config = uvicorn.Config(
         app,
@@ -69,5 +90,29 @@ async def serve(settings: Settings) -> int:
         settings.port,
         "bearer" if settings.tokens() else "none",
     )
-    await server.serve()
+    await server.serve(sockets=sockets)
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not yet listening (uvicorn listens on it).
+
+    Raises OSError (address in use, unknown host).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def advertised(host: str) -> str:
+    """How other replicas reach a listener bound to `host`."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
@@ -18,15 +16,17 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
 
 from sandbox_runtime.errors import SandboxRuntimeError
-from sandbox_runtime.execution.execution import Execution, Owner
-from sandbox_runtime.execution.manager import ExecuteRequest, get_manager
+from sandbox_runtime.execution.execution import Owner
+from sandbox_runtime.execution.manager import get_manager
 from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus
+from sandbox_runtime.server.session_path import SCOPE_KEY
+from sandbox_runtime.sessions.models import SessionReset
+from sandbox_runtime.sessions.operations import Progress, result_fields
+from sandbox_runtime.sessions.router import get_router
 
 SESSION_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
 DEFAULT_SESSION = "default"
 ANONYMOUS = "anonymous"
-PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
-PROGRESS_MAX_CHARS = 4096
 # Replies stay far below the official MCP client's 1 MiB limit per SSE event (a reply carries
 # its JSON twice; see MAX_BYTES_PER_READ): commands are shown as previews, lists are capped.
 COMMAND_PREVIEW_CHARS = 2000
@@ -76,6 +76,11 @@ class ExecutionResult(BaseModel):
     events: list[dict[str, Any]] = Field(default_factory=list)
     next_cursor: int = 0
     has_more: bool = False
+    session_reset: SessionReset | None = Field(
+        None,
+        description="Set when this call found the session's state gone (its home replica "
+        "died or stopped) and started it afresh on another replica: a fresh workspace.",
+    )
 
 
 class OutputResult(ExecutionResult):
@@ -114,15 +119,27 @@ def _owner_of(ctx: Context, session: str | None) -> Owner:
     if session is not None:
         if not isinstance(session, str) or not SESSION_RE.match(session):
             raise ToolError("session must be 1-128 characters of letters, digits and ._:@-")
-        return Owner(principal, f"s:{session}")
     transport_session: str | None = None
     with contextlib.suppress(RuntimeError):
-        headers = get_http_request().headers
+        request = get_http_request()
+        bound = request.scope.get(SCOPE_KEY)
+        if bound is not None:  # /s/{session}/mcp
+            if session is not None and session != bound:
+                raise ToolError(
+                    f"this endpoint is bound to session {bound!r}; the session argument "
+                    f"{session!r} disagrees (drop it, or use /s/{session}/mcp)"
+                )
+            return Owner(principal, f"s:{bound}")
+        if session is not None:
+            return Owner(principal, f"s:{session}")
+        headers = request.headers
         # Only the legacy era has transport sessions. Decide the era as the SDK routes requests,
         # so that a 2026-07-28 request cannot borrow a legacy session's id.
         version = headers.get("mcp-protocol-version")
         if version is None or version in HANDSHAKE_PROTOCOL_VERSIONS:
             transport_session = headers.get("mcp-session-id")
+    if session is not None:
+        return Owner(principal, f"s:{session}")
     if transport_session:
         return Owner(principal, f"t:{transport_session}")
     return Owner(principal, DEFAULT_SESSION)
@@ -172,62 +189,23 @@ async def call(op: Callable[[], Awaitable[T]], tool: str, count: bool = True) ->
             raise ToolError(str(exc)) from None
 
 
-def _result(info: ExecutionInfo, events: list[dict[str, Any]], cursor: int, more: bool) -> dict:
-    return {
-        "execution_id": info.execution_id,
-        "status": info.status,
-        "exit_code": info.exit_code,
-        "signal": info.signal,
-        "reason": info.reason,
-        "error": info.error,
-        "duration_ms": info.duration_ms,
-        "events": events,
-        "next_cursor": cursor,
-        "has_more": more,
-    }
-
-
-async def _forward_output(ctx: Context, execution: Execution) -> None:
-    """Send output to the client as progress notifications while execute_code waits."""
-    after = 0
-    last_sent = 0.0
-    while not execution.finished.is_set():
-        await execution.wait_for_events(after, 5.0)
-        await asyncio.sleep(max(0.0, last_sent + PROGRESS_INTERVAL - time.monotonic()))
-        events, _ = execution.events_after(after, 10_000, PROGRESS_MAX_CHARS * 4)
-        if not events:
-            continue
-        after = events[-1].seq
-        text = "".join(e.data or "" for e in events if e.type in ("stdout", "stderr"))
-        if not text:
-            continue
-        if len(text) > PROGRESS_MAX_CHARS:
-            text = text[:PROGRESS_MAX_CHARS] + f"… [{len(text) - PROGRESS_MAX_CHARS} more chars]"
-        last_sent = time.monotonic()
-        with contextlib.suppress(Exception):  # a client that went away must not stop the wait
-            await ctx.report_progress(after, None, text)
-
-
-def _wants_progress(ctx: Context) -> bool:
-    """Whether the caller asked for progress notifications (sent a progressToken).
-
-    Without one, report_progress sends nothing: skip the forwarding task altogether.
-    """
+def _progress_sink(ctx: Context) -> Progress | None:
+    """Where a waiting call's output goes: MCP progress notifications, if the caller asked
+    for them (sent a progressToken). Without one, report_progress would send nothing: None
+    spares the streaming altogether."""
     rc = ctx.request_context
     meta = rc.meta if rc is not None else None
-    return meta is not None and meta.get("progressToken") is not None
+    if meta is None or meta.get("progressToken") is None:
+        return None
+
+    async def report(seq: int, text: str) -> None:
+        await ctx.report_progress(seq, None, text)
+
+    return report
 
 
 def register_tools(mcp: FastMCP) -> None:
     """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server)."""
-
-    async def start(
-        ctx: Context, request: ExecuteRequest, session: str | None, tool: str
-    ) -> tuple[Owner, Execution]:
-        manager = get_manager()
-        owner = owner_of(ctx, session)
-        execution = await call(lambda: manager.start_execution(owner, request), tool)
-        return owner, execution
 
     @mcp.tool
     async def execute_code(
@@ -244,27 +222,21 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> ExecutionResult:
         """Run a command in a fresh sandbox; by default wait for it and return its output."""
-        request = ExecuteRequest(
-            command, timeout_seconds, interactive, working_directory, environment, sandbox_config
+        request = {
+            "command": command,
+            "timeout_seconds": timeout_seconds,
+            "interactive": interactive,
+            "working_directory": working_directory,
+            "environment": environment,
+            "sandbox_config": sandbox_config,
+        }
+        owner = owner_of(ctx, session)
+        progress = _progress_sink(ctx) if wait_for_completion else None
+        args = {"request": request, "wait": wait_for_completion}
+        result = await call(
+            lambda: get_router().run(owner, "execute", args, progress), "execute_code"
         )
-        owner, execution = await start(ctx, request, session, "execute_code")
-        if wait_for_completion:
-            forwarder = None
-            if _wants_progress(ctx):
-                forwarder = asyncio.create_task(_forward_output(ctx, execution))
-            try:
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(execution.info.timeout_seconds + 10):
-                        await execution.finished.wait()
-            finally:
-                if forwarder is not None:
-                    forwarder.cancel()
-        manager = get_manager()
-        page = await call(
-            lambda: manager.read_output(owner, execution.execution_id, 0), "execute_code", False
-        )
-        events = [e.wire() for e in page.events]
-        return ExecutionResult(**_result(page.info, events, page.next_cursor, page.has_more))
+        return ExecutionResult.model_validate(result)
 
     @mcp.tool
     async def execute_code_async(
@@ -278,11 +250,20 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> ExecutionResult:
         """Start a command in a fresh sandbox and return at once with its execution_id."""
-        request = ExecuteRequest(
-            command, timeout_seconds, interactive, working_directory, environment, sandbox_config
+        request = {
+            "command": command,
+            "timeout_seconds": timeout_seconds,
+            "interactive": interactive,
+            "working_directory": working_directory,
+            "environment": environment,
+            "sandbox_config": sandbox_config,
+        }
+        owner = owner_of(ctx, session)
+        args = {"request": request, "wait": False}
+        result = await call(
+            lambda: get_router().run(owner, "execute", args, None), "execute_code_async"
         )
-        _, execution = await start(ctx, request, session, "execute_code_async")
-        return ExecutionResult(**_result(execution.info, [], 0, execution.info.last_seq > 0))
+        return ExecutionResult.model_validate(result)
 
     @mcp.tool
     async def get_execution_output(
@@ -311,10 +292,11 @@ def register_tools(mcp: FastMCP) -> None:
             if wait_for < 0:
                 raise ToolError("wait_seconds must not be negative")
         page = await call(
-            lambda: manager.read_output(owner, execution_id, cursor, limit, wait_for),
+            lambda: get_router().read_output(owner, execution_id, cursor, limit, wait_for),
             "get_execution_output",
         )
-        base = _result(page.info, [e.wire() for e in page.events], page.next_cursor, page.has_more)
+        events = [e.wire() for e in page.events]
+        base = result_fields(page.info, events, page.next_cursor, page.has_more)
         return OutputResult(
             **base,
             next_event_id=str(page.next_cursor),
@@ -331,10 +313,9 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> StdinResult:
         """Write to the stdin of an interactive execution; optionally close it afterwards."""
-        manager = get_manager()
         owner = owner_of(ctx, session)
         written, info = await call(
-            lambda: manager.send_stdin(owner, execution_id, input_data, close_stdin),
+            lambda: get_router().send_stdin(owner, execution_id, input_data, close_stdin),
             "send_stdin",
         )
         return StdinResult(
@@ -354,10 +335,9 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> CancelResult:
         """Stop an execution and its whole process tree. Idempotent."""
-        manager = get_manager()
         owner = owner_of(ctx, session)
         was_finished, info = await call(
-            lambda: manager.cancel(owner, execution_id, force), "cancel_execution"
+            lambda: get_router().cancel(owner, execution_id, force), "cancel_execution"
         )
         return CancelResult(
             execution_id=execution_id,
@@ -372,9 +352,8 @@ def register_tools(mcp: FastMCP) -> None:
         ctx: Context, execution_id: str, session: SessionArg = None
     ) -> ExecutionInfo:
         """An execution's metadata: status, exit code, limits, timestamps, output counters."""
-        manager = get_manager()
         owner = owner_of(ctx, session)
-        info = await call(lambda: manager.status(owner, execution_id), "get_execution_status")
+        info = await call(lambda: get_router().status(owner, execution_id), "get_execution_status")
         return _brief(info)
 
     @mcp.tool
@@ -387,9 +366,8 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> ExecutionList:
         """The caller's executions in this session, newest first."""
-        manager = get_manager()
         owner = owner_of(ctx, session)
-        infos = await call(lambda: manager.list(owner, status, limit), "list_executions")
+        infos = await call(lambda: get_router().list(owner, status, limit), "list_executions")
         shown: list[ExecutionInfo] = []
         size = 0
         for info in map(_brief, infos):

@@ -8,6 +8,7 @@ DEFAULT_TTL_SECONDS = 3600
 HEARTBEAT_TTL_SECONDS = 10
 HEARTBEAT_INTERVAL_SECONDS = 3
 CONTROL_REPLY_TTL_SECONDS = 60
+RUNNING_LEASE_SECONDS = 30  # a running execution's slot in its principal's count, renewed
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,28 @@ class Keys:
     def reply(self, request_id: str) -> str:
         """list: the answer to one control request."""
         return f"{self.prefix}control:{request_id}:reply"
+
+    def session_home(self, session_key: str) -> str:
+        """string: a session's record as JSON (home replica, times, what it holds); TTL =
+        retention, refreshed by every session-bound operation."""
+        return f"{self.prefix}session:{session_key}:home"
+
+    def replica_sessions(self, replica_id: str) -> str:
+        """set: session keys homed on a replica (released when it stops)."""
+        return f"{self.prefix}replica:{replica_id}:sessions"
+
+    def principal_sessions(self, principal: str) -> str:
+        """sorted set: a principal's live session keys, scored by when their record expires."""
+        return f"{self.prefix}principal:{principal}:sessions"
+
+    def principal_running(self, principal: str) -> str:
+        """sorted set: a principal's running execution ids, scored by when their lease
+        expires (renewed by the replica running them; a dead replica's lapse)."""
+        return f"{self.prefix}principal:{principal}:running"
+
+    def replicas(self) -> str:
+        """sorted set: replica ids, scored by when their heartbeat expires."""
+        return f"{self.prefix}replicas"
 
 
 def session_key(principal: str, session_id: str) -> str:

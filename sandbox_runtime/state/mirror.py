@@ -1,4 +1,4 @@
-"""Mirrors executions into a StateStore in batches, off the hot path; heartbeat and control."""
+"""Mirrors executions into a StateStore in batches, off the hot path; and the heartbeat."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -23,8 +23,6 @@ MAX_EVENTS_PER_FLUSH = 2000  # per execution; the rest goes in the next flush
 MAX_BYTES_PER_FLUSH = 8 * 1024 * 1024
 BACKOFF_MAX = 5.0
 
-ControlHandler = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]
-
 
 class Mirror:
     """Writes changed executions to the store; never blocks output or tool calls.
@@ -40,7 +38,6 @@ class Mirror:
         replica_id: str,
         session_key: Callable[[Execution], str],
         heartbeat_payload: Callable[[], dict[str, Any]],
-        control_handler: ControlHandler,
         heartbeat_ttl: int = HEARTBEAT_TTL_SECONDS,
         known: Callable[[], list[Execution]] = list,
         observe_lag: Callable[[float], None] | None = None,
@@ -49,7 +46,6 @@ class Mirror:
         self.replica_id = replica_id
         self.session_key = session_key
         self.heartbeat_payload = heartbeat_payload
-        self.control_handler = control_handler
         self.heartbeat_ttl = heartbeat_ttl
         self.known = known
         self.observe_lag = observe_lag
@@ -91,7 +87,6 @@ class Mirror:
         self._tasks = [
             loop.create_task(self._flush_forever()),
             loop.create_task(self._heartbeat_forever()),
-            loop.create_task(self._control_forever()),
         ]
 
     async def stop(self, flush_timeout: float = 5.0) -> None:
@@ -203,7 +198,7 @@ class Mirror:
         self.connected = connected
         self.last_error = None if connected else f"{type(exc).__name__}: {exc}"
 
-    # -- heartbeat and control ---------------------------------------------------------------
+    # -- heartbeat ---------------------------------------------------------------
 
     async def _heartbeat_forever(self) -> None:
         while True:
@@ -217,25 +212,3 @@ class Mirror:
             except Exception as exc:  # Redis down: keep serving, retry next beat
                 self._set_connected(False, exc)
             await asyncio.sleep(self.heartbeat_interval)
-
-    async def _control_forever(self) -> None:
-        while True:
-            try:
-                request = await self.store.next_control(self.replica_id, 1.0)
-            except Exception:  # Redis down: the heartbeat loop reports it
-                await asyncio.sleep(1.0)
-                continue
-            if request is None:
-                continue
-            if request.get("deadline", 0) < time.time():
-                continue  # the requester gave up; acting now would surprise it
-            asyncio.get_running_loop().create_task(self._answer(request))
-
-    async def _answer(self, request: dict[str, Any]) -> None:
-        try:
-            reply = await self.control_handler(request)
-        except Exception as exc:  # answer with the error rather than leave the caller waiting
-            logger.exception("control request failed")
-            reply = {"ok": False, "error": "SandboxRuntimeError", "message": str(exc)}
-        with contextlib.suppress(Exception):
-            await self.store.reply_control(request["request_id"], reply)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -109,10 +110,28 @@ class RedisStore:
         return [ExecutionInfo.model_validate_json(r) for r in raws if r]
 
     async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None:
-        await self.redis.set(self.keys.replica(replica_id), json.dumps(payload), ex=ttl)
+        now = time.time()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.replica(replica_id), json.dumps(payload), ex=ttl)
+            pipe.zadd(self.keys.replicas(), {replica_id: now + ttl})
+            pipe.zremrangebyscore(self.keys.replicas(), "-inf", now - 3600)
+            await pipe.execute()
 
     async def drop_replica(self, replica_id: str) -> None:
-        await self.redis.delete(self.keys.replica(replica_id))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.delete(self.keys.replica(replica_id))
+            pipe.zrem(self.keys.replicas(), replica_id)
+            await pipe.execute()
+
+    async def live_replicas(self) -> dict[str, dict[str, Any]]:
+        ids = [
+            str(i)
+            for i in await self.redis.zrangebyscore(self.keys.replicas(), time.time(), "+inf")
+        ]
+        if not ids:
+            return {}
+        raws = await self.redis.mget([self.keys.replica(i) for i in ids])
+        return {i: json.loads(raw) for i, raw in zip(ids, raws, strict=True) if raw}
 
     async def replica_alive(self, replica_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.replica(replica_id)))

@@ -55,6 +55,9 @@ class StateStore(Protocol):
 
     async def replica_alive(self, replica_id: str) -> bool: ...
 
+    async def live_replicas(self) -> dict[str, dict[str, Any]]:
+        """Every replica with a live heartbeat: id -> heartbeat payload."""
+
     async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
         """Atomically mark a running execution whose owner has no heartbeat as lost.
 
@@ -101,6 +104,7 @@ class MemoryStore:
         self._events: dict[str, list[OutputEvent]] = {}
         self._sessions: dict[str, set[str]] = {}
         self._replicas: dict[str, float] = {}
+        self._payloads: dict[str, dict[str, Any]] = {}
         self._control: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._replies: dict[str, asyncio.Queue[dict[str, Any]]] = {}
 
@@ -148,6 +152,11 @@ class MemoryStore:
 
     async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None:
         self._replicas[replica_id] = time.monotonic() + ttl
+        self._payloads[replica_id] = dict(payload)
+
+    async def live_replicas(self) -> dict[str, dict[str, Any]]:
+        self._expire()
+        return {r: self._payloads.get(r, {}) for r in self._replicas}
 
     async def drop_replica(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)

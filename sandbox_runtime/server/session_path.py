@@ -1,0 +1,43 @@
+"""`/s/{session}/mcp`: an MCP endpoint bound to one session, served by the `/mcp` app."""
+
+from __future__ import annotations
+
+import re
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+SCOPE_KEY = "srt.session"  # the session named by the path, for the tools (server/tools.py)
+PATH = re.compile(r"^/s/(?P<session>[A-Za-z0-9._:@-]{1,128})/mcp/?$")
+
+
+class SessionPathMiddleware:
+    """Rewrites `/s/{session}/mcp` to `/mcp` and records the session in the request scope.
+
+    The path lets a proxy route by session (nginx hashes on it, so most calls reach the
+    session's home directly); a malformed session segment is a 404 like any unknown path.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope.pop(SCOPE_KEY, None)  # only this middleware may set it
+            path: str = scope["path"]
+            if path.startswith("/s/"):
+                match = PATH.match(path)
+                if match is None:
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": 404,
+                            "headers": [(b"content-type", b"text/plain")],
+                        }
+                    )
+                    await send(
+                        {"type": "http.response.body", "body": b"no such session endpoint\n"}
+                    )
+                    return
+                scope = dict(scope, path="/mcp", raw_path=b"/mcp")
+                scope[SCOPE_KEY] = match["session"]
+        await self.app(scope, receive, send)

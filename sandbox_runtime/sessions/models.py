@@ -1,0 +1,50 @@
+"""What a session is: its owner, its home replica, its times and what it holds."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from sandbox_runtime.state.keys import session_key
+
+
+class SessionReset(BaseModel):
+    """Told to the caller whose operation found the session's state gone and started afresh."""
+
+    reason: Literal["home_lost", "home_stopped"] = Field(
+        description="home_lost: the home replica stopped heart-beating (crashed, cut off); "
+        "home_stopped: it was shut down and released its sessions."
+    )
+    previous_replica: str = Field(description="The replica that held the session's state.")
+
+
+class SessionRecord(BaseModel):
+    """A session's record in the shared store: where its state lives.
+
+    Stored as a Redis hash (`redis-cli hgetall session:PRINCIPAL:SESSION:home`); `generation`
+    grows with every change of home, so a re-homing is a compare-and-set on it.
+    """
+
+    principal: str
+    session_id: str
+    home: str
+    home_started_at: float
+    created_at: float
+    last_used_at: float
+    generation: int = 1
+    state: Literal["active", "released"] = "active"
+    released_reason: str | None = None
+    holds: str = "workspace"  # comma-separated kinds of state kept on the home
+
+    @property
+    def key(self) -> str:
+        return session_key(self.principal, self.session_id)
+
+    def fields(self) -> dict[str, str]:
+        """The record as hash fields (strings; None fields left out)."""
+        return {k: str(v) for k, v in self.model_dump().items() if v is not None}
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> SessionRecord:
+        return cls.model_validate(fields)

@@ -1,0 +1,109 @@
+"""Session-bound operations, as they run on the session's home replica.
+
+Each takes the manager, the owner, JSON arguments (they may have crossed from another
+replica) and an optional progress sink, and returns a JSON-ready dict. The router runs them
+here or forwards them to the home, which runs them through the same table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sandbox_runtime.errors import InvalidRequestError
+from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
+from sandbox_runtime.execution.models import ExecutionInfo
+
+PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
+PROGRESS_MAX_CHARS = 4096
+WAIT_SLACK_SECONDS = 10  # past the execution's own timeout, in case its end is slow to show
+
+Progress = Callable[[int, str], Awaitable[None]]
+Operation = Callable[[ExecutionManager, Owner, dict[str, Any], Progress | None], Awaitable[dict]]
+
+REQUEST_FIELDS = frozenset(
+    (
+        "command",
+        "timeout_seconds",
+        "interactive",
+        "working_directory",
+        "environment",
+        "sandbox_config",
+    )
+)
+
+
+def result_fields(
+    info: ExecutionInfo, events: list[dict[str, Any]], cursor: int, more: bool
+) -> dict:
+    """The fields of an execution result (tools.ExecutionResult), JSON-ready."""
+    return {
+        "execution_id": info.execution_id,
+        "status": info.status.value,
+        "exit_code": info.exit_code,
+        "signal": info.signal,
+        "reason": info.reason,
+        "error": info.error,
+        "duration_ms": info.duration_ms,
+        "events": events,
+        "next_cursor": cursor,
+        "has_more": more,
+    }
+
+
+def _request(args: dict[str, Any]) -> ExecuteRequest:
+    fields = args.get("request")
+    if not isinstance(fields, dict) or not set(fields) <= REQUEST_FIELDS or "command" not in fields:
+        raise InvalidRequestError("malformed execute request")
+    return ExecuteRequest(**fields)
+
+
+async def execute(
+    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """Start a command in the owner's workspace; with `wait`, wait for its end (streaming its
+    output to `progress`) and return its output's first page."""
+    execution = await manager.start_execution(owner, _request(args))
+    if not args.get("wait"):
+        return result_fields(execution.info, [], 0, execution.info.last_seq > 0)
+    forwarder = None
+    if progress is not None:
+        forwarder = asyncio.get_running_loop().create_task(stream_output(execution, progress))
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(execution.info.timeout_seconds + WAIT_SLACK_SECONDS):
+                await execution.finished.wait()
+    finally:
+        if forwarder is not None:
+            forwarder.cancel()
+    page = await manager.read_output(owner, execution.execution_id, 0)
+    events = [e.wire() for e in page.events]
+    return result_fields(page.info, events, page.next_cursor, page.has_more)
+
+
+async def stream_output(execution: Execution, progress: Progress) -> None:
+    """Send output to `progress` while a call waits (bounded in rate and size)."""
+    after = 0
+    last_sent = 0.0
+    while not execution.finished.is_set():
+        await execution.wait_for_events(after, 5.0)
+        await asyncio.sleep(max(0.0, last_sent + PROGRESS_INTERVAL - time.monotonic()))
+        events, _ = execution.events_after(after, 10_000, PROGRESS_MAX_CHARS * 4)
+        if not events:
+            continue
+        after = events[-1].seq
+        text = "".join(e.data or "" for e in events if e.type in ("stdout", "stderr"))
+        if not text:
+            continue
+        if len(text) > PROGRESS_MAX_CHARS:
+            text = text[:PROGRESS_MAX_CHARS] + f"… [{len(text) - PROGRESS_MAX_CHARS} more chars]"
+        last_sent = time.monotonic()
+        with contextlib.suppress(Exception):  # a caller that went away must not stop the wait
+            await progress(after, text)
+
+
+OPERATIONS: dict[str, Operation] = {"execute": execute}

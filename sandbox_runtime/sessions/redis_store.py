@@ -1,0 +1,163 @@
+"""The SessionStore on Redis: session records as hashes, counts as sorted sets, all atomic."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from sandbox_runtime.sessions.models import SessionRecord
+from sandbox_runtime.sessions.store import ClaimOutcome, Lookup
+from sandbox_runtime.state.keys import Keys
+
+# KEYS: record, principal's sessions. ARGV: me, now, ttl, heartbeat key prefix, session key.
+# The active home refreshes the record in the same round trip; anyone else gets the home's
+# heartbeat with it (nil: the home is not alive).
+LOOKUP_SCRIPT = """
+local f = redis.call('HMGET', KEYS[1], 'home', 'state')
+if not f[1] then return false end
+if f[1] == ARGV[1] and f[2] == 'active' then
+  redis.call('HSET', KEYS[1], 'last_used_at', ARGV[2])
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('ZADD', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[5])
+  redis.call('EXPIRE', KEYS[2], ARGV[3])
+  return {redis.call('HGETALL', KEYS[1]), 1, false}
+end
+return {redis.call('HGETALL', KEYS[1]), 0, redis.call('GET', ARGV[4] .. f[1])}
+"""
+
+# KEYS: record, principal's sessions, new home's sessions, previous home's sessions.
+# ARGV: expected generation ('' = new session), max sessions, ttl, now, session key, then the
+# record's field/value pairs.
+CLAIM_SCRIPT = """
+local generation = redis.call('HGET', KEYS[1], 'generation')
+if ARGV[1] == '' then
+  if generation then return 'exists' end
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+  if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[2]) then return 'session_limit' end
+else
+  if generation ~= ARGV[1] then return 'moved' end
+  redis.call('DEL', KEYS[1])
+  redis.call('SREM', KEYS[4], ARGV[5])
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[5])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[5])
+redis.call('EXPIRE', KEYS[3], ARGV[3])
+return 'claimed'
+"""
+
+# KEYS: the replica's sessions. ARGV: replica id, reason, now, record key prefix and suffix.
+RELEASE_SCRIPT = """
+local n = 0
+for _, key in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local record = ARGV[4] .. key .. ARGV[5]
+  local f = redis.call('HMGET', record, 'home', 'state')
+  if f[1] == ARGV[1] and f[2] == 'active' then
+    redis.call('HSET', record, 'state', 'released', 'released_reason', ARGV[2])
+    n = n + 1
+  end
+end
+redis.call('DEL', KEYS[1])
+return n
+"""
+
+# KEYS: the principal's running set. ARGV: now, limit, execution id, lease.
+RESERVE_SCRIPT = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if not redis.call('ZSCORE', KEYS[1], ARGV[3]) and
+   redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], tonumber(ARGV[1]) + tonumber(ARGV[4]), ARGV[3])
+redis.call('EXPIRE', KEYS[1], math.ceil(tonumber(ARGV[4])) + 60)
+return 1
+"""
+
+
+class RedisSessionStore:
+    """SessionStore on a Redis connection shared with the execution mirror."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys | None = None) -> None:
+        self.redis = redis
+        self.keys = keys or Keys()
+        self._lookup = redis.register_script(LOOKUP_SCRIPT)
+        self._claim = redis.register_script(CLAIM_SCRIPT)
+        self._release = redis.register_script(RELEASE_SCRIPT)
+        self._reserve = redis.register_script(RESERVE_SCRIPT)
+        # The record key is "<prefix><session key><suffix>": RELEASE builds it from the set.
+        self._record_prefix, _, self._record_suffix = self.keys.session_home("\0").partition("\0")
+
+    async def lookup(self, key: str, replica_id: str, now: float, ttl: int) -> Lookup:
+        principal = key.partition(":")[0]
+        reply = await self._lookup(
+            keys=[self.keys.session_home(key), self.keys.principal_sessions(principal)],
+            args=[replica_id, repr(now), ttl, self.keys.replica(""), key],
+        )
+        if not reply:
+            return Lookup(None)
+        flat, touched, heartbeat = reply
+        record = SessionRecord.from_fields(dict(zip(flat[::2], flat[1::2], strict=True)))
+        beat: dict[str, Any] | None = json.loads(heartbeat) if heartbeat else None
+        return Lookup(record, beat, touched=bool(touched))
+
+    async def claim(
+        self,
+        record: SessionRecord,
+        expected_generation: int | None,
+        max_sessions: int,
+        ttl: int,
+        previous_home: str | None = None,
+    ) -> ClaimOutcome:
+        pairs: list[str] = []
+        for name, value in record.fields().items():
+            pairs += [name, value]
+        outcome = await self._claim(
+            keys=[
+                self.keys.session_home(record.key),
+                self.keys.principal_sessions(record.principal),
+                self.keys.replica_sessions(record.home),
+                self.keys.replica_sessions(previous_home or record.home),
+            ],
+            args=[
+                "" if expected_generation is None else str(expected_generation),
+                max_sessions,
+                ttl,
+                repr(record.last_used_at),
+                record.key,
+                *pairs,
+            ],
+        )
+        return outcome
+
+    async def release_replica(self, replica_id: str, reason: str, now: float) -> int:
+        released = await self._release(
+            keys=[self.keys.replica_sessions(replica_id)],
+            args=[replica_id, reason, repr(now), self._record_prefix, self._record_suffix],
+        )
+        return int(released)
+
+    async def reserve_running(
+        self, principal: str, execution_id: str, limit: int, lease: float, now: float
+    ) -> bool:
+        granted = await self._reserve(
+            keys=[self.keys.principal_running(principal)],
+            args=[repr(now), limit, execution_id, lease],
+        )
+        return bool(granted)
+
+    async def renew_running(self, running: list[tuple[str, str]], lease: float, now: float) -> None:
+        if not running:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for principal, execution_id in running:
+                key = self.keys.principal_running(principal)
+                pipe.zadd(key, {execution_id: now + lease}, xx=True)
+                pipe.expire(key, int(lease) + 60)
+            await pipe.execute()
+
+    async def release_running(self, principal: str, execution_id: str) -> None:
+        await self.redis.zrem(self.keys.principal_running(principal), execution_id)

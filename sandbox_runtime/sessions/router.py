@@ -1,0 +1,596 @@
+"""The Router: where a session's operations run, and every read or control across replicas.
+
+Session-bound operations (those that use the session's state) run on the session's home
+replica: here, or forwarded to it over the cluster channel. A session without a home gets
+this replica; one whose home died or stopped is re-homed here with a fresh workspace, and the
+answer says so (`session_reset`). Reads of executions come from this replica's memory or, for
+another replica's, from the shared store; stdin and cancel for another replica's executions
+go to it as signed control messages. With one replica and no Redis all of this is local.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from loguru import logger
+
+from sandbox_runtime.config import Settings
+from sandbox_runtime.errors import (
+    ExecutionNotFoundError,
+    InvalidRequestError,
+    LimitExceededError,
+    OwnerUnavailableError,
+    SandboxRuntimeError,
+    SandboxSpawnError,
+)
+from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.execution.manager import (
+    MAX_BYTES_PER_READ,
+    MAX_EVENTS_PER_READ,
+    ExecutionManager,
+    OutputPage,
+    workspace_name,
+)
+from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus
+from sandbox_runtime.sessions.channel import (
+    ChannelClient,
+    HomeMovedError,
+    HomeUnreachableError,
+)
+from sandbox_runtime.sessions.control import ControlChannel
+from sandbox_runtime.sessions.models import SessionRecord, SessionReset
+from sandbox_runtime.sessions.operations import OPERATIONS, Progress
+from sandbox_runtime.sessions.signing import ClusterSigner
+from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
+from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
+
+REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
+PLACEMENT_ATTEMPTS = 4  # lookups per operation (a home may move or stop meanwhile)
+RENEW_INTERVAL_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an operation runs: here (with a reset if the session just moved here), or on
+    `home` at `address`."""
+
+    local: bool
+    home: str
+    address: str = ""
+    reset: SessionReset | None = None
+
+
+class Router:
+    """Routes session-bound operations to their home and serves reads from anywhere."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        manager: ExecutionManager,
+        sessions: SessionStore | None = None,
+    ) -> None:
+        self.settings = settings
+        self.manager = manager
+        self.replica_id = manager.replica_id
+        self.metrics = manager.metrics
+        self.store = manager.store  # executions' mirror (None: one replica, no Redis)
+        secret = settings.cluster_secret.get_secret_value() if settings.cluster_secret else ""
+        self.signer = ClusterSigner(secret, self.replica_id) if secret else None
+        if sessions is None:
+            if self.store is not None:
+                from sandbox_runtime.sessions.redis_store import RedisSessionStore
+
+                sessions = RedisSessionStore(self.store.redis)  # type: ignore[attr-defined]
+            else:
+                sessions = MemorySessionStore()
+        self.sessions = sessions
+        self.control = ControlChannel(self.store, manager, self.signer) if self.store else None
+        self.channel = ChannelClient(self.signer) if self.signer is not None else None
+        self.cluster_address = ""  # set once the cluster listener is bound
+        self._renewer: asyncio.Task[None] | None = None
+        self.cluster_problem: str | None = None
+        self._last_placement: dict[str, str] = {}  # session key -> home, for a Redis outage
+        manager.admission = self._admit
+        manager.on_finished.append(self._release_running)
+        manager.before_shutdown.append(self.release_homes)
+        manager.heartbeat_fields = self._heartbeat_fields
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.control is not None:
+            self.control.start()
+        self._renewer = asyncio.get_running_loop().create_task(self._renew_forever())
+
+    async def aclose(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        if self.control is not None:
+            await self.control.aclose()
+        if self.channel is not None:
+            await self.channel.aclose()
+
+    async def check_cluster(self, starting: bool = False) -> str | None:
+        """What is wrong with this deployment's secret (None: nothing), from the heartbeats
+        of the other replicas. At start a problem is an error: the replica refuses to run.
+
+        Raises SandboxRuntimeError when `starting` and the cluster is misconfigured.
+        """
+        if self.store is None:
+            return None
+        try:
+            peers = await self.store.live_replicas()
+        except Exception:  # the store is down: health reports that already
+            return self.cluster_problem
+        peers.pop(self.replica_id, None)
+        mine = self.signer.key_id if self.signer is not None else None
+        problem = None
+        if peers and self.signer is None:
+            problem = (
+                f"{len(peers)} other replica(s) share this Redis ({', '.join(sorted(peers))}) "
+                "and SANDBOX_CLUSTER_SECRET is not set: sessions homed elsewhere cannot be "
+                "reached. Give every replica the same secret"
+            )
+        elif self.signer is not None:
+            other = sorted(r for r, p in peers.items() if p.get("cluster_key_id") != mine)
+            if other:
+                problem = (
+                    f"replica(s) {', '.join(other)} use a different SANDBOX_CLUSTER_SECRET (or "
+                    "none): calls between them and this replica will be refused"
+                )
+        if problem != self.cluster_problem:
+            if problem:
+                logger.error("cluster: {}", problem)
+            elif self.cluster_problem:
+                logger.info("cluster: the secret now agrees with every replica")
+        self.cluster_problem = problem
+        if problem and starting:
+            raise SandboxRuntimeError(f"refusing to start: {problem}")
+        return problem
+
+    def _heartbeat_fields(self) -> dict[str, Any]:
+        return {
+            "cluster_address": self.cluster_address,
+            "cluster_key_id": self.signer.key_id if self.signer else None,
+        }
+
+    async def release_homes(self) -> None:
+        """Stopping: mark this replica's sessions released so their next call re-homes now."""
+        try:
+            released = await asyncio.wait_for(
+                self.sessions.release_replica(self.replica_id, "home_stopped", time.time()), 5
+            )
+        except Exception as exc:  # the store is down: the heartbeat's expiry does it later
+            logger.warning("could not release this replica's sessions: {}", exc)
+            return
+        if released:
+            logger.info("released {} sessions for re-homing", released)
+
+    # -- placement ---------------------------------------------------------------------------
+
+    async def place(self, owner: Owner) -> Placement:
+        """Where `owner`'s session-bound operations run now; claims or re-homes as needed.
+
+        Raises LimitExceededError (too many sessions), OwnerUnavailableError (store down and
+        the home unknown), SandboxSpawnError (this replica is stopping).
+        """
+        key = session_key(owner.principal, owner.session_id)
+        for _ in range(PLACEMENT_ATTEMPTS):
+            now = time.time()
+            try:
+                found = await self.sessions.lookup(
+                    key, self.replica_id, now, self.settings.retention_seconds
+                )
+            except Exception as exc:  # the store is down: fall back to the last known home
+                return self._place_without_store(key, exc)
+            record = found.record
+            if found.touched and record is not None:
+                self._remember(key, record.home)
+                return Placement(True, self.replica_id)
+            if record is None:
+                placement = await self._claim(owner, None)
+            elif record.state == "released":
+                reason = "home_stopped" if record.released_reason == "home_stopped" else "home_lost"
+                placement = await self._claim(owner, record, reason)
+            elif found.home_heartbeat is None:
+                placement = await self._claim(owner, record, "home_lost")
+            else:
+                address = str(found.home_heartbeat.get("cluster_address") or "")
+                if not address:
+                    raise OwnerUnavailableError(
+                        f"this session lives on replica {record.home}, which has no cluster "
+                        "listener (it runs without SANDBOX_CLUSTER_SECRET?)"
+                    )
+                placement = Placement(False, record.home, address)
+            if placement is not None:
+                self._remember(key, placement.home)
+                return placement
+        raise OwnerUnavailableError("this session's home kept changing; retry shortly")
+
+    def _remember(self, key: str, home: str) -> None:
+        if len(self._last_placement) > 100_000:
+            self._last_placement.clear()
+        self._last_placement[key] = home
+
+    def _place_without_store(self, key: str, exc: Exception) -> Placement:
+        if self._last_placement.get(key) == self.replica_id:
+            return Placement(True, self.replica_id)
+        raise OwnerUnavailableError(
+            f"the shared store is unavailable ({type(exc).__name__}) and this session's home "
+            "is not this replica; retry shortly"
+        ) from exc
+
+    async def _claim(
+        self, owner: Owner, previous: SessionRecord | None, reason: str = ""
+    ) -> Placement | None:
+        """Make this replica the session's home (None: someone else changed it first)."""
+        if not self.manager.accepting:
+            raise SandboxSpawnError("this replica is shutting down; retry on another replica")
+        now = time.time()
+        record = SessionRecord(
+            principal=owner.principal,
+            session_id=owner.session_id,
+            home=self.replica_id,
+            home_started_at=self.manager.started_at,
+            created_at=previous.created_at if previous else now,
+            last_used_at=now,
+            generation=previous.generation + 1 if previous else 1,
+        )
+        outcome = await self.sessions.claim(
+            record,
+            previous.generation if previous else None,
+            self.settings.max_sessions_per_principal,
+            self.settings.retention_seconds,
+            previous.home if previous else None,
+        )
+        if outcome == "session_limit":
+            self.metrics.rejections.labels("principal_sessions").inc()
+            raise LimitExceededError(
+                f"this token has its maximum of {self.settings.max_sessions_per_principal} "
+                "live sessions; reuse one (the `session` argument) or wait for an idle one "
+                f"to expire ({self.settings.retention_seconds} s after its last use)"
+            )
+        if outcome != "claimed":
+            return None
+        if previous is None:
+            self.metrics.sessions.labels("created").inc()
+            return Placement(True, self.replica_id)
+        # A fresh workspace: whatever this replica kept from an earlier stay is stale.
+        workspace = self.manager.backend.config.workspace_root / workspace_name(owner)
+        if workspace.exists():
+            await asyncio.to_thread(self.manager.backend.remove_workspace, workspace)
+        self.metrics.sessions.labels(reason).inc()
+        logger.warning(
+            "session re-homed here from replica {} ({})", previous.home, reason.replace("_", " ")
+        )
+        return Placement(
+            True,
+            self.replica_id,
+            reset=SessionReset(reason=reason, previous_replica=previous.home),  # type: ignore[arg-type]
+        )
+
+    # -- session-bound operations ------------------------------------------------------------
+
+    async def run(
+        self, owner: Owner, op: str, args: dict[str, Any], progress: Progress | None = None
+    ) -> dict[str, Any]:
+        """Run operation `op` on the session's home; its result (with `session_reset` when
+        the session started afresh). Raises the operation's domain errors and
+        OwnerUnavailableError."""
+        operation = OPERATIONS[op]
+        last_error: Exception | None = None
+        for _ in range(PLACEMENT_ATTEMPTS):
+            placement = await self.place(owner)
+            if placement.local:
+                result = await operation(self.manager, owner, args, progress)
+                if placement.reset is not None:
+                    result["session_reset"] = placement.reset.model_dump()
+                return result
+            assert self.channel is not None  # a remote home implies a secret (see place)
+            call = {
+                "op": op,
+                "principal": owner.principal,
+                "session_id": owner.session_id,
+                "args": args,
+            }
+            started = time.perf_counter()
+            try:
+                result = await self.channel.call(
+                    placement.home, placement.address, call, progress, self._wait_bound(args)
+                )
+            except HomeMovedError as exc:
+                self.metrics.forwarded.labels(op, "moved").inc()
+                last_error = exc
+                continue
+            except HomeUnreachableError as exc:
+                self.metrics.forwarded.labels(op, "unreachable").inc()
+                last_error = exc
+                if await self._home_still_alive(owner, placement.home):
+                    raise OwnerUnavailableError(
+                        f"{exc}; its sessions move to another replica once its heartbeat "
+                        f"expires (within {self.settings.heartbeat_ttl} s): retry then"
+                    ) from None
+                continue
+            self.metrics.forwarded.labels(op, "ok").inc()
+            self.metrics.forward_seconds.observe(time.perf_counter() - started)
+            return result
+        raise OwnerUnavailableError(
+            f"could not reach this session's home replica ({last_error}); retry shortly"
+        )
+
+    def _wait_bound(self, args: dict[str, Any]) -> float:
+        request = args.get("request") or {}
+        timeout = request.get("timeout_seconds") if isinstance(request, dict) else None
+        if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
+            return min(float(timeout), self.settings.max_timeout)
+        return self.settings.max_timeout
+
+    async def _home_still_alive(self, owner: Owner, home: str) -> bool:
+        """After the home refused a connection: is it still the live, active home?"""
+        with contextlib.suppress(Exception):
+            found = await self.sessions.lookup(
+                session_key(owner.principal, owner.session_id),
+                self.replica_id,
+                time.time(),
+                self.settings.retention_seconds,
+            )
+            record = found.record
+            return (
+                record is not None
+                and record.home == home
+                and record.state == "active"
+                and found.home_heartbeat is not None
+            )
+        return True  # the store is down too: do not re-home on a guess
+
+    async def serve_forwarded(
+        self, call: dict[str, Any], progress: Progress | None
+    ) -> dict[str, Any]:
+        """Run an operation another replica forwarded here (the cluster listener's handler).
+
+        Raises HomeMovedError when this replica is not the session's active home.
+        """
+        op = call.get("op")
+        principal, session_id = call.get("principal"), call.get("session_id")
+        args = call.get("args")
+        if (
+            op not in OPERATIONS
+            or not isinstance(principal, str)
+            or not isinstance(session_id, str)
+            or not isinstance(args, dict)
+        ):
+            raise InvalidRequestError("malformed forwarded call")
+        if not self.manager.accepting:
+            raise HomeMovedError(f"replica {self.replica_id} is shutting down")
+        owner = Owner(principal, session_id)
+        found = await self.sessions.lookup(
+            session_key(principal, session_id),
+            self.replica_id,
+            time.time(),
+            self.settings.retention_seconds,
+        )
+        if not found.touched:
+            raise HomeMovedError(f"replica {self.replica_id} is not this session's home")
+        self.metrics.forwarded_served.labels(op).inc()
+        return await OPERATIONS[op](self.manager, owner, args, progress)
+
+    # -- per-principal running limit ---------------------------------------------------------
+
+    async def _admit(self, owner: Owner, execution_id: str) -> None:
+        """Count an execution against its principal's running limit, cluster-wide."""
+        limit = self.settings.max_running_per_principal
+        try:
+            granted = await self.sessions.reserve_running(
+                owner.principal, execution_id, limit, RUNNING_LEASE_SECONDS, time.time()
+            )
+        except Exception as exc:  # store down: the local limits still hold
+            logger.warning("per-principal running limit unchecked (store: {})", exc)
+            return
+        if not granted:
+            self.metrics.rejections.labels("principal").inc()
+            raise LimitExceededError(
+                f"this token is running its maximum of {limit} executions across all its "
+                "sessions; wait for one to finish or cancel one"
+            )
+
+    def _release_running(self, execution: Execution) -> None:
+        async def release() -> None:
+            with contextlib.suppress(Exception):  # its lease lapses on its own
+                await self.sessions.release_running(
+                    execution.owner.principal, execution.execution_id
+                )
+
+        asyncio.get_running_loop().create_task(release())
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_INTERVAL_SECONDS)
+            running = [(e.owner.principal, e.execution_id) for e in self.manager.running()]
+            with contextlib.suppress(Exception):  # store down: retried at the next interval
+                await self.sessions.renew_running(running, RUNNING_LEASE_SECONDS, time.time())
+            await self.check_cluster()
+
+    # -- reads and control from any replica --------------------------------------------------
+
+    async def find(self, owner: Owner, execution_id: str) -> Execution | ExecutionInfo:
+        """The caller's execution: local, or another replica's from the store.
+
+        An execution whose owner replica stopped heart-beating is marked lost on the way.
+        Raises ExecutionNotFoundError, OwnerUnavailableError (store unreachable).
+        """
+        if not isinstance(execution_id, str) or not 0 < len(execution_id) <= 128:
+            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+        local = self.manager.lookup(owner, execution_id)
+        if local is not None:
+            return local
+        if self.store is None:
+            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+        try:
+            info = await self.store.get_execution(execution_id)
+            if info is None or (info.principal, info.session_id) != (
+                owner.principal,
+                owner.session_id,
+            ):
+                raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+            return await self._check_alive(info)
+        except SandboxRuntimeError:
+            raise
+        except Exception as exc:  # the store failed: say so instead of "not found"
+            raise OwnerUnavailableError(
+                f"execution {execution_id!r} is not on this replica and the shared store is "
+                f"unavailable ({type(exc).__name__}); retry shortly"
+            ) from exc
+
+    async def _check_alive(self, info: ExecutionInfo) -> ExecutionInfo:
+        """`info`, marked lost first if it runs on a replica that stopped heart-beating."""
+        assert self.store is not None
+        if info.status.finished or info.replica_id == self.replica_id:
+            return info
+        if await self.store.replica_alive(info.replica_id):
+            return info
+        info = await self.store.mark_lost(info.execution_id, time.time()) or info
+        self.metrics.lost_detected.inc()
+        logger.warning(
+            "execution {} of replica {} marked {}",
+            info.execution_id,
+            info.replica_id,
+            info.status.value,
+        )
+        return info
+
+    async def status(self, owner: Owner, execution_id: str) -> ExecutionInfo:
+        found = await self.find(owner, execution_id)
+        return found.info if isinstance(found, Execution) else found
+
+    async def read_output(
+        self,
+        owner: Owner,
+        execution_id: str,
+        after: int = 0,
+        limit: int = MAX_EVENTS_PER_READ,
+        wait: float = 0,
+    ) -> OutputPage:
+        """Events after the cursor; with `wait`, block up to that long for new ones."""
+        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
+            raise InvalidRequestError("the cursor (after / last_event_id) must be an integer >= 0")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidRequestError("limit must be a positive integer")
+        found = await self.find(owner, execution_id)
+        if isinstance(found, Execution):
+            return await self.manager.read_output(owner, execution_id, after, limit, wait)
+        limit = min(limit, MAX_EVENTS_PER_READ)
+        wait = min(max(0.0, float(wait or 0)), self.settings.max_wait)
+        return await self._read_remote(owner, found, after, limit, wait)
+
+    async def _read_remote(
+        self, owner: Owner, info: ExecutionInfo, after: int, limit: int, wait: float
+    ) -> OutputPage:
+        assert self.store is not None
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                events = await self.store.get_events(info.execution_id, after, limit + 1)
+            except Exception as exc:  # store failure: not the caller's fault
+                raise OwnerUnavailableError(
+                    f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
+                ) from exc
+            if events or info.status.finished or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(REMOTE_POLL_SECONDS)
+            refreshed = await self.find(owner, info.execution_id)
+            info = refreshed.info if isinstance(refreshed, Execution) else refreshed
+        has_more = len(events) > limit
+        events = events[:limit]
+        size = 0
+        for i, event in enumerate(events):
+            size += event.wire_size()
+            if i and size > MAX_BYTES_PER_READ:
+                events, has_more = events[:i], True
+                break
+        next_cursor = events[-1].seq if events else after
+        return OutputPage(
+            info=info, events=events, next_cursor=next_cursor, has_more=has_more, first_available=1
+        )
+
+    async def send_stdin(
+        self, owner: Owner, execution_id: str, data: str, close: bool
+    ) -> tuple[int, ExecutionInfo]:
+        """Write to an interactive execution's stdin, forwarding to its replica if need be."""
+        if not isinstance(data, str):
+            raise InvalidRequestError("input_data must be a string")
+        found = await self.find(owner, execution_id)
+        if isinstance(found, Execution):
+            return await self.manager.write_stdin(found, data, close), found.info
+        assert self.control is not None
+        reply = await self.control.send(
+            found, {"op": "stdin", "data": data, "close": bool(close)}, owner
+        )
+        return int(reply["bytes_written"]), ExecutionInfo.model_validate(reply["info"])
+
+    async def cancel(
+        self, owner: Owner, execution_id: str, force: bool = False
+    ) -> tuple[bool, ExecutionInfo]:
+        """Stop an execution and its whole tree (idempotent). Returns (was it finished, info)."""
+        found = await self.find(owner, execution_id)
+        if isinstance(found, Execution):
+            return await self.manager.cancel_local(found, force), found.info
+        if found.status.finished:
+            return True, found
+        assert self.control is not None
+        reply = await self.control.send(found, {"op": "cancel", "force": bool(force)}, owner)
+        return bool(reply["was_finished"]), ExecutionInfo.model_validate(reply["info"])
+
+    async def list(
+        self, owner: Owner, status: str | None = None, limit: int = 100
+    ) -> list[ExecutionInfo]:
+        """The owner's executions (this replica's and, with a store, every replica's)."""
+        wanted: ExecutionStatus | None = None
+        if status is not None:
+            try:
+                wanted = ExecutionStatus(status)
+            except ValueError:
+                names = ", ".join(s.value for s in ExecutionStatus)
+                raise InvalidRequestError(f"unknown status {status!r}; one of {names}") from None
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise InvalidRequestError("limit must be a positive integer")
+        found = {i.execution_id: i for i in self.manager.local_infos(owner)}
+        if self.store is not None:
+            try:
+                remote = await self.store.session_executions(
+                    session_key(owner.principal, owner.session_id)
+                )
+            except Exception as exc:  # store down: local executions are still an answer
+                logger.warning("list_executions without the shared store: {}", exc)
+                remote = []
+            for info in remote:
+                if info.execution_id in found:
+                    continue
+                if (info.principal, info.session_id) != (owner.principal, owner.session_id):
+                    continue
+                with contextlib.suppress(Exception):
+                    info = await self._check_alive(info)
+                found[info.execution_id] = info
+        out = [i for i in found.values() if wanted is None or i.status == wanted]
+        out.sort(key=lambda i: i.created_at, reverse=True)
+        return out[: min(limit, 1000)]
+
+
+_router: Router | None = None
+
+
+def get_router() -> Router:
+    """The process's Router (created in the ASGI lifespan)."""
+    if _router is None:
+        raise SandboxRuntimeError("the router is not running")
+    return _router
+
+
+def set_router(router: Router | None) -> None:
+    global _router
+    _router = router

@@ -1,0 +1,130 @@
+"""The cluster secret's proofs: HMAC signatures on replica-to-replica calls and control messages.
+
+A proof binds the message to its target replica, a time and a nonce. A verifier refuses a
+proof that is not for it, older (or newer) than MAX_SKEW_SECONDS, or already seen: a copy of
+a message taken from Redis or the network does nothing the second time, nor anywhere else.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import time
+from typing import Any
+
+MAX_SKEW_SECONDS = 30.0  # clocks of replicas agree to well within this (NTP)
+MAX_REMEMBERED_NONCES = 200_000  # a verifier refuses rather than forget one still in its window
+SIGNATURE_FIELD = "signature"
+
+
+class SignatureError(Exception):
+    """A message without a valid, fresh, first-seen proof."""
+
+
+def key_id(secret: bytes) -> str:
+    """A short public fingerprint of the secret: replicas compare it to spot a mismatch."""
+    return hmac.new(secret, b"sandbox-runtime cluster key id", hashlib.sha256).hexdigest()[:16]
+
+
+class ClusterSigner:
+    """Signs and verifies with the cluster secret; remembers the nonces it has accepted."""
+
+    def __init__(self, secret: str, replica_id: str) -> None:
+        if len(secret) < 16:
+            raise ValueError("the cluster secret must be at least 16 characters")
+        self._key = secret.encode("utf-8", "surrogatepass")
+        self.replica_id = replica_id
+        self.key_id = key_id(self._key)
+        self._seen: dict[str, float] = {}
+
+    # -- generic ------------------------------------------------------------------------------
+
+    def _mac(self, *parts: str | bytes) -> str:
+        mac = hmac.new(self._key, digestmod=hashlib.sha256)
+        for part in parts:
+            data = part.encode("utf-8", "surrogatepass") if isinstance(part, str) else part
+            mac.update(len(data).to_bytes(8, "big"))  # length-prefixed: no ambiguous joins
+            mac.update(data)
+        return mac.hexdigest()
+
+    def _check_fresh(self, issued_at: float, nonce: str, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if not abs(now - issued_at) <= MAX_SKEW_SECONDS:
+            raise SignatureError("stale or future-dated proof")
+        if not 16 <= len(nonce) <= 64:
+            raise SignatureError("bad nonce")
+        if nonce in self._seen:
+            raise SignatureError("replayed proof")
+
+    def _remember(self, nonce: str, issued_at: float, now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        if len(self._seen) >= MAX_REMEMBERED_NONCES:
+            for old, expires in list(self._seen.items()):
+                if expires < now:
+                    del self._seen[old]
+            if len(self._seen) >= MAX_REMEMBERED_NONCES:
+                raise SignatureError("too many proofs in flight; refusing rather than forgetting")
+        self._seen[nonce] = issued_at + 2 * MAX_SKEW_SECONDS
+
+    # -- HTTP calls between replicas ------------------------------------------------------------
+
+    def sign_call(self, target: str, path: str, body: bytes) -> str:
+        """The signature header value for a POST of `body` to `path` on replica `target`."""
+        issued_at = time.time()
+        nonce = secrets.token_hex(16)
+        digest = hashlib.sha256(body).hexdigest()
+        mac = self._mac("call-v1", target, path, f"{issued_at:.6f}", nonce, digest)
+        return f"v1,{issued_at:.6f},{nonce},{mac}"
+
+    def verify_call(self, header: str | None, path: str, body: bytes) -> None:
+        """Raises SignatureError unless `header` proves the call was signed for this replica."""
+        if not header:
+            raise SignatureError("unsigned call")
+        try:
+            version, issued, nonce, mac = header.split(",")
+            issued_at = float(issued)
+        except ValueError:
+            raise SignatureError("malformed signature") from None
+        if version != "v1":
+            raise SignatureError("unknown signature version")
+        self._check_fresh(issued_at, nonce)
+        digest = hashlib.sha256(body).hexdigest()
+        expected = self._mac("call-v1", self.replica_id, path, issued, nonce, digest)
+        if not hmac.compare_digest(expected, mac):
+            raise SignatureError("bad signature")
+        self._remember(nonce, issued_at)
+
+    # -- control messages through Redis -----------------------------------------------------
+
+    def sign_message(self, target: str, message: dict[str, Any]) -> dict[str, Any]:
+        """`message` with a proof for replica `target` (fields `issued_at`, `nonce` and
+        `signature` are set here)."""
+        signed = {**message, "issued_at": time.time(), "nonce": secrets.token_hex(16)}
+        signed.pop(SIGNATURE_FIELD, None)
+        signed[SIGNATURE_FIELD] = self._mac("msg-v1", target, _canonical(signed))
+        return signed
+
+    def verify_message(self, message: dict[str, Any], target: str | None = None) -> None:
+        """Raises SignatureError unless `message` carries a fresh, first-seen proof for `target`
+        (default: this replica)."""
+        if not isinstance(message, dict):
+            raise SignatureError("not a message")
+        mac = message.get(SIGNATURE_FIELD)
+        issued_at = message.get("issued_at")
+        nonce = message.get("nonce")
+        if not isinstance(mac, str) or not isinstance(nonce, str):
+            raise SignatureError("unsigned message")
+        if isinstance(issued_at, bool) or not isinstance(issued_at, int | float):
+            raise SignatureError("unsigned message")
+        self._check_fresh(float(issued_at), nonce)
+        body = {k: v for k, v in message.items() if k != SIGNATURE_FIELD}
+        expected = self._mac("msg-v1", target or self.replica_id, _canonical(body))
+        if not hmac.compare_digest(expected, mac):
+            raise SignatureError("bad signature")
+        self._remember(nonce, float(issued_at))
+
+
+def _canonical(message: dict[str, Any]) -> str:
+    return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
