@@ -77,7 +77,7 @@ class Settings(BaseSettings):
         "address) and port.",
     )
     max_sessions_per_principal: int = Field(
-        1000,
+        10_000,
         ge=1,
         description="Live sessions per token principal, across every replica.",
     )

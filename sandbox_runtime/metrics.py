@@ -133,6 +133,11 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.forwarded_serving = Gauge(
+            "srt_forwarded_calls_serving",
+            "Forwarded calls this replica is running now as the session's home.",
+            registry=r,
+        )
         self.forwarded_served = Counter(
             "srt_forwarded_calls_served_total",
             "Forwarded calls this replica ran as the session's home, by op.",

@@ -12,9 +12,11 @@ from sandbox_runtime.state.keys import session_key
 class SessionReset(BaseModel):
     """Told to the caller whose operation found the session's state gone and started afresh."""
 
-    reason: Literal["home_lost", "home_stopped"] = Field(
+    reason: Literal["home_lost", "home_stopped", "workspace_removed"] = Field(
         description="home_lost: the home replica stopped heart-beating (crashed, cut off); "
-        "home_stopped: it was shut down and released its sessions."
+        "home_stopped: it was shut down and released its sessions; workspace_removed: the "
+        "home kept the session but not its workspace (idle past the retention period, or "
+        "the replica restarted without its state directory)."
     )
     previous_replica: str = Field(description="The replica that held the session's state.")
 

@@ -11,9 +11,9 @@ from sandbox_runtime.sessions.models import SessionRecord
 from sandbox_runtime.sessions.store import ClaimOutcome, Lookup
 from sandbox_runtime.state.keys import Keys
 
-# KEYS: record, principal's sessions. ARGV: me, now, ttl, heartbeat key prefix, session key.
-# The active home refreshes the record in the same round trip; anyone else gets the home's
-# heartbeat with it (nil: the home is not alive).
+# KEYS: record, principal's sessions, this replica's sessions. ARGV: me, now, ttl, heartbeat
+# key prefix, session key. The active home refreshes the record (and the sets that find it)
+# in the same round trip; anyone else gets the home's heartbeat with it (nil: not alive).
 LOOKUP_SCRIPT = """
 local f = redis.call('HMGET', KEYS[1], 'home', 'state')
 if not f[1] then return false end
@@ -22,6 +22,8 @@ if f[1] == ARGV[1] and f[2] == 'active' then
   redis.call('EXPIRE', KEYS[1], ARGV[3])
   redis.call('ZADD', KEYS[2], tonumber(ARGV[2]) + tonumber(ARGV[3]), ARGV[5])
   redis.call('EXPIRE', KEYS[2], ARGV[3])
+  redis.call('SADD', KEYS[3], ARGV[5])
+  redis.call('EXPIRE', KEYS[3], ARGV[3])
   return {redis.call('HGETALL', KEYS[1]), 1, false}
 end
 return {redis.call('HGETALL', KEYS[1]), 0, redis.call('GET', ARGV[4] .. f[1])}
@@ -94,7 +96,11 @@ class RedisSessionStore:
     async def lookup(self, key: str, replica_id: str, now: float, ttl: int) -> Lookup:
         principal = key.partition(":")[0]
         reply = await self._lookup(
-            keys=[self.keys.session_home(key), self.keys.principal_sessions(principal)],
+            keys=[
+                self.keys.session_home(key),
+                self.keys.principal_sessions(principal),
+                self.keys.replica_sessions(replica_id),
+            ],
             args=[replica_id, repr(now), ttl, self.keys.replica(""), key],
         )
         if not reply:

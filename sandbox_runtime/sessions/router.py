@@ -192,7 +192,13 @@ class Router:
             record = found.record
             if found.touched and record is not None:
                 self._remember(key, record.home)
-                return Placement(True, self.replica_id)
+                if self._ensure_workspace(owner):
+                    return Placement(True, self.replica_id)
+                # The session is homed here but its workspace is gone: removed after the
+                # retention period, or this replica came back without its state directory.
+                self.metrics.sessions.labels("workspace_removed").inc()
+                reset = SessionReset(reason="workspace_removed", previous_replica=record.home)
+                return Placement(True, self.replica_id, reset=reset)
             if record is None:
                 placement = await self._claim(owner, None)
             elif record.state == "released":
@@ -259,12 +265,14 @@ class Router:
         if outcome != "claimed":
             return None
         if previous is None:
+            self._ensure_workspace(owner)
             self.metrics.sessions.labels("created").inc()
             return Placement(True, self.replica_id)
         # A fresh workspace: whatever this replica kept from an earlier stay is stale.
         workspace = self.manager.backend.config.workspace_root / workspace_name(owner)
         if workspace.exists():
             await asyncio.to_thread(self.manager.backend.remove_workspace, workspace)
+        self._ensure_workspace(owner)
         self.metrics.sessions.labels(reason).inc()
         logger.warning(
             "session re-homed here from replica {} ({})", previous.home, reason.replace("_", " ")
@@ -274,6 +282,17 @@ class Router:
             self.replica_id,
             reset=SessionReset(reason=reason, previous_replica=previous.home),  # type: ignore[arg-type]
         )
+
+    def _ensure_workspace(self, owner: Owner) -> bool:
+        """Whether the owner's workspace was already there (it is now, if it can be)."""
+        backend = self.manager.backend
+        name = workspace_name(owner)
+        if (backend.config.workspace_root / name).is_dir():
+            return True
+        if backend.unavailable_reason is None:
+            with contextlib.suppress(SandboxRuntimeError, OSError):  # the execution says why
+                backend.create_workspace(name)
+        return False
 
     # -- session-bound operations ------------------------------------------------------------
 
@@ -378,7 +397,11 @@ class Router:
         if not found.touched:
             raise HomeMovedError(f"replica {self.replica_id} is not this session's home")
         self.metrics.forwarded_served.labels(op).inc()
-        return await OPERATIONS[op](self.manager, owner, args, progress)
+        self.metrics.forwarded_serving.inc()
+        try:
+            return await OPERATIONS[op](self.manager, owner, args, progress)
+        finally:
+            self.metrics.forwarded_serving.dec()
 
     # -- per-principal running limit ---------------------------------------------------------
 

@@ -1,0 +1,472 @@
+"""Sessions across replicas: one home per session, every replica answers for it.
+
+Real parts: redis-server, three replica processes with a state directory each (as on three
+machines), nginx with the shipped config, the official MCP client in both protocol eras.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx2
+import pytest
+from mcp_harness import (
+    CLUSTER_SECRET,
+    Conn,
+    Mode,
+    error_text,
+    eventually,
+    open_client,
+    processes_with,
+    run_server_once,
+    running_server,
+)
+from topology_harness import TOKEN, Topology, running_topology
+
+from sandbox_runtime.sessions.signing import ClusterSigner
+
+pytestmark = pytest.mark.e2e
+
+OTHER_TOKEN = "other-principal-token-1234"
+
+
+@pytest.fixture
+def topology(tmp_path: Path) -> Iterator[Topology]:
+    with running_topology(
+        tmp_path,
+        SANDBOX_MAX_CONCURRENT="64",
+        SANDBOX_AUTH_TOKENS=f"other:{OTHER_TOKEN}",
+    ) as topology:
+        yield topology
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def stdout_of(result: dict[str, Any]) -> str:
+    return "".join(e.get("data", "") for e in result["events"] if e["type"] == "stdout")
+
+
+async def all_output(conn: Conn, execution_id: str, session: str) -> str:
+    text, cursor = "", 0
+    while True:
+        page = await conn.ok(
+            "get_execution_output", execution_id=execution_id, after=cursor, session=session
+        )
+        text += "".join(e.get("data", "") for e in page["events"] if e["type"] == "stdout")
+        cursor = page["next_cursor"]
+        if not page["has_more"]:
+            return text
+
+
+def cluster_address(topology: Topology, rid: str) -> str:
+    beat = json.loads(topology.redis.cli_raw("get", f"replica:{rid}"))
+    return str(beat["cluster_address"])
+
+
+async def test_fifty_sessions_at_once_each_read_back_their_file_through_nginx(
+    topology: Topology,
+) -> None:
+    """Both eras, both ways of naming the session; each call on a connection of its own, so
+    nginx sends the two calls of a session wherever it likes."""
+
+    async def one(i: int) -> tuple[str, str, str, str]:
+        session = unique(f"fifty{i}")
+        mode: Mode = "auto" if i % 2 else "legacy"
+        by_path = (i // 2) % 2 == 1
+        url = topology.session_url(session) if by_path else topology.nginx.url
+        named: dict[str, str] = {} if by_path else {"session": session}
+        token = uuid.uuid4().hex
+        async with open_client(url, TOKEN, mode) as conn:
+            wrote = await conn.ok(
+                "execute_code", command=f"echo {token} > /workspace/f.txt", **named
+            )
+        async with open_client(url, TOKEN, mode) as conn:
+            read = await conn.ok("execute_code", command="cat /workspace/f.txt", **named)
+        assert wrote["exit_code"] == 0 and read["exit_code"] == 0, (wrote, read)
+        assert wrote.get("session_reset") is None and read.get("session_reset") is None
+        assert stdout_of(read) == f"{token}\n", (session, read)
+        return (
+            session,
+            topology.replica_of(wrote["execution_id"]),
+            topology.replica_of(read["execution_id"]),
+            str(topology.home_of("default", session)),
+        )
+
+    results = await asyncio.gather(*(one(i) for i in range(50)))
+    for session, first, second, home in results:
+        assert first == second == home, (session, first, second, home)
+    homes = {home for _, _, _, home in results}
+    assert len(homes) > 1, "every session got the same home: nothing was spread"
+    forwarded = sum(topology.metric(r, "srt_forwarded_calls_total") for r in topology.replicas)
+    assert forwarded > 0, "no call was forwarded: the test did not cross replicas"
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_forwarded_execute_code_streams_progress_while_it_waits(
+    topology: Topology, mode: Mode
+) -> None:
+    home, other = list(topology.replicas)[:2]
+    session = unique("progress")
+    async with open_client(topology.replicas[home].url, TOKEN, mode) as on_home:
+        await on_home.ok("execute_code", command="true", session=session)
+    assert topology.home_of("default", session) == home
+    arrivals: list[tuple[float, str]] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        arrivals.append((time.monotonic(), message or ""))
+
+    async with open_client(topology.replicas[other].url, TOKEN, mode) as on_other:
+        result = await on_other.call(
+            "execute_code",
+            progress=on_progress,
+            command="for i in 1 2 3 4 5; do echo tick$i; sleep 0.4; done",
+            session=session,
+        )
+        returned = time.monotonic()
+    assert not result.is_error, error_text(result)
+    assert result.structured_content is not None
+    assert topology.replica_of(result.structured_content["execution_id"]) == home
+    streamed = "".join(message for _, message in arrivals)
+    assert "tick1" in streamed and "tick4" in streamed, arrivals
+    first = next(at for at, message in arrivals if "tick1" in message)
+    assert returned - first > 1.0, "the output reached the caller only at the end"
+    assert topology.metric(other, "srt_forwarded_calls_total") >= 1
+
+
+async def test_caller_that_gives_up_ends_the_forwarded_wait_not_the_execution(
+    topology: Topology,
+) -> None:
+    home, other = list(topology.replicas)[:2]
+    session = unique("giveup")
+    marker = unique("marker")
+    async with open_client(topology.replicas[home].url, TOKEN, "auto") as on_home:
+        await on_home.ok("execute_code", command="true", session=session)
+    async with open_client(topology.replicas[other].url, TOKEN, "auto") as on_other:
+        with anyio.move_on_after(2):
+            await on_other.call(
+                "execute_code", command=f"sh -c 'sleep 60; :' {marker}", session=session
+            )
+
+    async def serving_nothing() -> bool:
+        return topology.metric(home, "srt_forwarded_calls_serving") == 0
+
+    await eventually(serving_nothing, 10, "the home to stop serving the abandoned call")
+    assert processes_with(marker), "the execution itself should run on"
+    async with open_client(topology.replicas[home].url, TOKEN, "auto") as on_home:
+        running = await on_home.ok("list_executions", status="running", session=session)
+        assert running["count"] == 1
+        await on_home.ok(
+            "cancel_execution",
+            execution_id=running["executions"][0]["execution_id"],
+            session=session,
+        )
+    assert not processes_with(marker)
+
+
+async def test_killed_home_rehomes_the_session_with_session_reset_and_old_runs_read_lost(
+    topology: Topology,
+) -> None:
+    session = unique("doomed")
+    home = next(iter(topology.replicas))
+    async with open_client(topology.replicas[home].url, TOKEN, "auto") as on_home:
+        await on_home.ok(
+            "execute_code", command="echo precious > /workspace/keep.txt", session=session
+        )
+        started = await on_home.ok(
+            "execute_code_async",
+            command="for i in $(seq 1 30); do echo row$i; done; sleep 1000",
+            session=session,
+        )
+    execution_id = started["execution_id"]
+
+    def mirrored() -> bool:
+        raw = topology.redis.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
+        return raw.count("row") >= 30
+
+    await eventually(mirrored, 10, "output mirrored")
+    topology.replicas[home].kill()
+
+    async with open_client(topology.nginx.url, TOKEN, "auto") as conn:
+
+        async def rehomed() -> dict[str, Any] | None:
+            result = await conn.call(
+                "execute_code", command="cat /workspace/keep.txt; echo fresh", session=session
+            )
+            if result.is_error:  # the home is gone but its heartbeat has not expired yet
+                assert "does not answer" in error_text(result), error_text(result)
+                return None
+            assert result.structured_content is not None
+            return dict(result.structured_content)
+
+        result = await eventually(rehomed, 20, "the session to be re-homed", interval=0.5)
+        assert result["session_reset"] == {"reason": "home_lost", "previous_replica": home}
+        assert stdout_of(result) == "fresh\n", "a re-homed session starts with a fresh workspace"
+        new_home = topology.home_of("default", session)
+        assert new_home not in (None, home)
+        assert topology.replica_of(result["execution_id"]) == new_home
+        again = await conn.ok("execute_code", command="echo once more", session=session)
+        assert again.get("session_reset") is None
+        listed = await conn.ok("list_executions", session=session)
+        statuses = {e["execution_id"]: e["status"] for e in listed["executions"]}
+        assert statuses[execution_id] == "lost"
+        assert len(statuses) == 4
+        assert await all_output(conn, execution_id, session) == "".join(
+            f"row{i}\n" for i in range(1, 31)
+        )
+
+
+async def test_sigterm_of_the_home_rehomes_its_sessions_at_once(tmp_path: Path) -> None:
+    # Heartbeats outlive the whole test: only the release on SIGTERM can move the session.
+    with running_topology(tmp_path, SANDBOX_HEARTBEAT_TTL="120") as topology:
+        session = unique("term")
+        home = next(iter(topology.replicas))
+        url = topology.session_url(session)
+        async with open_client(
+            topology.replicas[home].url.replace("/mcp", f"/s/{session}/mcp"), TOKEN, "legacy"
+        ) as on_home:
+            await on_home.ok("execute_code", command="echo x > /workspace/x")
+        assert topology.home_of("default", session) == home
+        topology.replicas[home].stop()
+        assert (
+            topology.redis.cli_raw("hget", f"session:default:s:{session}:home", "state").strip()
+            == "released"
+        )
+        async with open_client(url, TOKEN, "auto") as conn:
+            result = await conn.ok("execute_code", command="ls /workspace")
+        assert result["session_reset"] == {"reason": "home_stopped", "previous_replica": home}
+        assert stdout_of(result) == ""
+        assert topology.home_of("default", session) not in (None, home)
+
+
+async def test_forged_or_replayed_control_messages_in_redis_do_nothing(topology: Topology) -> None:
+    home = next(iter(topology.replicas))
+    session = unique("forge")
+    async with open_client(topology.replicas[home].url, TOKEN, "auto") as conn:
+        started = await conn.ok(
+            "execute_code_async", command="cat", interactive=True, session=session
+        )
+        execution_id = started["execution_id"]
+        base = {
+            "execution_id": execution_id,
+            "principal": "default",
+            "session_id": f"s:{session}",
+            "from_replica": "intruder",
+            "to_replica": home,
+            "deadline": time.time() + 30,
+        }
+        unsigned = {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex}
+        forged = ClusterSigner("a-different-secret-0123456789", "intruder").sign_message(
+            home, {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex}
+        )
+        elsewhere = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
+            "another-replica",
+            {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex},
+        )
+        stale = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
+            home, {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex}
+        )
+        stale["issued_at"] -= 600  # no longer matches its signature either way: refused
+        genuine = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
+            home,
+            {
+                **base,
+                "op": "stdin",
+                "data": "once\n",
+                "close": False,
+                "request_id": uuid.uuid4().hex,
+            },
+        )
+        queue = f"replica:{home}:control"
+        for message in (unsigned, forged, elsewhere, stale, genuine, genuine):
+            topology.redis.cli("rpush", queue, json.dumps(message))
+
+        async def refused_all() -> bool:
+            return topology.metric(home, "srt_control_refused_total") >= 5
+
+        await eventually(refused_all, 10, "five messages refused")
+        await eventually(
+            lambda: topology.redis.cli_raw("llen", queue).strip() == "0", 10, "queue drained"
+        )
+        status = await conn.ok("get_execution_status", execution_id=execution_id, session=session)
+        assert status["status"] == "running", "a forged cancel was acted on"
+        await conn.ok(
+            "send_stdin",
+            execution_id=execution_id,
+            input_data="end\n",
+            close_stdin=True,
+            session=session,
+        )
+        page = await conn.ok(
+            "get_execution_output",
+            execution_id=execution_id,
+            wait=True,
+            wait_seconds=5,
+            session=session,
+        )
+        text = await all_output(conn, execution_id, session)
+        assert text == "once\nend\n", f"the replayed stdin was acted on twice: {text!r} {page}"
+
+
+async def test_per_principal_limits_hold_across_sessions_and_replicas(tmp_path: Path) -> None:
+    with running_topology(
+        tmp_path,
+        SANDBOX_MAX_SESSIONS_PER_PRINCIPAL="3",
+        SANDBOX_MAX_RUNNING_PER_PRINCIPAL="2",
+        SANDBOX_AUTH_TOKENS=f"other:{OTHER_TOKEN}",
+    ) as topology:
+        a, b, c = (topology.replicas[r].url for r in topology.replicas)
+        tag = uuid.uuid4().hex[:6]
+        async with (
+            open_client(a, TOKEN, "auto") as on_a,
+            open_client(b, TOKEN, "legacy") as on_b,
+            open_client(c, TOKEN, "auto") as on_c,
+            open_client(c, OTHER_TOKEN, "auto") as other_on_c,
+        ):
+            first = await on_a.ok("execute_code_async", command="sleep 1000", session=f"l1{tag}")
+            await on_b.ok("execute_code_async", command="sleep 1000", session=f"l2{tag}")
+            refused = await on_c.error("execute_code", command="true", session=f"l3{tag}")
+            assert "maximum of 2 executions across all its sessions" in refused
+            assert (await other_on_c.ok("execute_code", command="true", session="x"))[
+                "exit_code"
+            ] == 0
+            await on_c.ok(
+                "cancel_execution", execution_id=first["execution_id"], session=f"l1{tag}"
+            )
+            assert (await on_c.ok("execute_code", command="true", session=f"l3{tag}"))[
+                "exit_code"
+            ] == 0
+            too_many = await on_b.error("execute_code", command="true", session=f"l4{tag}")
+            assert "maximum of 3 live sessions" in too_many
+            # Existing sessions still work, on any replica.
+            assert (await on_a.ok("execute_code", command="true", session=f"l3{tag}"))[
+                "exit_code"
+            ] == 0
+
+
+async def test_cluster_listener_is_unreachable_through_nginx_and_refuses_unsigned_calls(
+    topology: Topology,
+) -> None:
+    rid = next(iter(topology.replicas))
+    address = cluster_address(topology, rid)
+    nginx = f"http://127.0.0.1:{topology.nginx.port}"
+    public = topology.replicas[rid].base_url
+    async with httpx2.AsyncClient(timeout=5) as http:
+        for base in (nginx, public):
+            for path in ("/cluster/v1/call", "/s/x/../../cluster/v1/call", "/CLUSTER/v1/call"):
+                response = await http.post(f"{base}{path}", content=b"{}")
+                assert response.status_code == 404, (base, path, response.status_code)
+        body = json.dumps(
+            {
+                "op": "execute",
+                "principal": "default",
+                "session_id": "s:x",
+                "args": {"request": {"command": "id"}, "wait": True},
+            }
+        ).encode()
+        unsigned = await http.post(f"http://{address}/cluster/v1/call", content=body)
+        assert unsigned.status_code == 403
+        wrong = ClusterSigner("a-different-secret-0123456789", "x").sign_call(
+            rid, "/cluster/v1/call", body
+        )
+        forged = await http.post(
+            f"http://{address}/cluster/v1/call",
+            content=body,
+            headers={"x-srt-cluster-signature": wrong},
+        )
+        assert forged.status_code == 403
+        good = ClusterSigner(CLUSTER_SECRET, "x").sign_call(rid, "/cluster/v1/call", body)
+        first = await http.post(
+            f"http://{address}/cluster/v1/call",
+            content=body,
+            headers={"x-srt-cluster-signature": good},
+        )
+        assert first.status_code == 200
+        replayed = await http.post(
+            f"http://{address}/cluster/v1/call",
+            content=body,
+            headers={"x-srt-cluster-signature": good},
+        )
+        assert replayed.status_code == 403
+        mcp_on_cluster_port = await http.post(f"http://{address}/mcp", content=b"{}")
+        assert mcp_on_cluster_port.status_code == 404
+
+
+async def test_session_in_the_url_binds_the_endpoint_and_a_disagreeing_argument_is_an_error(
+    topology: Topology,
+) -> None:
+    session = unique("bound")
+    async with open_client(topology.session_url(session), TOKEN, "auto") as conn:
+        await conn.ok("execute_code", command="echo hi > /workspace/hi")
+        same = await conn.ok("execute_code", command="cat /workspace/hi", session=session)
+        assert stdout_of(same) == "hi\n"
+        message = await conn.error("execute_code", command="true", session="another")
+        assert "bound to session" in message
+        listed = await conn.ok("list_executions")
+        assert listed["count"] == 2
+    async with httpx2.AsyncClient(timeout=5) as http:
+        bad = await http.post(
+            f"{topology.replicas[next(iter(topology.replicas))].base_url}/s/bad%20name/mcp",
+            content=b"{}",
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        )
+        assert bad.status_code == 404
+
+
+async def test_replica_without_the_secret_or_with_another_refuses_to_join(
+    topology: Topology, tmp_path: Path
+) -> None:
+    redis_url = topology.redis.url
+    (tmp_path / "nosecret").mkdir()
+    (tmp_path / "othersecret").mkdir()
+    code, stderr = run_server_once(
+        tmp_path / "nosecret", REDIS_URL=redis_url, SANDBOX_AUTH_TOKEN=TOKEN
+    )
+    assert code != 0 and "SANDBOX_CLUSTER_SECRET is not set" in stderr, stderr
+    code, stderr = run_server_once(
+        tmp_path / "othersecret",
+        REDIS_URL=redis_url,
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_CLUSTER_SECRET="a-different-secret-0123456789",
+    )
+    assert code != 0 and "different SANDBOX_CLUSTER_SECRET" in stderr, stderr
+    assert CLUSTER_SECRET not in stderr
+    for server in topology.replicas.values():
+        assert CLUSTER_SECRET not in server.stderr_text()
+
+
+async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_principals(
+    tmp_path: Path,
+) -> None:
+    with running_server(
+        tmp_path, SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_MAX_RUNNING_PER_PRINCIPAL="1"
+    ) as server:
+        replica_id = server.health()["replica_id"]
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            await conn.ok("execute_code", command="echo a > /workspace/a", session="ws")
+            (workspace,) = [
+                p for p in (server.state_dir / "workspaces").iterdir() if (p / "a").exists()
+            ]
+            shutil.rmtree(workspace)  # as the retention sweep does to an idle one
+            again = await conn.ok("execute_code", command="ls -A /workspace", session="ws")
+            assert again["session_reset"] == {
+                "reason": "workspace_removed",
+                "previous_replica": replica_id,
+            }
+            assert stdout_of(again) == ""
+            third = await conn.ok("execute_code", command="true", session="ws")
+            assert third.get("session_reset") is None
+            started = await conn.ok("execute_code_async", command="sleep 100", session="s1")
+            refused = await conn.error("execute_code", command="true", session="s2")
+            assert "maximum of 1 executions across all its sessions" in refused
+            await conn.ok("cancel_execution", execution_id=started["execution_id"], session="s1")
+            assert (await conn.ok("execute_code", command="true", session="s2"))["exit_code"] == 0
