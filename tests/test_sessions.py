@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,7 +30,8 @@ from mcp_harness import (
     run_server_once,
     running_server,
 )
-from topology_harness import TOKEN, Topology, running_topology
+from redis_harness import RedisServer
+from topology_harness import TOKEN, Topology, replica_server, running_topology
 
 from sandbox_runtime.sessions.signing import ClusterSigner
 
@@ -272,10 +274,21 @@ async def test_forged_or_replayed_control_messages_in_redis_do_nothing(topology:
             "another-replica",
             {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex},
         )
-        stale = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
-            home, {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex}
-        )
-        stale["issued_at"] -= 600  # no longer matches its signature either way: refused
+        real_time = time.time
+        time.time = lambda: real_time() - 600  # type: ignore[assignment]  # signed long ago
+        try:
+            stale = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
+                home,
+                {
+                    **base,
+                    "op": "cancel",
+                    "force": True,
+                    "request_id": uuid.uuid4().hex,
+                    "deadline": real_time() + 30,
+                },
+            )
+        finally:
+            time.time = real_time  # type: ignore[method-assign]
         genuine = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
             home,
             {
@@ -422,7 +435,7 @@ async def test_session_in_the_url_binds_the_endpoint_and_a_disagreeing_argument_
         assert bad.status_code == 404
 
 
-async def test_replica_without_the_secret_or_with_another_refuses_to_join(
+async def test_a_replica_without_the_secret_refuses_to_join_one_with_another_is_degraded(
     topology: Topology, tmp_path: Path
 ) -> None:
     redis_url = topology.redis.url
@@ -432,16 +445,23 @@ async def test_replica_without_the_secret_or_with_another_refuses_to_join(
         tmp_path / "nosecret", REDIS_URL=redis_url, SANDBOX_AUTH_TOKEN=TOKEN
     )
     assert code != 0 and "SANDBOX_CLUSTER_SECRET is not set" in stderr, stderr
-    code, stderr = run_server_once(
-        tmp_path / "othersecret",
-        REDIS_URL=redis_url,
-        SANDBOX_AUTH_TOKEN=TOKEN,
-        SANDBOX_CLUSTER_SECRET="a-different-secret-0123456789",
-    )
-    assert code != 0 and "different SANDBOX_CLUSTER_SECRET" in stderr, stderr
     assert CLUSTER_SECRET not in stderr
-    for server in topology.replicas.values():
+    # Another secret: it runs (one stray heartbeat must not stop every start) but says what is
+    # wrong, and so do the others about it.
+    odd = replica_server(tmp_path, topology.redis, "odd", SANDBOX_CLUSTER_SECRET="b" * 20).start()
+    try:
+        health = odd.health()
+        assert health["status"] == "degraded"
+        assert "different SANDBOX_CLUSTER_SECRET" in health["cluster"]
+        some = topology.replicas[next(iter(topology.replicas))]
+        await eventually(
+            lambda: "odd" in some.health()["cluster"], 15, "the others to notice", interval=0.5
+        )
+    finally:
+        odd.stop()
+    for server in [*topology.replicas.values(), odd]:
         assert CLUSTER_SECRET not in server.stderr_text()
+        assert "b" * 20 not in server.stderr_text()
 
 
 async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_principals(
@@ -470,3 +490,116 @@ async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_
             assert "maximum of 1 executions across all its sessions" in refused
             await conn.ok("cancel_execution", execution_id=started["execution_id"], session="s1")
             assert (await conn.ok("execute_code", command="true", session="s2"))["exit_code"] == 0
+
+
+async def test_a_reset_is_told_even_when_the_first_call_after_it_fails(topology: Topology) -> None:
+    session = unique("owed")
+    first, second = list(topology.replicas)[:2]
+    async with open_client(topology.replicas[first].url, TOKEN, "auto") as on_first:
+        await on_first.ok("execute_code", command="echo x > /workspace/x", session=session)
+    topology.replicas[first].stop()
+    async with open_client(topology.replicas[second].url, TOKEN, "auto") as conn:
+        refused = await conn.error("execute_code", command="", session=session)
+        assert "must not be empty" in refused
+        told = await conn.ok("execute_code", command="ls -A /workspace", session=session)
+        assert told["session_reset"] == {"reason": "home_stopped", "previous_replica": first}
+        assert stdout_of(told) == ""
+        again = await conn.ok("execute_code", command="true", session=session)
+        assert again.get("session_reset") is None
+
+
+async def test_a_forwarded_call_reports_a_workspace_the_home_lost(topology: Topology) -> None:
+    session = unique("lostws")
+    home, other = list(topology.replicas)[:2]
+    async with open_client(topology.replicas[home].url, TOKEN, "auto") as on_home:
+        await on_home.ok("execute_code", command="echo keep > /workspace/keep", session=session)
+    workspaces = topology.replicas[home].state_dir / "workspaces"
+    (workspace,) = [p for p in workspaces.iterdir() if (p / "keep").exists()]
+    shutil.rmtree(workspace)  # as the retention sweep does
+    async with open_client(topology.replicas[other].url, TOKEN, "auto") as on_other:
+        result = await on_other.ok("execute_code", command="ls -A /workspace", session=session)
+    assert result["session_reset"] == {"reason": "workspace_removed", "previous_replica": home}
+    assert topology.replica_of(result["execution_id"]) == home
+
+
+async def test_a_frozen_home_gives_a_clear_error_not_a_hang(topology: Topology) -> None:
+    session = unique("frozen")
+    home, other = list(topology.replicas)[:2]
+    async with open_client(topology.replicas[home].url, TOKEN, "auto") as on_home:
+        await on_home.ok("execute_code", command="true", session=session)
+    frozen = topology.replicas[home]
+    assert frozen.proc is not None
+    frozen.proc.send_signal(signal.SIGSTOP)
+    try:
+        async with open_client(topology.replicas[other].url, TOKEN, "auto") as conn:
+            started = time.monotonic()
+            with anyio.fail_after(40):
+                result = await conn.call("execute_code_async", command="true", session=session)
+            assert result.is_error
+            assert "replica" in error_text(result), error_text(result)
+            assert time.monotonic() - started < 35
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+
+
+async def test_the_cluster_listener_reads_no_body_without_a_valid_signature_header(
+    topology: Topology,
+) -> None:
+    rid = next(iter(topology.replicas))
+    host, port = cluster_address(topology, rid).rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        # 100 MB announced, nothing sent: refused at once, without waiting for the body.
+        writer.write(
+            b"POST /cluster/v1/call HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n"
+        )
+        await writer.drain()
+        with anyio.fail_after(5):
+            status = await reader.readline()
+        assert b" 403 " in status, status
+    finally:
+        writer.close()
+    for raw_path in (b"/cluster/v1/../v1/call", b"//cluster/v1/call"):
+        reader, writer = await asyncio.open_connection("127.0.0.1", topology.nginx.port)
+        try:
+            writer.write(
+                b"POST " + raw_path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+            )
+            await writer.drain()
+            with anyio.fail_after(5):
+                status = await reader.readline()
+            assert b" 404 " in status, (raw_path, status)
+        finally:
+            writer.close()
+
+
+async def test_session_endpoints_through_nginx_reach_their_home_without_forwarding(
+    topology: Topology,
+) -> None:
+    before = sum(topology.metric(r, "srt_forwarded_calls_total") for r in topology.replicas)
+    sessions = [unique("hashed") for _ in range(10)]
+    for session in sessions:
+        async with open_client(topology.session_url(session), TOKEN, "auto") as conn:
+            for _ in range(3):
+                await conn.ok("execute_code", command="true")
+    after = sum(topology.metric(r, "srt_forwarded_calls_total") for r in topology.replicas)
+    assert after == before, "nginx's hash sent a session's calls to several replicas"
+    homes = {topology.home_of("default", s) for s in sessions}
+    assert len(homes) > 1, "every session hashed to one replica"
+
+
+async def test_one_replica_with_redis_down_still_runs_new_sessions(tmp_path: Path) -> None:
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    server = replica_server(tmp_path, redis, "alone").start()
+    try:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            await conn.ok("execute_code", command="true", session="known")
+            redis.stop()
+            fresh = await conn.ok("execute_code", command="echo up", session="brand-new")
+            assert stdout_of(fresh) == "up\n"
+            known = await conn.ok("execute_code", command="true", session="known")
+            assert known["exit_code"] == 0
+    finally:
+        server.stop()
+        redis.stop()

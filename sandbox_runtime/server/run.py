@@ -51,13 +51,27 @@ async def serve(settings: Settings) -> int:
     sockets: list[socket.socket] | None = None
     cluster_port: int | None = None
     cluster_address = ""
-    if settings.redis_url:  # several replicas may share it: listen for their calls too
+    if settings.redis_url and settings.cluster_secret is not None:
+        # Several replicas share the store: listen for their forwarded calls too.
+        cluster_host, port = settings.cluster_bind()
         try:
             public = bind(settings.host, settings.port)
-            cluster_host, port = settings.cluster_bind()
+        except OSError as exc:
+            logger.error(
+                "cannot listen on {}:{} (SANDBOX_PORT): {}", settings.host, settings.port, exc
+            )
+            return 1
+        try:
             cluster = bind(cluster_host, port)
         except OSError as exc:
-            logger.error("cannot listen: {}", exc)
+            public.close()
+            logger.error(
+                "cannot listen on {}:{} for other replicas (SANDBOX_CLUSTER_HOST / "
+                "SANDBOX_CLUSTER_PORT, default the public port + 1): {}",
+                cluster_host,
+                port,
+                exc,
+            )
             return 1
         sockets = [public, cluster]
         cluster_port = cluster.getsockname()[1]

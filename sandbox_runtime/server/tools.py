@@ -24,7 +24,7 @@ from sandbox_runtime.sessions.models import SessionReset
 from sandbox_runtime.sessions.operations import Progress, result_fields
 from sandbox_runtime.sessions.router import get_router
 
-SESSION_RE = re.compile(r"^[A-Za-z0-9._:@-]{1,128}$")
+SESSION_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._:@-]{1,128}$")  # not "." or "..": path-like
 DEFAULT_SESSION = "default"
 ANONYMOUS = "anonymous"
 # Replies stay far below the official MCP client's 1 MiB limit per SSE event (a reply carries
@@ -118,7 +118,9 @@ def _owner_of(ctx: Context, session: str | None) -> Owner:
     principal = token.client_id if token is not None else ANONYMOUS
     if session is not None:
         if not isinstance(session, str) or not SESSION_RE.match(session):
-            raise ToolError("session must be 1-128 characters of letters, digits and ._:@-")
+            raise ToolError(
+                "session must be 1-128 characters of letters, digits and ._:@- (not only dots)"
+            )
     transport_session: str | None = None
     with contextlib.suppress(RuntimeError):
         request = get_http_request()

@@ -3,9 +3,13 @@
 A forwarded call is one signed POST to `/cluster/v1/call` on the home's cluster address
 (never the public port, so nothing of it is reachable through nginx). The home answers with
 newline-delimited JSON as the operation runs: `{"progress": [seq, text]}` lines while it
-waits, then one `{"result": ...}`, `{"error": ...}` or `{"not_home": ...}`. A caller that
-goes away closes the connection, and the home stops waiting for it (the execution itself
-runs on, as it does for a local caller that disconnects).
+waits, an empty line every KEEPALIVE_SECONDS (so a caller notices a home that froze), then
+one answer, `{"result": ...}`, `{"error": ...}` or `{"not_home": ...}`, with a proof made
+with the call's nonce (`answer_mac`: a replica that redirected the call through a forged
+Redis record cannot forge the answer). A caller that goes away closes the connection, and
+the home stops waiting for it (the execution itself runs on, as it does for a local caller
+that disconnects). The listener checks a call's signature header before it reads the body,
+and reads the body against a deadline.
 """
 
 from __future__ import annotations
@@ -23,12 +27,16 @@ from starlette.types import Message, Receive, Scope, Send
 from sandbox_runtime.errors import OwnerUnavailableError, SandboxRuntimeError
 from sandbox_runtime.sessions.control import raise_error_reply
 from sandbox_runtime.sessions.operations import Progress
-from sandbox_runtime.sessions.signing import ClusterSigner, SignatureError
+from sandbox_runtime.sessions.signing import ClusterSigner, SignatureError, nonce_of
 
 CALL_PATH = "/cluster/v1/call"
 SIGNATURE_HEADER = "x-srt-cluster-signature"
 MAX_CALL_BYTES = 16 * 1024 * 1024  # a forwarded call carries one tool call's arguments
 CONNECT_TIMEOUT = 2.0
+BODY_TIMEOUT = 10.0
+KEEPALIVE_SECONDS = 5.0
+READ_TIMEOUT = 3 * KEEPALIVE_SECONDS  # a home silent this long is taken for frozen
+POOL_TIMEOUT = 10.0
 WAIT_SLACK_SECONDS = 30.0  # past the operation's own deadline, for the home to answer
 
 
@@ -50,6 +58,10 @@ class HomeUnreachableError(OwnerUnavailableError):
     """The home replica's cluster address refused or timed out before taking the call."""
 
 
+class HomeFrozenError(OwnerUnavailableError):
+    """The home took the call, then went silent (frozen, cut off): the outcome is unknown."""
+
+
 class ClusterApp:
     """ASGI app of the cluster listener: signed forwarded calls only, everything else 404."""
 
@@ -62,10 +74,6 @@ class ClusterApp:
         if scope["path"] != CALL_PATH or scope["method"] != "POST":
             await _plain(send, 404, b"not found\n")
             return
-        body = await _read_body(receive, MAX_CALL_BYTES)
-        if body is None:
-            await _plain(send, 413, b"too large\n")
-            return
         try:
             served = self.served()
         except SandboxRuntimeError:  # starting or stopping
@@ -74,12 +82,28 @@ class ClusterApp:
         if served.signer is None:
             await _plain(send, 403, b"no cluster secret configured\n")
             return
-        header = None
-        for key, value in scope["headers"]:
-            if key == SIGNATURE_HEADER.encode():
-                header = value.decode("latin-1")
+        headers = dict(scope["headers"])
+        header = headers.get(SIGNATURE_HEADER.encode(), b"").decode("latin-1") or None
         try:
-            served.signer.verify_call(header, CALL_PATH, body)
+            length = int(headers.get(b"content-length", b"-1"))
+            served.signer.check_call_header(header)  # before reading anything more
+        except (SignatureError, ValueError) as exc:
+            logger.warning("cluster call refused: {}", exc)
+            await _plain(send, 403, b"forbidden\n")
+            return
+        if not 0 <= length <= MAX_CALL_BYTES:
+            await _plain(send, 413, b"a Content-Length up to 16 MiB is required\n")
+            return
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT):
+                body = await _read_body(receive, length)
+        except TimeoutError:
+            body = None
+        if body is None:
+            await _plain(send, 400, b"incomplete body\n")
+            return
+        try:
+            nonce = served.signer.verify_call(header, CALL_PATH, body)
             call = json.loads(body)
             if not isinstance(call, dict):
                 raise ValueError("not an object")
@@ -112,7 +136,11 @@ class ClusterApp:
             except Exception as exc:  # the boundary of a forwarded call: answer, log once
                 logger.exception("forwarded call failed")
                 reply = {"error": {"error": "SandboxRuntimeError", "message": str(exc)}}
-            lines.put_nowait(_line(reply))
+            answer = json.dumps(reply, ensure_ascii=False).encode()
+            mac = served.signer.sign_answer(nonce, answer) if served.signer else ""
+            lines.put_nowait(
+                json.dumps({"answer": answer.decode(), "answer_mac": mac}).encode() + b"\n"
+            )
             lines.put_nowait(None)
 
         async def watch_disconnect() -> None:
@@ -124,7 +152,15 @@ class ClusterApp:
         try:
             while True:
                 getter = asyncio.ensure_future(lines.get())
-                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(
+                    {getter, watcher},
+                    timeout=KEEPALIVE_SECONDS,
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                if not done:  # still working: tell the caller we are alive
+                    getter.cancel()
+                    await send({"type": "http.response.body", "body": b"\n", "more_body": True})
+                    continue
                 if getter not in done:  # the caller went away: stop serving it
                     getter.cancel()
                     break
@@ -146,7 +182,9 @@ class ChannelClient:
         self.signer = signer
         self.http = httpx2.AsyncClient(
             trust_env=False,  # never through a proxy from the environment
-            timeout=httpx2.Timeout(None, connect=CONNECT_TIMEOUT),
+            timeout=httpx2.Timeout(
+                READ_TIMEOUT, connect=CONNECT_TIMEOUT, write=BODY_TIMEOUT, pool=POOL_TIMEOUT
+            ),
             limits=httpx2.Limits(max_connections=256, max_keepalive_connections=32),
         )
 
@@ -168,10 +206,8 @@ class ChannelClient:
         home answered with.
         """
         body = json.dumps({**call, "progress": progress is not None}).encode()
-        headers = {
-            SIGNATURE_HEADER: self.signer.sign_call(target, CALL_PATH, body),
-            "content-type": "application/json",
-        }
+        signature = self.signer.sign_call(target, CALL_PATH, body)
+        headers = {SIGNATURE_HEADER: signature, "content-type": "application/json"}
         url = f"http://{address}{CALL_PATH}"
         try:
             async with asyncio.timeout(wait_seconds + WAIT_SLACK_SECONDS):
@@ -184,7 +220,7 @@ class ChannelClient:
                         )
                     async for raw in resp.aiter_lines():
                         if not raw:
-                            continue
+                            continue  # a keepalive
                         message = json.loads(raw)
                         if "progress" in message:
                             if progress is not None:
@@ -192,17 +228,26 @@ class ChannelClient:
                                 with contextlib.suppress(Exception):
                                     await progress(int(seq), str(text))
                             continue
-                        if "result" in message:
-                            return dict(message["result"])
-                        if "not_home" in message:
-                            raise HomeMovedError(str(message["not_home"]))
-                        if "error" in message:
-                            raise_error_reply(message["error"])
+                        return self._answer(target, nonce_of(signature), message)
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise HomeUnreachableError(
                 f"the session's home replica {target} ({address}) does not answer "
                 f"({type(exc).__name__})"
             ) from exc
+        except httpx2.PoolTimeout:
+            raise OwnerUnavailableError(
+                "too many calls are waiting on other replicas right now; retry shortly"
+            ) from None
+        except httpx2.ReadTimeout:
+            raise HomeFrozenError(
+                f"the session's home replica {target} stopped answering mid-call (no sign of "
+                f"life for {READ_TIMEOUT:g} s); the call's outcome is unknown: check "
+                "list_executions"
+            ) from None
+        except (ValueError, TypeError, KeyError) as exc:  # a garbled answer
+            raise OwnerUnavailableError(
+                f"replica {target} answered a forwarded call with something unreadable ({exc})"
+            ) from None
         except httpx2.HTTPError as exc:
             raise OwnerUnavailableError(
                 f"the call to the session's home replica {target} broke off "
@@ -215,25 +260,45 @@ class ChannelClient:
             ) from None
         raise OwnerUnavailableError(f"replica {target} ended a forwarded call without an answer")
 
+    def _answer(self, target: str, nonce: str, message: dict[str, Any]) -> dict[str, Any]:
+        """The result in a home's signed answer, or the error it answered with."""
+        answer = str(message["answer"]).encode()
+        try:
+            self.signer.verify_answer(target, nonce, answer, str(message.get("answer_mac", "")))
+        except SignatureError:
+            raise OwnerUnavailableError(
+                f"the answer from replica {target} carries no valid proof: the session's home "
+                "record may have been tampered with; refusing it"
+            ) from None
+        reply = json.loads(answer)
+        if "result" in reply:
+            return dict(reply["result"])
+        if "not_home" in reply:
+            raise HomeMovedError(str(reply["not_home"]))
+        error = reply.get("error")
+        raise_error_reply(error if isinstance(error, dict) else {})
+        raise AssertionError("unreachable")
 
-def _line(message: dict[str, Any]) -> bytes:
+
+def _line(message: dict[str, Any]) -> bytes:  # progress lines (unsigned: output only)
     return json.dumps(message, ensure_ascii=False).encode() + b"\n"
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
+async def _read_body(receive: Receive, length: int) -> bytes | None:
+    """Exactly `length` bytes of body (None: more, fewer, or the client left)."""
     chunks: list[bytes] = []
     size = 0
     while True:
         message: Message = await receive()
         if message["type"] == "http.disconnect":
-            return b""
+            return None
         chunk = message.get("body", b"")
         size += len(chunk)
-        if size > limit:
+        if size > length:
             return None
         chunks.append(chunk)
         if not message.get("more_body"):
-            return b"".join(chunks)
+            return b"".join(chunks) if size == length else None
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:

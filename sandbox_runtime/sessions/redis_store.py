@@ -161,7 +161,8 @@ class RedisSessionStore:
         async with self.redis.pipeline(transaction=False) as pipe:
             for principal, execution_id in running:
                 key = self.keys.principal_running(principal)
-                pipe.zadd(key, {execution_id: now + lease}, xx=True)
+                # Not XX: an execution that started while Redis was away is counted now.
+                pipe.zadd(key, {execution_id: now + lease})
                 pipe.expire(key, int(lease) + 60)
             await pipe.execute()
 

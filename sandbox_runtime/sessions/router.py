@@ -49,6 +49,9 @@ from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
 from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
 
 REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
+# A session's record lives twice the retention period past its last use: it outlives the
+# workspace (removed after one period of disuse), so a call after that learns of the loss.
+RECORD_LIFE_FACTOR = 2
 PLACEMENT_ATTEMPTS = 4  # lookups per operation (a home may move or stop meanwhile)
 RENEW_INTERVAL_SECONDS = 5.0
 
@@ -93,6 +96,10 @@ class Router:
         self.cluster_address = ""  # set once the cluster listener is bound
         self._renewer: asyncio.Task[None] | None = None
         self.cluster_problem: str | None = None
+        self._record_ttl = settings.retention_seconds * RECORD_LIFE_FACTOR
+        self._owed: dict[str, SessionReset] = {}  # resets not yet told to a caller
+        self._peers_seen = False  # another replica's heartbeat was seen (with a store)
+        self._background: set[asyncio.Task[None]] = set()
         self._last_placement: dict[str, str] = {}  # session key -> home, for a Redis outage
         manager.admission = self._admit
         manager.on_finished.append(self._release_running)
@@ -107,6 +114,8 @@ class Router:
         self._renewer = asyncio.get_running_loop().create_task(self._renew_forever())
 
     async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
         if self._renewer is not None:
             self._renewer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -129,6 +138,7 @@ class Router:
         except Exception:  # the store is down: health reports that already
             return self.cluster_problem
         peers.pop(self.replica_id, None)
+        self._peers_seen = self._peers_seen or bool(peers)
         mine = self.signer.key_id if self.signer is not None else None
         problem = None
         if peers and self.signer is None:
@@ -150,7 +160,9 @@ class Router:
             elif self.cluster_problem:
                 logger.info("cluster: the secret now agrees with every replica")
         self.cluster_problem = problem
-        if problem and starting:
+        if problem and starting and self.signer is None:
+            # Without a secret this replica could never reach their sessions. (A secret that
+            # differs is reported, not fatal: one stray heartbeat must not stop every start.)
             raise SandboxRuntimeError(f"refusing to start: {problem}")
         return problem
 
@@ -184,21 +196,13 @@ class Router:
         for _ in range(PLACEMENT_ATTEMPTS):
             now = time.time()
             try:
-                found = await self.sessions.lookup(
-                    key, self.replica_id, now, self.settings.retention_seconds
-                )
+                found = await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
             except Exception as exc:  # the store is down: fall back to the last known home
                 return self._place_without_store(key, exc)
             record = found.record
             if found.touched and record is not None:
                 self._remember(key, record.home)
-                if self._ensure_workspace(owner):
-                    return Placement(True, self.replica_id)
-                # The session is homed here but its workspace is gone: removed after the
-                # retention period, or this replica came back without its state directory.
-                self.metrics.sessions.labels("workspace_removed").inc()
-                reset = SessionReset(reason="workspace_removed", previous_replica=record.home)
-                return Placement(True, self.replica_id, reset=reset)
+                return Placement(True, self.replica_id, reset=self._check_workspace(owner))
             if record is None:
                 placement = await self._claim(owner, None)
             elif record.state == "released":
@@ -224,8 +228,21 @@ class Router:
             self._last_placement.clear()
         self._last_placement[key] = home
 
+    def _check_workspace(self, owner: Owner) -> SessionReset | None:
+        """For a session homed here: a reset if its workspace is gone (removed after the
+        retention period, or this replica came back without its state directory)."""
+        if self._ensure_workspace(owner):
+            return None
+        self.metrics.sessions.labels("workspace_removed").inc()
+        return SessionReset(reason="workspace_removed", previous_replica=self.replica_id)
+
     def _place_without_store(self, key: str, exc: Exception) -> Placement:
-        if self._last_placement.get(key) == self.replica_id:
+        # Without the store, this replica still serves the sessions it last saw homed here,
+        # and, when it has never seen another replica, every session (one replica: there is
+        # no other home it could have).
+        if self._last_placement.get(key) == self.replica_id or (
+            not self._peers_seen and key not in self._last_placement
+        ):
             return Placement(True, self.replica_id)
         raise OwnerUnavailableError(
             f"the shared store is unavailable ({type(exc).__name__}) and this session's home "
@@ -248,13 +265,18 @@ class Router:
             last_used_at=now,
             generation=previous.generation + 1 if previous else 1,
         )
-        outcome = await self.sessions.claim(
-            record,
-            previous.generation if previous else None,
-            self.settings.max_sessions_per_principal,
-            self.settings.retention_seconds,
-            previous.home if previous else None,
-        )
+        try:
+            outcome = await self.sessions.claim(
+                record,
+                previous.generation if previous else None,
+                self.settings.max_sessions_per_principal,
+                self._record_ttl,
+                previous.home if previous else None,
+            )
+        except Exception as exc:  # the store failed between lookup and claim
+            raise OwnerUnavailableError(
+                f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
+            ) from exc
         if outcome == "session_limit":
             self.metrics.rejections.labels("principal_sessions").inc()
             raise LimitExceededError(
@@ -271,7 +293,8 @@ class Router:
         # A fresh workspace: whatever this replica kept from an earlier stay is stale.
         workspace = self.manager.backend.config.workspace_root / workspace_name(owner)
         if workspace.exists():
-            await asyncio.to_thread(self.manager.backend.remove_workspace, workspace)
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self.manager.backend.remove_workspace, workspace)
         self._ensure_workspace(owner)
         self.metrics.sessions.labels(reason).inc()
         logger.warning(
@@ -302,15 +325,13 @@ class Router:
         """Run operation `op` on the session's home; its result (with `session_reset` when
         the session started afresh). Raises the operation's domain errors and
         OwnerUnavailableError."""
-        operation = OPERATIONS[op]
+        if op not in OPERATIONS:
+            raise InvalidRequestError(f"unknown operation {op!r}")
         last_error: Exception | None = None
         for _ in range(PLACEMENT_ATTEMPTS):
             placement = await self.place(owner)
             if placement.local:
-                result = await operation(self.manager, owner, args, progress)
-                if placement.reset is not None:
-                    result["session_reset"] = placement.reset.model_dump()
-                return result
+                return await self._run_here(owner, op, args, progress, placement.reset)
             assert self.channel is not None  # a remote home implies a secret (see place)
             call = {
                 "op": op,
@@ -343,6 +364,30 @@ class Router:
             f"could not reach this session's home replica ({last_error}); retry shortly"
         )
 
+    async def _run_here(
+        self,
+        owner: Owner,
+        op: str,
+        args: dict[str, Any],
+        progress: Progress | None,
+        reset: SessionReset | None,
+    ) -> dict[str, Any]:
+        """Run an operation of a session homed here. A reset is owed to the caller until an
+        operation succeeds: one that fails first (a bad argument, a full limit) must not
+        swallow the news that the session started afresh."""
+        key = session_key(owner.principal, owner.session_id)
+        if reset is not None:
+            self._owed[key] = reset
+            if len(self._owed) > 100_000:
+                self._owed.pop(next(iter(self._owed)))
+        result = await OPERATIONS[op](self.manager, owner, args, progress)
+        owed = self._owed.pop(key, None)
+        if owed is not None:
+            result["session_reset"] = owed.model_dump()
+            if "state_reset" in result:  # the interpreter was lost with the session
+                result["state_reset"] = {"reason": "rehomed"}
+        return result
+
     def _wait_bound(self, args: dict[str, Any]) -> float:
         request = args.get("request") or {}
         timeout = request.get("timeout_seconds") if isinstance(request, dict) else None
@@ -357,7 +402,7 @@ class Router:
                 session_key(owner.principal, owner.session_id),
                 self.replica_id,
                 time.time(),
-                self.settings.retention_seconds,
+                self._record_ttl,
             )
             record = found.record
             return (
@@ -392,14 +437,15 @@ class Router:
             session_key(principal, session_id),
             self.replica_id,
             time.time(),
-            self.settings.retention_seconds,
+            self._record_ttl,
         )
         if not found.touched:
             raise HomeMovedError(f"replica {self.replica_id} is not this session's home")
         self.metrics.forwarded_served.labels(op).inc()
         self.metrics.forwarded_serving.inc()
         try:
-            return await OPERATIONS[op](self.manager, owner, args, progress)
+            reset = self._check_workspace(owner)
+            return await self._run_here(owner, op, args, progress, reset)
         finally:
             self.metrics.forwarded_serving.dec()
 
@@ -429,14 +475,21 @@ class Router:
                     execution.owner.principal, execution.execution_id
                 )
 
-        asyncio.get_running_loop().create_task(release())
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _renew_forever(self) -> None:
         while True:
             await asyncio.sleep(RENEW_INTERVAL_SECONDS)
-            running = [(e.owner.principal, e.execution_id) for e in self.manager.running()]
+            executions = self.manager.running()
+            running = [(e.owner.principal, e.execution_id) for e in executions]
+            now = time.time()
             with contextlib.suppress(Exception):  # store down: retried at the next interval
-                await self.sessions.renew_running(running, RUNNING_LEASE_SECONDS, time.time())
+                await self.sessions.renew_running(running, RUNNING_LEASE_SECONDS, now)
+                # A session with a running execution is in use: keep its record alive.
+                for key in {session_key(e.owner.principal, e.owner.session_id) for e in executions}:
+                    await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
             await self.check_cluster()
 
     # -- reads and control from any replica --------------------------------------------------

@@ -78,8 +78,10 @@ class ClusterSigner:
         mac = self._mac("call-v1", target, path, f"{issued_at:.6f}", nonce, digest)
         return f"v1,{issued_at:.6f},{nonce},{mac}"
 
-    def verify_call(self, header: str | None, path: str, body: bytes) -> None:
-        """Raises SignatureError unless `header` proves the call was signed for this replica."""
+    def check_call_header(self, header: str | None) -> tuple[str, float, str, str]:
+        """The parts of a call's signature header (issued, issued_at, nonce, mac), if it is
+        well formed, fresh and not seen before: checked before the body is read. Raises
+        SignatureError."""
         if not header:
             raise SignatureError("unsigned call")
         try:
@@ -90,11 +92,29 @@ class ClusterSigner:
         if version != "v1":
             raise SignatureError("unknown signature version")
         self._check_fresh(issued_at, nonce)
+        return issued, issued_at, nonce, mac
+
+    def verify_call(self, header: str | None, path: str, body: bytes) -> str:
+        """The call's nonce, if `header` proves the call was signed for this replica.
+
+        Raises SignatureError.
+        """
+        issued, issued_at, nonce, mac = self.check_call_header(header)
         digest = hashlib.sha256(body).hexdigest()
         expected = self._mac("call-v1", self.replica_id, path, issued, nonce, digest)
         if not hmac.compare_digest(expected, mac):
             raise SignatureError("bad signature")
         self._remember(nonce, issued_at)
+        return nonce
+
+    def sign_answer(self, nonce: str, answer: bytes) -> str:
+        """A proof that this replica sent `answer` to the call with `nonce`."""
+        return self._mac("answer-v1", self.replica_id, nonce, answer)
+
+    def verify_answer(self, home: str, nonce: str, answer: bytes, mac: str) -> None:
+        """Raises SignatureError unless replica `home` sent `answer` to our call `nonce`."""
+        if not hmac.compare_digest(self._mac("answer-v1", home, nonce, answer), mac):
+            raise SignatureError("an answer without a valid proof")
 
     # -- control messages through Redis -----------------------------------------------------
 
@@ -124,6 +144,11 @@ class ClusterSigner:
         if not hmac.compare_digest(expected, mac):
             raise SignatureError("bad signature")
         self._remember(nonce, float(issued_at))
+
+
+def nonce_of(header: str) -> str:
+    """The nonce of a call's signature header (made by sign_call)."""
+    return header.split(",")[2]
 
 
 def _canonical(message: dict[str, Any]) -> str:

@@ -61,7 +61,7 @@ class SessionStore(Protocol):
         """Count a running execution against its principal, if under `limit`."""
 
     async def renew_running(self, running: list[tuple[str, str]], lease: float, now: float) -> None:
-        """Extend the leases of these (principal, execution_id) pairs."""
+        """Extend (or restore) the leases of these running (principal, execution_id) pairs."""
 
     async def release_running(self, principal: str, execution_id: str) -> None: ...
 
@@ -144,9 +144,7 @@ class MemorySessionStore:
 
     async def renew_running(self, running: list[tuple[str, str]], lease: float, now: float) -> None:
         for principal, execution_id in running:
-            held = self._running.get(principal, {})
-            if execution_id in held:
-                held[execution_id] = now + lease
+            self._running.setdefault(principal, {})[execution_id] = now + lease
 
     async def release_running(self, principal: str, execution_id: str) -> None:
         self._running.get(principal, {}).pop(execution_id, None)

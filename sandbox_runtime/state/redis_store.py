@@ -179,7 +179,13 @@ class RedisStore:
 
     async def next_control(self, replica_id: str, wait_seconds: float) -> dict[str, Any] | None:
         got = await self._blocking.blpop([self.keys.control(replica_id)], wait_seconds)
-        return json.loads(got[1]) if got else None
+        if not got:
+            return None
+        try:
+            message = json.loads(got[1])
+        except ValueError:
+            return {"unreadable": True}  # refused by the reader like any unsigned message
+        return message if isinstance(message, dict) else {"unreadable": True}
 
     async def reply_control(self, request_id: str, reply: dict[str, Any]) -> None:
         key = self.keys.reply(request_id)
