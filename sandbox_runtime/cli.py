@@ -42,7 +42,23 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Every flag also reads from the environment (SANDBOX_<NAME>, REDIS_URL) and .env.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("command", nargs="?", choices=["serve", "doctor"], default="serve")
+    parser.add_argument(
+        "command",
+        nargs="?",
+        choices=["serve", "doctor", "runtime"],
+        default="serve",
+        help="serve (default); doctor: check the host; runtime install: build the sandbox "
+        "runtime (Python data stack, Deno, kernels) into SANDBOX_RUNTIME_DIR",
+    )
+    parser.add_argument("action", nargs="?", choices=["install"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--force", action="store_true", help="runtime install: rebuild even if installed"
+    )
+    parser.add_argument(
+        "--if-missing",
+        action="store_true",
+        help="runtime install: do nothing (quietly) when a runtime is installed",
+    )
     parser.add_argument("--host", help="address to listen on (SANDBOX_HOST, default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port (SANDBOX_PORT, default 8080)")
     parser.add_argument(
@@ -114,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_runtime.doctor import run_doctor
 
         return run_doctor(settings)
+    if args.command == "runtime":
+        return _runtime(settings, args)
     setup_logging(settings)
     if not settings.tokens() and not is_loopback(settings.host):
         if not settings.allow_unauthenticated:
@@ -127,6 +145,33 @@ def main(argv: list[str] | None = None) -> int:
     from sandbox_runtime.server.run import serve
 
     return _run(serve(settings))
+
+
+def _runtime(settings: Settings, args: argparse.Namespace) -> int:
+    from sandbox_runtime.interpreters.runtime import (
+        RuntimeInstallError,
+        install_runtime,
+        load_runtime,
+    )
+
+    if args.action != "install":
+        print("usage: srt-mcp-server runtime install [--force] [--if-missing]", file=sys.stderr)
+        return 2
+    path = settings.runtime_path()
+    if args.if_missing and load_runtime(path) is not None:
+        return 0
+    try:
+        runtime = install_runtime(
+            path,
+            requirements=settings.runtime_requirements,
+            force=args.force,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except RuntimeInstallError as exc:
+        print(f"runtime install failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"languages: {', '.join(runtime.languages)}", file=sys.stderr)
+    return 0
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:

@@ -87,6 +87,31 @@ class Settings(BaseSettings):
         description="Executions running at once per token principal, across every replica.",
     )
 
+    runtime_dir: Path | None = Field(
+        None,
+        description="Where the sandbox runtime (Python data stack, Deno, Jupyter kernels) is "
+        "installed; default `<state_dir>/runtime`. Bound read-only at /opt/srt-runtime.",
+    )
+    runtime_requirements: Path | None = Field(
+        None,
+        description="A pip requirements file of extra packages for the runtime (installed by "
+        "`srt-mcp-server runtime install`).",
+    )
+    max_interpreters: int = Field(
+        16, ge=1, le=4096, description="Interpreters running at once on this replica."
+    )
+    max_interpreters_per_principal: int = Field(
+        8, ge=1, le=4096, description="Interpreters running at once per token principal."
+    )
+    interpreter_idle_seconds: float = Field(
+        900, gt=0, description="An interpreter unused this long is stopped (its state lost)."
+    )
+    interpreter_warm: str = Field(
+        "python=1",
+        description="Interpreters started ahead of need, per language: `python=1,bash=0`; "
+        "a new session's first call takes one instead of starting a kernel.",
+    )
+
     heartbeat_ttl: int = Field(
         10,
         ge=2,
@@ -192,6 +217,12 @@ class Settings(BaseSettings):
                 f"SANDBOX_TIMEOUT ({self.timeout}) exceeds SANDBOX_MAX_TIMEOUT ({self.max_timeout})"
             )
         self.tokens()  # parse now so a bad SANDBOX_AUTH_TOKENS fails at start
+        try:
+            warm = self.warm_interpreters()
+        except ValueError:
+            raise ValueError("SANDBOX_INTERPRETER_WARM must look like python=1,bash=0") from None
+        if any(n < 0 or n > 16 for n in warm.values()):
+            raise ValueError("SANDBOX_INTERPRETER_WARM: between 0 and 16 per language")
         secret = self.cluster_secret.get_secret_value() if self.cluster_secret else ""
         if secret and len(secret) < 16:
             raise ValueError("SANDBOX_CLUSTER_SECRET must be at least 16 characters")
@@ -215,6 +246,18 @@ class Settings(BaseSettings):
                 if len(token) < 8:
                     raise ValueError(f"the token of principal {principal!r} is under 8 characters")
                 out[token] = principal
+        return out
+
+    def runtime_path(self) -> Path:
+        return self.runtime_dir or self.state_dir / "runtime"
+
+    def warm_interpreters(self) -> dict[str, int]:
+        """language -> interpreters to keep started ahead."""
+        out: dict[str, int] = {}
+        for item in self.interpreter_warm.split(","):
+            if item.strip():
+                language, _, count = item.strip().partition("=")
+                out[language.strip().lower()] = int(count or 1)
         return out
 
     def cluster_bind(self) -> tuple[str, int]:

@@ -145,6 +145,31 @@ class Metrics:
             registry=r,
         )
 
+        self.interpreters = Gauge(
+            "srt_interpreters",
+            "Interpreters on this replica, by language and state (busy, idle, warm).",
+            ["language", "state"],
+            registry=r,
+        )
+        self.interpreter_events = Counter(
+            "srt_interpreter_events_total",
+            "Interpreter lifecycle events by language: start, restart, crash, reaped, "
+            "warm_hit, warm_miss.",
+            ["language", "event"],
+            registry=r,
+        )
+        self.warm_refill = Histogram(
+            "srt_interpreter_warm_refill_seconds",
+            "Time to start one warm-pool interpreter.",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self._interpreter_gauges: Callable[[], dict[tuple[str, str], float]] | None = None
+
+    def bind_interpreters(self, values: Callable[[], dict[tuple[str, str], float]]) -> None:
+        """Interpreter gauges read at scrape time."""
+        self._interpreter_gauges = values
+
     def bind(
         self,
         running: Callable[[], float],
@@ -157,4 +182,8 @@ class Metrics:
         self.redis_connected.set_function(connected)
 
     def render(self) -> tuple[bytes, str]:
+        if self._interpreter_gauges is not None:
+            self.interpreters.clear()
+            for (language, state), value in self._interpreter_gauges().items():
+                self.interpreters.labels(language, state).set(value)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
-from mcp_harness import traversable_by_others
+from mcp_harness import runtime_dir, traversable_by_others
 from redis_harness import RedisServer
 
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxLimits
@@ -55,6 +55,19 @@ def sandbox_workspace(sandbox_backend: BubblewrapBackend) -> Path:
 
 
 # --- end of sandbox fixtures -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def sandbox_runtime_installed() -> Path:
+    """The runtime (Python data stack, Deno, kernels) every test server binds: built here when
+    scripts/test has not (the first time takes ~25 s and needs the package index)."""
+    from sandbox_runtime.interpreters.runtime import install_runtime, load_runtime
+
+    path = runtime_dir()
+    if load_runtime(path) is None:
+        install_runtime(path)
+    traversable_by_others(path)
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

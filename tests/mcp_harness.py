@@ -46,6 +46,14 @@ def traversable_by_others(path: Path) -> None:
             os.chmod(p, (mode & 0o7777) | 0o001)
 
 
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def runtime_dir() -> Path:
+    """The sandbox runtime the tests' servers use (scripts/test builds it; see conftest)."""
+    return Path(os.environ.get("SRT_TEST_RUNTIME_DIR") or ROOT / ".runtime")
+
+
 def server_env(state_dir: Path, port: int, **settings: str) -> dict[str, str]:
     """The environment for one server: the host's, minus any SANDBOX_*, plus `settings`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SANDBOX_", "FASTMCP_"))}
@@ -58,6 +66,7 @@ def server_env(state_dir: Path, port: int, **settings: str) -> dict[str, str]:
             "SANDBOX_REPLICA_ID": f"e2e-{uuid.uuid4().hex[:10]}",
             "SANDBOX_LOG_LEVEL": "INFO",
             "SANDBOX_CLUSTER_PORT": "0",  # with Redis: a free port of its own for peers' calls
+            "SANDBOX_RUNTIME_DIR": str(runtime_dir()),
             "PYTHONUNBUFFERED": "1",
         }
     )

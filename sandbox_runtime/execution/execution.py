@@ -9,6 +9,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from loguru import logger
 
@@ -33,6 +34,14 @@ LIMIT_MESSAGES = {
 }
 
 
+class CallRunner(Protocol):
+    """What runs an execution that is not a process of its own (an interpreter call)."""
+
+    async def write_stdin(self, data: str, close: bool) -> int: ...
+
+    async def cancel(self, force: bool, grace: float) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Owner:
     """Who an execution belongs to: the token's principal and the session."""
@@ -49,6 +58,7 @@ class Execution:
         self.owner = owner
         self.output_limit = output_limit
         self.process: SandboxProcess | None = None
+        self.runner: CallRunner | None = None
         self.finished = asyncio.Event()
         self.events: deque[OutputEvent] = deque()
         self.first_seq = 1  # oldest seq still held in memory
@@ -130,6 +140,48 @@ class Execution:
         self.info.stdin_open = process.stdin is not None
         self.emit(EventType.READY)
         self._task = asyncio.get_running_loop().create_task(self._run(process))
+
+    def begin_call(self) -> None:
+        """An interpreter call (its `runner` set when it was queued) starts running."""
+        self.info.status = ExecutionStatus.RUNNING
+        self.info.started_at = time.time()
+        self.info.stdin_open = True
+        self.emit(EventType.READY)
+
+    def record_output(self, kind: EventType, text: str) -> None:
+        """Output an interpreter call produced (counted and capped like a process's)."""
+        self._record_output(kind, text, len(text.encode("utf-8", "surrogatepass")))
+
+    def end_call(
+        self,
+        status: ExecutionStatus,
+        exit_code: int | None,
+        reason: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        """An interpreter call ended: record it as a process's end is recorded."""
+        info = self.info
+        info.finished_at = time.time()
+        started = info.started_at or info.created_at
+        info.duration_ms = int((info.finished_at - started) * 1000)
+        info.status, info.exit_code, info.reason, info.error = status, exit_code, reason, error
+        info.stdin_open = False
+        if self._truncated:
+            self.emit(
+                EventType.TRUNCATED,
+                message=f"{info.dropped_bytes} bytes of output were dropped in all",
+                dropped_bytes=info.dropped_bytes,
+            )
+        if status is ExecutionStatus.TIMEOUT:
+            self.emit(EventType.TIMEOUT, message=error or "timed out")
+        elif status is ExecutionStatus.CANCELLED:
+            self.emit(EventType.CANCELLED, message=error or "cancelled")
+        elif error:
+            self.emit(EventType.ERROR, message=error)
+        self.emit(EventType.EXIT, code=exit_code, duration_ms=info.duration_ms)
+        self.runner = None
+        self.finished.set()
+        self._notify()
 
     def fail_to_start(self, message: str) -> None:
         now = time.time()
@@ -258,6 +310,8 @@ class Execution:
 
     async def write_stdin(self, data: str, close: bool) -> int:
         """Write to the process's stdin. Raises ExecutionFinishedError, InvalidRequestError."""
+        if self.runner is not None and not self.status.finished:
+            return await self.runner.write_stdin(data, close)
         if self.status.finished or self.process is None or not self.process.running:
             raise ExecutionFinishedError(f"execution {self.execution_id} has already finished")
         stdin = self.process.stdin
@@ -299,6 +353,10 @@ class Execution:
 
     async def cancel(self, force: bool, grace: float) -> None:
         """Stop the process tree (gracefully unless `force`) and wait until it is gone."""
+        if self.runner is not None and not self.status.finished:
+            await self.runner.cancel(force, grace)
+            await self.finished.wait()
+            return
         process = self.process
         if process is None or self.status.finished:
             return

@@ -91,6 +91,7 @@ class ExecutionManager:
                 bwrap_path=settings.bwrap_path,
                 group_name=f"srt-{settings.replica_id}",
                 cgroup_favordynmods=settings.cgroup_favordynmods,
+                runtime_dir=_installed_runtime(settings.runtime_path()),
             )
         )
         self.replica_id = settings.replica_id
@@ -241,29 +242,7 @@ class ExecutionManager:
                 "(run `srt-mcp-server doctor`)"
             )
 
-        # Take the slot before the first await: no lock is held across the spawn.
-        if len(self._running) + self._reserved >= self.settings.max_concurrent:
-            self.metrics.rejections.labels("global").inc()
-            raise LimitExceededError(
-                f"the server is running its maximum of {self.settings.max_concurrent} "
-                "executions; wait for one to finish or cancel one"
-            )
-        if self._per_owner.get(owner, 0) >= self.settings.max_per_session:
-            self.metrics.rejections.labels("session").inc()
-            raise LimitExceededError(
-                f"this session is running its maximum of {self.settings.max_per_session} "
-                "executions; wait for one to finish or cancel one"
-            )
-        self._reserved += 1
-        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
-        execution_id = uuid.uuid4().hex
-        if self.admission is not None:
-            try:
-                await self.admission(owner, execution_id)
-            except BaseException:
-                self._reserved -= 1
-                self._release_owner(owner)
-                raise
+        execution_id = await self._take_slot(owner)
         info = ExecutionInfo(
             execution_id=execution_id,
             status=ExecutionStatus.PENDING,
@@ -313,6 +292,69 @@ class ExecutionManager:
                 timeout,
             )
         execution.attach(process)
+        asyncio.get_running_loop().create_task(self._release_when_done(execution))
+        return execution
+
+    async def _take_slot(self, owner: Owner) -> str:
+        """Reserve a running slot (this replica's, the owner's, the principal's); a new id.
+
+        The local slots are taken before the first await: no lock is held across a spawn.
+        Raises LimitExceededError.
+        """
+        if len(self._running) + self._reserved >= self.settings.max_concurrent:
+            self.metrics.rejections.labels("global").inc()
+            raise LimitExceededError(
+                f"the server is running its maximum of {self.settings.max_concurrent} "
+                "executions; wait for one to finish or cancel one"
+            )
+        if self._per_owner.get(owner, 0) >= self.settings.max_per_session:
+            self.metrics.rejections.labels("session").inc()
+            raise LimitExceededError(
+                f"this session is running its maximum of {self.settings.max_per_session} "
+                "executions; wait for one to finish or cancel one"
+            )
+        self._reserved += 1
+        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
+        execution_id = uuid.uuid4().hex
+        if self.admission is not None:
+            try:
+                await self.admission(owner, execution_id)
+            except BaseException:
+                self._reserved -= 1
+                self._release_owner(owner)
+                raise
+        return execution_id
+
+    async def register_call(
+        self, owner: Owner, language: str, code: str, timeout_seconds: float | None
+    ) -> Execution:
+        """An interpreter call as an execution: listed, polled, mirrored and cancelled like
+        any; pending until its interpreter takes it (interpreters/manager.py runs it).
+
+        Raises InvalidRequestError, LimitExceededError, SandboxSpawnError (shutting down).
+        """
+        if not self._accepting:
+            raise SandboxSpawnError("the server is shutting down; retry on another replica")
+        timeout = self._timeout(timeout_seconds)
+        execution_id = await self._take_slot(owner)
+        self._reserved -= 1
+        info = ExecutionInfo(
+            execution_id=execution_id,
+            status=ExecutionStatus.PENDING,
+            principal=owner.principal,
+            session_id=owner.session_id,
+            replica_id=self.replica_id,
+            command=code,
+            language=language,
+            timeout_seconds=timeout,
+            limits=self.limits.as_dict(),
+            created_at=time.time(),
+        )
+        execution = Execution(info, owner, self.limits.output_bytes)
+        execution.listeners.extend(self.listeners)
+        self._executions[execution_id] = execution
+        self._running[execution_id] = execution
+        self.metrics.started.inc()
         asyncio.get_running_loop().create_task(self._release_when_done(execution))
         return execution
 
@@ -501,6 +543,13 @@ class ExecutionManager:
                 await self.remove_idle_workspaces()
             except (SandboxRuntimeError, OSError):
                 logger.exception("eviction failed")
+
+
+def _installed_runtime(path: Path) -> Path | None:
+    """The runtime directory if a runtime is installed there (bound into every sandbox)."""
+    from sandbox_runtime.interpreters.runtime import MANIFEST
+
+    return path if (path / MANIFEST).is_file() else None
 
 
 def _release_freed_memory() -> None:

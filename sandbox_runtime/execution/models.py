@@ -32,6 +32,11 @@ class EventType(StrEnum):
     ERROR = "error"
     RESOURCE_LIMIT = "resource_limit"
     TRUNCATED = "truncated"
+    # Interpreter calls (run_code): a rich output (a MIME bundle), an exception the code
+    # raised (`name`, `value`, `traceback`), and a prompt waiting for send_stdin.
+    RESULT = "result"
+    EXCEPTION = "exception"
+    INPUT_REQUEST = "input_request"
 
 
 class OutputEvent(BaseModel):
@@ -50,6 +55,13 @@ class OutputEvent(BaseModel):
     reason: str | None = None
     message: str | None = None
     dropped_bytes: int | None = None
+    bundle: dict[str, Any] | None = None
+    execution_count: int | None = None
+    name: str | None = None
+    value: str | None = None
+    traceback: list[str] | None = None
+    prompt: str | None = None
+    password: bool | None = None
 
     def model_post_init(self, context: Any, /) -> None:
         if not self.event_id:
@@ -72,6 +84,7 @@ class ExecutionInfo(BaseModel):
     session_id: str
     replica_id: str
     command: str | list[str]
+    language: str | None = None  # set for run_code: the code is in `command`
     interactive: bool = False
     working_directory: str = "/workspace"
     timeout_seconds: float
@@ -89,3 +102,4 @@ class ExecutionInfo(BaseModel):
     dropped_bytes: int = 0
     last_seq: int = 0
     stdin_open: bool = False
+    execution_count: int | None = None  # run_code: the interpreter's count for this call

@@ -51,6 +51,11 @@ SECCOMP_FD, STATUS_FD, ARGS_FD = 3, 4, 5
 # gone from the environment before it runs (and CMD never shows in a command line).
 SHELL_SCRIPT = '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
 
+# Where the runtime (a Python environment with a data stack, Deno, Jupyter kernels) appears in
+# every sandbox, read-only, first on PATH; and where an interpreter's sockets live.
+RUNTIME = "/opt/srt-runtime"
+KERNEL_DIR = "/run/srt-kernel"
+
 # What a program inside finds in its environment before the caller's variables.
 BASE_ENV = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -111,6 +116,8 @@ class BackendConfig:
     group_name: str = "srt"
     cgroup_favordynmods: bool = True
     cgroup_pool: int = 32  # idle execution cgroups kept for reuse
+    # A runtime tree (bound read-only at RUNTIME in every sandbox); None: the host's /usr only.
+    runtime_dir: Path | None = None
 
 
 @dataclass
@@ -124,6 +131,12 @@ class SandboxSpec:
     cwd: str = WORKSPACE
     interactive: bool = False
     timeout: float | None = None
+    # A host directory bound read-write at KERNEL_DIR (an interpreter's sockets and its
+    # connection file); None for plain executions.
+    kernel_dir: Path | None = None
+    # AF_INET/AF_INET6 sockets allowed, inside the sandbox's own network namespace (loopback
+    # only, no route out): Jupyter kernels need them. Plain executions: AF_UNIX only.
+    loopback_inet: bool = False
 
 
 def shell_argv(command: str) -> list[str]:
@@ -202,6 +215,7 @@ class BubblewrapBackend:
         self._private_dir: Path | None = None
         self._private_lock: int | None = None  # held while the private dir is in use
         self._seccomp_path: Path | None = None
+        self._seccomp_inet_path: Path | None = None
         self._root_dir: Path | None = None
         self._dev_dir: Path | None = None  # a prebuilt /dev, when the host allows one
         self.dev_problem: str | None = None  # why there is none
@@ -266,6 +280,9 @@ class BubblewrapBackend:
         self._seccomp_path = self._private_dir / "seccomp.bpf"
         self._seccomp_path.write_bytes(program)
         os.chmod(self._seccomp_path, 0o600)
+        self._seccomp_inet_path = self._private_dir / "seccomp-inet.bpf"
+        self._seccomp_inet_path.write_bytes(compile_filter(inet=True))
+        os.chmod(self._seccomp_inet_path, 0o600)
         self._root_dir = self._private_dir / "root"
         _build_root(self._root_dir)
         if os.geteuid() == 0:
@@ -344,6 +361,11 @@ class BubblewrapBackend:
 
     # -- workspaces --------------------------------------------------------------------------
 
+    @property
+    def sandbox_uid(self) -> int:
+        """The host uid sandboxes run as."""
+        return self._uid
+
     def create_workspace(self, name: str) -> Path:
         """A workspace directory owned by the sandbox user (created if missing)."""
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name) or name in (".", ".."):
@@ -385,6 +407,8 @@ class BubblewrapBackend:
             "--ro-bind", str(self._root_dir), "/",
             "--ro-bind", "/usr", "/usr",
         ]  # fmt: skip
+        if self.config.runtime_dir is not None:
+            args += ["--ro-bind", str(self.config.runtime_dir), RUNTIME]
         for top in ROOT_TOPS:
             host = f"/{top}"
             if os.path.isdir(host) and not os.path.islink(host):
@@ -413,10 +437,11 @@ class BubblewrapBackend:
         args += [
             "--size", tmp_size, "--tmpfs", "/tmp",
             "--bind", str(spec.workspace), WORKSPACE,
-            "--chdir", spec.cwd,
-            "--clearenv",
         ]  # fmt: skip
-        for key, value in BASE_ENV.items():
+        if spec.kernel_dir is not None:
+            args += ["--bind", str(spec.kernel_dir), KERNEL_DIR]
+        args += ["--chdir", spec.cwd, "--clearenv"]
+        for key, value in self._base_env().items():
             args += ["--setenv", key, value]
         # The caller's variables act on the command only: bwrap execs nothing else, and the
         # rlimits are in place before the command starts.
@@ -429,6 +454,11 @@ class BubblewrapBackend:
             command = list(spec.argv)
         args += ["--seccomp", str(SECCOMP_FD), "--json-status-fd", str(STATUS_FD)]
         return args, command
+
+    def _base_env(self) -> dict[str, str]:
+        if self.config.runtime_dir is None:
+            return BASE_ENV
+        return {**BASE_ENV, "PATH": f"{RUNTIME}/bin:{BASE_ENV['PATH']}"}
 
     def rlimits(self, limits: SandboxLimits) -> list[tuple[int, int, int]]:
         """(resource, soft, hard) the command runs under; the second layer under the cgroup.
@@ -488,7 +518,9 @@ class BubblewrapBackend:
                 ours.append(r)
                 theirs.append(w)
                 self._give_pipe(w)
-            theirs.append(os.open(self._seccomp_path, os.O_RDONLY | os.O_CLOEXEC))
+            seccomp = self._seccomp_inet_path if spec.loopback_inet else self._seccomp_path
+            assert seccomp is not None
+            theirs.append(os.open(seccomp, os.O_RDONLY | os.O_CLOEXEC))
             status_r, status_w = os.pipe()
             args_r, args_w = os.pipe()
             ours.append(status_r)
@@ -726,8 +758,9 @@ def _build_root(root: Path) -> None:
     for everything mounted on top (mounts on a read-only bind need existing points)."""
     root.mkdir(mode=0o755)
     _build_etc(root / "etc")
-    for point in ("usr", "proc", "dev", "tmp", WORKSPACE.lstrip("/")):
-        (root / point).mkdir(mode=0o755)
+    for point in ("usr", "proc", "dev", "tmp", WORKSPACE.lstrip("/"), RUNTIME.lstrip("/"),
+                  KERNEL_DIR.lstrip("/")):  # fmt: skip
+        (root / point).mkdir(mode=0o755, parents=True)
     for top in ROOT_TOPS:
         host = f"/{top}"
         if os.path.islink(host):

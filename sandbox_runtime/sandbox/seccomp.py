@@ -74,6 +74,10 @@ TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 TIOCSETD = 0x5423  # a line discipline other than the default can autoload a module
 AF_UNIX = 1
+AF_INET = 2
+AF_INET6 = 10
+AF_NETLINK = 16
+NETLINK_ROUTE = 0
 # Namespace flags a clone() may not ask for (unshare by another door).
 CLONE_NS_FLAGS = (
     0x00020000,  # CLONE_NEWNS
@@ -87,8 +91,12 @@ CLONE_NS_FLAGS = (
 
 
 @functools.cache
-def compile_filter(network: bool = False) -> bytes:
-    """The filter as BPF bytes. Raises SandboxUnavailableError if libseccomp is unusable."""
+def compile_filter(network: bool = False, inet: bool = False) -> bytes:
+    """The filter as BPF bytes. Raises SandboxUnavailableError if libseccomp is unusable.
+
+    Without `network`, sockets are AF_UNIX only; with `inet` also AF_INET and AF_INET6, for
+    sandboxes whose own (empty) network namespace must carry loopback TCP (Jupyter kernels).
+    """
     try:
         import pyseccomp as sc
     except (ImportError, OSError) as exc:  # missing module or missing libseccomp.so
@@ -116,8 +124,22 @@ def compile_filter(network: bool = False) -> bytes:
         # clone3 passes its flags in memory the filter cannot read: make libc fall back to clone.
         filt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
         if not network:
-            filt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socket", sc.Arg(0, sc.NE, AF_UNIX))
-            filt.add_rule(sc.ERRNO(errno.EAFNOSUPPORT), "socketpair", sc.Arg(0, sc.NE, AF_UNIX))
+            refuse = sc.ERRNO(errno.EAFNOSUPPORT)
+            if inet:
+                # Every family but AF_UNIX, AF_INET, AF_INET6 and NETLINK_ROUTE (which
+                # getifaddrs uses: libzmq asks it before binding a TCP address; without
+                # CAP_NET_ADMIN, which no sandbox has, it can only read the empty namespace).
+                allowed = {AF_UNIX, AF_INET, AF_INET6, AF_NETLINK}
+                for family in range(AF_NETLINK):
+                    if family not in allowed:
+                        filt.add_rule(refuse, "socket", sc.Arg(0, sc.EQ, family))
+                filt.add_rule(refuse, "socket", sc.Arg(0, sc.GT, AF_NETLINK))
+                filt.add_rule(
+                    refuse, "socket", sc.Arg(0, sc.EQ, AF_NETLINK), sc.Arg(2, sc.NE, NETLINK_ROUTE)
+                )
+            else:
+                filt.add_rule(refuse, "socket", sc.Arg(0, sc.NE, AF_UNIX))
+            filt.add_rule(refuse, "socketpair", sc.Arg(0, sc.NE, AF_UNIX))
         with tempfile.TemporaryFile() as out:
             filt.export_bpf(out)
             out.seek(0)

@@ -22,7 +22,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sandbox_runtime import __version__
 from sandbox_runtime.config import Settings
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
+from sandbox_runtime.interpreters.manager import InterpreterManager, set_interpreters
 from sandbox_runtime.server.auth import PrincipalTokenVerifier
+from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
 from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
@@ -34,7 +36,8 @@ INSTRUCTIONS = (
     "processes and time) with a persistent /workspace per session. execute_code runs and waits; "
     "execute_code_async starts and returns an execution_id to poll with get_execution_output "
     "(cursor: next_cursor), feed with send_stdin (interactive=true) and stop with "
-    "cancel_execution."
+    "cancel_execution. run_code runs Python, JavaScript, TypeScript or bash in a persistent "
+    "interpreter per session (state kept between calls; plots returned as images)."
 )
 
 
@@ -52,6 +55,7 @@ def build_mcp(settings: Settings) -> FastMCP:
         dereference_schemas=False,
     )
     register_tools(mcp)
+    register_interpreter_tools(mcp)
     return mcp
 
 
@@ -113,15 +117,19 @@ def create_app(
             await router.aclose()
             raise
         router.start()
+        interpreters = InterpreterManager(settings, own)
+        interpreters.start()
         set_manager(own)
         set_router(router)
+        set_interpreters(interpreters)
         await _cache_input_schemas(mcp)
         try:
             async with mcp_app.lifespan(app):
                 yield
         finally:
-            await own.shutdown()
+            await own.shutdown()  # stops the interpreters first (a shutdown hook)
             await router.aclose()
+            set_interpreters(None)
             set_router(None)
             set_manager(None)
 

@@ -106,4 +106,101 @@ async def stream_output(execution: Execution, progress: Progress) -> None:
             await progress(after, text)
 
 
-OPERATIONS: dict[str, Operation] = {"execute": execute}
+# What a run_code reply carries of rich outputs (the rest stays readable by polling).
+RICH_REPLY_BYTES = 320 * 1024
+
+
+async def run_code(
+    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """Run code in the owner's interpreter of a language; with `wait`, wait for the end
+    (streaming its output to `progress`) and return its output, rich results and error."""
+    from sandbox_runtime.interpreters.manager import get_interpreters
+
+    execution, reset = await get_interpreters().run(
+        owner,
+        str(args.get("language") or "python"),
+        args.get("code"),  # type: ignore[arg-type]
+        args.get("timeout_seconds"),
+        args.get("environment"),
+    )
+    extra: dict[str, Any] = {"language": execution.info.language}
+    if reset is not None:
+        extra["state_reset"] = {"reason": reset}
+    if not args.get("wait"):
+        return {**result_fields(execution.info, [], 0, False), **extra}
+    forwarder = None
+    if progress is not None:
+        forwarder = asyncio.get_running_loop().create_task(stream_output(execution, progress))
+    try:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(execution.info.timeout_seconds + WAIT_SLACK_SECONDS):
+                await execution.finished.wait()
+    finally:
+        if forwarder is not None:
+            forwarder.cancel()
+    return {**call_result(manager, owner, execution), **extra}
+
+
+def call_result(manager: ExecutionManager, owner: Owner, execution: Execution) -> dict[str, Any]:
+    """A finished interpreter call as a run_code result: events (rich outputs referenced by
+    index), `results` (MIME bundles, bounded), `error`, `execution_count`."""
+    events: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    error = None
+    budget = RICH_REPLY_BYTES
+    size = 0
+    more = False
+    for event in execution.events:
+        wire = event.wire()
+        if event.type == "result":
+            bundle = wire.pop("bundle", {}) or {}
+            cost = sum(len(v) if isinstance(v, str) else 256 for v in bundle.values())
+            if cost > budget:
+                bundle = {
+                    "text/plain": f"[a result of {cost} bytes is not in this reply: read event "
+                    f"{event.seq} with get_execution_output]"
+                }
+            else:
+                budget -= cost
+            wire["index"] = len(results)
+            results.append(bundle)
+        elif event.type == "exception" and error is None:
+            error = {k: wire.get(k) for k in ("name", "value", "traceback")}
+        size += len(str(wire))
+        if size > 256 * 1024:
+            more = True
+            break
+        events.append(wire)
+    info = execution.info
+    next_cursor = events[-1]["seq"] if events else 0
+    return {
+        **result_fields(info, events, next_cursor, more),
+        "results": results,
+        "error": error if error is not None else info.error,
+        "execution_count": info.execution_count,
+    }
+
+
+async def list_languages(
+    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    from sandbox_runtime.interpreters.manager import get_interpreters
+
+    return {"languages": get_interpreters().languages(owner)}
+
+
+async def restart_interpreter(
+    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    from sandbox_runtime.interpreters.manager import get_interpreters
+
+    return await get_interpreters().restart(owner, str(args.get("language") or "python"))
+
+
+OPERATIONS: dict[str, Operation] = {
+    "execute": execute,
+    "run_code": run_code,
+    "list_languages": list_languages,
+    "restart_interpreter": restart_interpreter,
+}

@@ -1,0 +1,1 @@
+"""Code interpreters: persistent Jupyter kernels per session, inside sandboxes (DESIGN §8)."""

@@ -1,0 +1,554 @@
+"""The InterpreterManager: one kernel per (owner, language), its calls, its life and its pool.
+
+Each run_code call is an execution (id, events, status, Redis mirror, cancel) that waits in
+its interpreter's bounded queue, then runs there. A timeout or a cancel interrupts the call
+and keeps the interpreter; one that does not stop within the grace period is killed, and the
+call says its state is lost. Interpreters are bounded per replica and per principal, stopped
+when idle, started ahead of need from a small warm pool, and never outlive the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from sandbox_runtime.config import Settings
+from sandbox_runtime.errors import (
+    InvalidRequestError,
+    LimitExceededError,
+    SandboxRuntimeError,
+    SandboxUnavailableError,
+)
+from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.execution.manager import ExecutionManager, workspace_name
+from sandbox_runtime.execution.models import EventType, ExecutionStatus
+from sandbox_runtime.interpreters.kernel import KernelDiedError, SandboxedKernel
+from sandbox_runtime.interpreters.runtime import KernelSpec, Runtime, load_runtime
+from sandbox_runtime.sandbox import validate_env
+
+MAX_CODE_BYTES = 1024 * 1024
+QUEUE_LIMIT = 16  # calls waiting for one interpreter
+# One MIME value kept in an execution's events. A reply carries it about twice, and the
+# official MCP client refuses a message over 1 MiB: a plot is tens of KB.
+MAX_BUNDLE_BYTES = 256 * 1024
+REAP_INTERVAL = 10.0
+ENDED_REMEMBERED = 10_000
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+Key = tuple[Owner, str]
+
+
+@dataclass
+class Interpreter:
+    """A running kernel of one (owner, language) and its queue."""
+
+    owner: Owner
+    language: str
+    kernel: SandboxedKernel
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting: int = 0
+    busy: bool = False
+    last_used: float = field(default_factory=time.monotonic)
+    calls: int = 0
+
+
+class CallRun:
+    """One run_code call's runner: stdin answers its input requests; cancel interrupts it."""
+
+    def __init__(self, manager: InterpreterManager, execution: Execution) -> None:
+        self.manager = manager
+        self.execution = execution
+        self.interpreter: Interpreter | None = None
+        self.awaiting_input = False
+        self.stop_reason: str | None = None  # "cancelled" / "timeout" once asked to stop
+        self.task: asyncio.Task[None] | None = None
+        self.call: asyncio.Future[Any] | None = None  # the kernel's execute, once it runs
+        self.lost_state = False
+
+    async def write_stdin(self, data: str, close: bool) -> int:
+        if not isinstance(data, str):
+            raise InvalidRequestError("input_data must be a string")
+        if self.interpreter is None or not self.awaiting_input:
+            raise InvalidRequestError(
+                f"execution {self.execution.execution_id} is not waiting for input "
+                "(an input_request event says when it is)"
+            )
+        self.awaiting_input = False
+        self.interpreter.kernel.input_reply(data[:-1] if data.endswith("\n") else data)
+        return len(data.encode("utf-8", "surrogatepass"))
+
+    async def cancel(self, force: bool, grace: float) -> None:
+        await self.manager.stop_call(self, "cancelled", force, grace)
+
+
+class InterpreterManager:
+    """Owns every interpreter of this replica. Create one per process, after the manager."""
+
+    def __init__(self, settings: Settings, manager: ExecutionManager) -> None:
+        self.settings = settings
+        self.manager = manager
+        self.metrics = manager.metrics
+        self.runtime_dir = settings.runtime_path()
+        self.runtime: Runtime | None = load_runtime(self.runtime_dir)
+        self.kernels_root = settings.state_dir / "kernels"
+        self._interpreters: dict[Key, Interpreter] = {}
+        self._starting: dict[Key, asyncio.Task[Interpreter]] = {}
+        self._ended: OrderedDict[Key, str] = OrderedDict()
+        self._warm: dict[str, list[tuple[SandboxedKernel, Path]]] = {}
+        self._refills: set[asyncio.Task[None]] = set()
+        self._reaper: asyncio.Task[None] | None = None
+        self._closed = False
+        manager.before_shutdown.append(self.aclose)
+        self.metrics.bind_interpreters(self._gauges)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        # A previous server's kernel directories (its kernels died with it).
+        shutil.rmtree(self.kernels_root, ignore_errors=True)
+        for path in self.settings.state_dir.glob("workspaces/slot-*"):
+            shutil.rmtree(path, ignore_errors=True)
+        loop = asyncio.get_running_loop()
+        self._reaper = loop.create_task(self._reap_forever())
+        if self.runtime is not None and self.manager.backend.unavailable_reason is None:
+            for language, count in self.settings.warm_interpreters().items():
+                if language in self.runtime.kernels:
+                    for _ in range(count):
+                        self._refill(language)
+
+    async def aclose(self) -> None:
+        """Stop every interpreter (the server is stopping). Idempotent."""
+        self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for task in [*self._refills, *self._starting.values()]:
+            task.cancel()
+        kernels = [i.kernel for i in self._interpreters.values()]
+        kernels += [k for pool in self._warm.values() for k, _ in pool]
+        self._interpreters.clear()
+        self._warm.clear()
+        await asyncio.gather(*(k.stop() for k in kernels), return_exceptions=True)
+
+    def _gauges(self) -> dict[tuple[str, str], float]:
+        out: dict[tuple[str, str], float] = {}
+        for interpreter in self._interpreters.values():
+            state = "busy" if interpreter.busy else "idle"
+            out[(interpreter.language, state)] = out.get((interpreter.language, state), 0) + 1
+        for language, pool in self._warm.items():
+            out[(language, "warm")] = len(pool)
+        return out
+
+    # -- languages ---------------------------------------------------------------------------
+
+    def _spec(self, language: str) -> KernelSpec:
+        if self.runtime is None:
+            self.runtime = load_runtime(self.runtime_dir)  # installed since we started?
+        if self.runtime is None:
+            raise SandboxUnavailableError(
+                f"no runtime is installed at {self.runtime_dir}: run `srt-mcp-server runtime "
+                "install` (./scripts/serve does it on first use)"
+            )
+        if not isinstance(language, str) or language.lower() not in self.runtime.kernels:
+            names = ", ".join(self.runtime.languages)
+            raise InvalidRequestError(f"unknown language {language!r}; one of {names}")
+        return self.runtime.kernels[language.lower()]
+
+    def languages(self, owner: Owner) -> list[dict[str, Any]]:
+        """Every language with its version, packages of note, and whether `owner` has an
+        interpreter running."""
+        runtime = self.runtime or load_runtime(self.runtime_dir)
+        if runtime is None:
+            return []
+        manifest = runtime.manifest
+        out = []
+        for language in runtime.languages:
+            spec = runtime.kernels[language]
+            if spec.kernel == "deno":
+                version, packages = manifest.get("deno"), {}
+            elif language == "python":
+                version, packages = manifest.get("python"), manifest.get("packages", {})
+            else:
+                version, packages = None, {}
+            running = (owner, language) in self._interpreters
+            out.append(
+                {
+                    "language": language,
+                    "version": version,
+                    "kernel": spec.display_name,
+                    "running": running,
+                    "packages": packages,
+                }
+            )
+        return out
+
+    # -- interpreters ------------------------------------------------------------------------
+
+    async def _interpreter(self, owner: Owner, language: str) -> tuple[Interpreter, str | None]:
+        """The owner's interpreter of `language`, started if need be; with why this call did
+        not find the one it expected (None: it did)."""
+        key = (owner, language)
+        current = self._interpreters.get(key)
+        if current is not None and current.kernel.alive:
+            return current, None
+        if current is not None:  # died since its last call
+            self._forget(key, "crashed")
+            self.metrics.interpreter_events.labels(language, "crash").inc()
+        task = self._starting.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._start(owner, language))
+            self._starting[key] = task
+            task.add_done_callback(lambda _: self._starting.pop(key, None))
+        interpreter = await asyncio.shield(task)
+        reason = self._ended.pop(key, "first_call")
+        return interpreter, reason
+
+    def _forget(self, key: Key, reason: str) -> None:
+        interpreter = self._interpreters.pop(key, None)
+        self._ended[key] = reason
+        self._ended.move_to_end(key)
+        while len(self._ended) > ENDED_REMEMBERED:
+            self._ended.popitem(last=False)
+        if interpreter is not None:
+            asyncio.get_running_loop().create_task(interpreter.kernel.stop())
+
+    async def _start(self, owner: Owner, language: str) -> Interpreter:
+        spec = self._spec(language)
+        if self._closed or not self.manager.accepting:
+            raise SandboxRuntimeError("the server is shutting down; retry on another replica")
+        if len(self._interpreters) >= self.settings.max_interpreters:
+            self.metrics.rejections.labels("interpreters").inc()
+            raise LimitExceededError(
+                f"this replica runs its maximum of {self.settings.max_interpreters} "
+                "interpreters; restart_interpreter one you no longer need, or retry later"
+            )
+        mine = sum(1 for (o, _) in self._interpreters if o.principal == owner.principal)
+        if mine >= self.settings.max_interpreters_per_principal:
+            self.metrics.rejections.labels("principal_interpreters").inc()
+            raise LimitExceededError(
+                f"this token runs its maximum of {self.settings.max_interpreters_per_principal} "
+                "interpreters; restart_interpreter one you no longer need"
+            )
+        backend = self.manager.backend
+        workspace = backend.config.workspace_root / workspace_name(owner)
+        kernel = self._adopt_warm(spec, workspace)
+        if kernel is not None:
+            self.metrics.interpreter_events.labels(language, "warm_hit").inc()
+        else:
+            if self.settings.warm_interpreters().get(language):
+                self.metrics.interpreter_events.labels(language, "warm_miss").inc()
+            workspace = backend.create_workspace(workspace_name(owner))
+            kernel = SandboxedKernel(
+                backend, spec, workspace, self.manager.limits, self.kernels_root
+            )
+            await kernel.start()
+        self.metrics.interpreter_events.labels(language, "start").inc()
+        interpreter = Interpreter(owner, language, kernel)
+        self._interpreters[(owner, language)] = interpreter
+        logger.info(
+            "interpreter started language={} warm={}", language, kernel.workspace != workspace
+        )
+        return interpreter
+
+    def _adopt_warm(self, spec: KernelSpec, workspace: Path) -> SandboxedKernel | None:
+        """A pooled kernel, made this owner's by turning its empty slot directory into the
+        owner's workspace: only for a session whose workspace is empty (a new session)."""
+        pool = self._warm.get(spec.language)
+        while pool:
+            kernel, slot = pool.pop()
+            self._refill(spec.language)
+            if not kernel.alive:
+                asyncio.get_running_loop().create_task(kernel.stop())
+                continue
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(workspace)  # only if empty: ENOTEMPTY keeps a used workspace
+                os.rename(slot, workspace)  # the kernel's bind follows the directory
+            except OSError:
+                pool.append((kernel, slot))
+                return None
+            kernel.workspace = workspace
+            return kernel
+        return None
+
+    def _refill(self, language: str) -> None:
+        if self._closed or self.runtime is None:
+            return
+        wanted = self.settings.warm_interpreters().get(language, 0)
+        pool = self._warm.setdefault(language, [])
+        pending = sum(1 for t in self._refills if t.get_name() == language)
+        if len(pool) + pending >= wanted:
+            return
+        task = asyncio.get_running_loop().create_task(self._warm_one(language), name=language)
+        self._refills.add(task)
+        task.add_done_callback(self._refills.discard)
+
+    async def _warm_one(self, language: str) -> None:
+        started = time.monotonic()
+        backend = self.manager.backend
+        slot = backend.create_workspace(f"slot-{secrets.token_hex(8)}")
+        kernel = SandboxedKernel(
+            backend, self._spec(language), slot, self.manager.limits, self.kernels_root
+        )
+        try:
+            await kernel.start()
+        except Exception as exc:  # the pool stays short; calls start kernels themselves
+            logger.warning("could not start a warm {} interpreter: {}", language, exc)
+            shutil.rmtree(slot, ignore_errors=True)
+            return
+        if self._closed:
+            await kernel.stop()
+            return
+        self._warm.setdefault(language, []).append((kernel, slot))
+        self.metrics.warm_refill.observe(time.monotonic() - started)
+
+    async def restart(self, owner: Owner, language: str) -> dict[str, Any]:
+        """Stop the owner's interpreter of `language` and start a fresh one."""
+        self._spec(language)
+        key = (owner, language)
+        interpreter = self._interpreters.get(key)
+        if interpreter is not None:
+            self._forget(key, "restarted")
+            self.metrics.interpreter_events.labels(language, "restart").inc()
+        fresh, _ = await self._interpreter(owner, language)
+        self._ended.pop(key, None)
+        fresh.last_used = time.monotonic()
+        return {"language": language, "restarted": interpreter is not None, "running": True}
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def run(
+        self,
+        owner: Owner,
+        language: str,
+        code: str,
+        timeout_seconds: float | None,
+        environment: dict[str, str] | None,
+    ) -> tuple[Execution, str | None]:
+        """Queue `code` on the owner's interpreter; the execution and the state_reset reason.
+
+        Raises InvalidRequestError, LimitExceededError, SandboxUnavailableError,
+        SandboxSpawnError.
+        """
+        spec = self._spec(language)
+        language = spec.language if language.lower() == spec.language else language.lower()
+        if not isinstance(code, str):
+            raise InvalidRequestError("code must be a string")
+        if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
+            raise InvalidRequestError(f"code is over {MAX_CODE_BYTES} bytes")
+        env = validate_env(environment)
+        interpreter, reset = await self._interpreter(owner, language)
+        if interpreter.waiting >= QUEUE_LIMIT:
+            raise LimitExceededError(
+                f"{QUEUE_LIMIT} calls already wait for this {language} interpreter; wait for "
+                "them or cancel one"
+            )
+        execution = await self.manager.register_call(owner, language, code, timeout_seconds)
+        run = CallRun(self, execution)
+        execution.runner = run
+        interpreter.waiting += 1
+        run.task = asyncio.get_running_loop().create_task(
+            self._run_call(interpreter, run, _env_prelude(spec, env) + code)
+        )
+        return execution, reset
+
+    async def _run_call(self, interpreter: Interpreter, run: CallRun, code: str) -> None:
+        execution = run.execution
+        try:
+            async with interpreter.lock:
+                interpreter.waiting -= 1
+                if run.stop_reason is not None or execution.status.finished:
+                    return  # cancelled while it waited
+                interpreter.busy = True
+                run.interpreter = interpreter
+                execution.begin_call()
+                try:
+                    await self._execute(interpreter, run, code)
+                finally:
+                    interpreter.busy = False
+                    interpreter.last_used = time.monotonic()
+                    interpreter.calls += 1
+        except Exception as exc:  # the root of a call's task: record, never lose the end
+            logger.exception("interpreter call {} failed", execution.execution_id)
+            if not execution.status.finished:
+                execution.end_call(ExecutionStatus.FAILED, None, "error", f"internal error: {exc}")
+
+    async def _execute(self, interpreter: Interpreter, run: CallRun, code: str) -> None:
+        execution = run.execution
+        errors: list[dict[str, Any]] = []
+
+        def on_message(kind: str, content: dict[str, Any]) -> None:
+            if kind == "stream":
+                stream = EventType.STDERR if content.get("name") == "stderr" else EventType.STDOUT
+                execution.record_output(stream, str(content.get("text", "")))
+            elif kind in ("display_data", "execute_result", "update_display_data"):
+                execution.emit(
+                    EventType.RESULT,
+                    bundle=_bounded_bundle(content.get("data") or {}),
+                    execution_count=content.get("execution_count"),
+                )
+            elif kind == "error":
+                error = {
+                    "name": str(content.get("ename", "")),
+                    "value": str(content.get("evalue", "")),
+                    "traceback": [ANSI.sub("", str(t)) for t in content.get("traceback", [])][
+                        -100:
+                    ],
+                }
+                errors.append(error)
+                execution.emit(EventType.EXCEPTION, **error)
+            elif kind == "input_request":
+                run.awaiting_input = True
+                execution.emit(
+                    EventType.INPUT_REQUEST,
+                    prompt=str(content.get("prompt", "")),
+                    password=bool(content.get("password")),
+                )
+
+        call = asyncio.ensure_future(interpreter.kernel.execute(code, on_message))
+        run.call = call
+        timeout = execution.info.timeout_seconds
+        done, _ = await asyncio.wait({call}, timeout=timeout)
+        if not done and run.stop_reason is None:
+            await self.stop_call(run, "timeout", False, self.settings.cancel_grace)
+        try:
+            reply = (await call).content
+        except KernelDiedError as exc:
+            key = (interpreter.owner, interpreter.language)
+            if self._interpreters.get(key) is interpreter:
+                self._forget(key, "killed" if run.lost_state else "crashed")
+                self.metrics.interpreter_events.labels(interpreter.language, "crash").inc()
+            message = (
+                "the interpreter did not stop within the grace period and was killed: its "
+                "state (variables, imports) is lost"
+                if run.lost_state
+                else f"the interpreter died: {exc}; its state is lost"
+            )
+            status = {
+                "timeout": ExecutionStatus.TIMEOUT,
+                "cancelled": ExecutionStatus.CANCELLED,
+            }.get(run.stop_reason or "", ExecutionStatus.FAILED)
+            execution.end_call(status, None, run.stop_reason or "crashed", message)
+            return
+        count = reply.get("execution_count")
+        if isinstance(count, int):
+            execution.info.execution_count = count
+        if run.stop_reason == "timeout":
+            execution.end_call(
+                ExecutionStatus.TIMEOUT,
+                None,
+                "timeout",
+                f"timed out after {execution.info.timeout_seconds:g} seconds and was "
+                "interrupted; the interpreter keeps its state",
+            )
+        elif run.stop_reason == "cancelled":
+            execution.end_call(ExecutionStatus.CANCELLED, None, "cancelled", "interrupted")
+        else:
+            failed = reply.get("status") == "error" or bool(errors)
+            execution.end_call(ExecutionStatus.COMPLETED, 1 if failed else 0)
+
+    async def stop_call(self, run: CallRun, reason: str, force: bool, grace: float) -> None:
+        """Interrupt a call (or drop it from the queue); kill its interpreter if it does not
+        stop within `grace` seconds, or at once with `force`."""
+        if run.stop_reason is not None or run.execution.status.finished:
+            return
+        run.stop_reason = reason
+        interpreter = run.interpreter
+        if interpreter is None:  # still queued: it ends now, and is skipped when its turn comes
+            run.execution.begin_call()
+            status = ExecutionStatus.TIMEOUT if reason == "timeout" else ExecutionStatus.CANCELLED
+            run.execution.end_call(status, None, reason, f"{reason} before it started")
+            return
+        call = run.call
+        if not force and call is not None:
+            interpreter.kernel.interrupt()
+            await asyncio.wait({call}, timeout=grace)
+        if call is None or not call.done():
+            run.lost_state = True
+            await interpreter.kernel.stop()
+
+    # -- idle reaping --------------------------------------------------------------------------
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REAP_INTERVAL)
+            try:
+                self.reap_idle()
+            except Exception:  # the reaper must survive anything one interpreter does
+                logger.exception("interpreter reaping failed")
+
+    def reap_idle(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        idle = self.settings.interpreter_idle_seconds
+        doomed = [
+            key
+            for key, i in self._interpreters.items()
+            if not i.busy and i.waiting == 0 and i.last_used + idle <= now
+        ]
+        for key in doomed:
+            self._forget(key, "idle")
+            self.metrics.interpreter_events.labels(key[1], "reaped").inc()
+        return len(doomed)
+
+
+def _bounded_bundle(data: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for mime, value in data.items():
+        text = value if isinstance(value, str) else _json(value)
+        if len(text) > MAX_BUNDLE_BYTES:
+            out["text/plain"] = (
+                f"[{mime} output of {len(text)} bytes dropped: over {MAX_BUNDLE_BYTES} bytes]"
+            )
+            continue
+        out[str(mime)] = value
+    return out
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value)
+
+
+def _env_prelude(spec: KernelSpec, env: dict[str, str]) -> str:
+    """Code that sets the caller's environment variables in the interpreter first."""
+    if not env:
+        return ""
+    import json
+
+    if spec.language == "python":
+        return f"import os as _srt_os; _srt_os.environ.update({json.dumps(env)}); del _srt_os\n"
+    if spec.language == "bash":
+        return "".join(f"export {k}={_shell_quote(v)}\n" for k, v in env.items())
+    if spec.kernel == "deno":
+        return "".join(f"Deno.env.set({json.dumps(k)}, {json.dumps(v)});\n" for k, v in env.items())
+    raise InvalidRequestError(f"environment is not supported for {spec.language}")
+
+
+def _shell_quote(value: str) -> str:
+    return "'" + value.replace("'", "'\\''") + "'"
+
+
+_interpreters: InterpreterManager | None = None
+
+
+def get_interpreters() -> InterpreterManager:
+    """The process's InterpreterManager (created in the ASGI lifespan)."""
+    if _interpreters is None:
+        raise SandboxRuntimeError("the interpreters are not running")
+    return _interpreters
+
+
+def set_interpreters(interpreters: InterpreterManager | None) -> None:
+    global _interpreters
+    _interpreters = interpreters

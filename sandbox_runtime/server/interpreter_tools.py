@@ -1,0 +1,188 @@
+"""The interpreter tools: run_code (state kept between calls), languages, restarts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastmcp import Context, FastMCP
+from fastmcp.tools.base import ToolResult
+from mcp.types import ImageContent, TextContent
+from pydantic import BaseModel, Field
+
+from sandbox_runtime.server.tools import (
+    EnvironmentArg,
+    ExecutionResult,
+    SessionArg,
+    TimeoutArg,
+    _progress_sink,
+    call,
+    owner_of,
+)
+from sandbox_runtime.sessions.router import get_router
+
+TEXT_PREVIEW_CHARS = 8000
+IMAGE_TYPES = ("image/png", "image/jpeg")
+
+CodeArg = Annotated[str, Field(description="Code to run in the session's interpreter.")]
+LanguageArg = Annotated[
+    str,
+    Field(description="python, javascript, typescript, bash (list_languages has them all)."),
+]
+
+
+class StateReset(BaseModel):
+    reason: str = Field(
+        description="Why this call did not find the interpreter it expected: first_call, "
+        "idle (stopped after SANDBOX_INTERPRETER_IDLE_SECONDS), crashed, killed (did not stop "
+        "when interrupted), restarted, rehomed (the session moved to another replica)."
+    )
+
+
+class CodeError(BaseModel):
+    name: str | None = None
+    value: str | None = None
+    traceback: list[str] | None = None
+
+
+class RunCodeResult(ExecutionResult):
+    language: str | None = None
+    results: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Rich outputs as MIME bundles (text/plain, text/html, image/png, ...).",
+    )
+    error: Any = None  # the execution's error message (str), or the exception raised
+    execution_count: int | None = None
+    state_reset: StateReset | None = None
+
+
+class Language(BaseModel):
+    language: str
+    version: str | None = None
+    kernel: str
+    running: bool = Field(description="An interpreter is running for this session.")
+    packages: dict[str, str] = Field(default_factory=dict)
+
+
+class LanguageList(BaseModel):
+    languages: list[Language]
+
+
+class RestartResult(BaseModel):
+    language: str
+    restarted: bool = Field(description="False: there was no interpreter to restart.")
+    running: bool
+
+
+def _content(result: dict[str, Any]) -> list[Any]:
+    """MCP content for a run_code result: the text output and error, text results, images."""
+    text = "".join(
+        e.get("data", "") for e in result.get("events", []) if e["type"] in ("stdout", "stderr")
+    )
+    blocks: list[Any] = []
+    images: list[Any] = []
+    parts = [text] if text else []
+    for bundle in result.get("results", []):
+        image = next((m for m in IMAGE_TYPES if isinstance(bundle.get(m), str)), None)
+        if image is not None:
+            images.append(ImageContent(type="image", data=bundle[image], mime_type=image))
+            continue
+        for mime in ("text/markdown", "text/plain", "text/html", "application/json"):
+            if mime in bundle:
+                value = bundle[mime]
+                parts.append(value if isinstance(value, str) else str(value))
+                break
+    error = result.get("error")
+    if isinstance(error, dict):
+        parts.append("\n".join(error.get("traceback") or [f"{error['name']}: {error['value']}"]))
+    elif error:
+        parts.append(str(error))
+    if result.get("state_reset"):
+        parts.insert(0, f"[state reset: {result['state_reset']['reason']}]")
+    summary = "\n".join(p for p in parts if p) or f"[{result.get('status')}]"
+    if len(summary) > TEXT_PREVIEW_CHARS:
+        summary = summary[:TEXT_PREVIEW_CHARS] + f"… [{len(summary) - TEXT_PREVIEW_CHARS} more]"
+    blocks.append(TextContent(type="text", text=summary))
+    return blocks + images
+
+
+def _run_result(result: dict[str, Any]) -> ToolResult:
+    structured = RunCodeResult.model_validate(result).model_dump(mode="json")
+    return ToolResult(content=_content(result), structured_content=structured)
+
+
+def register_interpreter_tools(mcp: FastMCP) -> None:
+    """Add run_code, run_code_async, list_languages and restart_interpreter to `mcp`."""
+    schema = RunCodeResult.model_json_schema()
+
+    @mcp.tool(output_schema=schema)
+    async def run_code(
+        ctx: Context,
+        code: CodeArg,
+        language: LanguageArg = "python",
+        timeout_seconds: TimeoutArg = None,
+        wait_for_completion: Annotated[
+            bool, Field(description="Wait for the end (up to the timeout) and return the output.")
+        ] = True,
+        environment: EnvironmentArg = None,
+        session: SessionArg = None,
+    ) -> ToolResult:
+        """Run code in the session's persistent interpreter (variables, imports and the working
+        directory survive between calls, as in a notebook). Plots come back as images."""
+        owner = owner_of(ctx, session)
+        args = {
+            "code": code,
+            "language": language,
+            "timeout_seconds": timeout_seconds,
+            "environment": environment,
+            "wait": wait_for_completion,
+        }
+        progress = _progress_sink(ctx) if wait_for_completion else None
+        result = await call(lambda: get_router().run(owner, "run_code", args, progress), "run_code")
+        return _run_result(result)
+
+    @mcp.tool(output_schema=schema)
+    async def run_code_async(
+        ctx: Context,
+        code: CodeArg,
+        language: LanguageArg = "python",
+        timeout_seconds: TimeoutArg = None,
+        environment: EnvironmentArg = None,
+        session: SessionArg = None,
+    ) -> ToolResult:
+        """Start code in the session's interpreter and return at once with its execution_id
+        (poll it with get_execution_output; answer input() with send_stdin)."""
+        owner = owner_of(ctx, session)
+        args = {
+            "code": code,
+            "language": language,
+            "timeout_seconds": timeout_seconds,
+            "environment": environment,
+            "wait": False,
+        }
+        result = await call(
+            lambda: get_router().run(owner, "run_code", args, None), "run_code_async"
+        )
+        return _run_result(result)
+
+    @mcp.tool
+    async def list_languages(ctx: Context, session: SessionArg = None) -> LanguageList:
+        """The languages run_code speaks: version, packages of note, and whether this session
+        has an interpreter running."""
+        owner = owner_of(ctx, session)
+        result = await call(
+            lambda: get_router().run(owner, "list_languages", {}, None), "list_languages"
+        )
+        return LanguageList.model_validate(result)
+
+    @mcp.tool
+    async def restart_interpreter(
+        ctx: Context, language: LanguageArg = "python", session: SessionArg = None
+    ) -> RestartResult:
+        """Stop this session's interpreter of a language (its state is lost) and start a fresh
+        one."""
+        owner = owner_of(ctx, session)
+        result = await call(
+            lambda: get_router().run(owner, "restart_interpreter", {"language": language}, None),
+            "restart_interpreter",
+        )
+        return RestartResult.model_validate(result)
