@@ -842,9 +842,14 @@ async def _streams(stdout_r: int, stderr_r: int, stdin_w: int | None) -> Streams
     """Streams over the server's ends of a sandbox's stdio pipes (the fds are consumed; on
     failure everything is closed)."""
     loop = asyncio.get_running_loop()
-    files = [os.fdopen(stdout_r, "rb", 0), os.fdopen(stderr_r, "rb", 0)]
-    if stdin_w is not None:
-        files.append(os.fdopen(stdin_w, "wb", 0))
+    # closefd=False: the transport closes the fd (libuv, under uvloop); uvloop then also
+    # closes the file object it was given, expecting EBADF. A file object that owned the fd
+    # would close that number a second time, and by then another thread (a ZeroMQ I/O
+    # thread of an interpreter's client) may have been given it: that thread's fd would go.
+    # (asyncio's own loop closes only the file object: there it must own the fd.)
+    owns = not type(loop).__module__.startswith("uvloop")
+    fds = [stdout_r, stderr_r, *([stdin_w] if stdin_w is not None else [])]
+    files = [os.fdopen(fd, "rb" if i < 2 else "wb", 0, closefd=owns) for i, fd in enumerate(fds)]
     readers: list[asyncio.StreamReader] = []
     stdin: asyncio.StreamWriter | None = None
     try:
@@ -854,8 +859,11 @@ async def _streams(stdout_r: int, stderr_r: int, stdin_w: int | None) -> Streams
             stdin = await _writer(loop, files[2])
     except BaseException:
         _close_streams(*readers, stdin)
-        for f in files:
-            f.close()
+        if owns:
+            for f in files:  # (a file object a transport closed already is left as it is)
+                f.close()
+        else:
+            _close_all(fds[len(readers) + (1 if stdin is not None else 0) :])  # no transport's
         raise
     return readers[0], readers[1], stdin
 
