@@ -8,6 +8,7 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -276,11 +277,74 @@ def _spawner_check(backend: BubblewrapBackend) -> Check:
     return Check("spawner", ok, detail, "the spawner kept privileges: report a bug")
 
 
+async def check_languages(settings: Settings) -> list[Check]:
+    """The runtime's languages, and a Python interpreter started in a real sandbox."""
+    from sandbox_runtime.interpreters.kernel import SandboxedKernel
+    from sandbox_runtime.interpreters.runtime import load_runtime
+
+    path = settings.runtime_path()
+    runtime = load_runtime(path)
+    fix = "srt-mcp-server runtime install (./scripts/serve does it on first use)"
+    if runtime is None:
+        return [Check("languages", False, f"no runtime at {path}: run_code is off", fix, False)]
+    manifest = runtime.manifest
+    described = ", ".join(
+        f"{name} ({manifest.get('python')})"
+        if name == "python"
+        else f"{name} (deno {manifest.get('deno')})"
+        if runtime.kernels[name].kernel == "deno"
+        else name
+        for name in runtime.languages
+    )
+    checks = [Check("languages", True, f"{described}; runtime at {path}")]
+    if "python" not in runtime.kernels:
+        return checks
+    with tempfile.TemporaryDirectory(prefix="srt-doctor-") as tmp:
+        os.chmod(tmp, 0o711)
+        backend = BubblewrapBackend(
+            BackendConfig(
+                limits=settings.limits(),
+                sandbox_user=settings.sandbox_user,
+                workspace_root=Path(tmp) / "ws",
+                bwrap_path=settings.bwrap_path,
+                group_name="srt-doctor-kernel",
+                runtime_dir=path,
+            )
+        )
+        backend.start()
+        kernel = SandboxedKernel(
+            backend,
+            runtime.kernels["python"],
+            backend.create_workspace("doctor"),
+            settings.limits(),
+            Path(tmp) / "kernels",
+        )
+        outputs: list[str] = []
+        try:
+            started = time.monotonic()
+            await kernel.start()
+            ready = time.monotonic() - started
+            await kernel.execute(
+                "print(6 * 7)", lambda kind, content: outputs.append(str(content.get("text")))
+            )
+            ok = "".join(outputs).strip() == "42"
+            detail = f"a Python interpreter started in {ready * 1e3:.0f} ms and ran code"
+        except Exception as exc:  # any failure is the finding
+            ok, detail = False, f"a Python interpreter failed: {exc}"
+        finally:
+            await kernel.stop()
+            await backend.close()
+    checks.append(Check("interpreter", ok, detail, "see the sandbox checks above", False))
+    return checks
+
+
 def run_doctor(settings: Settings) -> int:
     """Print OK/FAIL/WARN per layer; 0 only when every required layer works."""
     checks = check_static(settings)
     if all(c.ok or not c.required for c in checks):
         checks += asyncio.run(check_live(settings))
+    if all(c.ok or not c.required for c in checks):
+        checks += asyncio.run(check_languages(settings))
     if in_container():
         checks.append(
             Check("container", True, "inside a container (if bwrap fails there: DEPLOYMENT.md)")

@@ -103,3 +103,22 @@ def test_doctor_fails_the_sandbox_dev_when_a_sandbox_cannot_open_its_devices() -
     dev = checks["sandbox /dev"]
     assert not dev["ok"] and dev["required"]
     assert "Permission denied" in dev["detail"] and "device cgroup" in dev["fix"]
+
+
+def test_doctor_reports_each_language_and_starts_an_interpreter(
+    sandbox_runtime_installed: object,
+) -> None:
+    from mcp_harness import runtime_dir
+
+    with tempfile.TemporaryDirectory() as state:
+        result = doctor(SANDBOX_RUNTIME_DIR=str(runtime_dir()), SANDBOX_STATE_DIR=state)
+    assert result.returncode == 0, result.stdout + result.stderr
+    found = layers(result.stdout)
+    assert found["languages"] == "OK" and found["interpreter"] == "OK", result.stdout
+    line = next(x for x in result.stdout.splitlines() if "languages" in x)
+    for language in ("bash", "javascript", "python", "typescript"):
+        assert language in line
+    missing = doctor(SANDBOX_RUNTIME_DIR="/nonexistent/runtime")
+    assert missing.returncode == 0, "no runtime: run_code is off, executions still run"
+    assert layers(missing.stdout)["languages"] == "WARN"
+    assert "runtime install" in missing.stdout
