@@ -35,7 +35,7 @@ from sandbox_runtime.execution.manager import ExecutionManager, workspace_name
 from sandbox_runtime.execution.models import EventType, ExecutionStatus
 from sandbox_runtime.interpreters.kernel import KernelDiedError, SandboxedKernel
 from sandbox_runtime.interpreters.runtime import KernelSpec, Runtime, load_runtime
-from sandbox_runtime.sandbox import validate_env
+from sandbox_runtime.sandbox import SandboxLimits, validate_env
 
 MAX_CODE_BYTES = 1024 * 1024
 QUEUE_LIMIT = 16  # calls waiting for one interpreter
@@ -56,6 +56,7 @@ class Interpreter:
     owner: Owner
     language: str
     kernel: SandboxedKernel
+    limits: SandboxLimits
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     waiting: int = 0
     busy: bool = False
@@ -194,19 +195,30 @@ class InterpreterManager:
 
     # -- interpreters ------------------------------------------------------------------------
 
-    async def _interpreter(self, owner: Owner, language: str) -> tuple[Interpreter, str | None]:
-        """The owner's interpreter of `language`, started if need be; with why this call did
-        not find the one it expected (None: it did)."""
+    async def _interpreter(
+        self, owner: Owner, language: str, limits: SandboxLimits | None = None
+    ) -> tuple[Interpreter, str | None]:
+        """The owner's interpreter of `language`, started if need be (with `limits`, default
+        the server's); with why this call did not find the one it expected (None: it did).
+
+        Raises InvalidRequestError when a running interpreter has other limits than asked.
+        """
         key = (owner, language)
         current = self._interpreters.get(key)
         if current is not None and current.kernel.alive:
+            if limits is not None and limits != current.limits:
+                raise InvalidRequestError(
+                    f"this session's {language} interpreter runs with other limits than this "
+                    "sandbox_config; restart_interpreter with it (the state is lost) or leave "
+                    "sandbox_config out"
+                )
             return current, None
         if current is not None:  # died since its last call
             self._forget(key, "crashed")
             self.metrics.interpreter_events.labels(language, "crash").inc()
         task = self._starting.get(key)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._start(owner, language))
+            task = asyncio.get_running_loop().create_task(self._start(owner, language, limits))
             self._starting[key] = task
             task.add_done_callback(lambda _: self._starting.pop(key, None))
         interpreter = await asyncio.shield(task)
@@ -222,8 +234,11 @@ class InterpreterManager:
         if interpreter is not None:
             asyncio.get_running_loop().create_task(interpreter.kernel.stop())
 
-    async def _start(self, owner: Owner, language: str) -> Interpreter:
+    async def _start(
+        self, owner: Owner, language: str, limits: SandboxLimits | None = None
+    ) -> Interpreter:
         spec = self._spec(language)
+        limits = limits or self.manager.limits
         if self._closed or not self.manager.accepting:
             raise SandboxRuntimeError("the server is shutting down; retry on another replica")
         if len(self._interpreters) >= self.settings.max_interpreters:
@@ -241,23 +256,21 @@ class InterpreterManager:
             )
         backend = self.manager.backend
         workspace = backend.config.workspace_root / workspace_name(owner)
-        kernel = self._adopt_warm(spec, workspace)
+        # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel.
+        kernel = self._adopt_warm(spec, workspace) if limits == self.manager.limits else None
+        warm = kernel is not None
         if kernel is not None:
             self.metrics.interpreter_events.labels(language, "warm_hit").inc()
         else:
             if self.settings.warm_interpreters().get(language):
                 self.metrics.interpreter_events.labels(language, "warm_miss").inc()
             workspace = backend.create_workspace(workspace_name(owner))
-            kernel = SandboxedKernel(
-                backend, spec, workspace, self.manager.limits, self.kernels_root
-            )
+            kernel = SandboxedKernel(backend, spec, workspace, limits, self.kernels_root)
             await kernel.start()
         self.metrics.interpreter_events.labels(language, "start").inc()
-        interpreter = Interpreter(owner, language, kernel)
+        interpreter = Interpreter(owner, language, kernel, limits)
         self._interpreters[(owner, language)] = interpreter
-        logger.info(
-            "interpreter started language={} warm={}", language, kernel.workspace != workspace
-        )
+        logger.info("interpreter started language={} warm={}", language, warm)
         return interpreter
 
     def _adopt_warm(self, spec: KernelSpec, workspace: Path) -> SandboxedKernel | None:
@@ -312,15 +325,20 @@ class InterpreterManager:
         self._warm.setdefault(language, []).append((kernel, slot))
         self.metrics.warm_refill.observe(time.monotonic() - started)
 
-    async def restart(self, owner: Owner, language: str) -> dict[str, Any]:
-        """Stop the owner's interpreter of `language` and start a fresh one."""
-        self._spec(language)
+    async def restart(
+        self, owner: Owner, language: str, sandbox_config: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Stop the owner's interpreter of `language` and start a fresh one (under the
+        caller's tighter limits, if any). Raises PolicyViolationError, InvalidRequestError."""
+        spec = self._spec(language)
+        language = spec.language if language.lower() == spec.language else language.lower()
+        limits = self.manager.limits.tighten(sandbox_config)
         key = (owner, language)
         interpreter = self._interpreters.get(key)
         if interpreter is not None:
             self._forget(key, "restarted")
             self.metrics.interpreter_events.labels(language, "restart").inc()
-        fresh, _ = await self._interpreter(owner, language)
+        fresh, _ = await self._interpreter(owner, language, limits)
         self._ended.pop(key, None)
         fresh.last_used = time.monotonic()
         return {"language": language, "restarted": interpreter is not None, "running": True}
@@ -334,11 +352,13 @@ class InterpreterManager:
         code: str,
         timeout_seconds: float | None,
         environment: dict[str, str] | None,
+        sandbox_config: dict[str, Any] | None = None,
     ) -> tuple[Execution, str | None]:
         """Queue `code` on the owner's interpreter; the execution and the state_reset reason.
+        `sandbox_config` tightens the limits of an interpreter this call starts.
 
-        Raises InvalidRequestError, LimitExceededError, SandboxUnavailableError,
-        SandboxSpawnError.
+        Raises InvalidRequestError, PolicyViolationError, LimitExceededError,
+        SandboxUnavailableError, SandboxSpawnError.
         """
         spec = self._spec(language)
         language = spec.language if language.lower() == spec.language else language.lower()
@@ -347,7 +367,8 @@ class InterpreterManager:
         if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
             raise InvalidRequestError(f"code is over {MAX_CODE_BYTES} bytes")
         env = validate_env(environment)
-        interpreter, reset = await self._interpreter(owner, language)
+        limits = self.manager.limits.tighten(sandbox_config) if sandbox_config else None
+        interpreter, reset = await self._interpreter(owner, language, limits)
         if interpreter.waiting >= QUEUE_LIMIT:
             raise LimitExceededError(
                 f"{QUEUE_LIMIT} calls already wait for this {language} interpreter; wait for "

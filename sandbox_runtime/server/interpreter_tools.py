@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.server.tools import (
     EnvironmentArg,
     ExecutionResult,
+    SandboxConfigArg,
     SessionArg,
     TimeoutArg,
     _progress_sink,
@@ -124,6 +125,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             bool, Field(description="Wait for the end (up to the timeout) and return the output.")
         ] = True,
         environment: EnvironmentArg = None,
+        sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
     ) -> ToolResult:
         """Run code in the session's persistent interpreter (variables, imports and the working
@@ -134,6 +136,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             "language": language,
             "timeout_seconds": timeout_seconds,
             "environment": environment,
+            "sandbox_config": sandbox_config,
             "wait": wait_for_completion,
         }
         progress = _progress_sink(ctx) if wait_for_completion else None
@@ -147,6 +150,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
         language: LanguageArg = "python",
         timeout_seconds: TimeoutArg = None,
         environment: EnvironmentArg = None,
+        sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
     ) -> ToolResult:
         """Start code in the session's interpreter and return at once with its execution_id
@@ -157,6 +161,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             "language": language,
             "timeout_seconds": timeout_seconds,
             "environment": environment,
+            "sandbox_config": sandbox_config,
             "wait": False,
         }
         result = await call(
@@ -176,13 +181,17 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
 
     @mcp.tool
     async def restart_interpreter(
-        ctx: Context, language: LanguageArg = "python", session: SessionArg = None
+        ctx: Context,
+        language: LanguageArg = "python",
+        sandbox_config: SandboxConfigArg = None,
+        session: SessionArg = None,
     ) -> RestartResult:
         """Stop this session's interpreter of a language (its state is lost) and start a fresh
-        one."""
+        one, under tighter limits if sandbox_config asks."""
         owner = owner_of(ctx, session)
+        args = {"language": language, "sandbox_config": sandbox_config}
         result = await call(
-            lambda: get_router().run(owner, "restart_interpreter", {"language": language}, None),
+            lambda: get_router().run(owner, "restart_interpreter", args, None),
             "restart_interpreter",
         )
         return RestartResult.model_validate(result)

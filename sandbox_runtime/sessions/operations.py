@@ -123,6 +123,7 @@ async def run_code(
         args.get("code"),  # type: ignore[arg-type]
         args.get("timeout_seconds"),
         args.get("environment"),
+        args.get("sandbox_config"),
     )
     extra: dict[str, Any] = {"language": execution.info.language}
     if reset is not None:
@@ -195,7 +196,9 @@ async def restart_interpreter(
 ) -> dict[str, Any]:
     from sandbox_runtime.interpreters.manager import get_interpreters
 
-    return await get_interpreters().restart(owner, str(args.get("language") or "python"))
+    return await get_interpreters().restart(
+        owner, str(args.get("language") or "python"), args.get("sandbox_config")
+    )
 
 
 OPERATIONS: dict[str, Operation] = {
