@@ -169,16 +169,7 @@ async def check_live(settings: Settings) -> list[Check]:
     """Start a real sandbox and look at it from inside."""
     with tempfile.TemporaryDirectory(prefix="srt-doctor-") as tmp:
         os.chmod(tmp, 0o711)
-        backend = BubblewrapBackend(
-            BackendConfig(
-                limits=settings.limits(),
-                sandbox_user=settings.sandbox_user,
-                workspace_root=Path(tmp) / "ws",
-                bwrap_path=settings.bwrap_path,
-                group_name="srt-doctor",
-            )
-        )
-        backend.start()
+        backend = _backend(settings, Path(tmp), "srt-doctor")
         if backend.unavailable_reason is not None:
             return [Check("sandbox run", False, backend.unavailable_reason, "see the checks above")]
         spawner = _spawner_check(backend)
@@ -257,6 +248,24 @@ async def check_live(settings: Settings) -> list[Check]:
     return checks
 
 
+def _backend(
+    settings: Settings, tmp: Path, group: str, runtime_dir: Path | None = None
+) -> BubblewrapBackend:
+    """A started backend under the server's policy, its workspaces in `tmp`."""
+    backend = BubblewrapBackend(
+        BackendConfig(
+            limits=settings.limits(),
+            sandbox_user=settings.sandbox_user,
+            workspace_root=tmp / "ws",
+            bwrap_path=settings.bwrap_path,
+            group_name=group,
+            runtime_dir=runtime_dir,
+        )
+    )
+    backend.start()
+    return backend
+
+
 def _spawner_check(backend: BubblewrapBackend) -> Check:
     """What the running spawner's /proc/PID/status says of its ids and privileges."""
     pid = backend.spawner_pid
@@ -301,17 +310,7 @@ async def check_languages(settings: Settings) -> list[Check]:
         return checks
     with tempfile.TemporaryDirectory(prefix="srt-doctor-") as tmp:
         os.chmod(tmp, 0o711)
-        backend = BubblewrapBackend(
-            BackendConfig(
-                limits=settings.limits(),
-                sandbox_user=settings.sandbox_user,
-                workspace_root=Path(tmp) / "ws",
-                bwrap_path=settings.bwrap_path,
-                group_name="srt-doctor-kernel",
-                runtime_dir=path,
-            )
-        )
-        backend.start()
+        backend = _backend(settings, Path(tmp), "srt-doctor-kernel", runtime_dir=path)
         kernel = SandboxedKernel(
             backend,
             runtime.kernels["python"],

@@ -158,17 +158,20 @@ class ExecutionManager:
 
     async def _shutdown_once(self) -> None:
         self._accepting = False
-        for hook in self.before_shutdown:
-            try:
-                await hook()
-            except Exception:  # a failed hook must not keep executions running
-                logger.exception("shutdown hook failed")
         running = list(self._running.values())
         if running:
             logger.info("shutdown: stopping {} running executions", len(running))
         for execution in running:
             if execution.process is not None:
                 execution.process.stop_in_background(self.settings.shutdown_grace, "shutdown")
+        # Meanwhile the session layer's hooks (release the homes, stop the interpreters, whose
+        # calls end with them): the executions' grace period is not spent waiting for them.
+        outcomes = await asyncio.gather(
+            *(hook() for hook in self.before_shutdown), return_exceptions=True
+        )
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):  # must not keep executions running
+                logger.opt(exception=outcome).error("shutdown hook failed")
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(
                 asyncio.gather(*(e.finished.wait() for e in running)),

@@ -17,7 +17,6 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +45,6 @@ OnMessage = Callable[[str, dict[str, Any]], None]  # (msg_type, content)
 
 class KernelDiedError(Exception):
     """The kernel process ended (crashed, killed, out of memory) during an operation."""
-
-
-@dataclass
-class Reply:
-    """How an execute request ended: the kernel's reply content (status ok/error/aborted)."""
-
-    content: dict[str, Any]
 
 
 class SandboxedKernel:
@@ -261,8 +253,11 @@ class SandboxedKernel:
 
     # -- protocol ----------------------------------------------------------------------------
 
-    async def execute(self, code: str, on_message: OnMessage, allow_stdin: bool = True) -> Reply:
-        """Run `code`; every output message goes to `on_message` as it arrives.
+    async def execute(
+        self, code: str, on_message: OnMessage, allow_stdin: bool = True
+    ) -> dict[str, Any]:
+        """Run `code`; every output message goes to `on_message` as it arrives. The kernel's
+        execute_reply content (status ok, error or aborted).
 
         Raises KernelDiedError (the state is gone).
         """
@@ -317,7 +312,8 @@ class SandboxedKernel:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        return Reply(reply)
+        assert reply is not None
+        return reply
 
     def input_reply(self, value: str) -> None:
         if self.client is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -443,7 +444,7 @@ class InterpreterManager:
         if not done and run.stop_reason is None:
             await self.stop_call(run, "timeout", False, self.settings.cancel_grace)
         try:
-            reply = (await call).content
+            reply = await call
         except KernelDiedError as exc:
             key = (interpreter.owner, interpreter.language)
             if self._interpreters.get(key) is interpreter:
@@ -525,7 +526,7 @@ class InterpreterManager:
 def _bounded_bundle(data: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for mime, value in data.items():
-        text = value if isinstance(value, str) else _json(value)
+        text = value if isinstance(value, str) else json.dumps(value)
         if len(text) > MAX_BUNDLE_BYTES:
             out["text/plain"] = (
                 f"[{mime} output of {len(text)} bytes dropped: over {MAX_BUNDLE_BYTES} bytes]"
@@ -535,18 +536,10 @@ def _bounded_bundle(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _json(value: Any) -> str:
-    import json
-
-    return json.dumps(value)
-
-
 def _env_prelude(spec: KernelSpec, env: dict[str, str]) -> str:
     """Code that sets the caller's environment variables in the interpreter first."""
     if not env:
         return ""
-    import json
-
     if spec.language == "python":
         return f"import os as _srt_os; _srt_os.environ.update({json.dumps(env)}); del _srt_os\n"
     if spec.language == "bash":

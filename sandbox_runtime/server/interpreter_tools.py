@@ -106,7 +106,13 @@ def _content(result: dict[str, Any]) -> list[Any]:
     return blocks + images
 
 
-def _run_result(result: dict[str, Any]) -> ToolResult:
+async def _run_code(
+    ctx: Context, session: str | None, args: dict[str, Any], tool: str
+) -> ToolResult:
+    """run_code(_async): the session-bound `run_code` operation, on the session's home."""
+    owner = owner_of(ctx, session)
+    progress = _progress_sink(ctx) if args["wait"] else None
+    result = await call(lambda: get_router().run(owner, "run_code", args, progress), tool)
     structured = RunCodeResult.model_validate(result).model_dump(mode="json")
     return ToolResult(content=_content(result), structured_content=structured)
 
@@ -130,7 +136,6 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
     ) -> ToolResult:
         """Run code in the session's persistent interpreter (variables, imports and the working
         directory survive between calls, as in a notebook). Plots come back as images."""
-        owner = owner_of(ctx, session)
         args = {
             "code": code,
             "language": language,
@@ -139,9 +144,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             "sandbox_config": sandbox_config,
             "wait": wait_for_completion,
         }
-        progress = _progress_sink(ctx) if wait_for_completion else None
-        result = await call(lambda: get_router().run(owner, "run_code", args, progress), "run_code")
-        return _run_result(result)
+        return await _run_code(ctx, session, args, "run_code")
 
     @mcp.tool(output_schema=schema)
     async def run_code_async(
@@ -155,7 +158,6 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
     ) -> ToolResult:
         """Start code in the session's interpreter and return at once with its execution_id
         (poll it with get_execution_output; answer input() with send_stdin)."""
-        owner = owner_of(ctx, session)
         args = {
             "code": code,
             "language": language,
@@ -164,10 +166,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             "sandbox_config": sandbox_config,
             "wait": False,
         }
-        result = await call(
-            lambda: get_router().run(owner, "run_code", args, None), "run_code_async"
-        )
-        return _run_result(result)
+        return await _run_code(ctx, session, args, "run_code_async")
 
     @mcp.tool
     async def list_languages(ctx: Context, session: SessionArg = None) -> LanguageList:

@@ -206,6 +206,17 @@ def _progress_sink(ctx: Context) -> Progress | None:
     return report
 
 
+async def execute(
+    ctx: Context, session: str | None, request: dict[str, Any], wait: bool, tool: str
+) -> ExecutionResult:
+    """execute_code(_async): the session-bound `execute` operation, on the session's home."""
+    owner = owner_of(ctx, session)
+    progress = _progress_sink(ctx) if wait else None
+    args = {"request": request, "wait": wait}
+    result = await call(lambda: get_router().run(owner, "execute", args, progress), tool)
+    return ExecutionResult.model_validate(result)
+
+
 def register_tools(mcp: FastMCP) -> None:
     """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server)."""
 
@@ -232,13 +243,7 @@ def register_tools(mcp: FastMCP) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
         }
-        owner = owner_of(ctx, session)
-        progress = _progress_sink(ctx) if wait_for_completion else None
-        args = {"request": request, "wait": wait_for_completion}
-        result = await call(
-            lambda: get_router().run(owner, "execute", args, progress), "execute_code"
-        )
-        return ExecutionResult.model_validate(result)
+        return await execute(ctx, session, request, wait_for_completion, "execute_code")
 
     @mcp.tool
     async def execute_code_async(
@@ -260,12 +265,7 @@ def register_tools(mcp: FastMCP) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
         }
-        owner = owner_of(ctx, session)
-        args = {"request": request, "wait": False}
-        result = await call(
-            lambda: get_router().run(owner, "execute", args, None), "execute_code_async"
-        )
-        return ExecutionResult.model_validate(result)
+        return await execute(ctx, session, request, False, "execute_code_async")
 
     @mcp.tool
     async def get_execution_output(
@@ -294,7 +294,9 @@ def register_tools(mcp: FastMCP) -> None:
             if wait_for < 0:
                 raise ToolError("wait_seconds must not be negative")
         page = await call(
-            lambda: get_router().read_output(owner, execution_id, cursor, limit, wait_for),
+            lambda: get_router().executions.read_output(
+                owner, execution_id, cursor, limit, wait_for
+            ),
             "get_execution_output",
         )
         events = [e.wire() for e in page.events]
@@ -317,7 +319,9 @@ def register_tools(mcp: FastMCP) -> None:
         """Write to the stdin of an interactive execution; optionally close it afterwards."""
         owner = owner_of(ctx, session)
         written, info = await call(
-            lambda: get_router().send_stdin(owner, execution_id, input_data, close_stdin),
+            lambda: get_router().executions.send_stdin(
+                owner, execution_id, input_data, close_stdin
+            ),
             "send_stdin",
         )
         return StdinResult(
@@ -339,7 +343,7 @@ def register_tools(mcp: FastMCP) -> None:
         """Stop an execution and its whole process tree. Idempotent."""
         owner = owner_of(ctx, session)
         was_finished, info = await call(
-            lambda: get_router().cancel(owner, execution_id, force), "cancel_execution"
+            lambda: get_router().executions.cancel(owner, execution_id, force), "cancel_execution"
         )
         return CancelResult(
             execution_id=execution_id,
@@ -355,7 +359,9 @@ def register_tools(mcp: FastMCP) -> None:
     ) -> ExecutionInfo:
         """An execution's metadata: status, exit code, limits, timestamps, output counters."""
         owner = owner_of(ctx, session)
-        info = await call(lambda: get_router().status(owner, execution_id), "get_execution_status")
+        info = await call(
+            lambda: get_router().executions.status(owner, execution_id), "get_execution_status"
+        )
         return _brief(info)
 
     @mcp.tool
@@ -369,7 +375,9 @@ def register_tools(mcp: FastMCP) -> None:
     ) -> ExecutionList:
         """The caller's executions in this session, newest first."""
         owner = owner_of(ctx, session)
-        infos = await call(lambda: get_router().list(owner, status, limit), "list_executions")
+        infos = await call(
+            lambda: get_router().executions.list(owner, status, limit), "list_executions"
+        )
         shown: list[ExecutionInfo] = []
         size = 0
         for info in map(_brief, infos):

@@ -70,6 +70,15 @@ async def execute(
     execution = await manager.start_execution(owner, _request(args))
     if not args.get("wait"):
         return result_fields(execution.info, [], 0, execution.info.last_seq > 0)
+    await wait_for_end(execution, progress)
+    page = await manager.read_output(owner, execution.execution_id, 0)
+    events = [e.wire() for e in page.events]
+    return result_fields(page.info, events, page.next_cursor, page.has_more)
+
+
+async def wait_for_end(execution: Execution, progress: Progress | None) -> None:
+    """Wait (bounded by the execution's timeout) for `execution` to end, streaming its output
+    to `progress` meanwhile."""
     forwarder = None
     if progress is not None:
         forwarder = asyncio.get_running_loop().create_task(stream_output(execution, progress))
@@ -80,9 +89,6 @@ async def execute(
     finally:
         if forwarder is not None:
             forwarder.cancel()
-    page = await manager.read_output(owner, execution.execution_id, 0)
-    events = [e.wire() for e in page.events]
-    return result_fields(page.info, events, page.next_cursor, page.has_more)
 
 
 async def stream_output(execution: Execution, progress: Progress) -> None:
@@ -130,20 +136,11 @@ async def run_code(
         extra["state_reset"] = {"reason": reset}
     if not args.get("wait"):
         return {**result_fields(execution.info, [], 0, False), **extra}
-    forwarder = None
-    if progress is not None:
-        forwarder = asyncio.get_running_loop().create_task(stream_output(execution, progress))
-    try:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(execution.info.timeout_seconds + WAIT_SLACK_SECONDS):
-                await execution.finished.wait()
-    finally:
-        if forwarder is not None:
-            forwarder.cancel()
-    return {**call_result(manager, owner, execution), **extra}
+    await wait_for_end(execution, progress)
+    return {**call_result(execution), **extra}
 
 
-def call_result(manager: ExecutionManager, owner: Owner, execution: Execution) -> dict[str, Any]:
+def call_result(execution: Execution) -> dict[str, Any]:
     """A finished interpreter call as a run_code result: events (rich outputs referenced by
     index), `results` (MIME bundles, bounded), `error`, `execution_count`."""
     events: list[dict[str, Any]] = []

@@ -1,11 +1,10 @@
-"""The Router: where a session's operations run, and every read or control across replicas.
+"""The Router: where a session's operations run, here or on the session's home replica.
 
 Session-bound operations (those that use the session's state) run on the session's home
 replica: here, or forwarded to it over the cluster channel. A session without a home gets
 this replica; one whose home died or stopped is re-homed here with a fresh workspace, and the
-answer says so (`session_reset`). Reads of executions come from this replica's memory or, for
-another replica's, from the shared store; stdin and cancel for another replica's executions
-go to it as signed control messages. With one replica and no Redis all of this is local.
+answer says so (`session_reset`). Reads and control of executions, wherever they run, are
+`Router.executions` (executions.py). With one replica and no Redis all of this is local.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from loguru import logger
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import (
-    ExecutionNotFoundError,
     InvalidRequestError,
     LimitExceededError,
     OwnerUnavailableError,
@@ -29,26 +27,22 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.execution.execution import Execution, Owner
 from sandbox_runtime.execution.manager import (
-    MAX_BYTES_PER_READ,
-    MAX_EVENTS_PER_READ,
     ExecutionManager,
-    OutputPage,
     workspace_name,
 )
-from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus
 from sandbox_runtime.sessions.channel import (
     ChannelClient,
     HomeMovedError,
     HomeUnreachableError,
 )
 from sandbox_runtime.sessions.control import ControlChannel
+from sandbox_runtime.sessions.executions import ExecutionAccess
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
 from sandbox_runtime.sessions.operations import OPERATIONS, Progress
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
 from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
 
-REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
 # A session's record lives twice the retention period past its last use: it outlives the
 # workspace (removed after one period of disuse), so a call after that learns of the loss.
 RECORD_LIFE_FACTOR = 2
@@ -92,6 +86,7 @@ class Router:
                 sessions = MemorySessionStore()
         self.sessions = sessions
         self.control = ControlChannel(self.store, manager, self.signer) if self.store else None
+        self.executions = ExecutionAccess(settings, manager, self.control)
         self.channel = ChannelClient(self.signer) if self.signer is not None else None
         self.cluster_address = ""  # set once the cluster listener is bound
         self._renewer: asyncio.Task[None] | None = None
@@ -491,170 +486,6 @@ class Router:
                 for key in {session_key(e.owner.principal, e.owner.session_id) for e in executions}:
                     await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
             await self.check_cluster()
-
-    # -- reads and control from any replica --------------------------------------------------
-
-    async def find(self, owner: Owner, execution_id: str) -> Execution | ExecutionInfo:
-        """The caller's execution: local, or another replica's from the store.
-
-        An execution whose owner replica stopped heart-beating is marked lost on the way.
-        Raises ExecutionNotFoundError, OwnerUnavailableError (store unreachable).
-        """
-        if not isinstance(execution_id, str) or not 0 < len(execution_id) <= 128:
-            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
-        local = self.manager.lookup(owner, execution_id)
-        if local is not None:
-            return local
-        if self.store is None:
-            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
-        try:
-            info = await self.store.get_execution(execution_id)
-            if info is None or (info.principal, info.session_id) != (
-                owner.principal,
-                owner.session_id,
-            ):
-                raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
-            return await self._check_alive(info)
-        except SandboxRuntimeError:
-            raise
-        except Exception as exc:  # the store failed: say so instead of "not found"
-            raise OwnerUnavailableError(
-                f"execution {execution_id!r} is not on this replica and the shared store is "
-                f"unavailable ({type(exc).__name__}); retry shortly"
-            ) from exc
-
-    async def _check_alive(self, info: ExecutionInfo) -> ExecutionInfo:
-        """`info`, marked lost first if it runs on a replica that stopped heart-beating."""
-        assert self.store is not None
-        if info.status.finished or info.replica_id == self.replica_id:
-            return info
-        if await self.store.replica_alive(info.replica_id):
-            return info
-        info = await self.store.mark_lost(info.execution_id, time.time()) or info
-        self.metrics.lost_detected.inc()
-        logger.warning(
-            "execution {} of replica {} marked {}",
-            info.execution_id,
-            info.replica_id,
-            info.status.value,
-        )
-        return info
-
-    async def status(self, owner: Owner, execution_id: str) -> ExecutionInfo:
-        found = await self.find(owner, execution_id)
-        return found.info if isinstance(found, Execution) else found
-
-    async def read_output(
-        self,
-        owner: Owner,
-        execution_id: str,
-        after: int = 0,
-        limit: int = MAX_EVENTS_PER_READ,
-        wait: float = 0,
-    ) -> OutputPage:
-        """Events after the cursor; with `wait`, block up to that long for new ones."""
-        if isinstance(after, bool) or not isinstance(after, int) or after < 0:
-            raise InvalidRequestError("the cursor (after / last_event_id) must be an integer >= 0")
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidRequestError("limit must be a positive integer")
-        found = await self.find(owner, execution_id)
-        if isinstance(found, Execution):
-            return await self.manager.read_output(owner, execution_id, after, limit, wait)
-        limit = min(limit, MAX_EVENTS_PER_READ)
-        wait = min(max(0.0, float(wait or 0)), self.settings.max_wait)
-        return await self._read_remote(owner, found, after, limit, wait)
-
-    async def _read_remote(
-        self, owner: Owner, info: ExecutionInfo, after: int, limit: int, wait: float
-    ) -> OutputPage:
-        assert self.store is not None
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                events = await self.store.get_events(info.execution_id, after, limit + 1)
-            except Exception as exc:  # store failure: not the caller's fault
-                raise OwnerUnavailableError(
-                    f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
-                ) from exc
-            if events or info.status.finished or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(REMOTE_POLL_SECONDS)
-            refreshed = await self.find(owner, info.execution_id)
-            info = refreshed.info if isinstance(refreshed, Execution) else refreshed
-        has_more = len(events) > limit
-        events = events[:limit]
-        size = 0
-        for i, event in enumerate(events):
-            size += event.wire_size()
-            if i and size > MAX_BYTES_PER_READ:
-                events, has_more = events[:i], True
-                break
-        next_cursor = events[-1].seq if events else after
-        return OutputPage(
-            info=info, events=events, next_cursor=next_cursor, has_more=has_more, first_available=1
-        )
-
-    async def send_stdin(
-        self, owner: Owner, execution_id: str, data: str, close: bool
-    ) -> tuple[int, ExecutionInfo]:
-        """Write to an interactive execution's stdin, forwarding to its replica if need be."""
-        if not isinstance(data, str):
-            raise InvalidRequestError("input_data must be a string")
-        found = await self.find(owner, execution_id)
-        if isinstance(found, Execution):
-            return await self.manager.write_stdin(found, data, close), found.info
-        assert self.control is not None
-        reply = await self.control.send(
-            found, {"op": "stdin", "data": data, "close": bool(close)}, owner
-        )
-        return int(reply["bytes_written"]), ExecutionInfo.model_validate(reply["info"])
-
-    async def cancel(
-        self, owner: Owner, execution_id: str, force: bool = False
-    ) -> tuple[bool, ExecutionInfo]:
-        """Stop an execution and its whole tree (idempotent). Returns (was it finished, info)."""
-        found = await self.find(owner, execution_id)
-        if isinstance(found, Execution):
-            return await self.manager.cancel_local(found, force), found.info
-        if found.status.finished:
-            return True, found
-        assert self.control is not None
-        reply = await self.control.send(found, {"op": "cancel", "force": bool(force)}, owner)
-        return bool(reply["was_finished"]), ExecutionInfo.model_validate(reply["info"])
-
-    async def list(
-        self, owner: Owner, status: str | None = None, limit: int = 100
-    ) -> list[ExecutionInfo]:
-        """The owner's executions (this replica's and, with a store, every replica's)."""
-        wanted: ExecutionStatus | None = None
-        if status is not None:
-            try:
-                wanted = ExecutionStatus(status)
-            except ValueError:
-                names = ", ".join(s.value for s in ExecutionStatus)
-                raise InvalidRequestError(f"unknown status {status!r}; one of {names}") from None
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise InvalidRequestError("limit must be a positive integer")
-        found = {i.execution_id: i for i in self.manager.local_infos(owner)}
-        if self.store is not None:
-            try:
-                remote = await self.store.session_executions(
-                    session_key(owner.principal, owner.session_id)
-                )
-            except Exception as exc:  # store down: local executions are still an answer
-                logger.warning("list_executions without the shared store: {}", exc)
-                remote = []
-            for info in remote:
-                if info.execution_id in found:
-                    continue
-                if (info.principal, info.session_id) != (owner.principal, owner.session_id):
-                    continue
-                with contextlib.suppress(Exception):
-                    info = await self._check_alive(info)
-                found[info.execution_id] = info
-        out = [i for i in found.values() if wanted is None or i.status == wanted]
-        out.sort(key=lambda i: i.created_at, reverse=True)
-        return out[: min(limit, 1000)]
 
 
 _router: Router | None = None
