@@ -440,3 +440,14 @@ async def test_a_caller_may_tighten_an_interpreters_limits_never_loosen_them(
         refused = stdout_of(bounded)
         assert refused.startswith("refused"), refused
         assert int(refused.split()[1]) < 30
+
+
+async def test_deno_output_and_results_arrive_with_every_call(server: ServerProcess) -> None:
+    """Deno's kernel may publish output after a cell's idle status: none of it may be lost."""
+    s = session()
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        for i in range(30):
+            language = "typescript" if i % 2 else "javascript"
+            result = await run(conn, f"console.log('n{i}'); {i} * 2", language=language, session=s)
+            assert stdout_of(result) == f"n{i}\n", (i, result["events"])
+            assert result["results"][0]["text/plain"] == str(i * 2), (i, result)

@@ -32,6 +32,7 @@ START_TIMEOUT = 60.0
 CONNECTION_FILE = f"{KERNEL_DIR}/connection.json"
 STDERR_KEPT = 4096
 MAX_QUEUED = 10_000  # messages of one channel waiting to be read
+FLUSH_SECONDS = 1.0  # longest a trailing-output kernel's flush may take
 KERNEL_ENV = {
     "IPYTHONDIR": "/tmp/.ipython",
     "FONTCONFIG_FILE": f"{RUNTIME}/share/srt/fonts.conf",
@@ -273,14 +274,27 @@ class SandboxedKernel:
         shell = asyncio.ensure_future(self._next("shell", None))
         stdin = asyncio.ensure_future(self._next("stdin", None))
         pending = {iopub, shell, stdin}
-        linger_until: float | None = None
+        # A kernel whose output may trail the cell's idle status (spec.linger) is flushed: a
+        # kernel_info request after the cell, whose own idle status comes after everything
+        # the kernel queued on iopub before it, and at least `linger` seconds.
+        barrier: str | None = None
+        flushed = False
+        linger_until = deadline = 0.0
         try:
-            while reply is None or not idle or time.monotonic() < (linger_until or 0):
-                if reply is not None and idle and linger_until is None:
-                    linger_until = time.monotonic() + self.spec.linger
+            while True:
+                if reply is not None and idle:
                     if not self.spec.linger:
                         break
-                wait = None if linger_until is None else max(0, linger_until - time.monotonic())
+                    now = time.monotonic()
+                    if barrier is None:
+                        barrier = client.kernel_info()
+                        linger_until, deadline = now + self.spec.linger, now + FLUSH_SECONDS
+                    elif (flushed and now >= linger_until) or now >= deadline:
+                        break
+                wait = None
+                if barrier is not None:
+                    until = linger_until if flushed else deadline
+                    wait = max(0.0, until - time.monotonic())
                 done, _ = await asyncio.wait(
                     pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -290,7 +304,10 @@ class SandboxedKernel:
                     if task is iopub:
                         iopub = asyncio.ensure_future(self._next("iopub", None))
                         pending.add(iopub)
-                        if msg["parent_header"].get("msg_id") != msg_id:
+                        parent = msg["parent_header"].get("msg_id")
+                        if parent == barrier and msg["msg_type"] == "status":
+                            flushed = flushed or msg["content"].get("execution_state") == "idle"
+                        if parent != msg_id:
                             continue
                         kind = msg["msg_type"]
                         if kind == "status":

@@ -65,8 +65,8 @@ DENO_KERNELSPEC = {
     "display_name": "Deno (TypeScript, JavaScript)",
     "language": "typescript",
     # Deno's kernel speaks TCP only: it runs behind a relay inside its own sandbox.
-    # Its console output reaches iopub on its own schedule, at times after the cell's idle
-    # status: wait that long for stragglers.
+    # Its console output and results reach iopub on their own schedule, at times after the
+    # cell's idle status: the host flushes them (kernel.py) and waits at least this long.
     "metadata": {
         "sandbox_runtime": {"transport": "tcp", "aliases": ["javascript"], "linger_seconds": 0.05}
     },
@@ -87,7 +87,7 @@ class KernelSpec:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     tcp: bool = False  # a kernel that cannot use ipc sockets: behind the relay
-    linger: float = 0.0  # how long output may trail the cell's end (seconds)
+    linger: float = 0.0  # output may trail the cell's end: flush, and wait at least this long
     display_name: str = ""
 
 
