@@ -163,6 +163,54 @@ class Settings(BaseSettings):
     sandbox_user: str = Field(
         "nobody", description="Unprivileged host user sandboxes run as (never root)."
     )
+    workspace_mb: int = Field(
+        1024,
+        ge=16,
+        le=16 * 1024 * 1024,
+        description="Size of each workspace, MiB: writes past it fail with ENOSPC inside the "
+        "sandbox and uploads are refused (a sparse filesystem image per workspace: the host "
+        "spends only what is written).",
+    )
+    workspace_inodes: int = Field(
+        65536, ge=256, le=2**31, description="Files and directories each workspace may hold."
+    )
+    workspace_quota: str = Field(
+        "auto",
+        description="`auto`: a quota'd filesystem image per workspace where the host allows "
+        "(root, loop devices, mkfs.ext4), else plain directories without a quota; `image`: "
+        "refuse to run without; `none`: plain directories.",
+    )
+    workspace_retention_seconds: int = Field(
+        86400,
+        ge=60,
+        description="A workspace unused this long (no execution, interpreter or file tool) is "
+        "removed with its files; the session's next call reports `session_reset`.",
+    )
+    max_inline_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        le=3 * 1024 * 1024,
+        description="Largest content one write_file or read_file call carries inline, bytes "
+        "(MCP requests are capped at 4 MiB); larger files go through create_file_url.",
+    )
+    max_upload_mb: int | None = Field(
+        None,
+        ge=1,
+        description="Largest body of a PUT to a file URL, MiB; default: the workspace size.",
+    )
+    file_url_max_seconds: int = Field(
+        86400, ge=60, description="Longest life a caller may give a file URL, seconds."
+    )
+    file_url_secret: SecretStr | None = Field(
+        None,
+        description="Key of file URL signatures on a replica without SANDBOX_CLUSTER_SECRET "
+        "(which is used when set); default: a random key kept in the state directory.",
+    )
+    public_url: str | None = Field(
+        None,
+        description="Base of the file URLs this server hands out, e.g. https://sandbox.example"
+        "; default: from the request (Host, or X-Forwarded-Host/-Proto from a proxy).",
+    )
     state_dir: Path = Field(
         Path("/var/lib/sandbox-runtime"),
         description="Server state: workspaces live in `<state_dir>/workspaces`.",
@@ -195,6 +243,14 @@ class Settings(BaseSettings):
             raise ValueError("log_format must be `text` or `json`")
         return value
 
+    @field_validator("workspace_quota")
+    @classmethod
+    def _quota(cls, value: str) -> str:
+        value = value.lower()
+        if value not in ("auto", "image", "none"):
+            raise ValueError("workspace_quota must be `auto`, `image` or `none`")
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _level(cls, value: str) -> str:
@@ -223,6 +279,8 @@ class Settings(BaseSettings):
             raise ValueError("SANDBOX_INTERPRETER_WARM must look like python=1,bash=0") from None
         if any(n < 0 or n > 16 for n in warm.values()):
             raise ValueError("SANDBOX_INTERPRETER_WARM: between 0 and 16 per language")
+        if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
+            raise ValueError("SANDBOX_PUBLIC_URL must start with http:// or https://")
         secret = self.cluster_secret.get_secret_value() if self.cluster_secret else ""
         if secret and len(secret) < 16:
             raise ValueError("SANDBOX_CLUSTER_SECRET must be at least 16 characters")
@@ -247,6 +305,9 @@ class Settings(BaseSettings):
                     raise ValueError(f"the token of principal {principal!r} is under 8 characters")
                 out[token] = principal
         return out
+
+    def upload_limit_bytes(self) -> int:
+        return (self.max_upload_mb or self.workspace_mb) * 1024 * 1024
 
     def runtime_path(self) -> Path:
         return self.runtime_dir or self.state_dir / "runtime"

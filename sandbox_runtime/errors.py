@@ -35,3 +35,11 @@ class LimitExceededError(SandboxRuntimeError):
 
 class OwnerUnavailableError(SandboxRuntimeError):
     """The replica that owns the execution did not answer."""
+
+
+class FileAccessError(SandboxRuntimeError):
+    """A workspace path cannot be used as asked (missing, a directory, a link, exists)."""
+
+
+class WorkspaceFullError(SandboxRuntimeError):
+    """The workspace's byte or file quota is spent: delete something first."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -55,6 +56,18 @@ def sandbox_workspace(sandbox_backend: BubblewrapBackend) -> Path:
 
 
 # --- end of sandbox fixtures -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def workspace_mounts_detached(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end, detach the workspace images that servers killed by tests left mounted
+    (as the next server on their state directory would): no loop device outlives the run."""
+    yield
+    from sandbox_runtime.files.workspaces import _umount, mounts_under
+
+    for point in mounts_under(tmp_path_factory.getbasetemp()):
+        with contextlib.suppress(OSError):
+            _umount(point)
 
 
 @pytest.fixture(scope="session", autouse=True)

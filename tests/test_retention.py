@@ -27,6 +27,7 @@ async def manager(tmp_path: Path) -> AsyncIterator[ExecutionManager]:
         replica_id=f"ret-{uuid.uuid4().hex[:6]}",
         max_retained=5,
         retention_seconds=600,
+        workspace_retention_seconds=600,
         _env_file=None,  # type: ignore[call-arg]
     )
     mgr = ExecutionManager(settings)
@@ -53,7 +54,7 @@ async def test_one_principal_flooding_the_cap_does_not_evict_another(
     for _ in range(8):
         await run(manager, alice, "true")
     manager.evict()
-    await manager.remove_idle_workspaces()
+    await manager.workspaces.sweep()
     assert (await manager.status(bob, kept)).status == "completed"
     workspace = manager.backend.config.workspace_root / workspace_name(bob)
     assert (workspace / "notes.txt").read_text() == "important\n"
@@ -66,13 +67,15 @@ async def test_idle_workspace_is_removed_only_after_the_retention(
 ) -> None:
     owner = Owner("carol", "s:tmp")
     execution_id = await run(manager, owner, "echo x > f")
-    workspace = manager.backend.config.workspace_root / workspace_name(owner)
+    name = workspace_name(owner)
+    workspaces = manager.workspaces
     later = time.time() + 601
     assert manager.evict(now=later) >= 1
     with pytest.raises(ExecutionNotFoundError):
         await manager.status(owner, execution_id)
-    assert workspace in manager.idle_workspaces(now=later)
-    assert workspace not in manager.idle_workspaces(), "used moments ago: not idle yet"
-    os.utime(workspace, (time.time() - 700, time.time() - 700))
-    await manager.remove_idle_workspaces()
-    assert not workspace.exists()
+    assert name in workspaces.idle(now=later)
+    assert name not in workspaces.idle(), "used moments ago: not idle yet"
+    handle = workspaces.image(name) if workspaces.mode == "image" else workspaces.path(name)
+    os.utime(handle, (time.time() - 700, time.time() - 700))
+    await workspaces.sweep()
+    assert not workspaces.path(name).exists() and not workspaces.image(name).exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import time
@@ -468,7 +469,11 @@ async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_
     tmp_path: Path,
 ) -> None:
     with running_server(
-        tmp_path, SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_MAX_RUNNING_PER_PRINCIPAL="1"
+        tmp_path,
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_MAX_RUNNING_PER_PRINCIPAL="1",
+        SANDBOX_RETENTION_SECONDS="4",  # the retention sweep runs every second
+        SANDBOX_WORKSPACE_RETENTION_SECONDS="60",
     ) as server:
         replica_id = server.health()["replica_id"]
         async with open_client(server.url, TOKEN, "auto") as conn:
@@ -476,7 +481,10 @@ async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_
             (workspace,) = [
                 p for p in (server.state_dir / "workspaces").iterdir() if (p / "a").exists()
             ]
-            shutil.rmtree(workspace)  # as the retention sweep does to an idle one
+            # Unused for two minutes, as far as the sweep can tell: it removes the workspace.
+            image = workspace.with_name(workspace.name + ".img")
+            os.utime(image, (time.time() - 120, time.time() - 120))
+            await eventually(lambda: not image.exists(), 10, "the sweep to remove it")
             again = await conn.ok("execute_code", command="ls -A /workspace", session="ws")
             assert again["session_reset"] == {
                 "reason": "workspace_removed",

@@ -8,7 +8,6 @@ import contextlib
 import ctypes
 import hashlib
 import math
-import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -29,6 +28,7 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.execution.execution import Execution, Owner
 from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, OutputEvent
+from sandbox_runtime.files.workspaces import WorkspaceStore
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
     BackendConfig,
@@ -94,6 +94,13 @@ class ExecutionManager:
                 runtime_dir=_installed_runtime(settings.runtime_path()),
             )
         )
+        self.workspaces = WorkspaceStore(
+            self.backend.config.workspace_root,
+            size_mb=settings.workspace_mb,
+            inodes=settings.workspace_inodes,
+            quota=settings.workspace_quota,
+            retention_seconds=settings.workspace_retention_seconds,
+        )
         self.replica_id = settings.replica_id
         self.started_at = time.time()
         self._executions: dict[str, Execution] = {}
@@ -142,9 +149,20 @@ class ExecutionManager:
             backlog=lambda: mirror.backlog if mirror is not None else 0,
             connected=lambda: 1 if mirror is not None and mirror.connected else 0,
         )
+        if self.backend.unavailable_reason is None:
+            try:
+                self.workspaces.start(self.backend.sandbox_uid, self.backend.sandbox_gid)
+            except SandboxUnavailableError as exc:
+                self.backend.unavailable_reason = str(exc)
+                logger.error("sandbox unavailable: {}", exc)
+        self.workspaces.busy.append(
+            lambda: {
+                workspace_name(e.owner) for e in self._running.values() if not e.finished.is_set()
+            }
+        )
         self._accepting = True
         if self.backend.unavailable_reason is None:
-            await self.remove_idle_workspaces()  # a previous run's, unused for the retention
+            await self.workspaces.sweep()  # a previous run's, unused for the retention
         self._evictor = asyncio.get_running_loop().create_task(self._evict_forever())
 
     async def shutdown(self) -> None:
@@ -182,6 +200,7 @@ class ExecutionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
         await self.backend.close()
+        await self.workspaces.close()
         if self.mirror is not None:
             try:
                 await asyncio.wait_for(self.mirror.stop(), 15)
@@ -263,8 +282,7 @@ class ExecutionManager:
         execution.listeners.extend(self.listeners)
         spawn_started = time.perf_counter()
         try:
-            workspace = self.backend.create_workspace(workspace_name(owner))
-            os.utime(workspace)  # last use: idle workspaces are removed after retention
+            workspace, _ = await self.workspaces.ensure(workspace_name(owner))
             process = await self.backend.spawn(
                 SandboxSpec(
                     argv=argv,
@@ -517,33 +535,12 @@ class ExecutionManager:
                 self.mirror.forget(execution_id)
         return len(doomed)
 
-    def idle_workspaces(self, now: float | None = None) -> tuple[Path, ...]:
-        """Workspaces no retained execution uses and nobody started anything in for the
-        retention period (their mtime is touched at every start)."""
-        now = time.time() if now is None else now
-        live = {workspace_name(e.owner) for e in self._executions.values()}
-        root = self.backend.config.workspace_root
-        idle: builtins.list[Path] = []
-        with contextlib.suppress(OSError):
-            for path in root.iterdir():
-                if path.name in live:
-                    continue
-                with contextlib.suppress(OSError):
-                    if path.lstat().st_mtime + self.settings.retention_seconds <= now:
-                        idle.append(path)
-        return tuple(idle)
-
-    async def remove_idle_workspaces(self) -> None:
-        """Delete idle workspaces in a worker thread: a huge tree must not stall the loop."""
-        for path in self.idle_workspaces():
-            await asyncio.to_thread(self.backend.remove_workspace, path)
-
     async def _evict_forever(self) -> None:
         while True:
             await asyncio.sleep(min(60.0, max(1.0, self.settings.retention_seconds / 4)))
             try:
                 self.evict()
-                await self.remove_idle_workspaces()
+                await self.workspaces.sweep()
             except (SandboxRuntimeError, OSError):
                 logger.exception("eviction failed")
 

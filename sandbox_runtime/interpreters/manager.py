@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import secrets
 import shutil
@@ -119,8 +118,12 @@ class InterpreterManager:
     def start(self) -> None:
         # A previous server's kernel directories (its kernels died with it).
         shutil.rmtree(self.kernels_root, ignore_errors=True)
-        for path in self.settings.state_dir.glob("workspaces/slot-*"):
-            shutil.rmtree(path, ignore_errors=True)
+        workspaces = self.manager.workspaces
+        for path in workspaces.root.glob("slot-*"):
+            if not path.name.endswith(".img"):
+                with contextlib.suppress(OSError, SandboxRuntimeError):
+                    workspaces._remove_sync(path.name)
+        workspaces.busy.append(self._busy_workspaces)
         loop = asyncio.get_running_loop()
         self._reaper = loop.create_task(self._reap_forever())
         if self.runtime is not None and self.manager.backend.unavailable_reason is None:
@@ -128,6 +131,13 @@ class InterpreterManager:
                 if language in self.runtime.kernels:
                     for _ in range(count):
                         self._refill(language)
+
+    def _busy_workspaces(self) -> set[str]:
+        """Workspaces an interpreter (or a pooled one) runs in: not to unmount or remove."""
+        names = {workspace_name(owner) for owner, _ in self._interpreters}
+        names |= {workspace_name(owner) for owner, _ in self._starting}
+        names |= {slot.name for pool in self._warm.values() for _, slot in pool}
+        return names
 
     async def aclose(self) -> None:
         """Stop every interpreter (the server is stopping). Idempotent."""
@@ -256,16 +266,16 @@ class InterpreterManager:
                 "interpreters; restart_interpreter one you no longer need"
             )
         backend = self.manager.backend
-        workspace = backend.config.workspace_root / workspace_name(owner)
+        name = workspace_name(owner)
         # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel.
-        kernel = self._adopt_warm(spec, workspace) if limits == self.manager.limits else None
+        kernel = await self._adopt_warm(spec, name) if limits == self.manager.limits else None
         warm = kernel is not None
         if kernel is not None:
             self.metrics.interpreter_events.labels(language, "warm_hit").inc()
         else:
             if self.settings.warm_interpreters().get(language):
                 self.metrics.interpreter_events.labels(language, "warm_miss").inc()
-            workspace = backend.create_workspace(workspace_name(owner))
+            workspace, _ = await self.manager.workspaces.ensure(name)
             kernel = SandboxedKernel(backend, spec, workspace, limits, self.kernels_root)
             await kernel.start()
         self.metrics.interpreter_events.labels(language, "start").inc()
@@ -274,10 +284,11 @@ class InterpreterManager:
         logger.info("interpreter started language={} warm={}", language, warm)
         return interpreter
 
-    def _adopt_warm(self, spec: KernelSpec, workspace: Path) -> SandboxedKernel | None:
-        """A pooled kernel, made this owner's by turning its empty slot directory into the
-        owner's workspace: only for a session whose workspace is empty (a new session)."""
+    async def _adopt_warm(self, spec: KernelSpec, name: str) -> SandboxedKernel | None:
+        """A pooled kernel, made this owner's by turning its slot workspace into the owner's:
+        only for a session whose workspace is empty (a new session)."""
         pool = self._warm.get(spec.language)
+        workspaces = self.manager.workspaces
         while pool:
             kernel, slot = pool.pop()
             self._refill(spec.language)
@@ -285,13 +296,14 @@ class InterpreterManager:
                 asyncio.get_running_loop().create_task(kernel.stop())
                 continue
             try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.rmdir(workspace)  # only if empty: ENOTEMPTY keeps a used workspace
-                os.rename(slot, workspace)  # the kernel's bind follows the directory
-            except OSError:
+                adopted = await workspaces.adopt(slot.name, name)
+            except (OSError, SandboxRuntimeError) as exc:
+                logger.warning("could not hand a warm interpreter its workspace: {}", exc)
+                adopted = False
+            if not adopted:
                 pool.append((kernel, slot))
                 return None
-            kernel.workspace = workspace
+            kernel.workspace = workspaces.path(name)
             return kernel
         return None
 
@@ -310,7 +322,11 @@ class InterpreterManager:
     async def _warm_one(self, language: str) -> None:
         started = time.monotonic()
         backend = self.manager.backend
-        slot = backend.create_workspace(f"slot-{secrets.token_hex(8)}")
+        try:
+            slot, _ = await self.manager.workspaces.ensure(f"slot-{secrets.token_hex(8)}")
+        except SandboxRuntimeError as exc:
+            logger.warning("no workspace for a warm {} interpreter: {}", language, exc)
+            return
         kernel = SandboxedKernel(
             backend, self._spec(language), slot, self.manager.limits, self.kernels_root
         )
@@ -318,7 +334,8 @@ class InterpreterManager:
             await kernel.start()
         except Exception as exc:  # the pool stays short; calls start kernels themselves
             logger.warning("could not start a warm {} interpreter: {}", language, exc)
-            shutil.rmtree(slot, ignore_errors=True)
+            with contextlib.suppress(OSError, SandboxRuntimeError):
+                await self.manager.workspaces.remove(slot.name)
             return
         if self._closed:
             await kernel.stop()

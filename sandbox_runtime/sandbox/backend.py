@@ -366,6 +366,10 @@ class BubblewrapBackend:
         """The host uid sandboxes run as."""
         return self._uid
 
+    @property
+    def sandbox_gid(self) -> int:
+        return self._gid
+
     def create_workspace(self, name: str) -> Path:
         """A workspace directory owned by the sandbox user (created if missing)."""
         if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name) or name in (".", ".."):

@@ -22,8 +22,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sandbox_runtime import __version__
 from sandbox_runtime.config import Settings
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
+from sandbox_runtime.files.urls import FileUrlSigner, set_url_signer, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager, set_interpreters
 from sandbox_runtime.server.auth import PrincipalTokenVerifier
+from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
 from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
@@ -56,6 +58,7 @@ def build_mcp(settings: Settings) -> FastMCP:
     )
     register_tools(mcp)
     register_interpreter_tools(mcp)
+    register_file_tools(mcp)
     return mcp
 
 
@@ -107,6 +110,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         own = manager or ExecutionManager(settings)
+        set_url_signer(FileUrlSigner(url_key(settings)))
         router = Router(settings, own)
         router.cluster_address = cluster_address
         await own.start()
@@ -132,6 +136,7 @@ def create_app(
             set_interpreters(None)
             set_router(None)
             set_manager(None)
+            set_url_signer(None)
 
     async def health(request: Request) -> JSONResponse:
         try:

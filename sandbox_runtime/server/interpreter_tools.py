@@ -9,6 +9,7 @@ from fastmcp.tools.base import ToolResult
 from mcp.types import ImageContent, TextContent
 from pydantic import BaseModel, Field
 
+from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.tools import (
     EnvironmentArg,
     ExecutionResult,
@@ -114,7 +115,8 @@ async def _run_code(
     progress = _progress_sink(ctx) if args["wait"] else None
     result = await call(lambda: get_router().run(owner, "run_code", args, progress), tool)
     structured = RunCodeResult.model_validate(result).model_dump(mode="json")
-    return ToolResult(content=_content(result), structured_content=structured)
+    content = [*_content(result), *resource_links(owner, result.get("files"))]
+    return ToolResult(content=content, structured_content=structured)
 
 
 def register_interpreter_tools(mcp: FastMCP) -> None:

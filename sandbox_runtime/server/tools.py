@@ -11,6 +11,7 @@ from typing import Annotated, Any, TypeVar
 from fastmcp import Context, FastMCP
 from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
+from fastmcp.tools.base import ToolResult
 from loguru import logger
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
@@ -19,6 +20,7 @@ from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.execution import Owner
 from sandbox_runtime.execution.manager import get_manager
 from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus
+from sandbox_runtime.server.resources import json_text, resource_links
 from sandbox_runtime.server.session_path import SCOPE_KEY
 from sandbox_runtime.sessions.models import SessionReset
 from sandbox_runtime.sessions.operations import Progress, result_fields
@@ -65,6 +67,11 @@ SandboxConfigArg = Annotated[
 ]
 
 
+class ChangedFile(BaseModel):
+    path: str = Field(description="Relative to /workspace.")
+    size: int
+
+
 class ExecutionResult(BaseModel):
     execution_id: str
     status: ExecutionStatus
@@ -80,6 +87,11 @@ class ExecutionResult(BaseModel):
         None,
         description="Set when this call found the session's state gone (its home replica "
         "died or stopped) and started it afresh on another replica: a fresh workspace.",
+    )
+    files: list[ChangedFile] | None = Field(
+        None,
+        description="Files in /workspace the call created or changed (at most 50), also "
+        "given as resource links (workspace://...).",
     )
 
 
@@ -163,6 +175,8 @@ ERROR_KINDS = {
     "OwnerUnavailableError": "owner_unavailable",
     "SandboxUnavailableError": "sandbox_unavailable",
     "SandboxSpawnError": "spawn_failed",
+    "FileAccessError": "file",
+    "WorkspaceFullError": "quota",
 }
 _owner: contextvars.ContextVar[Owner | None] = contextvars.ContextVar("srt_owner", default=None)
 
@@ -208,19 +222,23 @@ def _progress_sink(ctx: Context) -> Progress | None:
 
 async def execute(
     ctx: Context, session: str | None, request: dict[str, Any], wait: bool, tool: str
-) -> ExecutionResult:
+) -> ToolResult:
     """execute_code(_async): the session-bound `execute` operation, on the session's home."""
     owner = owner_of(ctx, session)
     progress = _progress_sink(ctx) if wait else None
     args = {"request": request, "wait": wait}
     result = await call(lambda: get_router().run(owner, "execute", args, progress), tool)
-    return ExecutionResult.model_validate(result)
+    structured = ExecutionResult.model_validate(result).model_dump(mode="json")
+    content = [json_text(structured), *resource_links(owner, result.get("files"))]
+    return ToolResult(content=content, structured_content=structured)
 
 
 def register_tools(mcp: FastMCP) -> None:
     """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server)."""
 
-    @mcp.tool
+    execution_schema = ExecutionResult.model_json_schema()
+
+    @mcp.tool(output_schema=execution_schema)
     async def execute_code(
         ctx: Context,
         command: CommandArg,
@@ -233,7 +251,7 @@ def register_tools(mcp: FastMCP) -> None:
             bool, Field(description="Wait for the end (up to the timeout) and return the output.")
         ] = True,
         session: SessionArg = None,
-    ) -> ExecutionResult:
+    ) -> ToolResult:
         """Run a command in a fresh sandbox; by default wait for it and return its output."""
         request = {
             "command": command,
@@ -245,7 +263,7 @@ def register_tools(mcp: FastMCP) -> None:
         }
         return await execute(ctx, session, request, wait_for_completion, "execute_code")
 
-    @mcp.tool
+    @mcp.tool(output_schema=execution_schema)
     async def execute_code_async(
         ctx: Context,
         command: CommandArg,
@@ -255,7 +273,7 @@ def register_tools(mcp: FastMCP) -> None:
         environment: EnvironmentArg = None,
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
-    ) -> ExecutionResult:
+    ) -> ToolResult:
         """Start a command in a fresh sandbox and return at once with its execution_id."""
         request = {
             "command": command,

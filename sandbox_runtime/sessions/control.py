@@ -19,6 +19,7 @@ from loguru import logger
 from sandbox_runtime.errors import (
     ExecutionFinishedError,
     ExecutionNotFoundError,
+    FileAccessError,
     InvalidRequestError,
     LimitExceededError,
     OwnerUnavailableError,
@@ -26,6 +27,7 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
     SandboxSpawnError,
     SandboxUnavailableError,
+    WorkspaceFullError,
 )
 from sandbox_runtime.execution.execution import Owner
 from sandbox_runtime.execution.models import ExecutionInfo
@@ -43,6 +45,7 @@ ERRORS: dict[str, type[SandboxRuntimeError]] = {
     for cls in (
         ExecutionFinishedError,
         ExecutionNotFoundError,
+        FileAccessError,
         InvalidRequestError,
         LimitExceededError,
         OwnerUnavailableError,
@@ -50,6 +53,7 @@ ERRORS: dict[str, type[SandboxRuntimeError]] = {
         SandboxRuntimeError,
         SandboxSpawnError,
         SandboxUnavailableError,
+        WorkspaceFullError,
     )
 }
 

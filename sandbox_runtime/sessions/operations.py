@@ -17,6 +17,8 @@ from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.execution.execution import Execution, Owner
 from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
 from sandbox_runtime.execution.models import ExecutionInfo
+from sandbox_runtime.files import operations as files
+from sandbox_runtime.files.operations import changed_files, coarse_now
 
 PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
 PROGRESS_MAX_CHARS = 4096
@@ -67,13 +69,16 @@ async def execute(
 ) -> dict[str, Any]:
     """Start a command in the owner's workspace; with `wait`, wait for its end (streaming its
     output to `progress`) and return its output's first page."""
+    since = coarse_now()
     execution = await manager.start_execution(owner, _request(args))
     if not args.get("wait"):
         return result_fields(execution.info, [], 0, execution.info.last_seq > 0)
     await wait_for_end(execution, progress)
     page = await manager.read_output(owner, execution.execution_id, 0)
     events = [e.wire() for e in page.events]
-    return result_fields(page.info, events, page.next_cursor, page.has_more)
+    result = result_fields(page.info, events, page.next_cursor, page.has_more)
+    result["files"] = await changed_files(manager, owner, since)
+    return result
 
 
 async def wait_for_end(execution: Execution, progress: Progress | None) -> None:
@@ -123,6 +128,7 @@ async def run_code(
     (streaming its output to `progress`) and return its output, rich results and error."""
     from sandbox_runtime.interpreters.manager import get_interpreters
 
+    since = coarse_now()
     execution, reset = await get_interpreters().run(
         owner,
         str(args.get("language") or "python"),
@@ -137,6 +143,7 @@ async def run_code(
     if not args.get("wait"):
         return {**result_fields(execution.info, [], 0, False), **extra}
     await wait_for_end(execution, progress)
+    extra["files"] = await changed_files(manager, owner, since)
     return {**call_result(execution), **extra}
 
 
@@ -203,4 +210,9 @@ OPERATIONS: dict[str, Operation] = {
     "run_code": run_code,
     "list_languages": list_languages,
     "restart_interpreter": restart_interpreter,
+    "write_file": files.write_file,
+    "read_file": files.read_file,
+    "list_files": files.list_files,
+    "delete_file": files.delete_file,
+    "create_file_url": files.create_file_url,
 }

@@ -91,7 +91,10 @@ class Router:
         self.cluster_address = ""  # set once the cluster listener is bound
         self._renewer: asyncio.Task[None] | None = None
         self.cluster_problem: str | None = None
-        self._record_ttl = settings.retention_seconds * RECORD_LIFE_FACTOR
+        self._record_ttl = (
+            max(settings.retention_seconds, settings.workspace_retention_seconds)
+            * RECORD_LIFE_FACTOR
+        )
         self._owed: dict[str, SessionReset] = {}  # resets not yet told to a caller
         self._peers_seen = False  # another replica's heartbeat was seen (with a store)
         self._background: set[asyncio.Task[None]] = set()
@@ -197,7 +200,8 @@ class Router:
             record = found.record
             if found.touched and record is not None:
                 self._remember(key, record.home)
-                return Placement(True, self.replica_id, reset=self._check_workspace(owner))
+                reset = await self._check_workspace(owner)
+                return Placement(True, self.replica_id, reset=reset)
             if record is None:
                 placement = await self._claim(owner, None)
             elif record.state == "released":
@@ -223,10 +227,10 @@ class Router:
             self._last_placement.clear()
         self._last_placement[key] = home
 
-    def _check_workspace(self, owner: Owner) -> SessionReset | None:
+    async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the
         retention period, or this replica came back without its state directory)."""
-        if self._ensure_workspace(owner):
+        if await self._ensure_workspace(owner):
             return None
         self.metrics.sessions.labels("workspace_removed").inc()
         return SessionReset(reason="workspace_removed", previous_replica=self.replica_id)
@@ -282,15 +286,15 @@ class Router:
         if outcome != "claimed":
             return None
         if previous is None:
-            self._ensure_workspace(owner)
+            await self._ensure_workspace(owner)
             self.metrics.sessions.labels("created").inc()
             return Placement(True, self.replica_id)
         # A fresh workspace: whatever this replica kept from an earlier stay is stale.
-        workspace = self.manager.backend.config.workspace_root / workspace_name(owner)
-        if workspace.exists():
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(self.manager.backend.remove_workspace, workspace)
-        self._ensure_workspace(owner)
+        workspaces = self.manager.workspaces
+        if workspaces.exists(workspace_name(owner)):
+            with contextlib.suppress(OSError, SandboxRuntimeError):
+                await workspaces.remove(workspace_name(owner))
+        await self._ensure_workspace(owner)
         self.metrics.sessions.labels(reason).inc()
         logger.warning(
             "session re-homed here from replica {} ({})", previous.home, reason.replace("_", " ")
@@ -301,16 +305,15 @@ class Router:
             reset=SessionReset(reason=reason, previous_replica=previous.home),  # type: ignore[arg-type]
         )
 
-    def _ensure_workspace(self, owner: Owner) -> bool:
+    async def _ensure_workspace(self, owner: Owner) -> bool:
         """Whether the owner's workspace was already there (it is now, if it can be)."""
-        backend = self.manager.backend
         name = workspace_name(owner)
-        if (backend.config.workspace_root / name).is_dir():
-            return True
-        if backend.unavailable_reason is None:
-            with contextlib.suppress(SandboxRuntimeError, OSError):  # the execution says why
-                backend.create_workspace(name)
-        return False
+        if self.manager.backend.unavailable_reason is not None:
+            return self.manager.workspaces.exists(name)
+        try:
+            return (await self.manager.workspaces.ensure(name))[1]
+        except SandboxRuntimeError:  # the operation itself says why
+            return self.manager.workspaces.exists(name)
 
     # -- session-bound operations ------------------------------------------------------------
 
@@ -439,7 +442,7 @@ class Router:
         self.metrics.forwarded_served.labels(op).inc()
         self.metrics.forwarded_serving.inc()
         try:
-            reset = self._check_workspace(owner)
+            reset = await self._check_workspace(owner)
             return await self._run_here(owner, op, args, progress, reset)
         finally:
             self.metrics.forwarded_serving.dec()

@@ -1,0 +1,1 @@
+"""Workspace files: safe host-side access, quotas, tools, resources and signed URLs."""

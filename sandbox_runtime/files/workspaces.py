@@ -1,0 +1,415 @@
+"""The workspaces of this replica: one ext4 image per workspace (its quota), mounted while used.
+
+Why an image: a byte and an inode quota the kernel enforces for writes from inside (ENOSPC)
+need either filesystem quotas (mount options on the host's filesystem, rarely there) or a
+filesystem of the workspace's own. A sparse image file formatted with `mkfs.ext4 -N` and
+loop-mounted costs ~3 ms to make and ~3 ms to mount, takes on the host only what is written
+into it (mounted with `discard`, deleted files give the space back), and makes a workspace
+one movable file. It also puts the workspace on a filesystem of its own: a hard link to a
+file outside cannot exist, and host-side file operations cannot cross into another mount.
+The sandbox only ever sees the mounted filesystem; the image file is root's, 0600, outside.
+
+Layout under the root: `<name>.img` (the image) and `<name>/` (its mount point, root-owned
+mode 0 while nothing is mounted, so nothing is ever written to the host's disk through it).
+An image is mounted when first used, unmounted after UNMOUNT_IDLE_SECONDS without use, and
+removed with its mount point after the retention period. Mounts a killed server left are
+detached at start. Where images cannot be mounted (no root, no loop devices, no mkfs.ext4),
+`quota="auto"` falls back to plain directories without a quota, and says so (doctor, /health).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from loguru import logger
+
+from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.files.fsops import WorkspaceFiles
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+IMAGE_SUFFIX = ".img"
+UNMOUNT_IDLE_SECONDS = 300.0
+MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,discard,noinit_itable"
+MS_BIND = 4096
+MNT_DETACH = 2
+COMMAND_TIMEOUT = 30.0
+PROBE = ".probe"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _umount(path: Path) -> None:
+    """Unmount `path` (detached if busy). Raises OSError."""
+    raw = os.fsencode(path)
+    if _libc.umount2(raw, 0) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY and _libc.umount2(raw, MNT_DETACH) == 0:
+        return
+    if err != errno.EINVAL:  # EINVAL: not mounted
+        raise OSError(err, os.strerror(err), str(path))
+
+
+def _bind(source: Path, target: Path) -> None:
+    if _libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(target))
+
+
+def mounts_under(root: Path) -> list[Path]:
+    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
+    prefix = str(root).rstrip("/") + "/"
+    found: list[Path] = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            point = line.split(b" ")[4].decode("utf-8", "surrogateescape")
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)
+            if point.startswith(prefix):
+                found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+class WorkspaceStore:
+    """Creates, mounts, measures and removes this replica's workspaces."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        size_mb: int,
+        inodes: int,
+        quota: str = "auto",
+        retention_seconds: float,
+    ) -> None:
+        self.root = root
+        self.size_mb = size_mb
+        self.inodes = inodes
+        self.wanted = quota  # auto, image, none
+        self.uid = self.gid = -1  # the sandbox user's, set by start()
+        self.retention_seconds = retention_seconds
+        self.mode = "directory"  # or "image" once start() found images work
+        self.problem: str | None = None  # why there is no quota
+        self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
+        self._mounted: set[str] = set()  # those of them that are mounted images
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._holds: dict[str, int] = {}
+        self.busy: list[Callable[[], set[str]]] = []  # names in use (executions, kernels)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, uid: int, gid: int) -> None:
+        """Prepare the root, detach mounts a dead server left, and decide on images; files
+        are made for the sandbox user uid/gid.
+
+        Raises SandboxUnavailableError when quota="image" and images cannot be used.
+        """
+        self.uid, self.gid = uid, gid
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)
+        for point in mounts_under(self.root):
+            with contextlib.suppress(OSError):
+                _umount(point)
+                logger.info("detached a workspace a previous server left mounted: {}", point)
+        if self.wanted == "none":
+            self.problem = "workspace quotas are turned off (SANDBOX_WORKSPACE_QUOTA=none)"
+        else:
+            self.problem = self._probe()
+        if self.problem is None:
+            self.mode = "image"
+            return
+        if self.wanted == "image":
+            raise SandboxUnavailableError(
+                f"workspace images (SANDBOX_WORKSPACE_QUOTA=image) cannot be used: {self.problem}"
+            )
+        if self.wanted != "none":
+            logger.warning("workspaces have no quota: {}", self.problem)
+
+    def _probe(self) -> str | None:
+        """Why workspace images cannot be made and mounted here (None: they can)."""
+        if os.geteuid() != 0:
+            return "mounting workspace images needs a server running as root"
+        if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+            return "mkfs.ext4 or mount is missing (apt-get install e2fsprogs mount)"
+        if not os.path.exists("/dev/loop-control") and not os.path.exists("/dev/loop0"):
+            return "there are no loop devices (/dev/loop-control)"
+        image, point = self.root / f"{PROBE}{IMAGE_SUFFIX}", self.root / PROBE
+        try:
+            self._remove_sync(PROBE)
+            self._make_image(image, 16, 256)
+            point.mkdir(mode=0)
+            self._run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(point)])
+            _umount(point)
+        except (OSError, subprocess.SubprocessError) as exc:
+            return f"a test image could not be made and mounted: {exc}"
+        finally:
+            with contextlib.suppress(OSError):
+                self._remove_sync(PROBE)
+        return None
+
+    async def close(self) -> None:
+        """Unmount every workspace (the server is stopping; nothing runs in them now)."""
+        for name in list(self._mounted):
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(_umount, self.root / name)
+            self._mounted.discard(name)
+        self._ready.clear()
+
+    # -- naming ------------------------------------------------------------------------------
+
+    def _check(self, name: str) -> None:
+        if not NAME.fullmatch(name):
+            raise InvalidRequestError(f"invalid workspace name {name!r}")
+
+    def path(self, name: str) -> Path:
+        """Where the workspace is (its mount point, or its directory)."""
+        return self.root / name
+
+    def image(self, name: str) -> Path:
+        return self.root / f"{name}{IMAGE_SUFFIX}"
+
+    def exists(self, name: str) -> bool:
+        return self.image(name).is_file() or self.path(name).is_dir()
+
+    def files(self, name: str) -> WorkspaceFiles:
+        """Safe access to the contents of an ensured workspace."""
+        return WorkspaceFiles(self.path(name), self.uid, self.gid)
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            if len(self._locks) > 10_000:
+                self._locks = {n: lk for n, lk in self._locks.items() if lk.locked()}
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
+
+    async def ensure(self, name: str) -> tuple[Path, bool]:
+        """The workspace, made and mounted if needed, and whether it existed before; marks
+        it used. Raises InvalidRequestError, SandboxSpawnError (it cannot be made)."""
+        self._check(name)
+        if name in self._ready:
+            self._ready[name] = time.monotonic()
+            self._touch(name)
+            return self.path(name), True
+        async with self._lock(name):
+            existed = self.exists(name)
+            try:
+                await asyncio.to_thread(self._ensure_sync, name)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise SandboxSpawnError(f"could not prepare the workspace: {exc}") from exc
+        return self.path(name), existed
+
+    def _ensure_sync(self, name: str) -> None:
+        point, image = self.path(name), self.image(name)
+        if self.mode != "image" or (point.is_dir() and not image.exists() and any(point.iterdir())):
+            # No images here, or a plain directory from before images (kept as it is).
+            point.mkdir(mode=0o700, exist_ok=True)
+            if os.geteuid() == 0:
+                os.chown(point, self.uid, self.gid)
+            self._ready[name] = time.monotonic()
+            self._touch(name)
+            return
+        fresh = not image.exists()
+        if fresh:
+            self._make_image(image, self.size_mb, self.inodes)
+        with contextlib.suppress(FileExistsError):
+            point.mkdir(mode=0)
+        os.chmod(point, 0)  # never writable while nothing is mounted on it
+        self._run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(point)])
+        if fresh:
+            with contextlib.suppress(OSError):
+                os.rmdir(point / "lost+found")
+        os.chmod(point, 0o700)  # the filesystem's root, owned by the sandbox user (mkfs)
+        self._mounted.add(name)
+        self._ready[name] = time.monotonic()
+        self._touch(name)
+
+    def _make_image(self, image: Path, size_mb: int, inodes: int) -> None:
+        fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size_mb * 1024 * 1024)
+        finally:
+            os.close(fd)
+        try:
+            options = f"root_owner={self.uid}:{self.gid},lazy_itable_init=1,lazy_journal_init=1"
+            mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes)]
+            self._run([*mkfs, "-E", f"{options},nodiscard", str(image)])
+        except BaseException:
+            with contextlib.suppress(OSError):
+                image.unlink()
+            raise
+
+    @staticmethod
+    def _run(argv: list[str]) -> None:
+        done = subprocess.run(
+            argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=COMMAND_TIMEOUT,
+            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"},
+        )
+        if done.returncode != 0:
+            message = (done.stderr or done.stdout).decode(errors="replace").strip()
+            raise OSError(f"{argv[0]} failed ({done.returncode}): {message[:500]}")
+
+    def _touch(self, name: str) -> None:
+        """Record a use on disk (the retention period counts from it, across restarts)."""
+        handle = self.image(name) if self.image(name).exists() else self.path(name)
+        with contextlib.suppress(OSError):
+            os.utime(handle)
+
+    @contextlib.contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        """Keep the workspace mounted while a host-side file operation uses it."""
+        self._holds[name] = self._holds.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._holds[name] -= 1
+            if not self._holds[name]:
+                del self._holds[name]
+            if name in self._ready:
+                self._ready[name] = time.monotonic()
+
+    def _in_use(self) -> set[str]:
+        names = set(self._holds)
+        for busy in self.busy:
+            names |= busy()
+        return names
+
+    # -- measuring ---------------------------------------------------------------------------
+
+    def usage(self, name: str) -> dict[str, int | None]:
+        """Bytes and files used and allowed (None: no quota) of a mounted workspace."""
+        if name not in self._mounted:
+            return {
+                "bytes_used": None,
+                "bytes_limit": None,
+                "files_used": None,
+                "files_limit": None,
+            }
+        st = os.statvfs(self.path(name))
+        return {
+            "bytes_used": (st.f_blocks - st.f_bfree) * st.f_frsize,
+            "bytes_limit": st.f_blocks * st.f_frsize,
+            "files_used": st.f_files - st.f_ffree,
+            "files_limit": st.f_files,
+        }
+
+    def free_bytes(self, name: str) -> int | None:
+        if name not in self._mounted:
+            return None
+        st = os.statvfs(self.path(name))
+        return st.f_bavail * st.f_frsize
+
+    # -- moving and removing -----------------------------------------------------------------
+
+    async def adopt(self, slot: str, name: str) -> bool:
+        """Make workspace `slot` (a warm interpreter's) into `name`, if `name` is new or
+        empty; whether it did. A kernel started in `slot` keeps its bind of the filesystem."""
+        self._check(slot)
+        self._check(name)
+        async with self._lock(name):
+            return await asyncio.to_thread(self._adopt_sync, slot, name)
+
+    def _adopt_sync(self, slot: str, name: str) -> bool:
+        target = self.path(name)
+        if self.exists(name):
+            if name in self._ready or not self.image(name).exists():
+                with contextlib.suppress(OSError):
+                    if any(target.iterdir()):
+                        return False
+            else:
+                return False  # an unmounted image: the session has been used
+            self._remove_sync(name)
+        source = self.path(slot)
+        if slot not in self._mounted:  # a plain directory
+            os.rename(source, target)
+            self._ready.pop(slot, None)
+            self._ready[name] = time.monotonic()
+            return True
+        target.mkdir(mode=0)
+        try:
+            _bind(source, target)
+        except OSError:
+            target.rmdir()
+            raise
+        _umount(source)
+        os.rename(self.image(slot), self.image(name))
+        with contextlib.suppress(OSError):
+            source.rmdir()
+        self._mounted.discard(slot)
+        self._ready.pop(slot, None)
+        self._mounted.add(name)
+        self._ready[name] = time.monotonic()
+        self._touch(name)
+        return True
+
+    async def remove(self, name: str) -> None:
+        """Remove the workspace and its contents (nothing may be running in it)."""
+        self._check(name)
+        async with self._lock(name):
+            await asyncio.to_thread(self._remove_sync, name)
+
+    def _remove_sync(self, name: str) -> None:
+        point = self.path(name)
+        if name in self._mounted or point in mounts_under(self.root):
+            _umount(point)
+        self._mounted.discard(name)
+        self._ready.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            self.image(name).unlink()
+        shutil.rmtree(point, ignore_errors=True)
+
+    def idle(self, now: float | None = None) -> list[str]:
+        """Workspaces unused for the retention period and not in use now."""
+        now = time.time() if now is None else now
+        busy = self._in_use()
+        names: set[str] = set()
+        with contextlib.suppress(OSError), os.scandir(self.root) as entries:
+            for entry in entries:
+                name = entry.name.removesuffix(IMAGE_SUFFIX)
+                if name in busy or not NAME.fullmatch(name) or name in names:
+                    continue
+                handle = self.image(name) if self.image(name).exists() else self.path(name)
+                with contextlib.suppress(OSError):
+                    if handle.stat().st_mtime + self.retention_seconds <= now:
+                        names.add(name)
+        return sorted(names)
+
+    async def sweep(self) -> tuple[int, int]:
+        """Unmount workspaces idle a while and remove those idle past retention: how many
+        of each."""
+        removed = 0
+        for name in self.idle():
+            if name in self._locks and self._locks[name].locked():
+                continue
+            await self.remove(name)
+            removed += 1
+        unmounted = 0
+        busy = self._in_use()
+        cutoff = time.monotonic() - UNMOUNT_IDLE_SECONDS
+        for name in list(self._mounted):
+            if self._ready.get(name, 0) > cutoff or name in busy:
+                continue
+            async with self._lock(name):
+                if self._ready.get(name, 0) > cutoff or name in self._in_use():
+                    continue
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(_umount, self.path(name))
+                    self._mounted.discard(name)
+                    self._ready.pop(name, None)
+                    os.chmod(self.path(name), 0)
+                    unmounted += 1
+        return removed, unmounted
