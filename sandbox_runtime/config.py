@@ -160,8 +160,11 @@ class Settings(BaseSettings):
         False,
         description="Give sandboxes pseudo-terminals (/dev/pts); a caller may turn them off.",
     )
-    sandbox_user: str = Field(
-        "nobody", description="Unprivileged host user sandboxes run as (never root)."
+    sandbox_user: str | None = Field(
+        None,
+        description="Unprivileged host user sandboxes run as (never root); default: "
+        "`srt-sandbox`, a system user the server creates when it runs as root, else the "
+        "server's own user.",
     )
     workspace_mb: int = Field(
         1024,

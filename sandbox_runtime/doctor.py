@@ -15,6 +15,7 @@ from pathlib import Path
 from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxSpec, shell_argv
+from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER
 from sandbox_runtime.sandbox.cgroups import CgroupLayout
 from sandbox_runtime.sandbox.seccomp import compile_filter
 
@@ -103,34 +104,7 @@ def check_static(settings: Settings) -> list[Check]:
     else:
         checks.append(Check("user namespaces", True, "unprivileged user namespaces enabled"))
 
-    try:
-        entry = pwd.getpwnam(settings.sandbox_user)
-        if entry.pw_uid == 0:
-            checks.append(
-                Check("sandbox user", False, "the sandbox user is root", "SANDBOX_SANDBOX_USER")
-            )
-        elif os.geteuid() not in (0, entry.pw_uid):
-            checks.append(
-                Check(
-                    "sandbox user",
-                    False,
-                    f"server runs as uid {os.geteuid()} and cannot become {settings.sandbox_user}",
-                    "run as root, or set SANDBOX_SANDBOX_USER to the server's own user",
-                )
-            )
-        else:
-            checks.append(
-                Check("sandbox user", True, f"{settings.sandbox_user} (uid {entry.pw_uid})")
-            )
-    except KeyError:
-        checks.append(
-            Check(
-                "sandbox user",
-                False,
-                f"user {settings.sandbox_user!r} does not exist",
-                "useradd --system --no-create-home srt-sandbox; SANDBOX_SANDBOX_USER=srt-sandbox",
-            )
-        )
+    checks.append(_sandbox_user_check(settings))
 
     try:
         size = len(compile_filter())
@@ -248,6 +222,93 @@ async def check_live(settings: Settings) -> list[Check]:
     return checks
 
 
+def _sandbox_user(settings: Settings) -> tuple[str, bool]:
+    """The user sandboxes run as, and whether the server makes it at start."""
+    if settings.sandbox_user:
+        return settings.sandbox_user, False
+    if os.geteuid() == 0:
+        return DEFAULT_SANDBOX_USER, True
+    return pwd.getpwuid(os.geteuid()).pw_name, False
+
+
+def _sandbox_user_check(settings: Settings) -> Check:
+    user, made = _sandbox_user(settings)
+    try:
+        entry = pwd.getpwnam(user)
+    except KeyError:
+        if made:
+            return Check("sandbox user", True, f"{user} (a system user, created at start)")
+        return Check(
+            "sandbox user",
+            False,
+            f"user {user!r} does not exist",
+            "useradd --system --user-group --no-create-home srt-sandbox, or unset "
+            "SANDBOX_SANDBOX_USER (a root server then makes srt-sandbox itself)",
+        )
+    if entry.pw_uid == 0:
+        return Check("sandbox user", False, "the sandbox user is root", "SANDBOX_SANDBOX_USER")
+    if os.geteuid() not in (0, entry.pw_uid):
+        return Check(
+            "sandbox user",
+            False,
+            f"server runs as uid {os.geteuid()} and cannot become {user}",
+            "run as root, or set SANDBOX_SANDBOX_USER to the server's own user",
+        )
+    shared = (
+        " (shared with other daemons: prefer the default srt-sandbox)" if user == "nobody" else ""
+    )
+    return Check("sandbox user", True, f"{user} (uid {entry.pw_uid}){shared}")
+
+
+def check_workspaces(settings: Settings) -> list[Check]:
+    """How workspaces get their quota here, and how file tools resolve paths safely."""
+    from sandbox_runtime.files.fsops import openat2_available
+    from sandbox_runtime.files.workspaces import WorkspaceStore
+
+    checks = []
+    user, _ = _sandbox_user(settings)
+    try:
+        entry = pwd.getpwnam(user)
+        uid, gid = entry.pw_uid, entry.pw_gid
+    except KeyError:
+        uid = gid = os.geteuid()
+    with tempfile.TemporaryDirectory(prefix="srt-doctor-") as tmp:
+        store = WorkspaceStore(
+            Path(tmp) / "ws",
+            size_mb=settings.workspace_mb,
+            inodes=settings.workspace_inodes,
+            quota=settings.workspace_quota,
+            retention_seconds=settings.workspace_retention_seconds,
+        )
+        try:
+            store.start(uid, gid)
+            if store.mode == "image":
+                detail = (
+                    f"a {settings.workspace_mb} MiB, {settings.workspace_inodes}-file ext4 image "
+                    "per workspace (the kernel enforces both)"
+                )
+                checks.append(Check("workspace quota", True, detail))
+            else:
+                checks.append(
+                    Check(
+                        "workspace quota",
+                        False,
+                        f"none: {store.problem}",
+                        "run as root with loop devices and e2fsprogs, or accept no quota",
+                        False,
+                    )
+                )
+        except SandboxRuntimeError as exc:
+            checks.append(Check("workspace quota", False, str(exc), "SANDBOX_WORKSPACE_QUOTA"))
+    if openat2_available():
+        checks.append(Check("file tools", True, "paths resolved with openat2 (RESOLVE_BENEATH)"))
+    else:
+        checks.append(
+            Check("file tools", True, "no openat2 (kernel < 5.6): paths walked with O_NOFOLLOW")
+        )
+    return checks
+
+
 def _backend(
     settings: Settings, tmp: Path, group: str, runtime_dir: Path | None = None
 ) -> BubblewrapBackend:
@@ -342,6 +403,8 @@ def run_doctor(settings: Settings) -> int:
     checks = check_static(settings)
     if all(c.ok or not c.required for c in checks):
         checks += asyncio.run(check_live(settings))
+    if all(c.ok or not c.required for c in checks):
+        checks += check_workspaces(settings)
     if all(c.ok or not c.required for c in checks):
         checks += asyncio.run(check_languages(settings))
     if in_container():

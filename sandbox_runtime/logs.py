@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from typing import Any
 
@@ -42,10 +43,20 @@ def _json_line(record: Any) -> str:
     return "{extra[_json]}\n"
 
 
+# A file URL's token grants a download or an upload until it expires: never in a log line.
+FILE_TOKEN = re.compile(r"/files/[^/?\s]+")
+
+
+def redact(path: str) -> str:
+    return FILE_TOKEN.sub("/files/<token>", path)
+
+
 class _InterceptHandler(logging.Handler):
-    """Standard-library records into loguru, at their level."""
+    """Standard-library records into loguru, at their level (access log paths redacted)."""
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name == "uvicorn.access" and isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
         try:
             level: str | int = logger.level(record.levelname).name
         except ValueError:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -25,7 +26,15 @@ from mcp.types import CallToolResult
 
 Mode = Literal["legacy", "auto"]
 MODERN_PROTOCOL = "2026-07-28"
-SANDBOX_UID = 65534  # host uid of the default sandbox user `nobody`
+
+
+def sandbox_uid() -> int:
+    """The host uid of the default sandbox user (`srt-sandbox`, made here if missing)."""
+    from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER, ensure_system_user
+
+    return pwd.getpwnam(ensure_system_user(DEFAULT_SANDBOX_USER)).pw_uid
+
+
 CLUSTER_SECRET = "test-cluster-secret-0123456789"
 
 

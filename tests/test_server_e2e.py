@@ -14,7 +14,6 @@ from typing import Any
 import httpx2
 import pytest
 from mcp_harness import (
-    SANDBOX_UID,
     Conn,
     Mode,
     ServerProcess,
@@ -25,6 +24,7 @@ from mcp_harness import (
     processes_with,
     run_server_once,
     running_server,
+    sandbox_uid,
 )
 
 pytestmark = pytest.mark.e2e
@@ -425,7 +425,7 @@ async def test_cancel_kills_the_whole_tree_including_a_grandchild_ignoring_sigte
         pid for pid, cmdline in processes_with(f"grandchild-{marker}") if "-c" in cmdline
     ]
     assert grandchildren, "the grandchild is not visible on the host"
-    assert all(proc_uid(pid) == SANDBOX_UID for pid in grandchildren)
+    assert all(proc_uid(pid) == sandbox_uid() for pid in grandchildren)
 
     started = time.monotonic()
     result = await alice.ok("cancel_execution", execution_id=execution_id, force=force)
@@ -1092,7 +1092,7 @@ def test_an_invalid_setting_exits_naming_the_setting(
 
 
 async def test_sigterm_with_running_executions_leaves_no_process_behind(tmp_path: Path) -> None:
-    """Sandboxes (uid 65534 on the host) die with the server; a waiting call gets its answer."""
+    """Sandboxes (srt-sandbox on the host) die with the server; a waiting call gets its answer."""
     marker = unique("srt-e2e-sigterm")
     server = ServerProcess(tmp_path, {"SANDBOX_AUTH_TOKEN": ALICE, "SANDBOX_SHUTDOWN_GRACE": "1"})
     await asyncio.to_thread(server.start)
@@ -1109,7 +1109,7 @@ async def test_sigterm_with_running_executions_leaves_no_process_behind(tmp_path
                 assert time.monotonic() < deadline, "the waiting execution never started"
                 await asyncio.sleep(0.05)
             tree = server.descendants()
-            sandboxed = [pid for pid, _ in tree if proc_uid(pid) == SANDBOX_UID]
+            sandboxed = [pid for pid, _ in tree if proc_uid(pid) == sandbox_uid()]
             assert len(sandboxed) >= 4, "the sandboxed sleepers are not visible on the host"
             while len(processes_with(marker)) < 4:
                 assert time.monotonic() < deadline, "the marked sleepers never appeared"

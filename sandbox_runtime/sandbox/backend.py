@@ -13,6 +13,7 @@ import re
 import resource
 import shutil
 import stat
+import subprocess
 import tempfile
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -29,6 +30,10 @@ from sandbox_runtime.sandbox.spawn_client import SpawnerManager
 
 WORKSPACE = "/workspace"
 SANDBOX_UID = 1000  # the uid a program sees inside; on the host it is `sandbox_user`
+# The host user sandboxes run as by default: a system user of our own, not `nobody` (which
+# other daemons share: a sandbox could signal or ptrace them were it ever to reach them, and
+# files they own would be the sandbox's).
+DEFAULT_SANDBOX_USER = "srt-sandbox"
 MAX_COMMAND_BYTES = 120 * 1024  # the kernel refuses one argument over 128 KiB
 MAX_ENV_BYTES = 64 * 1024
 MAX_ENV_VARS = 256
@@ -110,7 +115,8 @@ class BackendConfig:
     """What the backend needs from the server's settings."""
 
     limits: SandboxLimits = field(default_factory=SandboxLimits)
-    sandbox_user: str = "nobody"
+    # None: DEFAULT_SANDBOX_USER (created if missing) for a root server, else its own user.
+    sandbox_user: str | None = None
     workspace_root: Path = Path("/var/lib/sandbox-runtime/workspaces")
     bwrap_path: str | None = None
     group_name: str = "srt"
@@ -245,11 +251,18 @@ class BubblewrapBackend:
                 "bubblewrap (bwrap) is not installed; install it: apt-get install bubblewrap"
             )
         self._bwrap = bwrap
+        user = self.config.sandbox_user
+        if user is None:
+            if os.geteuid() == 0:
+                user = ensure_system_user(DEFAULT_SANDBOX_USER)
+            else:  # a server that is not root can only run sandboxes as itself
+                user = pwd.getpwuid(os.geteuid()).pw_name
+            self.config.sandbox_user = user
         try:
-            entry = pwd.getpwnam(self.config.sandbox_user)
+            entry = pwd.getpwnam(user)
         except KeyError:
             raise SandboxUnavailableError(
-                f"sandbox user {self.config.sandbox_user!r} does not exist; create it "
+                f"sandbox user {user!r} does not exist; create it "
                 "(useradd --system --no-create-home srt-sandbox) or set SANDBOX_SANDBOX_USER"
             ) from None
         if entry.pw_uid == 0:
@@ -683,6 +696,30 @@ class BubblewrapBackend:
         while True:
             await asyncio.sleep(2.0)
             self.reap_orphans()
+
+
+def ensure_system_user(name: str) -> str:
+    """`name`, created as a system user (no home, no login shell, a group of its own) if it
+    does not exist yet. Raises SandboxUnavailableError."""
+    with contextlib.suppress(KeyError):
+        pwd.getpwnam(name)
+        return name
+    useradd = shutil.which("useradd") or "/usr/sbin/useradd"
+    argv = [useradd, "--system", "--user-group", "--no-create-home", "--home-dir",
+            "/nonexistent", "--shell", "/usr/sbin/nologin", name]  # fmt: skip
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+        problem = done.stderr.strip() if done.returncode != 0 else ""
+    except (OSError, subprocess.SubprocessError) as exc:
+        problem = str(exc)
+    with contextlib.suppress(KeyError):
+        pwd.getpwnam(name)  # made now (or by another server starting at the same time)
+        logger.info("created the system user {} for sandboxes", name)
+        return name
+    raise SandboxUnavailableError(
+        f"could not create the sandbox user {name!r} ({problem or 'useradd failed'}); create it "
+        f"(useradd --system --user-group --no-create-home {name}) or set SANDBOX_SANDBOX_USER"
+    )
 
 
 def _close_all(fds: list[int]) -> None:

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sandbox_runtime import __version__
 from sandbox_runtime.config import Settings
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
+from sandbox_runtime.files.http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.files.urls import FileUrlSigner, set_url_signer, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager, set_interpreters
 from sandbox_runtime.server.auth import PrincipalTokenVerifier
@@ -89,6 +90,7 @@ def create_app(
     the replica-to-replica calls, and requests on any other port never do.
     """
     mcp = build_mcp(settings)
+    files = FilesApp()
     allowed = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
     protection: bool | Literal["auto"]
     if allowed == ["auto"] or not allowed:
@@ -133,6 +135,7 @@ def create_app(
         finally:
             await own.shutdown()  # stops the interpreters first (a shutdown hook)
             await router.aclose()
+            await files.aclose()
             set_interpreters(None)
             set_router(None)
             set_manager(None)
@@ -216,10 +219,29 @@ def create_app(
         ],
         lifespan=lifespan,
     )
+    # Signed file URLs carry their own authority: they bypass the MCP app's auth and Host checks.
+    served = PrefixDispatch(public, {PUBLIC_PREFIX: files})
     if cluster_port is None:
-        return public
+        return served
+    cluster = ClusterApp(get_router, {CLUSTER_PREFIX: files})
+    return ClusterDispatch(served, cluster, cluster_port)
 
-    return ClusterDispatch(public, ClusterApp(get_router), cluster_port)
+
+class PrefixDispatch:
+    """Sends HTTP requests under a path prefix to its own app, all else (lifespan included)
+    to the default app."""
+
+    def __init__(self, default: ASGIApp, routes: dict[str, ASGIApp]) -> None:
+        self.default = default
+        self.routes = routes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for prefix, app in self.routes.items():
+                if scope["path"].startswith(prefix):
+                    await app(scope, receive, send)
+                    return
+        await self.default(scope, receive, send)
 
 
 class ClusterDispatch:

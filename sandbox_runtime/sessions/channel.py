@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import httpx2
 from loguru import logger
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandbox_runtime.errors import OwnerUnavailableError, SandboxRuntimeError
 from sandbox_runtime.sessions.control import raise_error_reply
@@ -65,12 +65,19 @@ class HomeFrozenError(OwnerUnavailableError):
 class ClusterApp:
     """ASGI app of the cluster listener: signed forwarded calls only, everything else 404."""
 
-    def __init__(self, served: Callable[[], Served]) -> None:
+    def __init__(
+        self, served: Callable[[], Served], streams: dict[str, ASGIApp] | None = None
+    ) -> None:
         self.served = served  # looked up per call: the router lives in the app's lifespan
+        self.streams = streams or {}  # path prefix -> app checking its own signatures
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
+        for prefix, app in self.streams.items():
+            if scope["path"].startswith(prefix):
+                await app(scope, receive, send)
+                return
         if scope["path"] != CALL_PATH or scope["method"] != "POST":
             await _plain(send, 404, b"not found\n")
             return
