@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import time
 import uuid
@@ -485,12 +484,15 @@ async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_
             image = workspace.with_name(workspace.name + ".img")
             os.utime(image, (time.time() - 120, time.time() - 120))
             await eventually(lambda: not image.exists(), 10, "the sweep to remove it")
-            again = await conn.ok("execute_code", command="ls -A /workspace", session="ws")
+            # A file tool is the first to learn of it: it answers with the reset.
+            again = await conn.ok("list_files", session="ws")
             assert again["session_reset"] == {
                 "reason": "workspace_removed",
                 "previous_replica": replica_id,
             }
-            assert stdout_of(again) == ""
+            assert again["entries"] == []
+            listed = await conn.ok("execute_code", command="ls -A /workspace", session="ws")
+            assert listed.get("session_reset") is None and stdout_of(listed) == ""
             third = await conn.ok("execute_code", command="true", session="ws")
             assert third.get("session_reset") is None
             started = await conn.ok("execute_code_async", command="sleep 100", session="s1")
@@ -516,18 +518,38 @@ async def test_a_reset_is_told_even_when_the_first_call_after_it_fails(topology:
         assert again.get("session_reset") is None
 
 
-async def test_a_forwarded_call_reports_a_workspace_the_home_lost(topology: Topology) -> None:
+async def test_a_forwarded_call_reports_a_workspace_the_home_lost(
+    topology: Topology, tmp_path: Path
+) -> None:
     session = unique("lostws")
-    home, other = list(topology.replicas)[:2]
-    async with open_client(topology.replicas[home].url, TOKEN, "auto") as on_home:
-        await on_home.ok("execute_code", command="echo keep > /workspace/keep", session=session)
-    workspaces = topology.replicas[home].state_dir / "workspaces"
-    (workspace,) = [p for p in workspaces.iterdir() if (p / "keep").exists()]
-    shutil.rmtree(workspace)  # as the retention sweep does
-    async with open_client(topology.replicas[other].url, TOKEN, "auto") as on_other:
-        result = await on_other.ok("execute_code", command="ls -A /workspace", session=session)
-    assert result["session_reset"] == {"reason": "workspace_removed", "previous_replica": home}
-    assert topology.replica_of(result["execution_id"]) == home
+    other = next(iter(topology.replicas))
+    # A home that sweeps every second (its retention is short), joining the deployment.
+    home = replica_server(
+        tmp_path,
+        topology.redis,
+        unique("sweeper"),
+        SANDBOX_RETENTION_SECONDS="4",
+        SANDBOX_WORKSPACE_RETENTION_SECONDS="60",
+    ).start()
+    try:
+        async with open_client(home.url, TOKEN, "auto") as on_home:
+            await on_home.ok("execute_code", command="echo keep > /workspace/keep", session=session)
+        workspaces = home.state_dir / "workspaces"
+        (workspace,) = [p for p in workspaces.iterdir() if (p / "keep").exists()]
+        image = workspace.with_name(workspace.name + ".img")
+        os.utime(image, (time.time() - 120, time.time() - 120))  # unused for two minutes
+        await eventually(lambda: not image.exists(), 10, "the sweep to remove the workspace")
+        async with open_client(topology.replicas[other].url, TOKEN, "auto") as on_other:
+            result = await on_other.ok("execute_code", command="ls -A /workspace", session=session)
+        home_id = home.health()["replica_id"]
+        assert result["session_reset"] == {
+            "reason": "workspace_removed",
+            "previous_replica": home_id,
+        }
+        assert stdout_of(result) == ""
+        assert topology.replica_of(result["execution_id"]) == home_id
+    finally:
+        home.stop()
 
 
 async def test_a_frozen_home_gives_a_clear_error_not_a_hang(topology: Topology) -> None:

@@ -375,9 +375,7 @@ class Router:
         swallow the news that the session started afresh."""
         key = session_key(owner.principal, owner.session_id)
         if reset is not None:
-            self._owed[key] = reset
-            if len(self._owed) > 100_000:
-                self._owed.pop(next(iter(self._owed)))
+            self.owe(owner, reset)
         result = await OPERATIONS[op](self.manager, owner, args, progress)
         owed = self._owed.pop(key, None)
         if owed is not None:
@@ -385,6 +383,13 @@ class Router:
             if "state_reset" in result:  # the interpreter was lost with the session
                 result["state_reset"] = {"reason": "rehomed"}
         return result
+
+    def owe(self, owner: Owner, reset: SessionReset) -> None:
+        """Tell the owner's next successful call that the session started afresh (a placement
+        made outside an operation, e.g. for a file URL, found it so)."""
+        self._owed[session_key(owner.principal, owner.session_id)] = reset
+        if len(self._owed) > 100_000:
+            self._owed.pop(next(iter(self._owed)))
 
     def _wait_bound(self, args: dict[str, Any]) -> float:
         request = args.get("request") or {}
