@@ -42,6 +42,7 @@ MAX_PATH_BYTES = 4096
 MAX_NAME_BYTES = 255
 UPLOAD_PREFIX = ".srt-upload-"
 CHUNK = 1024 * 1024
+SCAN_DEPTH = 64  # directory levels the changed-files scan descends, at most
 
 SYS_OPENAT2 = 437  # the same number on every architecture (asm-generic, 5.6+)
 RESOLVE_NO_XDEV = 0x01
@@ -103,6 +104,10 @@ def clean_path(path: str) -> tuple[str, ...]:
     """
     if not isinstance(path, str) or "\x00" in path:
         raise InvalidRequestError("path must be a string without NUL")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError:
+        raise InvalidRequestError("path must be valid Unicode (no lone surrogates)") from None
     if len(path.encode("utf-8", "surrogatepass")) > MAX_PATH_BYTES:
         raise InvalidRequestError(f"path is longer than {MAX_PATH_BYTES} bytes")
     if path.startswith("/"):
@@ -123,6 +128,21 @@ def clean_path(path: str) -> tuple[str, ...]:
 
 def display(parts: tuple[str, ...]) -> str:
     return "/".join(parts) or "."
+
+
+def _is_text(name: str) -> bool:
+    """Whether a name read from the filesystem is valid UTF-8 (os gives other bytes as lone
+    surrogates, which JSON, URIs and the tools' paths cannot carry)."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _text(name: str) -> str:
+    """A name read from the filesystem as text to show: bytes that are not UTF-8 as U+FFFD."""
+    return name if _is_text(name) else os.fsencode(name).decode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -244,7 +264,10 @@ class WorkspaceFiles:
                 "(file tools never follow links)"
             )
         if code == errno.ENOTDIR:
-            return FileAccessError(f"{where}: a component of the path is not a directory")
+            return FileAccessError(
+                f"{where}: a component of the path is not a directory (or is a symbolic link: "
+                "file tools never follow links)"
+            )
         if code == errno.EISDIR:
             return FileAccessError(f"{where}: is a directory")
         if code == errno.EEXIST:
@@ -368,8 +391,8 @@ class WorkspaceFiles:
                     target = None
                     if stat.S_ISLNK(st.st_mode):
                         with contextlib.suppress(OSError):
-                            target = os.readlink(entry.name, dir_fd=fd)
-                    name = "/".join((*parts, entry.name))
+                            target = _text(os.readlink(entry.name, dir_fd=fd))
+                    name = _text("/".join((*parts, entry.name)))
                     out.append(Entry(name, kind_of(st.st_mode), st.st_size, st.st_mtime, target))
                     if depth > 1 and stat.S_ISDIR(st.st_mode):
                         subdirs.append(entry.name)
@@ -388,8 +411,9 @@ class WorkspaceFiles:
 
     def changed_since(self, since: float, visit: int, report: int) -> tuple[list[Entry], bool]:
         """Regular files whose status changed at or after `since` (ctime: sandboxed code
-        cannot set it), at most `report`, visiting at most `visit` names; and whether the
-        scan stopped early."""
+        cannot set it), at most `report`, visiting at most `visit` names and SCAN_DEPTH
+        levels; and whether the scan stopped early. Names that are not UTF-8 are skipped
+        (no path or link could name them)."""
         found: list[Entry] = []
         budget = [visit]
         try:
@@ -417,12 +441,15 @@ class WorkspaceFiles:
                     budget[0] -= 1
                     if budget[0] < 0 or len(found) > report:
                         return False
+                    if not _is_text(entry.name):
+                        continue
                     try:
                         st = entry.stat(follow_symlinks=False)
                     except OSError:
                         continue
                     if stat.S_ISDIR(st.st_mode):
-                        subdirs.append(entry.name)
+                        if len(parts) + 1 < SCAN_DEPTH:  # no recursion a hostile tree can exhaust
+                            subdirs.append(entry.name)
                     elif (
                         stat.S_ISREG(st.st_mode)
                         and st.st_ctime >= since
@@ -514,6 +541,11 @@ class WorkspaceFiles:
                     )
                     try:
                         shutil.rmtree(parts[-1], dir_fd=dir_fd)
+                    except RecursionError:  # shutil.rmtree recurses once per level
+                        raise FileAccessError(
+                            f"{display(parts)}: nested too deep to delete here; remove it with "
+                            "execute_code (rm -rf)"
+                        ) from None
                     finally:
                         os.close(dir_fd)
                 else:
