@@ -174,8 +174,13 @@ class Settings(BaseSettings):
         "sandbox and uploads are refused (a sparse filesystem image per workspace: the host "
         "spends only what is written).",
     )
-    workspace_inodes: int = Field(
-        65536, ge=256, le=2**31, description="Files and directories each workspace may hold."
+    workspace_inodes: int | None = Field(
+        None,
+        ge=256,
+        le=2**31,
+        description="Files and directories each workspace may hold; default one per 16 KiB "
+        "of SANDBOX_WORKSPACE_MB (65536 for 1 GiB). At most one per KiB (the inode table "
+        "comes out of the workspace's bytes).",
     )
     workspace_quota: str = Field(
         "auto",
@@ -308,6 +313,11 @@ class Settings(BaseSettings):
                     raise ValueError(f"the token of principal {principal!r} is under 8 characters")
                 out[token] = principal
         return out
+
+    def workspace_inode_count(self) -> int:
+        """Inodes per workspace image: the setting (or one per 16 KiB), at most one per KiB."""
+        wanted = self.workspace_inodes or self.workspace_mb * 64
+        return max(256, min(wanted, self.workspace_mb * 1024))
 
     def upload_limit_bytes(self) -> int:
         return (self.max_upload_mb or self.workspace_mb) * 1024 * 1024

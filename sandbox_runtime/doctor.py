@@ -276,16 +276,17 @@ def check_workspaces(settings: Settings) -> list[Check]:
         store = WorkspaceStore(
             Path(tmp) / "ws",
             size_mb=settings.workspace_mb,
-            inodes=settings.workspace_inodes,
+            inodes=settings.workspace_inode_count(),
             quota=settings.workspace_quota,
             retention_seconds=settings.workspace_retention_seconds,
         )
         try:
             store.start(uid, gid)
             if store.mode == "image":
+                inodes = settings.workspace_inode_count()
                 detail = (
-                    f"a {settings.workspace_mb} MiB, {settings.workspace_inodes}-file ext4 image "
-                    "per workspace (the kernel enforces both)"
+                    f"a {settings.workspace_mb} MiB, {inodes}-file ext4 image per workspace "
+                    "(the kernel enforces both)"
                 )
                 checks.append(Check("workspace quota", True, detail))
             else:

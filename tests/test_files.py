@@ -5,13 +5,16 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from mcp.types import ImageContent, ResourceLink
-from mcp_harness import ServerProcess, error_text, open_client, running_server
+from mcp_harness import ServerProcess, error_text, eventually, open_client, running_server
+
+from sandbox_runtime.files.operations import CLOCK_REALTIME_COARSE
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +57,9 @@ async def test_text_and_binary_round_trip_through_the_tools(server: ServerProces
         assert text["content"] == "héllo\n" and text["encoding"] == "utf-8" and text["eof"]
         raw = await conn.ok("read_file", path="bin/blob", session=session)
         assert raw["encoding"] == "base64" and base64.b64decode(raw["content"]) == blob
-        part = await conn.ok("read_file", path="bin/blob", offset=10, length=5, session=session)
+        part = await conn.ok(
+            "read_file", path="bin/blob", offset=10, length=5, encoding="base64", session=session
+        )
         assert base64.b64decode(part["content"]) == blob[10:15] and not part["eof"]
         # The sandbox sees what the tools wrote, and the tools see what the sandbox wrote.
         run = await conn.ok(
@@ -116,6 +121,12 @@ async def test_results_link_the_files_a_call_created_or_changed(
     async with open_client(server.url, TOKEN, mode) as conn:
         await conn.ok("write_file", path="old.txt", content="old", session=session)
         await conn.ok("write_file", path="keep.txt", content="keep", session=session)
+        # Change times tick with the kernel's coarse clock: let it tick past these writes, so
+        # that the call's own changes are told apart from them.
+        written = time.clock_gettime(CLOCK_REALTIME_COARSE)
+        await eventually(
+            lambda: time.clock_gettime(CLOCK_REALTIME_COARSE) > written, 1, "a clock tick", 0.001
+        )
         result = await conn.call(
             "execute_code",
             command="mkdir -p out && seq 100 > out/numbers.csv && echo more >> old.txt",

@@ -97,7 +97,7 @@ class ExecutionManager:
         self.workspaces = WorkspaceStore(
             self.backend.config.workspace_root,
             size_mb=settings.workspace_mb,
-            inodes=settings.workspace_inodes,
+            inodes=settings.workspace_inode_count(),
             quota=settings.workspace_quota,
             retention_seconds=settings.workspace_retention_seconds,
         )

@@ -22,7 +22,7 @@ import re
 from collections.abc import AsyncIterator, Callable
 from email.utils import formatdate
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote
 
 import httpx2
 from loguru import logger
@@ -118,7 +118,7 @@ class FilesApp:
         except (UrlRefusedError, SandboxRuntimeError) as exc:
             await _text(send, 403, f"{exc}\n")
             return
-        if unquote(name) != grant.path.rsplit("/", 1)[-1]:
+        if name != grant.path.rsplit("/", 1)[-1]:  # (the ASGI path is already decoded)
             await _text(send, 404, "this URL names another file\n")
             return
         owner = Owner(grant.principal, grant.session_id)
@@ -238,10 +238,12 @@ class FilesApp:
                 async for chunk in _body_chunks(receive):
                     received += len(chunk)
                     if received > limit:
+                        await asyncio.to_thread(upload.abort)  # gone before the answer
                         await _text(send, 413, f"uploads are limited to {limit} bytes\n")
                         return
                     await asyncio.to_thread(upload.write, chunk)
                 if declared is not None and received != declared:
+                    await asyncio.to_thread(upload.abort)
                     await _text(send, 400, "the body is shorter than its Content-Length\n")
                     return
                 size = await asyncio.to_thread(upload.commit)
@@ -262,6 +264,12 @@ class FilesApp:
             raise OwnerUnavailableError("this session lives on another replica")
         target = CLUSTER_PREFIX + path[len(PUBLIC_PREFIX) :]
         method = scope["method"]
+        limit = router.manager.settings.upload_limit_bytes()
+        if method == "PUT" and (_content_length(scope) or 0) > limit:
+            # Refused before reading the body, as the home would: forwarded, the client had to
+            # send all of it first (the home's early answer waits behind the request's body).
+            await _text(send, 413, f"uploads are limited to {limit} bytes\n")
+            return
         headers = {
             SIGNATURE_HEADER: router.signer.sign_call(placement.home, target, method.encode())
         }
@@ -270,7 +278,8 @@ class FilesApp:
             if key.encode() in incoming:
                 headers[key] = incoming[key.encode()].decode("latin-1")
         content = _body_chunks(receive) if method == "PUT" else None
-        url = f"http://{placement.address}{target}"
+        # The path is decoded: encoded again, a name with %, ? or # reaches the home as is.
+        url = f"http://{placement.address}{quote(target)}"
         try:
             async with self.client.stream(method, url, headers=headers, content=content) as resp:
                 out = [

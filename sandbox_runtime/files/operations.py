@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import math
 import mimetypes
 import time
 from typing import Any
@@ -198,7 +199,7 @@ async def create_file_url(
         )
     if entry is not None and entry.type != "file":
         raise FileAccessError(f"{entry.path}: is a {entry.type}, not a regular file")
-    expires_at = int(time.time()) + expires_in
+    expires_at = math.ceil(time.time()) + expires_in  # never shorter than asked
     token = get_url_signer().sign(
         method, owner.principal, owner.session_id, display(parts), expires_at
     )
