@@ -477,6 +477,7 @@ async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_
         replica_id = server.health()["replica_id"]
         async with open_client(server.url, TOKEN, "auto") as conn:
             await conn.ok("execute_code", command="echo a > /workspace/a", session="ws")
+            url = (await conn.ok("create_file_url", path="a", session="ws"))["url"]
             (workspace,) = [
                 p for p in (server.state_dir / "workspaces").iterdir() if (p / "a").exists()
             ]
@@ -484,7 +485,9 @@ async def test_one_replica_without_redis_reports_a_removed_workspace_and_limits_
             image = workspace.with_name(workspace.name + ".img")
             os.utime(image, (time.time() - 120, time.time() - 120))
             await eventually(lambda: not image.exists(), 10, "the sweep to remove it")
-            # A file tool is the first to learn of it: it answers with the reset.
+            # A file URL finds nothing there; the next tool call, a file tool, is told why.
+            async with httpx2.AsyncClient() as http:
+                assert (await http.get(url)).status_code == 404
             again = await conn.ok("list_files", session="ws")
             assert again["session_reset"] == {
                 "reason": "workspace_removed",

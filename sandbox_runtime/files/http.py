@@ -124,6 +124,8 @@ class FilesApp:
         owner = Owner(grant.principal, grant.session_id)
         try:
             placement = await router.place(owner)
+            if placement.reset is not None:  # the session's next tool call is told
+                router.owe(owner, placement.reset)
             if not placement.local:
                 if from_peer:  # the home moved since the caller looked: it looks again
                     await _text(send, 503, "not this session's home; retry\n")
