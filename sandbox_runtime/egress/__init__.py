@@ -1,0 +1,1 @@
+"""Network egress for sandboxes: the allowlist policy (and, later, the proxy that enforces it)."""
