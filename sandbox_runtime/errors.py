@@ -41,5 +41,9 @@ class FileAccessError(SandboxRuntimeError):
     """A workspace path cannot be used as asked (missing, a directory, a link, exists)."""
 
 
+class FileMissingError(FileAccessError):
+    """No file or directory at a workspace path."""
+
+
 class WorkspaceFullError(SandboxRuntimeError):
     """The workspace's byte or file quota is spent: delete something first."""

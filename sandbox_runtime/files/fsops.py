@@ -35,7 +35,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox_runtime.errors import FileAccessError, InvalidRequestError, WorkspaceFullError
+from sandbox_runtime.errors import (
+    FileAccessError,
+    FileMissingError,
+    InvalidRequestError,
+    WorkspaceFullError,
+)
 
 WORKSPACE = "/workspace"
 MAX_PATH_BYTES = 4096
@@ -257,7 +262,7 @@ class WorkspaceFiles:
                 "spent; delete files first"
             )
         if code == errno.ENOENT:
-            return FileAccessError(f"{where}: no such file or directory")
+            return FileMissingError(f"{where}: no such file or directory")
         if code in (errno.ELOOP, errno.EXDEV, errno.EMLINK):
             return FileAccessError(
                 f"{where}: the path goes through a symbolic link or leaves the workspace "

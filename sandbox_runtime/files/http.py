@@ -30,6 +30,7 @@ from starlette.types import Receive, Scope, Send
 
 from sandbox_runtime.errors import (
     FileAccessError,
+    FileMissingError,
     InvalidRequestError,
     LimitExceededError,
     OwnerUnavailableError,
@@ -389,8 +390,10 @@ def _content_length(scope: Scope) -> int | None:
 def _status(exc: SandboxRuntimeError) -> int:
     if isinstance(exc, WorkspaceFullError):
         return 507
+    if isinstance(exc, FileMissingError):
+        return 404
     if isinstance(exc, FileAccessError):
-        return 404 if "no such file" in str(exc) else 409
+        return 409
     if isinstance(exc, InvalidRequestError | PolicyViolationError):
         return 400
     if isinstance(exc, LimitExceededError):

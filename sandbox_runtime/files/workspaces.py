@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import math
 import os
 import re
 import shutil
@@ -101,6 +102,7 @@ class WorkspaceStore:
         self.problem: str | None = None  # why there is no quota
         self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
         self._mounted: set[str] = set()  # those of them that are mounted images
+        self._touched: dict[str, float] = {}  # name -> when its use was last put on disk
         self._locks: dict[str, asyncio.Lock] = {}
         self._holds: dict[str, int] = {}
         self.busy: list[Callable[[], set[str]]] = []  # names in use (executions, kernels)
@@ -264,7 +266,14 @@ class WorkspaceStore:
             raise OSError(f"{argv[0]} failed ({done.returncode}): {message[:500]}")
 
     def _touch(self, name: str) -> None:
-        """Record a use on disk (the retention period counts from it, across restarts)."""
+        """Record a use on disk (the retention period counts from it, across restarts): at
+        most once per tenth of the period, not on every call (two stats and a utime each)."""
+        now = time.monotonic()
+        if now - self._touched.get(name, -math.inf) < min(30.0, self.retention_seconds / 10):
+            return
+        self._touched[name] = now
+        if len(self._touched) > 100_000:  # (forgetting only costs a utime more)
+            self._touched.clear()
         handle = self.image(name) if self.image(name).exists() else self.path(name)
         with contextlib.suppress(OSError):
             os.utime(handle)
@@ -368,9 +377,23 @@ class WorkspaceStore:
             _umount(point)
         self._mounted.discard(name)
         self._ready.pop(name, None)
+        self._touched.pop(name, None)
         with contextlib.suppress(FileNotFoundError):
             self.image(name).unlink()
         shutil.rmtree(point, ignore_errors=True)
+
+    def remove_all(self, prefix: str) -> int:
+        """Remove every workspace whose name starts with `prefix`, now (at start, before
+        anything runs in them): how many."""
+        names = {
+            p.name.removesuffix(IMAGE_SUFFIX)
+            for p in self.root.glob(f"{prefix}*")
+            if NAME.fullmatch(p.name.removesuffix(IMAGE_SUFFIX))
+        }
+        for name in names:
+            with contextlib.suppress(OSError):
+                self._remove_sync(name)
+        return len(names)
 
     def idle(self, now: float | None = None) -> list[str]:
         """Workspaces unused for the retention period and not in use now."""

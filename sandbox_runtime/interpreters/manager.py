@@ -45,6 +45,7 @@ MAX_BUNDLE_BYTES = 256 * 1024
 REAP_INTERVAL = 10.0
 ENDED_REMEMBERED = 10_000
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+SLOT_PREFIX = "slot-"  # workspaces of pooled interpreters, before a session takes one
 
 Key = tuple[Owner, str]
 
@@ -119,10 +120,7 @@ class InterpreterManager:
         # A previous server's kernel directories (its kernels died with it).
         shutil.rmtree(self.kernels_root, ignore_errors=True)
         workspaces = self.manager.workspaces
-        for path in workspaces.root.glob("slot-*"):
-            if not path.name.endswith(".img"):
-                with contextlib.suppress(OSError, SandboxRuntimeError):
-                    workspaces._remove_sync(path.name)
+        workspaces.remove_all(SLOT_PREFIX)  # a previous server's pooled kernels' workspaces
         workspaces.busy.append(self._busy_workspaces)
         loop = asyncio.get_running_loop()
         self._reaper = loop.create_task(self._reap_forever())
@@ -323,7 +321,7 @@ class InterpreterManager:
         started = time.monotonic()
         backend = self.manager.backend
         try:
-            slot, _ = await self.manager.workspaces.ensure(f"slot-{secrets.token_hex(8)}")
+            slot, _ = await self.manager.workspaces.ensure(f"{SLOT_PREFIX}{secrets.token_hex(8)}")
         except SandboxRuntimeError as exc:
             logger.warning("no workspace for a warm {} interpreter: {}", language, exc)
             return

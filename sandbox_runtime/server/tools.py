@@ -176,6 +176,7 @@ ERROR_KINDS = {
     "SandboxUnavailableError": "sandbox_unavailable",
     "SandboxSpawnError": "spawn_failed",
     "FileAccessError": "file",
+    "FileMissingError": "not_found",
     "WorkspaceFullError": "quota",
 }
 _owner: contextvars.ContextVar[Owner | None] = contextvars.ContextVar("srt_owner", default=None)
