@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from sandbox_runtime.egress.policy import EgressDenied, EgressPolicy, is_ip, parse_authority
 from sandbox_runtime.sandbox.policy import SandboxLimits
 
 
@@ -160,6 +161,41 @@ class Settings(BaseSettings):
         False,
         description="Give sandboxes pseudo-terminals (/dev/pts); a caller may turn them off.",
     )
+    egress_allow: str = Field(
+        "",
+        description="Names sandboxes may reach through the egress proxy, comma-separated: "
+        "`pypi.org`, `*.example.com` (strict subdomains), an optional `:port` (default 80 and "
+        "443). Empty (with no SANDBOX_EGRESS_ALLOW_CIDRS): no network at all.",
+    )
+    egress_deny: str = Field(
+        "", description="Names refused even when allowed (same syntax; deny wins)."
+    )
+    egress_allow_cidrs: str = Field(
+        "",
+        description="Address ranges sandboxes may reach (an internal mirror: `10.0.5.0/24`); "
+        "private, loopback, link-local and the host's own addresses are refused otherwise, "
+        "metadata addresses unless named exactly.",
+    )
+    egress_resolver: str = Field(
+        "",
+        description="DNS servers the proxy asks, `host[:port]` comma-separated; default the "
+        "host's resolver (/etc/hosts, /etc/resolv.conf).",
+    )
+    egress_max_connections: int = Field(
+        64, ge=1, le=4096, description="Connections through the proxy per sandbox at once."
+    )
+    egress_max_mb: int = Field(
+        1024,
+        ge=0,
+        description="Bytes through the proxy per sandbox (execution or interpreter), both ways, "
+        "MiB; 0: unbounded.",
+    )
+    egress_connect_timeout: float = Field(
+        10, gt=0, le=300, description="Seconds the proxy waits to connect to an origin."
+    )
+    egress_idle_timeout: float = Field(
+        120, gt=0, le=86400, description="Seconds a proxied connection may carry nothing."
+    )
     sandbox_user: str | None = Field(
         None,
         description="Unprivileged host user sandboxes run as (never root); default: "
@@ -287,6 +323,11 @@ class Settings(BaseSettings):
             raise ValueError("SANDBOX_INTERPRETER_WARM must look like python=1,bash=0") from None
         if any(n < 0 or n > 16 for n in warm.values()):
             raise ValueError("SANDBOX_INTERPRETER_WARM: between 0 and 16 per language")
+        try:
+            self.egress_policy()
+            self.egress_resolvers()
+        except (ValueError, EgressDenied) as exc:
+            raise ValueError(f"egress settings: {exc}") from None
         if self.public_url is not None and not self.public_url.startswith(("http://", "https://")):
             raise ValueError("SANDBOX_PUBLIC_URL must start with http:// or https://")
         secret = self.cluster_secret.get_secret_value() if self.cluster_secret else ""
@@ -341,6 +382,21 @@ class Settings(BaseSettings):
             return host, self.cluster_port
         return host, 0 if self.port in (0, 65535) else self.port + 1
 
+    def egress_policy(self) -> EgressPolicy:
+        """The server's egress policy (the ceiling of every sandbox's). Raises ValueError."""
+        return EgressPolicy(self.egress_allow, self.egress_deny, self.egress_allow_cidrs)
+
+    def egress_resolvers(self) -> list[tuple[str, int]]:
+        """(address, port) of each DNS server SANDBOX_EGRESS_RESOLVER names."""
+        out: list[tuple[str, int]] = []
+        for item in self.egress_resolver.split(","):
+            if item.strip():
+                host, port = parse_authority(item.strip(), 53)
+                if not is_ip(host):
+                    raise ValueError(f"SANDBOX_EGRESS_RESOLVER: {item!r} is not an IP address")
+                out.append((host, port))
+        return out
+
     def limits(self) -> SandboxLimits:
         """The sandbox policy: defaults and ceilings for every execution."""
         return SandboxLimits(
@@ -353,4 +409,5 @@ class Settings(BaseSettings):
             open_files=self.open_files,
             output_bytes=self.output_limit_bytes,
             pseudo_terminals=self.pseudo_terminals,
+            network=self.egress_policy().enabled,
         )

@@ -164,6 +164,23 @@ class Metrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
+        self.egress_denied = Counter(
+            "srt_egress_denied_total",
+            "Requests the egress proxy refused, by reason (not_allowed, denied, "
+            "private_address, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.egress_connections = Counter(
+            "srt_egress_connections_total",
+            "Connections the egress proxy made to an origin.",
+            registry=r,
+        )
+        self.egress_bytes = Counter(
+            "srt_egress_bytes_total",
+            "Bytes through the egress proxy (both ways), counted when a sandbox ends.",
+            registry=r,
+        )
         self._interpreter_gauges: Callable[[], dict[tuple[str, str], float]] | None = None
 
     def bind_interpreters(self, values: Callable[[], dict[tuple[str, str], float]]) -> None:

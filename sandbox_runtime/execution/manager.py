@@ -18,6 +18,8 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.egress.supervisor import DeniedHandler, EgressProxy, EgressSettings
 from sandbox_runtime.errors import (
     ExecutionNotFoundError,
     InvalidRequestError,
@@ -27,7 +29,7 @@ from sandbox_runtime.errors import (
     SandboxUnavailableError,
 )
 from sandbox_runtime.execution.execution import Execution, Owner
-from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, OutputEvent
+from sandbox_runtime.execution.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
 from sandbox_runtime.files.workspaces import WorkspaceStore
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
@@ -39,6 +41,7 @@ from sandbox_runtime.sandbox import (
     validate_command,
     validate_env,
 )
+from sandbox_runtime.sandbox.policy import network_request
 from sandbox_runtime.state.keys import session_key
 from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
@@ -101,6 +104,8 @@ class ExecutionManager:
             quota=settings.workspace_quota,
             retention_seconds=settings.workspace_retention_seconds,
         )
+        self.egress_policy = settings.egress_policy()
+        self.egress: EgressProxy | None = None
         self.replica_id = settings.replica_id
         self.started_at = time.time()
         self._executions: dict[str, Execution] = {}
@@ -160,6 +165,8 @@ class ExecutionManager:
                 workspace_name(e.owner) for e in self._running.values() if not e.finished.is_set()
             }
         )
+        if self.egress_policy.enabled and self.backend.private_dir is not None:
+            await self._start_egress(self.backend.private_dir / "egress")
         self._accepting = True
         if self.backend.unavailable_reason is None:
             await self.workspaces.sweep()  # a previous run's, unused for the retention
@@ -200,12 +207,66 @@ class ExecutionManager:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
         await self.backend.close()
+        if self.egress is not None:
+            await self.egress.close()
         await self.workspaces.close()
         if self.mirror is not None:
             try:
                 await asyncio.wait_for(self.mirror.stop(), 15)
             except TimeoutError:
                 logger.error("redis: the final flush did not finish in 15 s; giving up")
+
+    async def _start_egress(self, base_dir: Path) -> None:
+        settings = self.settings
+        egress = EgressProxy(
+            EgressSettings(
+                connect_timeout=settings.egress_connect_timeout,
+                idle_timeout=settings.egress_idle_timeout,
+                max_connections=settings.egress_max_connections,
+                max_bytes=settings.egress_max_mb * 1024 * 1024,
+                resolvers=settings.egress_resolvers(),
+            ),
+            base_dir,
+            self.backend.sandbox_uid,
+            self.backend.sandbox_gid,
+        )
+        egress.on_event.append(self._egress_event)
+        await egress.start()
+        self.egress = self.backend.egress = egress
+        logger.info("egress allowed: {}", self.egress_policy.describe())
+
+    def _egress_event(self, op: str, message: dict[str, Any]) -> None:
+        if op == "denied":
+            self.metrics.egress_denied.labels(str(message.get("reason"))).inc()
+        elif op == "connected":
+            self.metrics.egress_connections.inc()
+        elif op == "closed":
+            self.metrics.egress_bytes.inc(int(message.get("bytes") or 0))
+
+    def egress_for(self, sandbox_config: dict[str, Any] | None) -> EgressPolicy | None:
+        """The egress policy of one sandbox: the server's, narrowed as `sandbox_config` asks.
+        Raises InvalidRequestError, PolicyViolationError (asking for more than the server's)."""
+        if not self.egress_policy.enabled:
+            return None
+        narrowed = self.egress_policy.narrow(network_request(sandbox_config))
+        return narrowed if narrowed.enabled else None
+
+    def network_denied(self, execution: Execution) -> DeniedHandler:
+        """Where the proxy's denials for `execution`'s sandbox go: an event, and a log line."""
+
+        def denied(host: str, port: int, reason: str) -> None:
+            with logger.contextualize(execution_id=execution.execution_id):
+                logger.info("network denied host={} port={} reason={}", host, port, reason)
+            if not execution.status.finished:
+                execution.emit(
+                    EventType.NETWORK_DENIED,
+                    host=host,
+                    port=port,
+                    reason=reason,
+                    message=f"egress denied: {reason} ({host}:{port})",
+                )
+
+        return denied
 
     @property
     def sandbox_status(self) -> str:
@@ -258,6 +319,7 @@ class ExecutionManager:
         cwd = sandbox_cwd(request.working_directory)
         timeout = self._timeout(request.timeout_seconds)
         limits = self.limits.tighten(request.sandbox_config)
+        egress = self.egress_for(request.sandbox_config)
         if self.backend.unavailable_reason is not None:
             raise SandboxUnavailableError(
                 f"sandbox unavailable: {self.backend.unavailable_reason} "
@@ -292,6 +354,8 @@ class ExecutionManager:
                     cwd=cwd,
                     interactive=request.interactive,
                     timeout=timeout,
+                    egress=egress,
+                    on_denied=self.network_denied(execution),
                 )
             )
         except BaseException:

@@ -37,6 +37,8 @@ class EventType(StrEnum):
     RESULT = "result"
     EXCEPTION = "exception"
     INPUT_REQUEST = "input_request"
+    # The egress proxy refused a request of the sandbox's (`host`, `port`, `reason`).
+    NETWORK_DENIED = "network_denied"
 
 
 class OutputEvent(BaseModel):
@@ -62,6 +64,8 @@ class OutputEvent(BaseModel):
     traceback: list[str] | None = None
     prompt: str | None = None
     password: bool | None = None
+    host: str | None = None
+    port: int | None = None
 
     def model_post_init(self, context: Any, /) -> None:
         if not self.event_id:

@@ -21,6 +21,15 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.egress.supervisor import (
+    RELAY_PORT,
+    SOCKET_DIR,
+    SOCKET_NAME,
+    DeniedHandler,
+    EgressProxy,
+    Lease,
+)
 from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
@@ -60,6 +69,21 @@ SHELL_SCRIPT = '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
 # every sandbox, read-only, first on PATH; and where an interpreter's sockets live.
 RUNTIME = "/opt/srt-runtime"
 KERNEL_DIR = "/run/srt-kernel"
+# A sandbox with egress: its init is the relay (egress/relay.py, copied here into the root at
+# start) run by the host's Python, which /usr brings into every sandbox.
+RELAY_PROGRAM = Path(__file__).parents[1] / "egress" / "relay.py"
+RELAY_PATH = "/run/srt-relay.py"
+RELAY_PYTHON = "/usr/bin/python3"
+_PROXY_URL = f"http://127.0.0.1:{RELAY_PORT}"
+# What programs read to find a proxy: curl, wget, pip, git, requests, Deno, npm, Node (24+).
+EGRESS_ENV = {
+    **{name: _PROXY_URL for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy",
+                                     "https_proxy", "all_proxy", "npm_config_proxy",
+                                     "npm_config_https_proxy")},
+    "NO_PROXY": "localhost,127.0.0.1,::1",
+    "no_proxy": "localhost,127.0.0.1,::1",
+    "NODE_USE_ENV_PROXY": "1",
+}  # fmt: skip
 
 # What a program inside finds in its environment before the caller's variables.
 BASE_ENV = {
@@ -143,6 +167,10 @@ class SandboxSpec:
     # AF_INET/AF_INET6 sockets allowed, inside the sandbox's own network namespace (loopback
     # only, no route out): Jupyter kernels need them. Plain executions: AF_UNIX only.
     loopback_inet: bool = False
+    # Egress through the host proxy under this policy (None, or one allowing nothing: none),
+    # and who hears of its denials.
+    egress: EgressPolicy | None = None
+    on_denied: DeniedHandler | None = None
 
 
 def shell_argv(command: str) -> list[str]:
@@ -229,6 +257,10 @@ class BubblewrapBackend:
         self._running: set[SandboxProcess] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # referenced so they are not collected
+        # The egress proxy (set by the owner once started; None: no sandbox has network) and
+        # each running sandbox's socket on it.
+        self.egress: EgressProxy | None = None
+        self.relay_problem: str | None = None  # why sandboxes cannot have egress here
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -298,6 +330,7 @@ class BubblewrapBackend:
         os.chmod(self._seccomp_inet_path, 0o600)
         self._root_dir = self._private_dir / "root"
         _build_root(self._root_dir)
+        self.relay_problem = _relay_problem()
         if os.geteuid() == 0:
             try:
                 self._dev_dir = _build_dev(self._root_dir / "dev")
@@ -337,6 +370,11 @@ class BubblewrapBackend:
             spawner = SpawnerManager(os.geteuid(), os.getegid())
         spawner.start()
         self._spawner = spawner
+
+    @property
+    def private_dir(self) -> Path | None:
+        """The backend's private directory (root's, 0711), while it runs."""
+        return self._private_dir
 
     @property
     def spawner_pid(self) -> int | None:
@@ -434,8 +472,11 @@ class BubblewrapBackend:
         self._fixed = args
         return args
 
-    def bwrap_args(self, spec: SandboxSpec) -> tuple[list[str], list[str]]:
-        """bubblewrap's options for `spec` and the command it runs."""
+    def bwrap_args(
+        self, spec: SandboxSpec, lease: Lease | None = None
+    ) -> tuple[list[str], list[str]]:
+        """bubblewrap's options for `spec` and the command it runs (through the egress relay
+        when `lease` is this sandbox's socket on the proxy)."""
         tmp_size = str(spec.limits.tmp_size_mb * MIB)
         args = self._fixed_args().copy()
         if self._dev_dir is not None and not spec.limits.pseudo_terminals:
@@ -457,9 +498,17 @@ class BubblewrapBackend:
         ]  # fmt: skip
         if spec.kernel_dir is not None:
             args += ["--bind", str(spec.kernel_dir), KERNEL_DIR]
+        if lease is not None:
+            # Read-only: the socket is connectable (a socket's permission is not the mount's)
+            # but the sandbox cannot put another in its place. The relay is init: no bwrap
+            # init above it, so the relay is what the command cannot signal.
+            args += ["--ro-bind", str(lease.host_dir), SOCKET_DIR, "--as-pid-1"]
         args += ["--chdir", spec.cwd, "--clearenv"]
         for key, value in self._base_env().items():
             args += ["--setenv", key, value]
+        if lease is not None:
+            for key, value in EGRESS_ENV.items():
+                args += ["--setenv", key, value]
         # The caller's variables act on the command only: bwrap execs nothing else, and the
         # rlimits are in place before the command starts.
         for key, value in spec.env.items():
@@ -469,6 +518,10 @@ class BubblewrapBackend:
             command = ["/bin/sh", "-c", SHELL_SCRIPT]
         else:
             command = list(spec.argv)
+        if lease is not None:
+            socket_path = f"{SOCKET_DIR}/{SOCKET_NAME}"
+            command = [RELAY_PYTHON, "-I", "-S", "-B", RELAY_PATH, socket_path, str(RELAY_PORT),
+                       *command]  # fmt: skip
         args += ["--seccomp", str(SECCOMP_FD), "--json-status-fd", str(STATUS_FD)]
         return args, command
 
@@ -507,8 +560,35 @@ class BubblewrapBackend:
         validate_command(spec.argv)
         spec.env = validate_env(spec.env)
         assert self._seccomp_path is not None
+        lease = await self._egress_lease(spec)
+        try:
+            proc = await self._spawn(spec, lease)
+        except BaseException:
+            if lease is not None and self.egress is not None:
+                self._track(self.egress.close_lease(lease))
+            raise
+        if lease is not None:
+            egress = self.egress
+            assert egress is not None
+            proc.add_closer(lambda: egress.close_lease(lease))
+        return proc
+
+    async def _egress_lease(self, spec: SandboxSpec) -> Lease | None:
+        """This sandbox's socket on the egress proxy, if its policy allows anything.
+        Raises SandboxUnavailableError, SandboxSpawnError (fails closed: no sandbox starts
+        with a network it was to have but without the proxy between)."""
+        if spec.egress is None or not spec.egress.enabled:
+            return None
+        if self.relay_problem is not None:
+            raise SandboxUnavailableError(f"egress unavailable: {self.relay_problem}")
+        if self.egress is None:
+            raise SandboxUnavailableError("egress unavailable: the egress proxy is not running")
+        return await self.egress.open(spec.egress, spec.on_denied)
+
+    async def _spawn(self, spec: SandboxSpec, lease: Lease | None) -> SandboxProcess:
         spawner = self._spawner
-        options, command = self.bwrap_args(spec)
+        assert spawner is not None
+        options, command = self.bwrap_args(spec, lease)
         blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in options)
         cgroup: ExecutionCgroup | None = None
         cgroup_procs: list[int] = []
@@ -535,7 +615,8 @@ class BubblewrapBackend:
                 ours.append(r)
                 theirs.append(w)
                 self._give_pipe(w)
-            seccomp = self._seccomp_inet_path if spec.loopback_inet else self._seccomp_path
+            inet = spec.loopback_inet or lease is not None  # (TCP to the relay on loopback)
+            seccomp = self._seccomp_inet_path if inet else self._seccomp_path
             assert seccomp is not None
             theirs.append(os.open(seccomp, os.O_RDONLY | os.O_CLOEXEC))
             status_r, status_w = os.pipe()
@@ -722,6 +803,18 @@ def ensure_system_user(name: str) -> str:
     )
 
 
+def _relay_problem() -> str | None:
+    """Why the relay cannot run in sandboxes here, if it cannot: it needs the host's Python 3
+    under /usr (which every sandbox sees)."""
+    real = os.path.realpath(RELAY_PYTHON)
+    if not real.startswith("/usr/") or not os.access(real, os.X_OK):
+        return (
+            f"{RELAY_PYTHON} (the egress relay's interpreter) is missing or outside /usr; "
+            "install it: apt-get install python3"
+        )
+    return None
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -800,8 +893,10 @@ def _build_root(root: Path) -> None:
     root.mkdir(mode=0o755)
     _build_etc(root / "etc")
     for point in ("usr", "proc", "dev", "tmp", WORKSPACE.lstrip("/"), RUNTIME.lstrip("/"),
-                  KERNEL_DIR.lstrip("/")):  # fmt: skip
+                  KERNEL_DIR.lstrip("/"), SOCKET_DIR.lstrip("/")):  # fmt: skip
         (root / point).mkdir(mode=0o755, parents=True)
+    shutil.copyfile(RELAY_PROGRAM, root / RELAY_PATH.lstrip("/"))
+    os.chmod(root / RELAY_PATH.lstrip("/"), 0o644)
     for top in ROOT_TOPS:
         host = f"/{top}"
         if os.path.islink(host):

@@ -38,7 +38,9 @@ class SandboxLimits:
     """stdout+stderr kept per execution; past this output is dropped and a `truncated` event says
     how much."""
     network: bool = False
-    """Network access. Always off: only a server-side egress allowlist may turn it on later."""
+    """Network egress through the host's allowlist proxy: on when the server's egress policy
+    allows anything (SANDBOX_EGRESS_*). A caller may turn it off or narrow the names
+    (`sandbox_config.network`: false or a list), never widen it."""
     pseudo_terminals: bool = False
     """Pseudo-terminals (a private /dev/pts) in the sandbox. Off unless the server allows them:
     they open the kernel's tty layer to the sandbox, and the /dev that has them costs bwrap
@@ -68,10 +70,17 @@ class SandboxLimits:
                 continue
             ceiling = getattr(self, key)
             if key == "network":
-                if value is not False:
+                # False, true (the server's egress policy) or a list of names within it: the
+                # list itself is checked against the policy by EgressPolicy.narrow.
+                if value is False or value == []:
+                    changes[key] = False
+                elif not ceiling:
                     problems.append(
-                        "sandbox_config.network: the network cannot be enabled by a caller"
+                        "sandbox_config.network: this server allows no network egress "
+                        "(a caller may only tighten the sandbox)"
                     )
+                elif not isinstance(value, bool | str | list):
+                    problems.append("sandbox_config.network must be false, true or a list of names")
                 continue
             if isinstance(ceiling, bool):
                 if not isinstance(value, bool):
@@ -120,3 +129,13 @@ _ALIASES = {
     "allow_network": "network",
     "pty": "pseudo_terminals",
 }
+
+
+def network_request(sandbox_config: dict[str, Any] | None) -> Any:
+    """What `sandbox_config` asks of the network (`network` or an alias); True: not asked."""
+    if not isinstance(sandbox_config, dict):
+        return True
+    for key, value in sandbox_config.items():
+        if _ALIASES.get(key, key) == "network":
+            return value
+    return True

@@ -8,7 +8,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -95,6 +95,8 @@ class SandboxProcess:
         self._inner_exit: int | None = None
         self._outcome: SandboxOutcome | None = None
         self._on_exit = on_exit
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._closing: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
         self._loop = asyncio.get_running_loop()
         # bwrap is the spawner's child, not ours. Its pidfd tells us at once when it ends and
@@ -124,9 +126,25 @@ class SandboxProcess:
     def running(self) -> bool:
         return not self._exited.is_set()
 
+    def add_closer(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Run `closer` once the tree has ended, before `wait` returns to anyone (the egress
+        socket is closed there: the proxy's last word on the sandbox comes before its end)."""
+        self._closers.append(closer)
+
+    async def _close_all(self) -> None:
+        for closer in self._closers:
+            try:
+                await closer()
+            except Exception:
+                logger.exception("closing sandbox {} failed", self.pid)
+
     async def wait(self) -> SandboxOutcome:
         """Wait for the whole tree to end and return how it ended."""
         await self._exited.wait()
+        if self._closers:
+            if self._closing is None:
+                self._closing = self._loop.create_task(self._close_all())
+            await asyncio.shield(self._closing)
         await self._status_done.wait()
         if self._inner_exit is None and self._outcome is None:
             with contextlib.suppress(TimeoutError):
