@@ -41,7 +41,7 @@ from sandbox_runtime.sandbox import (
     validate_command,
     validate_env,
 )
-from sandbox_runtime.sandbox.policy import network_request
+from sandbox_runtime.sandbox.policy import SandboxLimits
 from sandbox_runtime.state.keys import session_key
 from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
@@ -243,12 +243,14 @@ class ExecutionManager:
         elif op == "closed":
             self.metrics.egress_bytes.inc(int(message.get("bytes") or 0))
 
-    def egress_for(self, sandbox_config: dict[str, Any] | None) -> EgressPolicy | None:
-        """The egress policy of one sandbox: the server's, narrowed as `sandbox_config` asks.
-        Raises InvalidRequestError, PolicyViolationError (asking for more than the server's)."""
-        if not self.egress_policy.enabled:
+    def egress_of(self, limits: SandboxLimits) -> EgressPolicy | None:
+        """The egress policy of a sandbox under `limits`: the server's, narrowed as the caller
+        asked. Raises InvalidRequestError, PolicyViolationError (asking for more)."""
+        if not self.egress_policy.enabled or not limits.network:
             return None
-        narrowed = self.egress_policy.narrow(network_request(sandbox_config))
+        if limits.network_allow is None:
+            return self.egress_policy
+        narrowed = self.egress_policy.narrow(list(limits.network_allow))
         return narrowed if narrowed.enabled else None
 
     def network_denied(self, execution: Execution) -> DeniedHandler:
@@ -319,7 +321,7 @@ class ExecutionManager:
         cwd = sandbox_cwd(request.working_directory)
         timeout = self._timeout(request.timeout_seconds)
         limits = self.limits.tighten(request.sandbox_config)
-        egress = self.egress_for(request.sandbox_config)
+        egress = self.egress_of(limits)
         if self.backend.unavailable_reason is not None:
             raise SandboxUnavailableError(
                 f"sandbox unavailable: {self.backend.unavailable_reason} "

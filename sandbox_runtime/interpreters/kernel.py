@@ -23,6 +23,8 @@ from typing import Any
 from jupyter_client.asynchronous import AsyncKernelClient
 from loguru import logger
 
+from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.egress.supervisor import DeniedHandler
 from sandbox_runtime.errors import SandboxSpawnError
 from sandbox_runtime.interpreters.runtime import KernelSpec
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxLimits, SandboxProcess, SandboxSpec
@@ -59,8 +61,13 @@ class SandboxedKernel:
         limits: SandboxLimits,
         kernels_root: Path,
         env: dict[str, str] | None = None,
+        egress: EgressPolicy | None = None,
     ) -> None:
         self.backend = backend
+        self.egress = egress
+        # Who hears the egress proxy's denials (the interpreter's current call); settable, as
+        # a pooled kernel gets its owner after it started.
+        self.on_denied: DeniedHandler | None = None
         self.spec = spec
         self.workspace = workspace
         self.limits = limits
@@ -129,6 +136,8 @@ class SandboxedKernel:
                 env={k: v for k, v in env.items() if v},
                 kernel_dir=directory,
                 loopback_inet=True,
+                egress=self.egress,
+                on_denied=self._denied,
             )
         )
         loop = asyncio.get_running_loop()
@@ -335,6 +344,10 @@ class SandboxedKernel:
     def input_reply(self, value: str) -> None:
         if self.client is not None:
             self.client.input(value)
+
+    def _denied(self, host: str, port: int, reason: str) -> None:
+        if self.on_denied is not None:
+            self.on_denied(host, port, reason)
 
     def interrupt(self) -> None:
         """Ask the kernel to interrupt what it runs (its own mechanism: interrupt_request)."""

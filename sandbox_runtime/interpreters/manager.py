@@ -63,6 +63,7 @@ class Interpreter:
     busy: bool = False
     last_used: float = field(default_factory=time.monotonic)
     calls: int = 0
+    current: Execution | None = None  # the call running now
 
 
 class CallRun:
@@ -274,13 +275,28 @@ class InterpreterManager:
             if self.settings.warm_interpreters().get(language):
                 self.metrics.interpreter_events.labels(language, "warm_miss").inc()
             workspace, _ = await self.manager.workspaces.ensure(name)
-            kernel = SandboxedKernel(backend, spec, workspace, limits, self.kernels_root)
+            kernel = SandboxedKernel(
+                backend, spec, workspace, limits, self.kernels_root,
+                egress=self.manager.egress_of(limits),
+            )  # fmt: skip
             await kernel.start()
         self.metrics.interpreter_events.labels(language, "start").inc()
         interpreter = Interpreter(owner, language, kernel, limits)
+        kernel.on_denied = lambda host, port, reason: self._network_denied(
+            interpreter, host, port, reason
+        )
         self._interpreters[(owner, language)] = interpreter
         logger.info("interpreter started language={} warm={}", language, warm)
         return interpreter
+
+    def _network_denied(self, interpreter: Interpreter, host: str, port: int, reason: str) -> None:
+        """A denial of the egress proxy for `interpreter`'s kernel: an event on the call it
+        runs (only a log line between calls)."""
+        if interpreter.current is not None:
+            self.manager.network_denied(interpreter.current)(host, port, reason)
+        else:
+            logger.info("network denied host={} port={} reason={} (between calls)", host, port,
+                        reason)  # fmt: skip
 
     async def _adopt_warm(self, spec: KernelSpec, name: str) -> SandboxedKernel | None:
         """A pooled kernel, made this owner's by turning its slot workspace into the owner's:
@@ -326,8 +342,9 @@ class InterpreterManager:
             logger.warning("no workspace for a warm {} interpreter: {}", language, exc)
             return
         kernel = SandboxedKernel(
-            backend, self._spec(language), slot, self.manager.limits, self.kernels_root
-        )
+            backend, self._spec(language), slot, self.manager.limits, self.kernels_root,
+            egress=self.manager.egress_of(self.manager.limits),
+        )  # fmt: skip
         try:
             await kernel.start()
         except Exception as exc:  # the pool stays short; calls start kernels themselves
@@ -349,6 +366,7 @@ class InterpreterManager:
         spec = self._spec(language)
         language = spec.language if language.lower() == spec.language else language.lower()
         limits = self.manager.limits.tighten(sandbox_config)
+        self.manager.egress_of(limits)  # (refuses a widening before anything is stopped)
         key = (owner, language)
         interpreter = self._interpreters.get(key)
         if interpreter is not None:
@@ -384,6 +402,8 @@ class InterpreterManager:
             raise InvalidRequestError(f"code is over {MAX_CODE_BYTES} bytes")
         env = validate_env(environment)
         limits = self.manager.limits.tighten(sandbox_config) if sandbox_config else None
+        if limits is not None:
+            self.manager.egress_of(limits)  # (refuses a widening before anything starts)
         interpreter, reset = await self._interpreter(owner, language, limits)
         if interpreter.waiting >= QUEUE_LIMIT:
             raise LimitExceededError(
@@ -408,10 +428,12 @@ class InterpreterManager:
                     return  # cancelled while it waited
                 interpreter.busy = True
                 run.interpreter = interpreter
+                interpreter.current = execution
                 execution.begin_call()
                 try:
                     await self._execute(interpreter, run, code)
                 finally:
+                    interpreter.current = None
                     interpreter.busy = False
                     interpreter.last_used = time.monotonic()
                     interpreter.calls += 1

@@ -41,6 +41,9 @@ class SandboxLimits:
     """Network egress through the host's allowlist proxy: on when the server's egress policy
     allows anything (SANDBOX_EGRESS_*). A caller may turn it off or narrow the names
     (`sandbox_config.network`: false or a list), never widen it."""
+    network_allow: tuple[str, ...] | None = None
+    """A caller's narrowing of the egress policy (`sandbox_config.network` as a list): egress
+    rules and CIDRs, each within the server's; None: the server's policy as it is."""
     pseudo_terminals: bool = False
     """Pseudo-terminals (a private /dev/pts) in the sandbox. Off unless the server allows them:
     they open the kernel's tty layer to the sandbox, and the /dev that has them costs bwrap
@@ -58,7 +61,7 @@ class SandboxLimits:
             return self
         if not isinstance(request, dict):
             raise PolicyViolationError("sandbox_config must be an object of limit names to values")
-        known = {f.name for f in fields(self)}
+        known = {f.name for f in fields(self)} - {"network_allow"}
         problems: list[str] = []
         changes: dict[str, Any] = {}
         for key, value in request.items():
@@ -74,12 +77,18 @@ class SandboxLimits:
                 # list itself is checked against the policy by EgressPolicy.narrow.
                 if value is False or value == []:
                     changes[key] = False
+                    changes["network_allow"] = None
                 elif not ceiling:
                     problems.append(
                         "sandbox_config.network: this server allows no network egress "
                         "(a caller may only tighten the sandbox)"
                     )
-                elif not isinstance(value, bool | str | list):
+                elif isinstance(value, str) or (
+                    isinstance(value, list) and all(isinstance(v, str) for v in value)
+                ):
+                    entries = [value] if isinstance(value, str) else value
+                    changes["network_allow"] = tuple(e for e in entries if e.strip())
+                elif value is not True:
                     problems.append("sandbox_config.network must be false, true or a list of names")
                 continue
             if isinstance(ceiling, bool):
@@ -129,13 +138,3 @@ _ALIASES = {
     "allow_network": "network",
     "pty": "pseudo_terminals",
 }
-
-
-def network_request(sandbox_config: dict[str, Any] | None) -> Any:
-    """What `sandbox_config` asks of the network (`network` or an alias); True: not asked."""
-    if not isinstance(sandbox_config, dict):
-        return True
-    for key, value in sandbox_config.items():
-        if _ALIASES.get(key, key) == "network":
-            return value
-    return True
