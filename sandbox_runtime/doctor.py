@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.egress.supervisor import EgressProxy, EgressSettings
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxSpec, shell_argv
 from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER
@@ -399,6 +400,79 @@ async def check_languages(settings: Settings) -> list[Check]:
     return checks
 
 
+# A request no policy can allow (.invalid is reserved): the relay and the proxy answer it
+# without any network, which is what this check needs to see.
+EGRESS_PROBE = (
+    "import socket; s = socket.create_connection(('127.0.0.1', 3128), 5); "
+    "s.sendall(b'CONNECT doctor-probe.invalid:443 HTTP/1.1\\r\\n\\r\\n'); "
+    "print(s.recv(200).split(b'\\r\\n')[0].decode())"
+)
+
+
+async def check_egress(settings: Settings) -> list[Check]:
+    """The egress policy, and (when it allows anything) a sandbox's request through its relay
+    and the proxy, refused as it must be."""
+    policy = settings.egress_policy()
+    if not policy.enabled:
+        return [Check("egress", True, "off: sandboxes have no network (SANDBOX_EGRESS_ALLOW)")]
+    described = policy.describe()
+    summary = f"allow {','.join(described['allow']) or '-'}"
+    if described["allow_cidrs"]:
+        summary += f" cidrs {','.join(described['allow_cidrs'])}"
+    if described["deny"]:
+        summary += f" deny {','.join(described['deny'])}"
+    with tempfile.TemporaryDirectory(prefix="srt-doctor-") as tmp:
+        os.chmod(tmp, 0o711)
+        backend = _backend(settings, Path(tmp), "srt-doctor")
+        if backend.unavailable_reason is not None or backend.private_dir is None:
+            return [Check("egress", False, str(backend.unavailable_reason), "see above")]
+        egress = EgressProxy(
+            EgressSettings(resolvers=settings.egress_resolvers()),
+            backend.private_dir / "egress",
+            backend.sandbox_uid,
+            backend.sandbox_gid,
+        )
+        await egress.start()
+        backend.egress = egress
+        try:
+            if egress.problem is not None:
+                return [Check("egress proxy", False, egress.problem, "see the server's log")]
+            proxy_status = _read(f"/proc/{egress.pid}/status") or ""
+            uid_line = next((ln for ln in proxy_status.splitlines() if ln.startswith("Uid:")), "")
+            proc = await backend.spawn(
+                SandboxSpec(
+                    argv=["/usr/bin/python3", "-c", EGRESS_PROBE],
+                    workspace=backend.create_workspace("doctor"),
+                    limits=settings.limits(),
+                    timeout=20,
+                    egress=policy,
+                )
+            )
+            out, err = await asyncio.gather(proc.stdout.read(), proc.stderr.read())
+            await proc.wait()
+            await proc.aclose()
+        except SandboxRuntimeError as exc:
+            return [Check("egress", False, str(exc), "see the checks above")]
+        finally:
+            await backend.close()
+            await egress.close()
+    answer = out.decode("utf-8", "replace").strip()
+    ok = answer.startswith("HTTP/1.1 403")
+    uid = uid_line.split()[1] if len(uid_line.split()) > 1 else "?"
+    return [
+        Check("egress policy", True, summary),
+        Check(
+            "egress proxy",
+            ok,
+            f"a sandbox's request went through its relay to the proxy (uid {uid}) and was "
+            "refused as it must be"
+            if ok
+            else f"no answer through the relay: {answer or err.decode(errors='replace')[-300:]}",
+            "see the server's log",
+        ),
+    ]
+
+
 def run_doctor(settings: Settings) -> int:
     """Print OK/FAIL/WARN per layer; 0 only when every required layer works."""
     checks = check_static(settings)
@@ -408,6 +482,8 @@ def run_doctor(settings: Settings) -> int:
         checks += check_workspaces(settings)
     if all(c.ok or not c.required for c in checks):
         checks += asyncio.run(check_languages(settings))
+    if all(c.ok or not c.required for c in checks):
+        checks += asyncio.run(check_egress(settings))
     if in_container():
         checks.append(
             Check("container", True, "inside a container (if bwrap fails there: DEPLOYMENT.md)")

@@ -21,6 +21,9 @@ from typing import Any
 from sandbox_runtime.sandbox.backend import RUNTIME
 
 MANIFEST = "srt-runtime.json"
+# What the runtime's layout is: a runtime of an older layout is rebuilt by `runtime install`.
+# 2: user site-packages on (`pip install --user` into the workspace, ~/.local).
+LAYOUT = 2
 SYSTEM_PYTHON = "/usr/bin/python3"  # under /usr, so the environment works inside sandboxes
 FILES = Path(__file__).with_name("runtime_files")
 PACKAGES = (
@@ -35,10 +38,21 @@ PACKAGES = (
     "pip",
 )
 PACKAGES_OF_NOTE = ("ipykernel", "numpy", "pandas", "matplotlib", "scipy", "pillow", "requests")
-MPL_CACHE = "share/srt/matplotlib"  # a prebuilt font cache, copied to /tmp by sitecustomize
+MPL_CACHE = "share/srt/matplotlib"  # a prebuilt font cache, copied to /tmp by srt_site
 
-SITECUSTOMIZE = f'''"""sandbox_runtime: matplotlib's prebuilt font cache, copied to MPLCONFIGDIR."""
+SITECUSTOMIZE = f'''"""sandbox_runtime: matplotlib's prebuilt font cache, copied to MPLCONFIGDIR; in
+a kernel, the user site-packages (in the workspace) on sys.path even before it exists, so a
+package `pip install --user` puts there imports in the next call."""
 import os as _os
+if _os.environ.get("SRT_USER_SITE") == "1":
+    import site as _site, sys as _sys
+    try:
+        _user = _site.getusersitepackages()
+        _os.makedirs(_user, exist_ok=True)
+        if _user not in _sys.path:
+            _site.addsitedir(_user)
+    except (OSError, AttributeError):
+        pass
 _target = _os.environ.get("MPLCONFIGDIR")
 if _target and not _os.path.isdir(_target):
     try:
@@ -110,6 +124,8 @@ def load_runtime(path: Path) -> Runtime | None:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return None
+    if not isinstance(manifest, dict) or manifest.get("layout", 1) < LAYOUT:
+        return None  # an older layout: rebuilt by `runtime install`
     kernels: dict[str, KernelSpec] = {}
     root = path / "share" / "jupyter" / "kernels"
     for spec_file in sorted(root.glob("*/kernel.json")):
@@ -172,6 +188,7 @@ def install_runtime(
     run(
         "1/5 creating the environment", [SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(staging)]
     )
+    _enable_user_site(staging / "pyvenv.cfg")
     packages = [*PACKAGES]
     pip = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-input"]
     extra = ["-r", str(requirements)] if requirements is not None else []
@@ -186,7 +203,10 @@ def install_runtime(
     ).strip()
     for source in FILES.glob("*.py"):
         shutil.copy(source, Path(purelib) / source.name)
-    (Path(purelib) / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    # Run at every start by a .pth file (a sitecustomize.py would be shadowed by Debian's,
+    # which comes first on sys.path once the system's site-packages are seen).
+    (Path(purelib) / "srt_site.py").write_text(SITECUSTOMIZE)
+    (Path(purelib) / "srt_site.pth").write_text("import srt_site\n")
     (staging / FONTS_CONF).parent.mkdir(parents=True, exist_ok=True)
     (staging / FONTS_CONF).write_text(FONTS_XML)
     kernels = staging / "share" / "jupyter" / "kernels"
@@ -199,7 +219,7 @@ def install_runtime(
         env={"MPLCONFIGDIR": str(staging / MPL_CACHE)},
     )
     log("[runtime] 5/5 writing the manifest")
-    manifest = _describe(python, staging)
+    manifest = {**_describe(python, staging), "layout": LAYOUT}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _point_scripts_at_sandbox_path(staging)
     _readable_by_all(staging)
@@ -214,6 +234,17 @@ def install_runtime(
     if runtime is None:
         raise RuntimeInstallError("the runtime was installed but cannot be read back")
     return runtime
+
+
+def _enable_user_site(cfg: Path) -> None:
+    """Let the environment see user site-packages (~/.local, in the workspace): pip then takes
+    `pip install --user X` (and a plain `pip install X`, the runtime being read-only) there.
+    Python turns user site on in a venv only with the system's site-packages visible too;
+    they come after the runtime's own on sys.path."""
+    text = cfg.read_text()
+    cfg.write_text(
+        text.replace("include-system-site-packages = false", "include-system-site-packages = true")
+    )
 
 
 def _describe(python: Path, root: Path) -> dict[str, Any]:

@@ -155,7 +155,18 @@ def create_app(
         else:
             redis = f"unavailable: {mirror.last_error or 'not connected yet'}"
         cluster = get_router().cluster_problem if mirror is not None else None
-        healthy = sandbox is None and redis in ("ok", "disabled") and cluster is None
+        if not current.egress_policy.enabled:
+            egress = "disabled"
+        elif current.egress is None or current.egress.problem is not None:
+            egress = f"unavailable: {current.egress.problem if current.egress else 'not started'}"
+        else:
+            egress = "ok"  # (a proxy that died is restarted by the next sandbox that needs it)
+        healthy = (
+            sandbox is None
+            and redis in ("ok", "disabled")
+            and cluster is None
+            and egress in ("ok", "disabled")
+        )
         body = {
             "status": "ok" if healthy else "degraded",
             "version": __version__,
@@ -165,6 +176,7 @@ def create_app(
             "redis": redis,
             "mirror_backlog": mirror.backlog if mirror is not None else 0,
             "cluster": "disabled" if mirror is None else cluster or "ok",
+            "egress": egress,
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }
         return JSONResponse(body)
