@@ -1008,7 +1008,8 @@ async def test_fds_in_flight_from_a_sandbox_do_not_break_other_starts(
     [
         ({"memory_mb": 100_000}, "memory_mb=100000 exceeds the server's maximum of 256"),
         ({"pids": 1000}, "pids=1000 exceeds the server's maximum of 64"),
-        ({"network": True}, "network cannot be enabled"),
+        ({"network": True}, "this server allows no network egress"),
+        ({"network": ["pypi.org"]}, "this server allows no network egress"),
         ({"pseudo_terminals": True}, "pseudo_terminals: this server does not allow them"),
         ({"pty": "yes"}, "pseudo_terminals must be true or false"),
         ({"no_such_limit": 1}, "unknown sandbox_config key 'no_such_limit'"),

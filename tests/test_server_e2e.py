@@ -570,7 +570,7 @@ BAD_INPUT: list[tuple[str, str, dict[str, Any], str]] = [
         "sandbox-config-network",
         "execute_code",
         {"command": "true", "sandbox_config": {"network": True}},
-        "the network cannot be enabled by a caller",
+        "this server allows no network egress",
     ),
     (
         "sandbox-config-pseudo-terminals",
