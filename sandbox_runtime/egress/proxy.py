@@ -234,7 +234,10 @@ class Proxy:
             return
         if len(sandbox.tasks) >= sandbox.max_connections or self.active >= self.settings.max_total:
             sandbox.deny("", "", 0, "connection_limit")
-            await _answer(writer, 503, "too many connections through the egress proxy")
+            try:
+                await _answer(writer, 503, "too many connections through the egress proxy")
+            finally:
+                writer.close()  # (not one of the sandbox's tasks: nothing else closes it)
             return
         sandbox.tasks.add(task)
         self.active += 1
@@ -293,11 +296,11 @@ class Proxy:
         try:
             if request.connect:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                await self._pipe(sandbox, reader, writer, out_reader, out_writer, None)
+                await self._pipe(sandbox, request, reader, writer, out_reader, out_writer, None)
             else:
                 out_writer.write(request.head)
                 await self._pipe(
-                    sandbox, reader, writer, out_reader, out_writer, request.body_length
+                    sandbox, request, reader, writer, out_reader, out_writer, request.body_length
                 )
         finally:
             out_writer.close()
@@ -312,13 +315,17 @@ class Proxy:
                 import dns.resolver
 
                 found: list[IPAddress] = []
-                for rdtype in ("A", "AAAA"):
-                    try:
-                        answer = await self._resolver.resolve(host, rdtype, search=False)
-                    except (dns.resolver.NoAnswer, dns.resolver.NXDOMAIN):
+                answers = await asyncio.gather(  # (A and AAAA at once: one round trip)
+                    *(self._resolver.resolve(host, t, search=False) for t in ("A", "AAAA")),
+                    return_exceptions=True,
+                )
+                for answer in answers:
+                    if isinstance(answer, dns.resolver.NoAnswer | dns.resolver.NXDOMAIN):
                         continue
-                    except dns.exception.DNSException as exc:
-                        raise Refused(502, "resolve_failed", host) from exc
+                    if isinstance(answer, BaseException):
+                        if isinstance(answer, dns.exception.DNSException):
+                            raise Refused(502, "resolve_failed", host) from answer
+                        raise answer
                     found += [ipaddress.ip_address(r.address) for r in answer]
             else:
                 infos = await asyncio.wait_for(
@@ -383,6 +390,7 @@ class Proxy:
     async def _pipe(
         self,
         sandbox: Sandbox,
+        request: Request,
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         out_reader: asyncio.StreamReader,
@@ -405,7 +413,7 @@ class Proxy:
                     break
                 last[0] = time.monotonic()
                 if not sandbox.count(len(data)):
-                    sandbox.deny("", "", 0, "byte_limit")
+                    sandbox.deny(request.method, request.host, request.port, "byte_limit")
                     raise ConnectionAbortedError("byte limit")
                 dst.write(data)
                 await dst.drain()

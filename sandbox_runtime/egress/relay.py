@@ -54,30 +54,42 @@ class Pair:
             self.relay.watch(end, events, self)
 
     def on_event(self, end: socket.socket, mask: int) -> None:
-        try:
-            if mask & selectors.EVENT_READ:
-                data = end.recv(CHUNK)
-                if data:
-                    self.pending[self.other(end)] += data
-                else:
-                    self.eof.add(end)
-            for side in self.ends:
-                buffer = self.pending[side]
-                if buffer:
-                    sent = side.send(buffer)
-                    del buffer[:sent]
-                if not buffer and self.other(side) in self.eof:
-                    with contextlib.suppress(OSError):
-                        side.shutdown(socket.SHUT_WR)
-        except BlockingIOError:
-            pass
-        except OSError:
-            self.close()
-            return
+        if mask & selectors.EVENT_READ:
+            try:
+                data: bytes | None = end.recv(CHUNK)
+            except BlockingIOError:
+                data = None
+            except OSError:  # reset: the end of what it sends, and it takes nothing more
+                data = b""
+                self.broken(end)
+            if data:
+                self.pending[self.other(end)] += data
+            elif data is not None:
+                self.eof.add(end)
+        for side in self.ends:
+            buffer = self.pending[side]
+            if buffer:
+                try:
+                    del buffer[: side.send(buffer)]
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    self.broken(side)
+            if not buffer and self.other(side) in self.eof:
+                with contextlib.suppress(OSError):
+                    side.shutdown(socket.SHUT_WR)
         if len(self.eof) == 2 and not any(self.pending.values()):
             self.close()
             return
         self.update()
+
+    def broken(self, end: socket.socket) -> None:
+        """`end` takes no more bytes (reset, broken pipe): drop what waits for it and stop
+        reading its peer, whose bytes have nowhere to go. What `end` sent before still goes
+        on: a proxy that answers and closes without reading the request (a refusal) is
+        heard."""
+        self.pending[end].clear()
+        self.eof.add(self.other(end))
 
     def close(self) -> None:
         for end in self.ends:

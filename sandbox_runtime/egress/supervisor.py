@@ -86,6 +86,9 @@ class EgressProxy:
         self._serial = 0
         self._last_start = 0.0
         self._closing = False
+        # How many times the proxy has died: a sandbox started before a death has no network
+        # (its socket died), which a pool of sandboxes started ahead must know.
+        self.deaths = 0
 
     @property
     def pid(self) -> int | None:
@@ -190,6 +193,7 @@ class EgressProxy:
         for lease in self._leases.values():
             if lease.closed is not None and not lease.closed.done():
                 lease.closed.set_result(None)
+        self.deaths += 1
         if not self._closing:
             code = self._proc.poll() if self._proc is not None else None
             logger.error("egress proxy stopped (exit {}); sandboxes using it have no network", code)

@@ -69,6 +69,7 @@ class SandboxedKernel:
         # Who hears the egress proxy's denials (the interpreter's current call); settable, as
         # a pooled kernel gets its owner after it started.
         self.on_denied: DeniedHandler | None = None
+        self.egress_deaths = 0  # the proxy's death count when this kernel got its socket
         self.spec = spec
         self.workspace = workspace
         self.limits = limits
@@ -141,6 +142,8 @@ class SandboxedKernel:
                 on_denied=self._denied,
             )
         )
+        if self.backend.egress is not None:
+            self.egress_deaths = self.backend.egress.deaths
         loop = asyncio.get_running_loop()
         self._drains = [
             loop.create_task(self._drain(self.process.stdout)),
@@ -345,6 +348,13 @@ class SandboxedKernel:
     def input_reply(self, value: str) -> None:
         if self.client is not None:
             self.client.input(value)
+
+    @property
+    def egress_lost(self) -> bool:
+        """True when this kernel was to have egress and the proxy died since it started: its
+        socket is dead (it fails closed) and it should not be handed to anyone."""
+        proxy = self.backend.egress
+        return self.egress is not None and proxy is not None and proxy.deaths != self.egress_deaths
 
     def _denied(self, host: str, port: int, reason: str) -> None:
         if self.on_denied is not None:

@@ -306,7 +306,7 @@ class InterpreterManager:
         while pool:
             kernel, slot = pool.pop()
             self._refill(spec.language)
-            if not kernel.alive:
+            if not kernel.alive or kernel.egress_lost:  # (dead, or its proxy socket died)
                 asyncio.get_running_loop().create_task(kernel.stop())
                 continue
             try:
