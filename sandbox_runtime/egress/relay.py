@@ -121,6 +121,7 @@ class Relay:
             self.listeners.append(sock)
             self.selector.register(sock, selectors.EVENT_READ, None)
         self.watched: set[socket.socket] = set()
+        self.spare: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     def watch(self, sock: socket.socket, events: int, pair: Pair) -> None:
         if sock.fileno() < 0:
@@ -141,21 +142,46 @@ class Relay:
                 client, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # out of fds: drop this one, keep serving the others
+            except OSError as exc:
                 if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    self._shed(listener)  # out of fds: refuse one, or the loop would spin
                     return
                 raise
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            except OSError:
+                _reset(client)
+                return
             try:
                 upstream.connect(self.path)
             except OSError:
                 # The proxy is gone (or refuses): no way out. The program sees a reset.
                 upstream.close()
-                with contextlib.suppress(OSError):
-                    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
-                client.close()
+                _reset(client)
                 continue
             Pair(self, client, upstream)
+
+    def _shed(self, listener: socket.socket) -> None:
+        """With every fd taken, accept one waiting connection on the spare fd and reset it:
+        the program hears a refusal instead of waiting, and the listener stops being ready."""
+        if self.spare is None:
+            return
+        os.close(self.spare)
+        self.spare = None
+        try:
+            client, _ = listener.accept()
+            _reset(client)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                self.spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _reset(client: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\1\0\0\0\0\0\0\0")
+    client.close()
 
 
 def _no_dump() -> None:

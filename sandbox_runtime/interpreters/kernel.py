@@ -41,7 +41,7 @@ KERNEL_ENV = {
     "MPLCONFIGDIR": "/tmp/.matplotlib",
     "JPY_PARENT_PID": "",
     "PYDEVD_DISABLE_FILE_VALIDATION": "1",
-    "SRT_USER_SITE": "1",  # (the runtime's srt_site: ~/.local's site-packages on sys.path)
+    "SRT_USER_SITE": "1",  # (the runtime's srt_site: ~/.local's site-packages found late)
 }
 
 OnMessage = Callable[[str, dict[str, Any]], None]  # (msg_type, content)

@@ -22,8 +22,9 @@ from sandbox_runtime.sandbox.backend import RUNTIME
 
 MANIFEST = "srt-runtime.json"
 # What the runtime's layout is: a runtime of an older layout is rebuilt by `runtime install`.
-# 2: user site-packages on (`pip install --user` into the workspace, ~/.local).
-LAYOUT = 2
+# 2: user site-packages on (`pip install --user` into the workspace, ~/.local); 3: found by a
+# kernel when it appears after the kernel started, without creating it beforehand.
+LAYOUT = 3
 SYSTEM_PYTHON = "/usr/bin/python3"  # under /usr, so the environment works inside sandboxes
 FILES = Path(__file__).with_name("runtime_files")
 PACKAGES = (
@@ -41,18 +42,32 @@ PACKAGES_OF_NOTE = ("ipykernel", "numpy", "pandas", "matplotlib", "scipy", "pill
 MPL_CACHE = "share/srt/matplotlib"  # a prebuilt font cache, copied to /tmp by srt_site
 
 SITECUSTOMIZE = f'''"""sandbox_runtime: matplotlib's prebuilt font cache, copied to MPLCONFIGDIR; in
-a kernel, the user site-packages (in the workspace) on sys.path even before it exists, so a
-package `pip install --user` puts there imports in the next call."""
+a kernel, the user site-packages (in the workspace) found even when it appears after start, so
+a package `pip install --user` puts there imports in the next call (nothing is created)."""
 import os as _os
 if _os.environ.get("SRT_USER_SITE") == "1":
     import site as _site, sys as _sys
-    try:
-        _user = _site.getusersitepackages()
-        _os.makedirs(_user, exist_ok=True)
-        if _user not in _sys.path:
-            _site.addsitedir(_user)
-    except (OSError, AttributeError):
-        pass
+
+    class _LateUserSite:
+        """Last on sys.meta_path: once ~/.local's site-packages exists, put it on sys.path
+        (Python skipped it at start) and look there."""
+
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            if path is not None:
+                return None
+            try:
+                user = _site.getusersitepackages()
+            except AttributeError:
+                return None
+            if user in _sys.path or not _os.path.isdir(user):
+                return None
+            _site.addsitedir(user)
+            _sys.path_importer_cache.pop(user, None)
+            import importlib.machinery
+            return importlib.machinery.PathFinder.find_spec(name, [user], target)
+
+    _sys.meta_path.append(_LateUserSite)
 _target = _os.environ.get("MPLCONFIGDIR")
 if _target and not _os.path.isdir(_target):
     try:
