@@ -32,6 +32,7 @@ FLAG_TO_SETTING = {
     "sandbox_user": "sandbox_user",
     "allow_unauthenticated": "allow_unauthenticated",
     "allowed_hosts": "allowed_hosts",
+    "console": "console",
 }
 
 
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-dir", help="SANDBOX_STATE_DIR")
     parser.add_argument("--sandbox-user", help="SANDBOX_SANDBOX_USER")
     parser.add_argument("--allowed-hosts", help="SANDBOX_ALLOWED_HOSTS")
+    parser.add_argument(
+        "--no-console",
+        dest="console",
+        action="store_false",
+        default=None,
+        help="do not serve the web console at / (SANDBOX_CONSOLE=false)",
+    )
     parser.add_argument(
         "--allow-unauthenticated",
         action="store_true",

@@ -161,6 +161,11 @@ class Settings(BaseSettings):
         False,
         description="Give sandboxes pseudo-terminals (/dev/pts); a caller may turn them off.",
     )
+    console: bool = Field(
+        True,
+        description="Serve the web console at `/` (a page that is an MCP client of /mcp with "
+        "the user's token); false: `/` is not served.",
+    )
     egress_allow: str = Field(
         "",
         description="Names sandboxes may reach through the egress proxy, comma-separated: "

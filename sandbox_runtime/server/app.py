@@ -12,15 +12,17 @@ from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastmcp import FastMCP
+from fastmcp.server.http import HostOriginGuardMiddleware
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandbox_runtime import __version__
 from sandbox_runtime.config import Settings
+from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
 from sandbox_runtime.files.http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.files.urls import FileUrlSigner, set_url_signer, url_key
@@ -218,11 +220,22 @@ def create_app(
         body = {"ready": not reasons, "replica_id": current.replica_id, "reasons": reasons}
         return JSONResponse(body, status_code=200 if not reasons else 503)
 
+    console: list[BaseRoute] = []
+    if settings.console:
+        guard: list[Middleware] = []
+        if protection is not False:  # the same DNS-rebinding guard as /mcp's
+            mode: Literal["auto", "strict"] = "strict" if protection is True else "auto"
+            guard.append(Middleware(HostOriginGuardMiddleware, allowed_hosts=hosts, mode=mode))
+        console = [
+            Route("/", console_page, methods=["GET", "HEAD"], middleware=guard),
+            Route("/console/{name}", console_file, methods=["GET", "HEAD"], middleware=guard),
+        ]
     public = Starlette(
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            *console,
             Mount("/", app=mcp_app),
         ],
         middleware=[
