@@ -467,6 +467,20 @@ def test_security_headers(server: ServerProcess, page: Console, shot: ShotTaker)
     assert "unsafe-inline" not in csp and "unsafe-eval" not in csp, csp
     assert headers.get("x-content-type-options", "").lower() == "nosniff", headers
     assert headers.get("referrer-policy"), headers
+    # DNS rebinding: a page of another name resolving to this loopback server gets nothing.
+    for name in ("index", "app.js"):
+        path = "/" if name == "index" else f"/console/{name}"
+        request = urllib.request.Request(server.base_url + path, headers={"Host": "evil.example"})
+        try:
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                code = resp.status
+        except urllib.error.HTTPError as exc:
+            code = exc.code
+        assert code == 421, f"{path} with Host: evil.example answered {code}"
+    status, _, _ = get(server.base_url + "/console/../config.py")
+    assert status == 404
+    status, _, _ = get(server.base_url + "/console/secret.js")
+    assert status == 404
     shot()
 
 
