@@ -274,6 +274,21 @@ def test_input_answered_from_stdin_box(app: Console, shot: ShotTaker) -> None:
     shot()
 
 
+def test_a_shell_command_reads_typed_input_until_eof(app: Console, shot: ShotTaker) -> None:
+    execution_id = app.start("shell", "wc -c; echo after-eof")
+    app.wait(lambda: app.output_state() == "running", '#output[data-state="running"]')
+    assert not app.stdout(), "wc printed before its input ended"
+    app.wait(app.el("#close-stdin").is_enabled, "#close-stdin enabled for a shell command")
+    app.el("#stdin").send_keys("abc")
+    app.el("#send-stdin").click()  # "abc\n": 4 bytes
+    app.el("#stdin").send_keys("de")
+    app.el("#close-stdin").click()  # "de", then end of input
+    exit_line = app.wait_done(execution_id)
+    assert printed_lines(app.stdout()) == ["6", "after-eof"], app.describe()
+    assert "completed" in exit_line, exit_line
+    shot()
+
+
 # -- 6. cancel ---------------------------------------------------------------------------------
 
 

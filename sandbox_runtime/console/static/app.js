@@ -100,7 +100,7 @@ async function run() {
         ? await client.call("execute_code_async", { command: code, interactive: true, session })
         : await client.call("run_code_async", { code, language, session });
     refreshExecutions().catch(() => {});
-    await follow(started.execution_id);
+    await follow(started.execution_id, language === "shell");
   } catch (error) {
     appendText("out-error", `${error.message}\n`);
     setRunning(false);
@@ -108,9 +108,9 @@ async function run() {
 }
 
 // Stream an execution's events into the output until it ends (long-polls get_execution_output).
-async function follow(executionId) {
+async function follow(executionId, shell = false) {
   const serial = ++followSerial;
-  current = { id: executionId, cursor: 0, awaitingInput: false };
+  current = { id: executionId, cursor: 0, awaitingInput: false, shell };
   setRunning(true);
   for (;;) {
     let page;
@@ -238,6 +238,7 @@ function setRunning(running) {
   $("cancel").disabled = !running;
   $("stdin").disabled = !running;
   $("send-stdin").disabled = !running;
+  $("close-stdin").disabled = !running || !current?.shell;
   $("run").disabled = running;
 }
 
@@ -265,6 +266,18 @@ $("stdin-form").addEventListener("submit", async (event) => {
   current.awaitingInput = false;
   try {
     await client.call("send_stdin", { execution_id: current.id, input_data: `${text}\n`, session });
+  } catch (error) {
+    appendText("out-error", `${error.message}\n`);
+  }
+});
+
+$("close-stdin").addEventListener("click", async () => {
+  if (!current) return;
+  const text = $("stdin").value;
+  $("stdin").value = "";
+  try {
+    await client.call("send_stdin", { execution_id: current.id, input_data: text, close_stdin: true, session });
+    $("close-stdin").disabled = true;
   } catch (error) {
     appendText("out-error", `${error.message}\n`);
   }
@@ -301,18 +314,18 @@ async function refreshExecutions() {
       reopen.setAttribute("aria-label", `Open the output of ${info.execution_id}`);
       reopen.addEventListener("click", (event) => {
         event.stopPropagation();
-        reopenExecution(info.execution_id);
+        reopenExecution(info);
       });
-      li.addEventListener("click", () => reopenExecution(info.execution_id));
+      li.addEventListener("click", () => reopenExecution(info));
       li.append(badge, what, facts, reopen);
       return li;
     }),
   );
 }
 
-async function reopenExecution(executionId) {
+async function reopenExecution(info) {
   clearOutput();
-  await follow(executionId);
+  await follow(info.execution_id, !info.language && info.interactive);
 }
 
 // -- files --------------------------------------------------------------------------------
