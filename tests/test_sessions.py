@@ -319,15 +319,14 @@ async def test_forged_or_replayed_control_messages_in_redis_do_nothing(topology:
             close_stdin=True,
             session=session,
         )
-        page = await conn.ok(
-            "get_execution_output",
-            execution_id=execution_id,
-            wait=True,
-            wait_seconds=5,
-            session=session,
-        )
+
+        async def ended() -> bool:  # cat ends at the end of its input: all it echoed is in
+            info = await conn.ok("get_execution_status", execution_id=execution_id, session=session)
+            return bool(info["status"] == "completed")
+
+        await eventually(ended, 10, "cat ended after its stdin closed")
         text = await all_output(conn, execution_id, session)
-        assert text == "once\nend\n", f"the replayed stdin was acted on twice: {text!r} {page}"
+        assert text == "once\nend\n", f"the replayed stdin was acted on twice: {text!r}"
 
 
 async def test_per_principal_limits_hold_across_sessions_and_replicas(tmp_path: Path) -> None:
