@@ -4,7 +4,10 @@ Prints a table: execute_code `echo hi` p50/p95 sequential and calls/s with 10 co
 clients, `seq 1 1000000` end to end and the server's RSS before/after. With --redis, runs the
 same server with a real redis-server mirroring and prints both rows side by side.
 
-    .venv/bin/python bench/bench_mcp.py [--redis] [--calls 200]
+    .venv/bin/python bench/bench_mcp.py [--redis] [--calls 200] [--default-logging]
+
+The server's CPU per call is its process's user+system time (/proc/PID/stat) over the
+sequential runs, divided by the calls: the spawner, bwrap and the command are not in it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU the process has used (its own threads; not its children)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -46,7 +55,9 @@ def rss_mb(pid: int) -> float:
 
 
 class Server:
-    def __init__(self, state: Path, redis_url: str | None, replica: str) -> None:
+    def __init__(
+        self, state: Path, redis_url: str | None, replica: str, quiet: bool = True
+    ) -> None:
         self.port = free_port()
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")},
@@ -56,8 +67,9 @@ class Server:
             "SANDBOX_MAX_CONCURRENT": "64",
             "SANDBOX_MAX_PER_SESSION": "64",
             "SANDBOX_REPLICA_ID": replica,
-            "SANDBOX_LOG_LEVEL": "WARNING",
         }
+        if quiet:  # (default settings otherwise: INFO lines and the access log)
+            env["SANDBOX_LOG_LEVEL"] = "WARNING"
         if redis_url:
             env["REDIS_URL"] = redis_url
         self.proc = subprocess.Popen(
@@ -105,17 +117,22 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def bench_echo_sequential(url: str, calls: int, mode: str) -> tuple[float, float]:
+async def bench_echo_sequential(
+    url: str, calls: int, mode: str, pid: int
+) -> tuple[float, float, float]:
+    """p50 and p95 of `execute_code echo hi`, ms, and the server's CPU per call, ms."""
     times = []
     async with client(url, mode) as c:
         for _ in range(5):
             await call(c, "execute_code", {"command": "echo hi"})
+        cpu = cpu_seconds(pid)
         for _ in range(calls):
             t = time.perf_counter()
             out = await call(c, "execute_code", {"command": "echo hi"})
             times.append(time.perf_counter() - t)
             assert out["exit_code"] == 0
-    return statistics.median(times) * 1000, pct(times, 0.95) * 1000
+        per_call = (cpu_seconds(pid) - cpu) / calls * 1000
+    return statistics.median(times) * 1000, pct(times, 0.95) * 1000, per_call
 
 
 async def bench_echo_concurrent(url: str, clients: int, seconds: float) -> float:
@@ -159,8 +176,11 @@ async def bench_seq(url: str) -> tuple[float, int]:
 async def run_one(label: str, server: Server, calls: int) -> dict[str, Any]:
     row: dict[str, Any] = {"label": label}
     row["rss_before"] = rss_mb(server.proc.pid)
-    row["p50_legacy"], row["p95_legacy"] = await bench_echo_sequential(server.url, calls, "legacy")
-    row["p50"], row["p95"] = await bench_echo_sequential(server.url, calls, "auto")
+    pid = server.proc.pid
+    row["p50_legacy"], row["p95_legacy"], row["cpu_legacy"] = await bench_echo_sequential(
+        server.url, calls, "legacy", pid
+    )
+    row["p50"], row["p95"], row["cpu"] = await bench_echo_sequential(server.url, calls, "auto", pid)
     row["cps"] = await bench_echo_concurrent(server.url, 10, 10.0)
     row["seq_s"], size = await bench_seq(server.url)
     row["seq_ok"] = size == len("".join(f"{i}\n" for i in range(1, 1_000_001)))
@@ -172,13 +192,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--redis", action="store_true", help="also run with a real redis-server")
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument(
+        "--default-logging",
+        action="store_true",
+        help="the server as a user starts it (INFO lines and the access log), not at WARNING",
+    )
     args = parser.parse_args()
+    quiet = not args.default_logging
     rows = []
     with tempfile.TemporaryDirectory(prefix="srt-bench-") as tmp:
         os.chmod(tmp, 0o711)
         redis_proc = None
         try:
-            server = Server(Path(tmp), None, "bench-a")
+            server = Server(Path(tmp), None, "bench-a", quiet)
             try:
                 rows.append(asyncio.run(run_one("in-memory", server, args.calls)))
             finally:
@@ -191,7 +217,7 @@ def main() -> None:
                     stdout=subprocess.DEVNULL,
                 )  # fmt: skip
                 time.sleep(0.3)
-                server = Server(Path(tmp), f"redis://127.0.0.1:{port}/0", "bench-b")
+                server = Server(Path(tmp), f"redis://127.0.0.1:{port}/0", "bench-b", quiet)
                 try:
                     rows.append(asyncio.run(run_one("redis", server, args.calls)))
                 finally:
@@ -203,13 +229,15 @@ def main() -> None:
     print()
     print(
         f"{'state':<10} {'echo p50 ms':>11} {'p95':>6} {'legacy p50':>10} {'p95':>6} "
-        f"{'10 clients/s':>12} {'seq 1e6 s':>9} {'RSS MB before->after':>20}"
+        f"{'10 clients/s':>12} {'seq 1e6 s':>9} {'RSS MB before->after':>20} "
+        f"{'server CPU ms/call (modern, legacy)':>36}"
     )
     for r in rows:
         print(
             f"{r['label']:<10} {r['p50']:>11.1f} {r['p95']:>6.1f} {r['p50_legacy']:>10.1f} "
             f"{r['p95_legacy']:>6.1f} {r['cps']:>12.1f} {r['seq_s']:>9.2f} "
-            f"{r['rss_before']:>9.1f} -> {r['rss_after']:<8.1f}"
+            f"{r['rss_before']:>9.1f} -> {r['rss_after']:<8.1f} "
+            f"{r['cpu']:>26.2f}, {r['cpu_legacy']:.2f}"
             f"{'' if r['seq_ok'] else ' SEQ OUTPUT WRONG'}"
         )
     base = rows[0]
