@@ -303,21 +303,27 @@ def _embedded_v4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
     return []
 
 
-def _vet(address: IPAddress, cidrs: Sequence[IPNetwork]) -> str | None:
+def exact_addresses(cidrs: Sequence[IPNetwork]) -> frozenset[IPAddress]:
+    """The single addresses among `cidrs` (/32, /128): what the operator named exactly."""
+    return frozenset(net.network_address for net in cidrs if net.prefixlen == net.max_prefixlen)
+
+
+def _vet(
+    address: IPAddress, cidrs: Sequence[IPNetwork], exact: frozenset[IPAddress] | None = None
+) -> str | None:
     if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
         return "private_address"  # a zone only means something for link-local and multicast
+    named = exact_addresses(cidrs) if exact is None else exact
     embedded = _embedded_v4(address) if isinstance(address, ipaddress.IPv6Address) else []
     for candidate in (address, *embedded):
-        if candidate in METADATA_ADDRESSES and not any(
-            net.prefixlen == net.max_prefixlen and net.network_address == candidate for net in cidrs
-        ):
+        if candidate in METADATA_ADDRESSES and candidate not in named:
             return "metadata_address"
     if any(address in net for net in cidrs):
         return None
     if isinstance(address, ipaddress.IPv4Address):
         return "private_address" if any(address in net for net in _V4_REFUSED) else None
     if address in _V6_MAPPED or address in _NAT64 or address in _SIX_TO_FOUR:
-        return _vet(embedded[0], cidrs)  # the IPv4 address is where the packets go
+        return _vet(embedded[0], cidrs, exact)  # the IPv4 address is where the packets go
     # Outside 2000::/3: ::, ::1, IPv4-compatible ::a.b.c.d (never dialled), 64:ff9b:1::/48,
     # ULA, link-local, multicast...; inside it: Teredo, benchmarking, documentation.
     if address not in _V6_GLOBAL_UNICAST or any(address in net for net in _V6_REFUSED):
@@ -340,7 +346,9 @@ def vet_address(address: str | IPAddress, policy: EgressPolicy | None = None) ->
             return "bad_address"
     if not isinstance(address, ipaddress.IPv4Address | ipaddress.IPv6Address):
         return "bad_address"
-    return _vet(address, policy.allow_cidrs if policy is not None else ())
+    if policy is None:
+        return _vet(address, ())
+    return _vet(address, policy.allow_cidrs, policy.exact)
 
 
 @dataclass(frozen=True)
@@ -359,10 +367,22 @@ class EgressPolicy:
     Raises ValueError on construction for a bad rule or CIDR (see `parse_rules`, `parse_cidrs`).
     """
 
-    def __init__(self, allow: str, deny: str = "", allow_cidrs: str = "") -> None:
+    def __init__(
+        self,
+        allow: str,
+        deny: str = "",
+        allow_cidrs: str = "",
+        exact: frozenset[IPAddress] | None = None,
+    ) -> None:
         self.allow_rules: tuple[Rule, ...] = tuple(parse_rules(allow))
         self.deny_rules: tuple[Rule, ...] = tuple(parse_rules(deny))
         self.allow_cidrs: tuple[IPNetwork, ...] = tuple(parse_cidrs(allow_cidrs))
+        # Addresses the operator named exactly (metadata addresses and the host's own are
+        # refused but for these). A narrowing keeps its parent's: a caller naming one address
+        # of an allowed range does not make it exact.
+        self.exact: frozenset[IPAddress] = (
+            exact_addresses(self.allow_cidrs) if exact is None else exact
+        )
 
     @property
     def enabled(self) -> bool:
@@ -390,7 +410,7 @@ class EgressPolicy:
         if address is not None:
             if not any(address in net for net in self.allow_cidrs):
                 return Decision(False, name, port, "not_allowed")
-            reason = _vet(address, self.allow_cidrs)
+            reason = _vet(address, self.allow_cidrs, self.exact)
             return Decision(reason is None, name, port, reason)
         if any(rule.denies(name, port) for rule in self.deny_rules):
             return Decision(False, name, port, "denied")
@@ -416,7 +436,7 @@ class EgressPolicy:
         """
         deny = ",".join(map(str, self.deny_rules))
         if request is None or request is False:
-            return EgressPolicy("", deny)
+            return EgressPolicy("", deny, exact=self.exact)
         if request is True:
             return self
         items = [request] if isinstance(request, str) else request
@@ -433,9 +453,11 @@ class EgressPolicy:
             except ValueError as exc:
                 raise InvalidRequestError(str(exc)) from None
         if not rules and not cidrs:
-            return EgressPolicy("", deny)
+            return EgressPolicy("", deny, exact=self.exact)
         kept = cidrs if cidrs else list(self.allow_cidrs)
-        return EgressPolicy(",".join(map(str, rules)), deny, ",".join(map(str, kept)))
+        return EgressPolicy(
+            ",".join(map(str, rules)), deny, ",".join(map(str, kept)), exact=self.exact
+        )
 
     def _narrow_cidr(self, entry: str) -> IPNetwork:
         (network,) = parse_cidrs(entry.strip("[]"))

@@ -5,7 +5,7 @@ It runs as a child of the server (`python -m sandbox_runtime.egress.proxy`), as 
 user rather than root: it parses what hostile programs send. The server talks to it over a
 socketpair (`--control-fd`), one JSON object per line:
 
-    server -> proxy  {"op": "open", "id", "path", "allow", "deny", "cidrs", "max_bytes",
+    server -> proxy  {"op": "open", "id", "path", "allow", "deny", "cidrs", "exact", "max_bytes",
                       "max_connections"}          listen on `path` for one sandbox
                      {"op": "close", "id"}        stop listening, cut its connections
     proxy -> server  {"op": "opened", "id"} | {"op": "error", "id", "error"}
@@ -57,6 +57,7 @@ LOCAL_REFRESH = 5.0  # seconds the host's own addresses are cached
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _METHOD = re.compile(rb"[A-Z]{1,20}")
 _TARGET = re.compile(rb"[\x21-\x7e]{1,8192}")
+_FRAMING = {b"content-length", b"transfer-encoding", b"host"}
 _HOP_BY_HOP = {
     b"connection",
     b"proxy-connection",
@@ -200,7 +201,10 @@ class Proxy:
         if sid in self.sandboxes:
             raise ValueError(f"sandbox {sid} is open already")
         policy = EgressPolicy(
-            str(spec.get("allow", "")), str(spec.get("deny", "")), str(spec.get("cidrs", ""))
+            str(spec.get("allow", "")),
+            str(spec.get("deny", "")),
+            str(spec.get("cidrs", "")),
+            exact=frozenset(ipaddress.ip_address(a) for a in spec.get("exact", [])),
         )
         sandbox = Sandbox(self, sid, policy, spec)
         with contextlib.suppress(FileNotFoundError):
@@ -271,6 +275,10 @@ class Proxy:
             if not decision.allowed:
                 raise Refused(403, decision.reason or "denied", decision.host, request.port)
             request.host = decision.host
+            if request.connect and request.port == 80:
+                # A raw tunnel to port 80 would carry any Host to the address: plain HTTP goes
+                # as checked requests (absolute-form), one per connection.
+                raise Refused(403, "connect_to_http_port", request.host, request.port)
             if sandbox.max_bytes and sandbox.bytes >= sandbox.max_bytes:
                 raise Refused(403, "byte_limit", request.host, request.port)
             addresses = await self._resolve(request.host)
@@ -354,12 +362,11 @@ class Proxy:
         vetted: list[IPAddress] = []
         reason = "not_allowed"
         local = self._local_addresses()
-        exact = {
-            net.network_address for net in sandbox.policy.allow_cidrs if net.num_addresses == 1
-        }
+        exact = sandbox.policy.exact  # (the server's: a caller's narrowing adds none)
         for address in addresses:
             problem = sandbox.policy.vet_address(address)
-            if problem is None and address in local and address not in exact:
+            plain = _unmapped(address)  # (::ffff:a.b.c.d is a.b.c.d on the wire)
+            if problem is None and plain in local and plain not in exact:
                 problem = "local_address"
             if problem is None:
                 vetted.append(address)
@@ -381,7 +388,7 @@ class Proxy:
             sock = writer.get_extra_info("socket")
             peer = ipaddress.ip_address(str(sock.getpeername()[0]).split("%")[0])
             mine = ipaddress.ip_address(str(sock.getsockname()[0]).split("%")[0])
-            if peer == mine and address not in exact:  # routed through the local table
+            if peer == mine and _unmapped(address) not in exact:  # routed through the local table
                 writer.close()
                 raise Refused(403, "local_address", host, port)
             return (reader, writer), str(address)
@@ -451,6 +458,12 @@ class Proxy:
             await asyncio.gather(up, down, dog, return_exceptions=True)
 
 
+def _unmapped(address: IPAddress) -> IPAddress:
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 def parse_head(head: bytes) -> Request:
     """Parse a proxy request's head strictly. Raises Refused."""
     lines = head[:-4].split(b"\r\n")
@@ -462,12 +475,12 @@ def parse_head(head: bytes) -> Request:
     method, target, version = parts
     if version not in (b"HTTP/1.1", b"HTTP/1.0"):
         raise Refused(400, "bad_request")
-    headers: list[tuple[bytes, bytes]] = []
+    headers: list[tuple[bytes, bytes, bytes]] = []  # (lower-case name, name, value)
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep or not _TOKEN.fullmatch(name) or any(c < 0x20 and c != 9 for c in value):
             raise Refused(400, "bad_request")  # (obs-fold, bare CR or LF, controls)
-        headers.append((name.lower(), value.strip(b" \t")))
+        headers.append((name.lower(), name, value.strip(b" \t")))
     if method == b"CONNECT":
         host, port = _authority(target, None)
         return Request("CONNECT", host, port, connect=True)
@@ -483,8 +496,8 @@ def parse_head(head: bytes) -> Request:
         path = b"/" + path
     path = path.split(b"#", 1)[0] or b"/"
     host, port = _authority(authority, 80)
-    lengths = [v for n, v in headers if n == b"content-length"]
-    if any(n == b"transfer-encoding" for n, _ in headers):
+    lengths = [v for n, _, v in headers if n == b"content-length"]
+    if any(n == b"transfer-encoding" for n, _, _ in headers):
         raise Refused(411, "chunked_body")  # plain HTTP bodies need a Content-Length
     if len(set(lengths)) > 1 or (lengths and not lengths[0].isdigit()):
         raise Refused(400, "bad_request")
@@ -509,17 +522,20 @@ def _host_header(host: str, port: int) -> bytes:
 
 
 def _rewrite(
-    request: Request, method: bytes, path: bytes, headers: list[tuple[bytes, bytes]]
+    request: Request, method: bytes, path: bytes, headers: list[tuple[bytes, bytes, bytes]]
 ) -> Request:
     out = [
         method + b" " + path + b" HTTP/1.1",
         b"Host: " + _host_header(request.host, request.port),
     ]
     dropped = set(_HOP_BY_HOP)
-    for name, value in headers:  # headers the client's Connection header names are hop-by-hop
+    for name, _, value in headers:  # headers the client's Connection header names are hop-by-hop
         if name == b"connection":
-            dropped |= {v.strip().lower() for v in value.split(b",")}
-    out += [name + b": " + value for name, value in headers if name not in dropped]
+            named = {v.strip().lower() for v in value.split(b",")}
+            if named & _FRAMING:  # dropping one would change where the request ends
+                raise Refused(400, "bad_request", request.host, request.port)
+            dropped |= named
+    out += [shown + b": " + value for name, shown, value in headers if name not in dropped]
     out.append(b"Connection: close")
     request.head = b"\r\n".join(out) + b"\r\n\r\n"
     return request

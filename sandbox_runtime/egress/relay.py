@@ -23,6 +23,7 @@ import socket
 import sys
 
 CHUNK = 256 * 1024
+ENV_NAME = "__srt_env"  # the caller's variables as JSON (backend.RELAY_ENV)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
 
@@ -202,12 +203,17 @@ def main(argv: list[str]) -> int:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # (a handler: the wakeup fd hears it)
+    extra = os.environ.pop(ENV_NAME, None)  # the caller's variables: the command's alone
     pid = os.fork()
     if pid == 0:
         for sig in (signal.SIGCHLD, *FORWARDED):
             signal.signal(sig, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
         try:
+            if extra:
+                import json
+
+                os.environ.update(json.loads(extra))
             os.execvp(command[0], command)  # noqa: S606  # (the sandbox's command)
         except OSError as exc:
             os.write(2, f"bwrap: execvp {command[0]}: {exc.strerror}\n".encode())

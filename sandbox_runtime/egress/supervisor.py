@@ -240,6 +240,7 @@ class EgressProxy:
                     "allow": ",".join(map(str, policy.allow_rules)),
                     "deny": ",".join(map(str, policy.deny_rules)),
                     "cidrs": ",".join(map(str, policy.allow_cidrs)),
+                    "exact": sorted(map(str, policy.exact)),
                     "max_bytes": self.settings.max_bytes,
                     "max_connections": self.settings.max_connections,
                 }

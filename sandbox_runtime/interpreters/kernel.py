@@ -116,9 +116,9 @@ class SandboxedKernel:
         connection = directory / "connection.json"
         connection.write_text(json.dumps(info))
         if os.geteuid() == 0:
-            uid = self.backend.sandbox_uid
-            os.chown(directory, uid, uid)
-            os.chown(connection, uid, uid)
+            uid, gid = self.backend.sandbox_uid, self.backend.sandbox_gid
+            os.chown(directory, uid, gid)
+            os.chown(connection, uid, gid)
         os.chmod(connection, 0o600)
         argv = [a.replace("{connection_file}", CONNECTION_FILE) for a in self.spec.argv]
         if self.spec.tcp:

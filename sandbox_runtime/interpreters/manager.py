@@ -143,13 +143,20 @@ class InterpreterManager:
         self._closed = True
         if self._reaper is not None:
             self._reaper.cancel()
-        for task in [*self._refills, *self._starting.values()]:
+        starting = [*self._refills, *self._starting.values()]
+        for task in starting:
             task.cancel()
         kernels = [i.kernel for i in self._interpreters.values()]
         kernels += [k for pool in self._warm.values() for k, _ in pool]
         self._interpreters.clear()
         self._warm.clear()
         await asyncio.gather(*(k.stop() for k in kernels), return_exceptions=True)
+        # A kernel cancelled while it started may have left its directory: every kernel is
+        # stopped now, so none of them is in use.
+        await asyncio.gather(*starting, return_exceptions=True)
+        with contextlib.suppress(OSError):
+            for leftover in self.kernels_root.iterdir():
+                shutil.rmtree(leftover, ignore_errors=True)
 
     def _gauges(self) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = {}
@@ -216,12 +223,7 @@ class InterpreterManager:
         key = (owner, language)
         current = self._interpreters.get(key)
         if current is not None and current.kernel.alive:
-            if limits is not None and limits != current.limits:
-                raise InvalidRequestError(
-                    f"this session's {language} interpreter runs with other limits than this "
-                    "sandbox_config; restart_interpreter with it (the state is lost) or leave "
-                    "sandbox_config out"
-                )
+            self._same_limits(current, limits)
             return current, None
         if current is not None:  # died since its last call
             self._forget(key, "crashed")
@@ -232,8 +234,21 @@ class InterpreterManager:
             self._starting[key] = task
             task.add_done_callback(lambda _: self._starting.pop(key, None))
         interpreter = await asyncio.shield(task)
+        # A call that found another call starting it: the limits must agree with its own too.
+        self._same_limits(interpreter, limits)
         reason = self._ended.pop(key, "first_call")
         return interpreter, reason
+
+    @staticmethod
+    def _same_limits(interpreter: Interpreter, limits: SandboxLimits | None) -> None:
+        """Raises InvalidRequestError when `limits` (a caller's) differ from the running
+        interpreter's: a tighter sandbox_config is never silently ignored."""
+        if limits is not None and limits != interpreter.limits:
+            raise InvalidRequestError(
+                f"this session's {interpreter.language} interpreter runs with other limits "
+                "than this sandbox_config; restart_interpreter with it (the state is lost) or "
+                "leave sandbox_config out"
+            )
 
     def _forget(self, key: Key, reason: str) -> None:
         interpreter = self._interpreters.pop(key, None)

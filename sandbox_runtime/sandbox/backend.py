@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import json
 import os
 import posixpath
 import pwd
@@ -74,6 +75,7 @@ KERNEL_DIR = "/run/srt-kernel"
 RELAY_PROGRAM = Path(__file__).parents[1] / "egress" / "relay.py"
 RELAY_PATH = "/run/srt-relay.py"
 RELAY_PYTHON = "/usr/bin/python3"
+RELAY_ENV = "__srt_env"  # (validate_env refuses caller names starting with __srt)
 _PROXY_URL = f"http://127.0.0.1:{RELAY_PORT}"
 # What programs read to find a proxy: curl, wget, pip, git, requests, Deno, npm, Node (24+).
 EGRESS_ENV = {
@@ -510,9 +512,15 @@ class BubblewrapBackend:
             for key, value in EGRESS_ENV.items():
                 args += ["--setenv", key, value]
         # The caller's variables act on the command only: bwrap execs nothing else, and the
-        # rlimits are in place before the command starts.
-        for key, value in spec.env.items():
-            args += ["--setenv", key, value]
+        # rlimits are in place before the command starts. With egress, bwrap execs the relay:
+        # the variables go to it as one JSON value it sets only in the command's process (an
+        # LD_PRELOAD of the caller's must not load into the relay).
+        if lease is not None:
+            if spec.env:
+                args += ["--setenv", RELAY_ENV, json.dumps(spec.env)]
+        else:
+            for key, value in spec.env.items():
+                args += ["--setenv", key, value]
         if len(spec.argv) == 3 and spec.argv[:2] == ["/bin/sh", "-c"]:
             args += ["--setenv", "__srt_cmd", spec.argv[2]]
             command = ["/bin/sh", "-c", SHELL_SCRIPT]
