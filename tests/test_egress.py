@@ -287,14 +287,19 @@ def proxy_pids(server: ServerProcess) -> list[int]:
     return [p for p in process_tree(server.pid) if PROXY_MARKER in (proc_cmdline(p) or "")]
 
 
-def warm_kernels(server: ServerProcess) -> int:
-    """The server's pooled (warm) python interpreters, from /metrics."""
+def metric(server: ServerProcess, prefix: str, *labels: str) -> float:
+    """The first /metrics sample starting with `prefix` and holding every label text."""
     auth = {"Authorization": f"Bearer {TOKEN}"}
     text = httpx2.get(f"{server.base_url}/metrics", headers=auth, timeout=5).text
     for line in text.splitlines():
-        if line.startswith("srt_interpreters{") and 'state="warm"' in line and "python" in line:
-            return int(float(line.rsplit(" ", 1)[1]))
-    return 0
+        if line.startswith(prefix) and all(label in line for label in labels):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def warm_kernels(server: ServerProcess) -> int:
+    """The server's pooled (warm) python interpreters, from /metrics."""
+    return int(metric(server, "srt_interpreters{", 'state="warm"', "python"))
 
 
 def open_fds(pid: int) -> int:
@@ -902,6 +907,7 @@ async def test_a_caller_cannot_widen_the_policy_only_narrow_it(
 
 async def test_the_byte_budget_cuts_a_large_download(server: ServerProcess, lab: NetLab) -> None:
     sid = session("bytes")
+    counted_before = metric(server, "srt_egress_bytes_total ")
     async with open_client(server.url, TOKEN, "auto") as conn:
         await prepare(conn, sid, lab)
         lab.clear_logs()
@@ -921,6 +927,12 @@ async def test_the_byte_budget_cuts_a_large_download(server: ServerProcess, lab:
     # The budget is spent: the next request is refused before anything is dialled.
     assert "X-Egress-Denied: byte_limit" in stream(result), describe(result)
     assert [r["target"] for r in lab.requests()] == ["/bytes/100000000"], lab.requests()
+    # The sandbox's bytes are counted once it has ended (its socket closed): all it moved,
+    # with the one read (at most the proxy's 256 KiB chunk) that crossed the budget and was
+    # dropped.
+    counted = metric(server, "srt_egress_bytes_total ") - counted_before
+    assert size <= counted <= MAX_MB * 1024 * 1024 + 256 * 1024, (counted, size)
+    assert metric(server, "srt_egress_denied_total{", 'reason="byte_limit"') >= 1
 
 
 # -- 14. interpreters --------------------------------------------------------------------------

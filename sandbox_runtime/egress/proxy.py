@@ -96,7 +96,6 @@ class Request:
     port: int
     connect: bool
     head: bytes = b""  # plain HTTP: the head to send on, rewritten
-    rest: bytes = b""  # bytes after the head already read
     body_length: int = 0
 
 

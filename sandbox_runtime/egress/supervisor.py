@@ -54,17 +54,7 @@ class Lease:
     id: str
     host_dir: Path
     on_denied: DeniedHandler | None
-    bytes: int = 0
-    connections: int = 0
-    denied: int = 0
     closed: asyncio.Future[None] | None = None
-
-
-@dataclass
-class EgressStats:
-    denied: dict[str, int] = field(default_factory=dict)
-    connections: int = 0
-    restarts: int = 0
 
 
 class EgressProxy:
@@ -76,7 +66,6 @@ class EgressProxy:
         self.base_dir = base_dir
         self.uid, self.gid = uid, gid
         self.problem: str | None = "egress proxy not started"
-        self.stats = EgressStats()
         self.on_event: list[Callable[[str, dict[str, Any]], None]] = []  # metrics, logs
         self._proc: subprocess.Popen[bytes] | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -166,21 +155,12 @@ class EgressProxy:
             return
         lease = self._leases.get(sid)
         if op == "closed" and lease is not None:
-            lease.bytes = int(message.get("bytes", 0))
-            lease.connections = int(message.get("connections", 0))
-            lease.denied = int(message.get("denied", 0))
             if lease.closed is not None and not lease.closed.done():
                 lease.closed.set_result(None)
-            return
-        if op == "denied":
-            reason = str(message.get("reason"))
-            self.stats.denied[reason] = self.stats.denied.get(reason, 0) + 1
+        elif op == "denied" and lease is not None and lease.on_denied is not None:
             host, port = str(message.get("host", "")), int(message.get("port") or 0)
-            if lease is not None and lease.on_denied is not None:
-                lease.on_denied(host, port, reason)
-        elif op == "connected":
-            self.stats.connections += 1
-        for hook in self.on_event:
+            lease.on_denied(host, port, str(message.get("reason")))
+        for hook in self.on_event:  # (metrics: denials, connections, a sandbox's bytes)
             hook(str(op), message)
 
     def _on_death(self) -> None:
@@ -197,7 +177,6 @@ class EgressProxy:
         if not self._closing:
             code = self._proc.poll() if self._proc is not None else None
             logger.error("egress proxy stopped (exit {}); sandboxes using it have no network", code)
-            self.stats.restarts += 1
 
     async def _ensure_running(self) -> asyncio.StreamWriter:
         if self._writer is not None:
