@@ -10,6 +10,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from sandbox_runtime.egress.policy import EgressDenied, EgressPolicy, is_ip, parse_authority
+from sandbox_runtime.egress.supervisor import EgressSettings
 from sandbox_runtime.sandbox.policy import SandboxLimits
 
 
@@ -401,6 +402,16 @@ class Settings(BaseSettings):
                     raise ValueError(f"SANDBOX_EGRESS_RESOLVER: {item!r} is not an IP address")
                 out.append((host, port))
         return out
+
+    def egress_settings(self) -> EgressSettings:
+        """What the egress proxy's supervisor needs (the server and `doctor` start one)."""
+        return EgressSettings(
+            connect_timeout=self.egress_connect_timeout,
+            idle_timeout=self.egress_idle_timeout,
+            max_connections=self.egress_max_connections,
+            max_bytes=self.egress_max_mb * 1024 * 1024,
+            resolvers=self.egress_resolvers(),
+        )
 
     def limits(self) -> SandboxLimits:
         """The sandbox policy: defaults and ceilings for every execution."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sandbox_runtime.config import Settings
-from sandbox_runtime.egress.supervisor import EgressProxy, EgressSettings
+from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxSpec, shell_argv
 from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER
@@ -427,7 +427,7 @@ async def check_egress(settings: Settings) -> list[Check]:
         if backend.unavailable_reason is not None or backend.private_dir is None:
             return [Check("egress", False, str(backend.unavailable_reason), "see above")]
         egress = EgressProxy(
-            EgressSettings(resolvers=settings.egress_resolvers()),
+            settings.egress_settings(),
             backend.private_dir / "egress",
             backend.sandbox_uid,
             backend.sandbox_gid,

@@ -19,7 +19,7 @@ from loguru import logger
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.egress.policy import EgressPolicy
-from sandbox_runtime.egress.supervisor import DeniedHandler, EgressProxy, EgressSettings
+from sandbox_runtime.egress.supervisor import DeniedHandler, EgressProxy
 from sandbox_runtime.errors import (
     ExecutionNotFoundError,
     InvalidRequestError,
@@ -217,15 +217,8 @@ class ExecutionManager:
                 logger.error("redis: the final flush did not finish in 15 s; giving up")
 
     async def _start_egress(self, base_dir: Path) -> None:
-        settings = self.settings
         egress = EgressProxy(
-            EgressSettings(
-                connect_timeout=settings.egress_connect_timeout,
-                idle_timeout=settings.egress_idle_timeout,
-                max_connections=settings.egress_max_connections,
-                max_bytes=settings.egress_max_mb * 1024 * 1024,
-                resolvers=settings.egress_resolvers(),
-            ),
+            self.settings.egress_settings(),
             base_dir,
             self.backend.sandbox_uid,
             self.backend.sandbox_gid,
