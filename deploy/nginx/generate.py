@@ -18,6 +18,12 @@ TEMPLATE = Path(__file__).with_name("sandbox-runtime.conf.template")
 REPLICA = re.compile(r"^(?P<rid>[A-Za-z0-9_-]{1,64})=(?P<addr>[A-Za-z0-9_.:\[\]-]+:\d{1,5})$")
 
 
+# nginx closes an idle connection to a replica before the replica would (its keep-alive is
+# 75 s, server/run.py): a replica closing one just as nginx sends a request on it would cost
+# that request a 502 (nginx never replays a POST it has sent).
+UPSTREAM_IDLE = "50s"
+
+
 def render(listen: str, replicas: list[tuple[str, str]]) -> str:
     if not replicas:
         raise ValueError("at least one replica is required")
@@ -29,15 +35,15 @@ def render(listen: str, replicas: list[tuple[str, str]]) -> str:
         lines = [f"upstream srt_{_ident(rid)} {{"]
         lines += [f"    server {addr} max_fails=1 fail_timeout=5s;"]
         lines += [f"    server {other} backup;" for orid, other in replicas if orid != rid]
-        lines += ["    keepalive 16;", "}"]
+        lines += ["    keepalive 16;", f"    keepalive_timeout {UPSTREAM_IDLE};", "}"]
         blocks.append("\n".join(lines))
     everyone = ["upstream srt_all {", "    least_conn;"]
     everyone += [f"    server {addr} max_fails=1 fail_timeout=5s;" for _, addr in replicas]
-    everyone += ["    keepalive 32;", "}"]
+    everyone += ["    keepalive 32;", f"    keepalive_timeout {UPSTREAM_IDLE};", "}"]
     blocks.append("\n".join(everyone))
     by_session = ["upstream srt_by_session {", "    hash $srt_session_name consistent;"]
     by_session += [f"    server {addr} max_fails=1 fail_timeout=5s;" for _, addr in replicas]
-    by_session += ["    keepalive 32;", "}"]
+    by_session += ["    keepalive 32;", f"    keepalive_timeout {UPSTREAM_IDLE};", "}"]
     blocks.append("\n".join(by_session))
     session_map = "\n".join(f"    ~^{re.escape(rid)}\\. srt_{_ident(rid)};" for rid, _ in replicas)
     text = TEMPLATE.read_text()

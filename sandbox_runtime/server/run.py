@@ -93,6 +93,9 @@ async def serve(settings: Settings) -> int:
         access_log=settings.access_log,
         log_config=None,  # keep our handlers: uvicorn's records go to loguru
         timeout_graceful_shutdown=max(1, int(settings.shutdown_grace) + 1),
+        # Longer than a proxy's idle keep-alive to us (nginx's shipped config: 50 s), so the
+        # proxy, not we, closes an idle connection: never one it is sending a request on.
+        timeout_keep_alive=75,
         proxy_headers=True,
         server_header=False,
     )
