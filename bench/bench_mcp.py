@@ -1,13 +1,20 @@
-"""End-to-end MCP benchmark: a real srt-mcp-server process, the official mcp client over HTTP.
+"""End-to-end MCP benchmark: real srt-mcp-server processes, the official mcp client over HTTP.
 
-Prints a table: execute_code `echo hi` p50/p95 sequential and calls/s with 10 concurrent
-clients, `seq 1 1000000` end to end and the server's RSS before/after. With --redis, runs the
-same server with a real redis-server mirroring and prints both rows side by side.
+Two servers with default settings (INFO logging and the access log, as `srt-mcp-server` runs),
+one with sandboxes started ahead of need (the default pool) and one without
+(SANDBOX_POOL_SIZE=0), measured in the same run, in alternating rounds. Per server and
+protocol era (2026-07-28 "modern", and the legacy initialize/session era): `execute_code
+echo hi` p50/p95 sequential in one session, the server's CPU per call, warm `run_code
+print(1)` p50, and calls/s with 10 concurrent clients (a session each); then `seq 1 1000000`
+end to end and the server's RSS. With --redis, a third server (pool on) mirrors into a real
+redis-server.
 
-    .venv/bin/python bench/bench_mcp.py [--redis] [--calls 200] [--default-logging]
+    .venv/bin/python bench/bench_mcp.py [--calls 300] [--rounds 3] [--redis] [--quiet]
 
 The server's CPU per call is its process's user+system time (/proc/PID/stat) over the
-sequential runs, divided by the calls: the spawner, bwrap and the command are not in it.
+sequential calls, divided by the calls: the spawner, bwrap and the command are not in it
+(a pooled sandbox's start is, as it is the server's work: it is done between calls).
+`--quiet` runs the servers at WARNING without the access log.
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
 import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp_harness import runtime_dir
 
 TOKEN = "bench-token-0123456789"
 
@@ -56,28 +66,32 @@ def rss_mb(pid: int) -> float:
 
 class Server:
     def __init__(
-        self, state: Path, redis_url: str | None, replica: str, quiet: bool = True
+        self, state: Path, redis_url: str | None, replica: str, quiet: bool, pool: bool
     ) -> None:
         self.port = free_port()
+        state.mkdir(mode=0o711)
         env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")},
             "SANDBOX_PORT": str(self.port),
             "SANDBOX_AUTH_TOKEN": TOKEN,
             "SANDBOX_STATE_DIR": str(state),
-            "SANDBOX_MAX_CONCURRENT": "64",
-            "SANDBOX_MAX_PER_SESSION": "64",
             "SANDBOX_REPLICA_ID": replica,
+            "SANDBOX_RUNTIME_DIR": str(runtime_dir()),
         }
+        if not pool:
+            env["SANDBOX_POOL_SIZE"] = "0"
         if quiet:  # (default settings otherwise: INFO lines and the access log)
             env["SANDBOX_LOG_LEVEL"] = "WARNING"
+            env["SANDBOX_ACCESS_LOG"] = "false"
         if redis_url:
             env["REDIS_URL"] = redis_url
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sandbox_runtime.cli"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=open(state / "server.log", "wb"),
-        )
+        with open(state / "server.log", "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "sandbox_runtime.cli"],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -117,38 +131,41 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def bench_echo_sequential(
-    url: str, calls: int, mode: str, pid: int
-) -> tuple[float, float, float]:
-    """p50 and p95 of `execute_code echo hi`, ms, and the server's CPU per call, ms."""
+async def sequential(
+    url: str, calls: int, mode: str, pid: int, session: str, tool: str, args: dict[str, Any]
+) -> tuple[list[float], float]:
+    """Latencies (s) of `calls` sequential calls in one session, and the server's CPU (s)."""
     times = []
     async with client(url, mode) as c:
-        for _ in range(5):
-            await call(c, "execute_code", {"command": "echo hi"})
+        args = {**args, "session": session}
+        for _ in range(3):  # (the session's first calls: its workspace, its interpreter)
+            await call(c, tool, args)
         cpu = cpu_seconds(pid)
         for _ in range(calls):
             t = time.perf_counter()
-            out = await call(c, "execute_code", {"command": "echo hi"})
+            out = await call(c, tool, args)
             times.append(time.perf_counter() - t)
-            assert out["exit_code"] == 0
-        per_call = (cpu_seconds(pid) - cpu) / calls * 1000
-    return statistics.median(times) * 1000, pct(times, 0.95) * 1000, per_call
+            assert out.get("exit_code", 0) == 0 and out.get("status") != "error", out
+        return times, cpu_seconds(pid) - cpu
 
 
-async def bench_echo_concurrent(url: str, clients: int, seconds: float) -> float:
+async def concurrent(url: str, mode: str, clients: int, seconds: float) -> float:
+    """calls/s of `execute_code echo hi` with `clients` clients, a session each."""
     done = 0
     stop = time.perf_counter() + seconds
 
-    async def worker() -> None:
+    async def worker(i: int) -> None:
         nonlocal done
-        async with client(url) as c:
+        args = {"command": "echo hi", "session": f"client-{mode}-{i}"}
+        async with client(url, mode) as c:
+            await call(c, "execute_code", args)
             while time.perf_counter() < stop:
-                out = await call(c, "execute_code", {"command": "echo hi"})
+                out = await call(c, "execute_code", args)
                 assert out["exit_code"] == 0
                 done += 1
 
     started = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(clients)))
+    await asyncio.gather(*(worker(i) for i in range(clients)))
     return done / (time.perf_counter() - started)
 
 
@@ -173,42 +190,62 @@ async def bench_seq(url: str) -> tuple[float, int]:
         return time.perf_counter() - t, size
 
 
-async def run_one(label: str, server: Server, calls: int) -> dict[str, Any]:
-    row: dict[str, Any] = {"label": label}
-    row["rss_before"] = rss_mb(server.proc.pid)
-    pid = server.proc.pid
-    row["p50_legacy"], row["p95_legacy"], row["cpu_legacy"] = await bench_echo_sequential(
-        server.url, calls, "legacy", pid
-    )
-    row["p50"], row["p95"], row["cpu"] = await bench_echo_sequential(server.url, calls, "auto", pid)
-    row["cps"] = await bench_echo_concurrent(server.url, 10, 10.0)
-    row["seq_s"], size = await bench_seq(server.url)
-    row["seq_ok"] = size == len("".join(f"{i}\n" for i in range(1, 1_000_001)))
-    row["rss_after"] = rss_mb(server.proc.pid)
-    return row
+ECHO = ("execute_code", {"command": "echo hi"})
+RUN_CODE = ("run_code", {"code": "print(1)"})
+MODES = ("modern", "legacy")
+
+
+async def measure(servers: dict[str, Server], calls: int, rounds: int) -> dict[str, Any]:
+    """Every server, both eras, in alternating rounds: the figures of each (label, era)."""
+    echo: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], float] = {}
+    code: dict[tuple[str, str], list[float]] = {}
+    per_round = max(1, calls // rounds)
+    for _ in range(rounds):
+        for label, server in servers.items():
+            for mode in MODES:
+                key = (label, mode)
+                era = "auto" if mode == "modern" else "legacy"
+                times, used = await sequential(
+                    server.url, per_round, era, server.proc.pid, f"echo-{mode}", *ECHO
+                )
+                echo.setdefault(key, []).extend(times)
+                cpu[key] = cpu.get(key, 0.0) + used
+                times, _ = await sequential(
+                    server.url, per_round // 2, era, server.proc.pid, f"code-{mode}", *RUN_CODE
+                )
+                code.setdefault(key, []).extend(times)
+    cps: dict[tuple[str, str], float] = {}
+    for label, server in servers.items():
+        for mode in MODES:
+            era = "auto" if mode == "modern" else "legacy"
+            cps[(label, mode)] = await concurrent(server.url, era, 10, 8.0)
+    rows: dict[str, Any] = {}
+    for key, times in echo.items():
+        rows[key] = {
+            "p50": statistics.median(times) * 1000,
+            "p95": pct(times, 0.95) * 1000,
+            "cpu": cpu[key] / len(times) * 1000,
+            "code_p50": statistics.median(code[key]) * 1000,
+            "cps": cps[key],
+        }
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--redis", action="store_true", help="also run with a real redis-server")
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument(
-        "--default-logging",
-        action="store_true",
-        help="the server as a user starts it (INFO lines and the access log), not at WARNING",
-    )
+    parser.add_argument("--calls", type=int, default=300, help="sequential calls per row")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--redis", action="store_true", help="also a server mirroring to Redis")
+    parser.add_argument("--quiet", action="store_true", help="servers at WARNING, no access log")
     args = parser.parse_args()
-    quiet = not args.default_logging
-    rows = []
     with tempfile.TemporaryDirectory(prefix="srt-bench-") as tmp:
         os.chmod(tmp, 0o711)
         redis_proc = None
+        servers: dict[str, Server] = {}
         try:
-            server = Server(Path(tmp), None, "bench-a", quiet)
-            try:
-                rows.append(asyncio.run(run_one("in-memory", server, args.calls)))
-            finally:
-                server.stop()
+            servers["pool"] = Server(Path(tmp) / "a", None, "bench-a", args.quiet, pool=True)
+            servers["no pool"] = Server(Path(tmp) / "b", None, "bench-b", args.quiet, pool=False)
             if args.redis:
                 port = free_port()
                 redis_proc = subprocess.Popen(
@@ -217,40 +254,60 @@ def main() -> None:
                     stdout=subprocess.DEVNULL,
                 )  # fmt: skip
                 time.sleep(0.3)
-                server = Server(Path(tmp), f"redis://127.0.0.1:{port}/0", "bench-b", quiet)
-                try:
-                    rows.append(asyncio.run(run_one("redis", server, args.calls)))
-                finally:
-                    server.stop()
+                url = f"redis://127.0.0.1:{port}/0"
+                servers["pool+redis"] = Server(Path(tmp) / "c", url, "bench-c", args.quiet, True)
+            rss_before = {label: rss_mb(s.proc.pid) for label, s in servers.items()}
+            rows = asyncio.run(measure(servers, args.calls, args.rounds))
+            seq = {label: asyncio.run(bench_seq(s.url)) for label, s in servers.items()}
+            rss_after = {label: rss_mb(s.proc.pid) for label, s in servers.items()}
         finally:
+            for server in servers.values():
+                server.stop()
             if redis_proc is not None:
                 redis_proc.terminate()
                 redis_proc.wait()
-    print()
+    expected = len("".join(f"{i}\n" for i in range(1, 1_000_001)))
+    logging = "WARNING, no access log" if args.quiet else "default (INFO and access log)"
+    print(f"\nexecute_code echo / run_code print(1), {args.calls} sequential calls per row "
+          f"in {args.rounds} alternating rounds; logging {logging}")  # fmt: skip
     print(
-        f"{'state':<10} {'echo p50 ms':>11} {'p95':>6} {'legacy p50':>10} {'p95':>6} "
-        f"{'10 clients/s':>12} {'seq 1e6 s':>9} {'RSS MB before->after':>20} "
-        f"{'server CPU ms/call (modern, legacy)':>36}"
+        f"{'server':<11} {'era':<7} {'echo p50 ms':>11} {'p95':>6} {'server CPU ms/call':>18} "
+        f"{'10 clients calls/s':>18} {'run_code p50 ms':>15}"
     )
-    for r in rows:
+    for (label, mode), r in rows.items():
         print(
-            f"{r['label']:<10} {r['p50']:>11.1f} {r['p95']:>6.1f} {r['p50_legacy']:>10.1f} "
-            f"{r['p95_legacy']:>6.1f} {r['cps']:>12.1f} {r['seq_s']:>9.2f} "
-            f"{r['rss_before']:>9.1f} -> {r['rss_after']:<8.1f} "
-            f"{r['cpu']:>26.2f}, {r['cpu_legacy']:.2f}"
-            f"{'' if r['seq_ok'] else ' SEQ OUTPUT WRONG'}"
+            f"{label:<11} {mode:<7} {r['p50']:>11.1f} {r['p95']:>6.1f} {r['cpu']:>18.2f} "
+            f"{r['cps']:>18.0f} {r['code_p50']:>15.1f}"
         )
-    base = rows[0]
-    print()
+    print(f"\n{'server':<11} {'seq 1e6 s':>9} {'RSS MB before -> after':>24}")
+    for label in servers:
+        seconds, size = seq[label]
+        print(
+            f"{label:<11} {seconds:>9.2f} {rss_before[label]:>12.1f} -> {rss_after[label]:<8.1f}"
+            f"{'' if size == expected else ' SEQ OUTPUT WRONG'}"
+        )
+    pool = [rows[("pool", m)] for m in MODES]
+    base = [rows[("no pool", m)] for m in MODES]
     print(
-        "targets: p50 ≤ 20 ms, ≥ 80 calls/s, seq ≤ 3 s, RSS growth ≤ 50 MB → "
-        f"p50 {'OK' if base['p50'] <= 20 else 'MISS'}, "
-        f"calls/s {'OK' if base['cps'] >= 80 else 'MISS'}, "
-        f"seq {'OK' if base['seq_s'] <= 3 else 'MISS'}, "
-        f"RSS {'OK' if base['rss_after'] - base['rss_before'] <= 50 else 'MISS'}"
+        "\npool / no pool: echo p50 "
+        + ", ".join(f"{p['p50'] / b['p50']:.2f}" for p, b in zip(pool, base, strict=True))
+        + "; server CPU per call "
+        + ", ".join(f"{p['cpu'] / b['cpu']:.2f}" for p, b in zip(pool, base, strict=True))
+        + " (modern, legacy)"
     )
-    if len(rows) > 1:
-        print(f"seq with Redis / without: {rows[0]['seq_s'] / rows[1]['seq_s']:.2f}x throughput")
+    worst = {
+        "p50": max(p["p50"] for p in pool),
+        "cps": min(p["cps"] for p in pool),
+        "cpu": max(p["cpu"] for p in pool),
+        "code": max(p["code_p50"] for p in pool),
+    }
+    print(
+        "targets (2 cores, pool, both eras): echo p50 <= 10 ms "
+        f"{'OK' if worst['p50'] <= 10 else 'MISS'}, >= 120 calls/s with 10 clients "
+        f"{'OK' if worst['cps'] >= 120 else 'MISS'}, server CPU <= 4 ms/call "
+        f"{'OK' if worst['cpu'] <= 4 else 'MISS'}, run_code p50 <= 6 ms "
+        f"{'OK' if worst['code'] <= 6 else 'MISS'}"
+    )
 
 
 if __name__ == "__main__":

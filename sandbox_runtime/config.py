@@ -114,6 +114,17 @@ class Settings(BaseSettings):
         "a new session's first call takes one instead of starting a kernel.",
     )
 
+    pool_size: int = Field(
+        8,
+        ge=0,
+        le=256,
+        description="Sandboxes started ahead of need, per replica: one waits in each of up to "
+        "this many active workspaces for the session's next command (0: none).",
+    )
+    pool_idle_seconds: float = Field(
+        60, gt=0, le=240, description="A sandbox started ahead and unused this long is ended."
+    )
+
     heartbeat_ttl: int = Field(
         10,
         ge=2,

@@ -50,6 +50,28 @@ class Metrics:
             buckets=SPAWN_BUCKETS,
             registry=r,
         )
+        self.pool_hits = Counter(
+            "srt_sandbox_pool_hits_total",
+            "Executions that ran in a sandbox started ahead of need.",
+            registry=r,
+        )
+        self.pool_misses = Counter(
+            "srt_sandbox_pool_misses_total",
+            "Executions that started a sandbox of their own, by why (empty: none was waiting "
+            "in their workspace; limits: tighter limits; unpoolable: egress; disabled; ended; "
+            "failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.pool_refill = Histogram(
+            "srt_sandbox_pool_refill_seconds",
+            "Time to start a sandbox ahead of need.",
+            buckets=SPAWN_BUCKETS,
+            registry=r,
+        )
+        self.pool_ready = Gauge(
+            "srt_sandbox_pool_ready", "Sandboxes started ahead, waiting for a command.", registry=r
+        )
         self.limit_kills = Counter(
             "srt_limit_kills_total",
             "Executions ended by a limit, by kind (memory, cpu, file_size, timeout).",

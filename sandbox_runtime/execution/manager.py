@@ -42,6 +42,7 @@ from sandbox_runtime.sandbox import (
     validate_env,
 )
 from sandbox_runtime.sandbox.policy import SandboxLimits
+from sandbox_runtime.sandbox.pool import SandboxPool
 from sandbox_runtime.state.keys import session_key
 from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
@@ -104,6 +105,13 @@ class ExecutionManager:
             quota=settings.workspace_quota,
             retention_seconds=settings.workspace_retention_seconds,
         )
+        self.pool = SandboxPool(
+            self.backend,
+            self.limits,
+            size=settings.pool_size,
+            idle_seconds=settings.pool_idle_seconds,
+            workspace_ready=lambda path: self.workspaces.is_ready(path.name),
+        )
         self.egress_policy = settings.egress_policy()
         self.egress: EgressProxy | None = None
         self.replica_id = settings.replica_id
@@ -165,6 +173,18 @@ class ExecutionManager:
                 workspace_name(e.owner) for e in self._running.values() if not e.finished.is_set()
             }
         )
+        self.workspaces.busy.append(self.pool.workspaces)
+        self.workspaces.before_remove.append(
+            lambda name: self.pool.discard_workspace(self.workspaces.path(name))
+        )
+        self.pool.on_hit.append(self.metrics.pool_hits.inc)
+        self.pool.on_miss.append(lambda reason: self.metrics.pool_misses.labels(reason).inc())
+        self.pool.on_refill.append(self.metrics.pool_refill.observe)
+        self.metrics.pool_ready.set_function(lambda: self.pool.ready_count)
+        if self.backend.unavailable_reason is None:
+            if self.pool.size and self.backend.stub_problem is not None:
+                logger.warning("no sandboxes started ahead of need: {}", self.backend.stub_problem)
+            self.pool.start()
         if self.egress_policy.enabled and self.backend.private_dir is not None:
             await self._start_egress(self.backend.private_dir / "egress")
         self._accepting = True
@@ -206,6 +226,7 @@ class ExecutionManager:
             self._evictor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
+        await self.pool.close()
         await self.backend.close()
         if self.egress is not None:
             await self.egress.close()
@@ -340,7 +361,7 @@ class ExecutionManager:
         spawn_started = time.perf_counter()
         try:
             workspace, _ = await self.workspaces.ensure(workspace_name(owner))
-            process = await self.backend.spawn(
+            process = await self.pool.spawn(
                 SandboxSpec(
                     argv=argv,
                     workspace=workspace,

@@ -29,7 +29,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from loguru import logger
@@ -106,6 +106,9 @@ class WorkspaceStore:
         self._locks: dict[str, asyncio.Lock] = {}
         self._holds: dict[str, int] = {}
         self.busy: list[Callable[[], set[str]]] = []  # names in use (executions, kernels)
+        # Called with a name before that workspace is removed or replaced (sandboxes started
+        # ahead of need hold a bind of it: they must end first).
+        self.before_remove: list[Callable[[str], Awaitable[None]]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -178,6 +181,10 @@ class WorkspaceStore:
 
     def image(self, name: str) -> Path:
         return self.root / f"{name}{IMAGE_SUFFIX}"
+
+    def is_ready(self, name: str) -> bool:
+        """Whether the workspace is there and mounted (if it is an image) now."""
+        return name in self._ready
 
     def exists(self, name: str) -> bool:
         return self.image(name).is_file() or self.path(name).is_dir()
@@ -330,6 +337,8 @@ class WorkspaceStore:
         self._check(slot)
         self._check(name)
         async with self._lock(name):
+            for hook in self.before_remove:  # (an empty `name` is replaced)
+                await hook(name)
             return await asyncio.to_thread(self._adopt_sync, slot, name)
 
     def _adopt_sync(self, slot: str, name: str) -> bool:
@@ -369,6 +378,8 @@ class WorkspaceStore:
         """Remove the workspace and its contents (nothing may be running in it)."""
         self._check(name)
         async with self._lock(name):
+            for hook in self.before_remove:
+                await hook(name)
             await asyncio.to_thread(self._remove_sync, name)
 
     def _remove_sync(self, name: str) -> None:

@@ -16,6 +16,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,25 @@ SECCOMP_FD, STATUS_FD, ARGS_FD = 3, 4, 5
 # A shell command is run by /bin/sh like `sh -c CMD`, but CMD comes in __srt_cmd, which is
 # gone from the environment before it runs (and CMD never shows in a command line).
 SHELL_SCRIPT = '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
+
+# A sandbox started ahead of need (sandbox/pool.py) runs this stub, Perl's (perl-base is
+# essential on Debian and Ubuntu: every host has it, and it starts in ~1 ms): it waits on fd
+# COMMAND_FD for its command, then does what bwrap would have done with it (stdin from
+# /dev/null unless interactive, chdir, the caller's variables, execvp) with bwrap's own errors
+# and exit code. The command comes as NUL-terminated fields: the directory, "i" or "n"
+# (interactive), the number of variables, then each name and value, then the argv. Nothing
+# else runs in the sandbox before it has the command; fd COMMAND_FD is closed before the exec.
+STUB_PERL = "/usr/bin/perl"
+COMMAND_FD = 6
+STUB_PROGRAM = (
+    'open(my $c, "<&=", 6) or exit 125; local $/; my $d = <$c>; close $c;'
+    " defined $d and length $d or exit 125; my @f = split /\\0/, $d, -1; pop @f;"
+    " my ($cwd, $in, $n) = splice @f, 0, 3;"
+    ' if ($in ne "i") { open(STDIN, "<", "/dev/null") or exit 125 }'
+    ' chdir $cwd or do { print STDERR "bwrap: Can\\x27t chdir to $cwd: $!\\n"; exit 1 };'
+    " for (1 .. $n) { my $k = shift @f; $ENV{$k} = shift @f } @f or exit 125;"
+    ' exec { $f[0] } @f; print STDERR "bwrap: execvp $f[0]: $!\\n"; exit 1;'
+)
 
 # Where the runtime (a Python environment with a data stack, Deno, Jupyter kernels) appears in
 # every sandbox, read-only, first on PATH; and where an interpreter's sockets live.
@@ -175,6 +195,36 @@ class SandboxSpec:
     on_denied: DeniedHandler | None = None
 
 
+@dataclass(eq=False)
+class StartedSandbox:
+    """A sandbox started ahead of need (`BubblewrapBackend.prestart`): bwrap, its limits,
+    cgroup, seccomp filter and workspace in place, the stub waiting for a command on the
+    pipe whose write end is `command_fd`. Serves one execution (`launch`), or is discarded."""
+
+    proc: SandboxProcess
+    command_fd: int | None
+    workspace: Path
+    limits: SandboxLimits
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def usable(self) -> bool:
+        return self.command_fd is not None and self.proc.running
+
+    def close_command(self) -> None:
+        if self.command_fd is not None:
+            os.close(self.command_fd)
+            self.command_fd = None
+
+
+def command_of(argv: list[str]) -> tuple[list[str], dict[str, str]]:
+    """What bwrap execs for `argv`, and the variables it needs: a shell command's text goes in
+    __srt_cmd (never in a command line)."""
+    if len(argv) == 3 and argv[:2] == ["/bin/sh", "-c"]:
+        return ["/bin/sh", "-c", SHELL_SCRIPT], {"__srt_cmd": argv[2]}
+    return list(argv), {}
+
+
 def shell_argv(command: str) -> list[str]:
     """argv that runs `command` with /bin/sh -c inside the sandbox."""
     return ["/bin/sh", "-c", command]
@@ -257,6 +307,8 @@ class BubblewrapBackend:
         self.dev_problem: str | None = None  # why there is none
         self._fixed: list[str] | None = None
         self._running: set[SandboxProcess] = set()
+        self._waiting: set[SandboxProcess] = set()  # started ahead, not yet given a command
+        self.stub_problem: str | None = None  # why sandboxes cannot be started ahead here
         self._sweeper: asyncio.Task[None] | None = None
         self._cleanups: set[asyncio.Task[None]] = set()  # referenced so they are not collected
         # The egress proxy (set by the owner once started; None: no sandbox has network) and
@@ -333,6 +385,7 @@ class BubblewrapBackend:
         self._root_dir = self._private_dir / "root"
         _build_root(self._root_dir)
         self.relay_problem = _relay_problem()
+        self.stub_problem = _stub_problem()
         if os.geteuid() == 0:
             try:
                 self._dev_dir = _build_dev(self._root_dir / "dev")
@@ -410,7 +463,8 @@ class BubblewrapBackend:
 
     @property
     def running_count(self) -> int:
-        return len(self._running)
+        """Sandboxes running a command (not those started ahead and waiting for one)."""
+        return len(self._running) - len(self._waiting)
 
     # -- workspaces --------------------------------------------------------------------------
 
@@ -521,11 +575,9 @@ class BubblewrapBackend:
         else:
             for key, value in spec.env.items():
                 args += ["--setenv", key, value]
-        if len(spec.argv) == 3 and spec.argv[:2] == ["/bin/sh", "-c"]:
-            args += ["--setenv", "__srt_cmd", spec.argv[2]]
-            command = ["/bin/sh", "-c", SHELL_SCRIPT]
-        else:
-            command = list(spec.argv)
+        command, extra = command_of(spec.argv)
+        for key, value in extra.items():
+            args += ["--setenv", key, value]
         if lease is not None:
             socket_path = f"{SOCKET_DIR}/{SOCKET_NAME}"
             command = [RELAY_PYTHON, "-I", "-S", "-B", RELAY_PATH, socket_path, str(RELAY_PORT),
@@ -581,6 +633,93 @@ class BubblewrapBackend:
             proc.add_closer(lambda: egress.close_lease(lease))
         return proc
 
+    def can_prestart(self, spec: SandboxSpec) -> bool:
+        """Whether a sandbox like `spec`'s can be started ahead of need: plain executions
+        without egress (a relay is pid 1 of those), kernel sockets or inet sockets."""
+        return (
+            self.stub_problem is None
+            and (spec.egress is None or not spec.egress.enabled)
+            and spec.kernel_dir is None
+            and not spec.loopback_inet
+        )
+
+    async def prestart(self, workspace: Path, limits: SandboxLimits) -> StartedSandbox:
+        """Start a sandbox for `workspace` under `limits` ahead of need: everything an
+        execution's sandbox is but its command (`launch` gives it one).
+
+        Raises SandboxUnavailableError, SandboxSpawnError.
+        """
+        if self.unavailable_reason is not None or self._spawner is None:
+            raise SandboxUnavailableError(self.unavailable_reason or "sandbox backend not started")
+        if self.stub_problem is not None:
+            raise SandboxUnavailableError(self.stub_problem)
+        template = SandboxSpec(
+            argv=[STUB_PERL, "-e", STUB_PROGRAM],
+            workspace=workspace,
+            limits=limits,
+            interactive=True,  # stdin is a pipe; the stub opens /dev/null for the others
+        )
+        command_r, command_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            proc = await self._spawn(template, None, command_r)
+        except BaseException:
+            os.close(command_w)
+            raise
+        self._waiting.add(proc)
+        return StartedSandbox(proc, command_w, workspace, limits)
+
+    def launch(self, started: StartedSandbox, spec: SandboxSpec) -> SandboxProcess:
+        """Hand `spec`'s command to a sandbox started ahead (for the same workspace and
+        limits); it serves this execution only. The wall-clock timeout, duration and CPU time
+        count from now.
+
+        Raises InvalidRequestError (the sandbox is left as it was), SandboxSpawnError (it has
+        ended, or the command could not be handed over: it is killed).
+        """
+        validate_command(spec.argv)
+        spec.env = validate_env(spec.env)
+        if spec.workspace != started.workspace or spec.limits != started.limits:
+            raise SandboxSpawnError("the sandbox started ahead is for another workspace or limits")
+        if not self.can_prestart(spec):
+            raise SandboxSpawnError("this execution cannot run in a sandbox started ahead")
+        command, extra = command_of(spec.argv)
+        env = {**spec.env, **extra}
+        fields = [spec.cwd, "i" if spec.interactive else "n", str(len(env))]
+        for key, value in env.items():
+            fields += [key, value]
+        payload = b"".join(f.encode("utf-8", "surrogatepass") + b"\0" for f in fields + command)
+        proc, fd = started.proc, started.command_fd
+        try:
+            if fd is None or not proc.running:
+                raise SandboxSpawnError("the sandbox started ahead has ended")
+            try:
+                if len(payload) > 65536:  # all of it at once: the stub reads only then
+                    fcntl.fcntl(fd, F_SETPIPE_SZ, len(payload))
+                os.set_blocking(fd, False)
+                view = memoryview(payload)
+                while view:
+                    view = view[os.write(fd, view) :]
+            except OSError as exc:  # (BlockingIOError: the pipe could not be made big enough)
+                raise SandboxSpawnError(f"could not hand the sandbox its command: {exc}") from exc
+        except SandboxSpawnError:
+            started.close_command()
+            proc.kill("cancelled")
+            self._track(proc.aclose())
+            raise
+        started.close_command()
+        self._waiting.discard(proc)
+        if not spec.interactive and proc.stdin is not None:
+            proc.stdin.close()
+            proc.stdin = None
+        proc.begin(spec.timeout)
+        return proc
+
+    async def discard(self, started: StartedSandbox) -> None:
+        """End a sandbox started ahead that will serve nothing."""
+        started.close_command()
+        started.proc.kill("cancelled")
+        await started.proc.aclose()
+
     async def _egress_lease(self, spec: SandboxSpec) -> Lease | None:
         """This sandbox's socket on the egress proxy, if its policy allows anything.
         Raises SandboxUnavailableError, SandboxSpawnError (fails closed: no sandbox starts
@@ -593,7 +732,11 @@ class BubblewrapBackend:
             raise SandboxUnavailableError("egress unavailable: the egress proxy is not running")
         return await self.egress.open(spec.egress, spec.on_denied)
 
-    async def _spawn(self, spec: SandboxSpec, lease: Lease | None) -> SandboxProcess:
+    async def _spawn(
+        self, spec: SandboxSpec, lease: Lease | None, command_r: int | None = None
+    ) -> SandboxProcess:
+        """Start `spec` (with `command_r` as its fd COMMAND_FD, consumed, when it is the stub
+        of a sandbox started ahead)."""
         spawner = self._spawner
         assert spawner is not None
         options, command = self.bwrap_args(spec, lease)
@@ -607,6 +750,8 @@ class BubblewrapBackend:
             except OSError as exc:
                 if cgroup is not None:
                     self._release_later(cgroup, "unstarted sandbox")
+                if command_r is not None:
+                    os.close(command_r)
                 raise SandboxSpawnError(f"could not create the execution's cgroup: {exc}") from exc
         ours: list[int] = []  # the server's ends: [stdin_w,] stdout_r, stderr_r, status_r
         theirs: list[int] = []  # bwrap's fds 0..5 and the options pipe's write end
@@ -630,11 +775,15 @@ class BubblewrapBackend:
             status_r, status_w = os.pipe()
             args_r, args_w = os.pipe()
             ours.append(status_r)
-            theirs += [status_w, args_r, args_w]
+            theirs += [status_w, args_r]
+            if command_r is not None:
+                theirs.append(command_r)
+                command_r = None  # (closed with theirs from here)
+            theirs.append(args_w)
             if len(blob) > 65536:  # all of it must fit: the spawner's write must not block
                 fcntl.fcntl(args_w, F_SETPIPE_SZ, len(blob))
         except OSError as exc:
-            _close_all(ours + theirs)
+            _close_all(ours + theirs + ([command_r] if command_r is not None else []))
             if cgroup is not None:
                 self._release_later(cgroup, "unstarted sandbox")
             raise SandboxSpawnError(f"could not prepare the sandbox's pipes: {exc}") from exc
@@ -727,6 +876,7 @@ class BubblewrapBackend:
 
     def _on_exit(self, proc: SandboxProcess) -> None:
         self._running.discard(proc)
+        self._waiting.discard(proc)
         self._track(self._after_exit(proc))
 
     async def _after_exit(self, proc: SandboxProcess) -> None:
@@ -819,6 +969,18 @@ def _relay_problem() -> str | None:
         return (
             f"{RELAY_PYTHON} (the egress relay's interpreter) is missing or outside /usr; "
             "install it: apt-get install python3"
+        )
+    return None
+
+
+def _stub_problem() -> str | None:
+    """Why sandboxes cannot be started ahead of need here, if they cannot: their stub needs
+    the host's Perl under /usr (perl-base, essential on Debian and Ubuntu)."""
+    real = os.path.realpath(STUB_PERL)
+    if not real.startswith("/usr/") or not os.access(real, os.X_OK):
+        return (
+            f"{STUB_PERL} (the stub of sandboxes started ahead) is missing; "
+            "install it: apt-get install perl-base"
         )
     return None
 

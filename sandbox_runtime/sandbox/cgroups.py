@@ -482,6 +482,12 @@ class ExecutionCgroup:
                     s.pids_limit_hits = self._keyed("pids/pids.events").get("max", 0)
         return s
 
+    def rebase(self) -> None:
+        """Count CPU time and limit hits from now on (a sandbox started ahead of need begins
+        its execution: what its stub used is not the execution's)."""
+        self.baseline = self._counters()
+        self.baseline.memory_peak_bytes = 0
+
     def stats(self) -> CgroupStats:
         now, base = self._counters(), self.baseline
         return CgroupStats(

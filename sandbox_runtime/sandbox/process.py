@@ -118,6 +118,20 @@ class SandboxProcess:
 
     # -- lifecycle ---------------------------------------------------------------------------
 
+    def begin(self, timeout: float | None) -> None:
+        """A sandbox started ahead of need has been handed its command: its duration, CPU
+        time and wall-clock timeout count from now."""
+        self._started_at = time.monotonic()
+        if self._cgroup is not None:
+            self._cgroup.rebase()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = (
+            self._loop.call_later(timeout, self._on_timeout)
+            if timeout is not None and self.running
+            else None
+        )
+
     @property
     def returncode(self) -> int | None:
         return None if self._outcome is None else self._outcome.exit_code

@@ -93,9 +93,10 @@ class SpawnerManager:
         fds: list[int],
         cgroup_procs: list[int],
     ) -> asyncio.Future[int]:
-        """Ask for bwrap with `argv`, `rlimits` and `fds` as its fds 0..5 (fd 5 a pipe it reads
-        `options` from; `fds[6]` that pipe's write end), moved into the cgroups whose
-        cgroup.procs files are `cgroup_procs` before it gets its options. Sent at once: the
+        """Ask for bwrap with `argv`, `rlimits` and `fds` but the last as its fds 0, 1, ... (6 or
+        7 of them; fd 5 a pipe it reads `options` from; `fds[-1]` that pipe's write end),
+        moved into the cgroups whose cgroup.procs files are `cgroup_procs` before it gets its
+        options. Sent at once: the
         caller may close its copies on return (it must close the write end). The future gives
         bwrap's pid once bwrap runs with its limits; it fails if bwrap could not be started
         or confined (it was then killed before it had its options).
@@ -121,7 +122,8 @@ class SpawnerManager:
             view = memoryview(blob + options)
             while view:
                 view = view[os.write(memfd, view) :]
-            header = {"spawn": number, "rlimits": rlimits, "argv_bytes": len(blob)}
+            header = {"spawn": number, "rlimits": rlimits, "argv_bytes": len(blob),
+                      "child_fds": len(fds) - 1}  # fmt: skip
             try:
                 socket.send_fds(
                     self._sock, [json.dumps(header).encode()], [memfd, *fds, *cgroup_procs]

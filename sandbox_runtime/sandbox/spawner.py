@@ -12,11 +12,13 @@ afterwards this process may not be able to read the server's installation.
 Protocol, one message each way per event, JSON; the server's requests carry fds (SCM_RIGHTS),
 the spawner's answers never do (fds in flight count against the sender's uid, which the
 sandboxes share: they could make such a send fail):
-- server -> spawner `{"spawn": N, "rlimits": [[RESOURCE, SOFT, HARD], ...], "argv_bytes": A}`
-  + fds [memfd, stdin, stdout, stderr, seccomp, status, options_r, options_w, cgroup.procs...]:
-  the memfd holds bwrap's argv (its first A bytes, NUL-separated) and then bwrap's options;
-  the next six fds become fds 0-5 of the new bwrap (its argv names 3-5); options_w is the
-  other end of fd 5; then up to MAX_CGROUPS cgroup.procs files the server opened (as root)
+- server -> spawner `{"spawn": N, "rlimits": [[RESOURCE, SOFT, HARD], ...], "argv_bytes": A,
+  "child_fds": C}` + fds [memfd, stdin, stdout, stderr, seccomp, status, options_r,
+  (command_r,) options_w, cgroup.procs...]: the memfd holds bwrap's argv (its first A bytes,
+  NUL-separated) and then bwrap's options; the next C fds (6, or 7 for a sandbox started ahead
+  of need, whose fd 6 is the pipe its command comes on) become fds 0..C-1 of the new bwrap (its
+  argv names 3-5); options_w is the other end of fd 5; then up to MAX_CGROUPS cgroup.procs
+  files the server opened (as root)
   for the execution's cgroups. bwrap first waits for its options on fd 5 (--args, read to
   EOF). Meanwhile the spawner lowers its rlimits (prlimit: same uid, no privilege needed) and
   moves it into the cgroups (the kernel checks a cgroup.procs write against the credentials
@@ -51,9 +53,9 @@ PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 CHILD_FDS = 6  # stdin, stdout, stderr, seccomp, status, options -> fds 0..5 of bwrap
-FIXED_FDS = 1 + CHILD_FDS + 1  # the memfd, bwrap's six, the options pipe's write end
+MAX_CHILD_FDS = 7  # (+ the command pipe of a sandbox started ahead of need, fd 6)
 MAX_CGROUPS = 8  # cgroup.procs files: one per hierarchy
-MAX_FDS = FIXED_FDS + MAX_CGROUPS
+MAX_FDS = 1 + MAX_CHILD_FDS + 1 + MAX_CGROUPS  # the memfd, bwrap's, options_w, cgroups
 # rlimits are bounded so a bad value is refused here, not by an OverflowError in prlimit.
 MAX_RLIMIT = 2**62
 RLIMITS = frozenset(
@@ -156,13 +158,18 @@ class Spawner:
             try:
                 request = json.loads(data)
                 number = request.get("spawn")
+                child_fds = request.get("child_fds", CHILD_FDS)
             except (ValueError, AttributeError):
                 return True  # not from our server: nothing to answer
-            if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC) or len(fds) < FIXED_FDS:
+            if (
+                flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC)
+                or child_fds not in (CHILD_FDS, MAX_CHILD_FDS)
+                or len(fds) < 1 + child_fds + 1
+            ):
                 self.send({"spawned": number, "error": "malformed spawn request"})
                 return True
             try:
-                pid = self.spawn(fds, request)
+                pid = self.spawn(fds, request, child_fds)
             except Exception as exc:  # one bad request never ends the spawner
                 self.send({"spawned": number, "error": f"could not start bwrap: {exc}"})
                 return True
@@ -172,11 +179,14 @@ class Spawner:
             for fd in fds:
                 os.close(fd)
 
-    def spawn(self, fds: list[int], request: dict[str, object]) -> int:
-        """Start bwrap, lower its rlimits, move it into its cgroups, hand it its options; its
-        pid. Raises OSError, ValueError (bwrap killed: it never got its options)."""
-        memfd, *child_fds = fds[: 1 + CHILD_FDS]
-        options_w, cgroup_procs = fds[1 + CHILD_FDS], fds[FIXED_FDS:]
+    def spawn(self, fds: list[int], request: dict[str, object], count: int) -> int:
+        """Start bwrap with `count` fds, lower its rlimits, move it into its cgroups, hand it
+        its options; its pid. Raises OSError, ValueError (bwrap killed: it never got its
+        options)."""
+        memfd, *child_fds = fds[: 1 + count]
+        options_w, cgroup_procs = fds[1 + count], fds[1 + count + 1 :]
+        if len(cgroup_procs) > MAX_CGROUPS:
+            raise ValueError(f"{len(cgroup_procs)} cgroup files; at most {MAX_CGROUPS}")
         rlimits = [tuple(item) for item in request["rlimits"]]  # type: ignore[attr-defined]
         for which, soft, hard in rlimits:
             if which not in RLIMITS or not 0 <= soft <= hard <= MAX_RLIMIT:

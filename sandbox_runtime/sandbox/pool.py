@@ -1,0 +1,242 @@
+"""Sandboxes started ahead of need: one per active workspace, waiting for its next command.
+
+A call that finds one for its workspace pays only for handing over its command and the exec
+(`BubblewrapBackend.launch`); the next one is started at once, while that call runs. The
+workspace is bound when bwrap starts, so a sandbox started ahead belongs to one workspace (one
+session) and the first call of a session finds none.
+
+What a pooled sandbox is, is what the call's own sandbox would have been: the same uid,
+namespaces, seccomp filter, rlimits and cgroup limits (the server's; a call that tightens
+them, or has egress, gets a sandbox of its own, as without the pool), the same workspace; its
+environment, directory and stdin are set by the stub from the call. It serves one execution
+and ends with it.
+
+Bounded: at most `size` sandboxes waiting or starting per replica; one waiting unused for
+`idle_seconds` is ended (its workspace may then be unmounted); a full pool takes a new
+workspace only in place of one idle for a while. Nothing outlives `close()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+from loguru import logger
+
+from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.sandbox.backend import BubblewrapBackend, SandboxSpec, StartedSandbox
+from sandbox_runtime.sandbox.policy import SandboxLimits
+from sandbox_runtime.sandbox.process import SandboxProcess
+
+# A full pool replaces a waiting sandbox with one for another workspace only when the first
+# has waited this long (else two busy sessions would keep evicting each other's).
+EVICT_AFTER_SECONDS = 10.0
+
+# Why a call did not get a pooled sandbox (the label of the misses counter).
+MISS_DISABLED = "disabled"  # no pool on this server
+MISS_EMPTY = "empty"  # none waiting for this workspace (its first call; or not refilled yet)
+MISS_LIMITS = "limits"  # the call tightened the limits
+MISS_UNPOOLABLE = "unpoolable"  # egress (its relay is the sandbox's init)
+MISS_ENDED = "ended"  # the waiting sandbox had ended
+MISS_FAILED = "failed"  # its command could not be handed over
+
+
+def _sandbox_part(limits: SandboxLimits) -> SandboxLimits:
+    """The limits that shape a sandbox (the output cap is the server's business)."""
+    return replace(limits, output_bytes=0)
+
+
+class SandboxPool:
+    """Sandboxes started ahead, per workspace. `start()` in the event loop, `close()` after."""
+
+    def __init__(
+        self,
+        backend: BubblewrapBackend,
+        limits: SandboxLimits,
+        size: int,
+        idle_seconds: float,
+        workspace_ready: Callable[[Path], bool] = lambda _: True,
+    ) -> None:
+        self.backend = backend
+        self.limits = limits
+        self.size = size
+        self.idle_seconds = idle_seconds
+        self.workspace_ready = workspace_ready  # a refill starts only into a mounted workspace
+        self._ready: dict[Path, StartedSandbox] = {}  # oldest first
+        self._refills: dict[Path, asyncio.Task[None]] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+        self.hits = 0
+        self.misses: dict[str, int] = {}
+        # Metric hooks: a hit, a miss (its reason), a refill's duration in seconds.
+        self.on_hit: list[Callable[[], None]] = []
+        self.on_miss: list[Callable[[str], None]] = []
+        self.on_refill: list[Callable[[float], None]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 0 and self.backend.stub_problem is None
+
+    @property
+    def ready_count(self) -> int:
+        return sum(1 for s in self._ready.values() if s.usable)
+
+    @property
+    def starting_count(self) -> int:
+        return len(self._refills)
+
+    def workspaces(self) -> set[str]:
+        """Names of the workspaces a sandbox waits in or is being started in (kept mounted)."""
+        return {p.name for p in self._ready} | {p.name for p in self._refills}
+
+    def start(self) -> None:
+        if self.enabled and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    # -- serving -----------------------------------------------------------------------------
+
+    async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
+        """A sandbox running `spec`: the waiting one of its workspace when it fits, else one
+        started now. Raises what `BubblewrapBackend.spawn` raises."""
+        reason = self._unpoolable(spec)
+        if reason is not None:
+            self._missed(reason)
+            return await self.backend.spawn(spec)
+        started = self._ready.pop(spec.workspace, None)
+        if started is not None and not started.usable:
+            self._discard_later(started)
+            started, reason = None, MISS_ENDED
+        if started is not None:
+            try:
+                proc = self.backend.launch(started, replace(spec, limits=started.limits))
+            except SandboxSpawnError as exc:  # (launch ended it)
+                logger.warning("a sandbox started ahead could not take its command: {}", exc)
+                reason = MISS_FAILED
+            else:
+                proc.limits = spec.limits
+                self.hits += 1
+                for hook in self.on_hit:
+                    hook()
+                self.refill(spec.workspace)  # meanwhile: the command is running already
+                return proc
+        self._missed(reason or MISS_EMPTY)
+        try:
+            return await self.backend.spawn(spec)
+        finally:
+            self.refill(spec.workspace)  # after: not competing with this call's start
+
+    def _unpoolable(self, spec: SandboxSpec) -> str | None:
+        if not self.enabled or self._closed:
+            return MISS_DISABLED
+        if not self.backend.can_prestart(spec):
+            return MISS_UNPOOLABLE
+        if _sandbox_part(spec.limits) != _sandbox_part(self.limits):
+            return MISS_LIMITS
+        return None
+
+    def _missed(self, reason: str) -> None:
+        self.misses[reason] = self.misses.get(reason, 0) + 1
+        for hook in self.on_miss:
+            hook(reason)
+
+    # -- filling -----------------------------------------------------------------------------
+
+    def refill(self, workspace: Path) -> None:
+        """Start a sandbox for `workspace` in the background, if there is room for one."""
+        if not self.enabled or self._closed:
+            return
+        if workspace in self._ready or workspace in self._refills:
+            return
+        if len(self._ready) + len(self._refills) >= self.size and not self._evict_one():
+            return
+        task = asyncio.get_running_loop().create_task(self._refill(workspace))
+        self._refills[workspace] = task
+        task.add_done_callback(lambda done: self._forget_refill(workspace, done))
+
+    def _forget_refill(self, workspace: Path, task: asyncio.Task[None]) -> None:
+        if self._refills.get(workspace) is task:
+            del self._refills[workspace]
+
+    def _evict_one(self) -> bool:
+        """Make room by ending the sandbox that has waited longest, if it has waited long."""
+        for workspace, started in self._ready.items():
+            if time.monotonic() - started.started_at >= EVICT_AFTER_SECONDS or not started.usable:
+                del self._ready[workspace]
+                self._discard_later(started)
+                return True
+            return False
+        return False
+
+    async def _refill(self, workspace: Path) -> None:
+        if not self.workspace_ready(workspace):
+            return
+        began = time.perf_counter()
+        try:
+            started = await self.backend.prestart(workspace, self.limits)
+        except (SandboxSpawnError, SandboxUnavailableError) as exc:
+            logger.warning("could not start a sandbox ahead of need: {}", exc)
+            return
+        if self._closed:
+            await self.backend.discard(started)
+            return
+        elapsed = time.perf_counter() - began
+        for hook in self.on_refill:
+            hook(elapsed)
+        self._ready[workspace] = started
+
+    # -- ending ------------------------------------------------------------------------------
+
+    async def discard_workspace(self, workspace: Path) -> None:
+        """End the sandbox waiting (or starting) in `workspace`: before the workspace is
+        removed or replaced, nothing may hold the old one."""
+        task = self._refills.pop(workspace, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        started = self._ready.pop(workspace, None)
+        if started is not None:
+            await self.backend.discard(started)
+
+    def _discard_later(self, started: StartedSandbox) -> None:
+        task = asyncio.get_running_loop().create_task(self.backend.discard(started))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def sweep(self) -> int:
+        """End the sandboxes that waited `idle_seconds` unused (or ended): how many."""
+        now = time.monotonic()
+        stale = [
+            w
+            for w, s in self._ready.items()
+            if not s.usable or now - s.started_at >= self.idle_seconds
+        ]
+        for workspace in stale:
+            self._discard_later(self._ready.pop(workspace))
+        return len(stale)
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, min(self.idle_seconds / 4, 15.0)))
+            self.sweep()
+
+    async def close(self) -> None:
+        """End every sandbox waiting or starting; wait until they are gone."""
+        self._closed = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        refills = list(self._refills.values())
+        for task in refills:
+            task.cancel()
+        await asyncio.gather(*refills, return_exceptions=True)
+        ready, self._ready = list(self._ready.values()), {}
+        await asyncio.gather(
+            *(self.backend.discard(s) for s in ready), *self._closing, return_exceptions=True
+        )
