@@ -11,7 +11,13 @@ import pytest
 from mcp_harness import runtime_dir, traversable_by_others
 from redis_harness import RedisServer
 
-from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxLimits
+from sandbox_runtime.sandbox import (
+    BackendConfig,
+    BubblewrapBackend,
+    SandboxLimits,
+    SandboxProcess,
+    SandboxSpec,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Sandbox fixtures (real bubblewrap; see tests/test_sandbox.py)
@@ -23,11 +29,32 @@ SANDBOX_TEST_LIMITS = SandboxLimits(
 )
 
 
-def new_sandbox_backend(tmp_path: Path) -> BubblewrapBackend:
+class StartedAheadBackend(BubblewrapBackend):
+    """A backend whose every sandbox that can be started ahead of need is: started first
+    (`prestart`, as the pool does), then handed its command (`launch`). The isolation tests
+    run against it too: a pooled sandbox must be all a sandbox started for its call is."""
+
+    launched = 0
+
+    async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
+        if not self.can_prestart(spec):
+            return await super().spawn(spec)
+        started = await self.prestart(spec.workspace, spec.limits)
+        try:
+            proc = self.launch(started, spec)
+        except BaseException:
+            await self.discard(started)
+            raise
+        self.launched += 1
+        return proc
+
+
+def new_sandbox_backend(tmp_path: Path, started_ahead: bool = False) -> BubblewrapBackend:
     """A backend (not started) with its workspaces under tmp_path and a cgroup group of its
-    own, under the test policy."""
+    own, under the test policy; with `started_ahead`, one whose sandboxes are started ahead."""
     traversable_by_others(tmp_path)
-    return BubblewrapBackend(
+    kind = StartedAheadBackend if started_ahead else BubblewrapBackend
+    return kind(
         BackendConfig(
             workspace_root=tmp_path / "workspaces",
             limits=SANDBOX_TEST_LIMITS,
@@ -36,10 +63,14 @@ def new_sandbox_backend(tmp_path: Path) -> BubblewrapBackend:
     )
 
 
-@pytest.fixture
-async def sandbox_backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
-    """A started backend with its workspaces under tmp_path and a cgroup group of its own."""
-    backend = new_sandbox_backend(tmp_path)
+@pytest.fixture(params=["direct", "started-ahead"])
+async def sandbox_backend(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[BubblewrapBackend]:
+    """A started backend with its workspaces under tmp_path and a cgroup group of its own:
+    one that starts each sandbox for its call, and one that starts them ahead of need."""
+    started_ahead = request.param == "started-ahead"
+    backend = new_sandbox_backend(tmp_path, started_ahead)
     backend.start()
     if backend.unavailable_reason is not None:
         pytest.fail(f"sandbox unavailable: {backend.unavailable_reason}")
@@ -47,6 +78,10 @@ async def sandbox_backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
         yield backend
     finally:
         await backend.close()  # removes its cgroups too
+    if isinstance(backend, StartedAheadBackend):
+        assert backend.launched or request.node.get_closest_marker("no_launch"), (
+            "no sandbox of this test was started ahead"
+        )
 
 
 @pytest.fixture

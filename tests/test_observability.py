@@ -11,7 +11,16 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from mcp_harness import ServerProcess, eventually, open_client, stop_all, stop_if_running
+from mcp_harness import (
+    ServerProcess,
+    alive,
+    eventually,
+    open_client,
+    proc_uid,
+    sandbox_uid,
+    stop_all,
+    stop_if_running,
+)
 from redis_harness import RedisServer
 
 pytestmark = pytest.mark.e2e
@@ -175,3 +184,43 @@ async def test_ready_flips_when_redis_stops_and_starts(tmp_path: Path) -> None:
         assert metric(samples, "srt_redis_connected") == 1
     finally:
         stop_all(stop_if_running(srv), redis.stop)
+
+
+async def test_sandboxes_started_ahead_serve_each_session_and_end_with_the_server(
+    tmp_path: Path,
+) -> None:
+    """A session's calls after its first run in sandboxes started ahead (counted as hits),
+    each a sandbox of its own, in both protocol eras; every one still waiting dies with the
+    server."""
+    server = ServerProcess(
+        tmp_path, {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_METRICS_TOKEN": METRICS_TOKEN}
+    )
+    await asyncio.to_thread(server.start)
+    try:
+        for mode in ("legacy", "auto"):
+            async with open_client(server.url, TOKEN, mode) as conn:
+                for _ in range(4):
+                    result = await conn.ok(
+                        "execute_code",
+                        command="cat /proc/sys/kernel/random/boot_id >/dev/null; "
+                        "ls -A /tmp | wc -l; touch /tmp/mine; echo $$",
+                        session=f"pool-{mode}",
+                    )
+                    out = "".join(e.get("data", "") for e in result["events"])
+                    files, _ = out.split()
+                    assert files == "0", out  # a fresh /tmp each call: no sandbox used twice
+                    await asyncio.sleep(0.3)  # (an agent's pause: the next one is ready)
+        samples = scrape(server)
+        assert metric(samples, "srt_sandbox_pool_hits_total") >= 5, samples
+        assert metric(samples, "srt_sandbox_pool_misses_total", reason="empty") >= 2
+        assert metric(samples, "srt_sandbox_pool_refill_seconds_count") >= 6
+        assert metric(samples, "srt_sandbox_pool_ready") == 2  # one per session
+        tree = server.descendants()
+        waiting = [pid for pid, _ in tree if proc_uid(pid) == sandbox_uid()]
+        assert len(waiting) >= 2 * 3, tree  # two sandboxes: bwrap, its init, the stub each
+        await asyncio.to_thread(server.stop, 15)
+    finally:
+        server.kill()
+    survivors = [pid for pid, start_time in tree if alive(pid, start_time)]
+    assert survivors == [], f"processes outlived the server: {survivors}"
+    assert "Traceback" not in server.stderr_text()

@@ -871,6 +871,7 @@ async def test_no_zombies_or_stray_processes_remain_after_200_runs(
 # -- the spawner ------------------------------------------------------------------------------
 
 
+@pytest.mark.no_launch
 async def test_spawner_runs_as_the_sandbox_user_with_no_privileges(
     sandbox_backend: BubblewrapBackend,
 ) -> None:
@@ -1003,6 +1004,7 @@ async def test_fds_in_flight_from_a_sandbox_do_not_break_other_starts(
 # -- policy -----------------------------------------------------------------------------------
 
 
+@pytest.mark.no_launch
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
@@ -1148,6 +1150,7 @@ async def test_callers_ld_preload_runs_only_after_the_limits_are_set(
     assert result.stdout.strip() == "2048"
 
 
+@pytest.mark.no_launch
 async def test_reserved_environment_names_are_refused(
     sandbox_backend: BubblewrapBackend, sandbox_workspace: Path
 ) -> None:

@@ -240,6 +240,9 @@ class CgroupLayout:
     def release(self, group: ExecutionCgroup) -> bool:
         """Take back the group of an execution that has ended: pooled if it is empty and clean,
         else removed. False while processes are still leaving it (call again later)."""
+        if any(g is group for g in self._idle):  # (released twice: never hand it out twice)
+            logger.error("cgroups: a group was released twice; kept once")
+            return True
         if group.busy():
             return False
         if len(self._idle) < self.pool_size and group.make_reusable():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -32,6 +33,9 @@ from sandbox_runtime.sandbox.backend import BubblewrapBackend, SandboxSpec, Star
 from sandbox_runtime.sandbox.policy import SandboxLimits
 from sandbox_runtime.sandbox.process import SandboxProcess
 
+# The next sandbox of a workspace is started once its call's command has ended, or this long
+# after it began if it runs on: the start then does not compete for the CPU with the call.
+REFILL_AFTER_SECONDS = 0.05
 # A full pool replaces a waiting sandbox with one for another workspace only when the first
 # has waited this long (else two busy sessions would keep evicting each other's).
 EVICT_AFTER_SECONDS = 10.0
@@ -68,10 +72,13 @@ class SandboxPool:
         self.workspace_ready = workspace_ready  # a refill starts only into a mounted workspace
         self._ready: dict[Path, StartedSandbox] = {}  # oldest first
         self._refills: dict[Path, asyncio.Task[None]] = {}
+        self._waits: dict[Path, asyncio.Task[None]] = {}  # a refill after a call's command
         self._closing: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
         self.hits = 0
+        self.skipped = 0  # refills not done for want of spare CPU
+        self.cpus = len(os.sched_getaffinity(0))
         self.misses: dict[str, int] = {}
         # Metric hooks: a hit, a miss (its reason), a refill's duration in seconds.
         self.on_hit: list[Callable[[], None]] = []
@@ -107,6 +114,9 @@ class SandboxPool:
         if reason is not None:
             self._missed(reason)
             return await self.backend.spawn(spec)
+        starting = self._refills.get(spec.workspace)
+        if spec.workspace not in self._ready and starting is not None:
+            await asyncio.wait({starting})  # (partly started already: less to wait for)
         started = self._ready.pop(spec.workspace, None)
         if started is not None and not started.usable:
             self._discard_later(started)
@@ -122,13 +132,12 @@ class SandboxPool:
                 self.hits += 1
                 for hook in self.on_hit:
                     hook()
-                self.refill(spec.workspace)  # meanwhile: the command is running already
+                self._refill_after(proc, spec.workspace)
                 return proc
         self._missed(reason or MISS_EMPTY)
-        try:
-            return await self.backend.spawn(spec)
-        finally:
-            self.refill(spec.workspace)  # after: not competing with this call's start
+        proc = await self.backend.spawn(spec)
+        self._refill_after(proc, spec.workspace)
+        return proc
 
     def _unpoolable(self, spec: SandboxSpec) -> str | None:
         if not self.enabled or self._closed:
@@ -145,6 +154,19 @@ class SandboxPool:
             hook(reason)
 
     # -- filling -----------------------------------------------------------------------------
+
+    def _refill_after(self, proc: SandboxProcess, workspace: Path) -> None:
+        """`refill(workspace)` once `proc` has ended or has run REFILL_AFTER_SECONDS."""
+
+        async def later() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.ended(), REFILL_AFTER_SECONDS)
+            self.refill(workspace)
+
+        if self.enabled and not self._closed and workspace not in self._waits:
+            task = asyncio.get_running_loop().create_task(later())
+            self._waits[workspace] = task
+            task.add_done_callback(lambda _: self._waits.pop(workspace, None))
 
     def refill(self, workspace: Path) -> None:
         """Start a sandbox for `workspace` in the background, if there is room for one."""
@@ -175,6 +197,11 @@ class SandboxPool:
     async def _refill(self, workspace: Path) -> None:
         if not self.workspace_ready(workspace):
             return
+        if self.backend.running_count + len(self._refills) > self.cpus:
+            # No spare CPU: a sandbox started ahead would take it from the running ones (and
+            # costs its stub's start on top); the next call starts its own.
+            self.skipped += 1
+            return
         began = time.perf_counter()
         try:
             started = await self.backend.prestart(workspace, self.limits)
@@ -194,11 +221,12 @@ class SandboxPool:
     async def discard_workspace(self, workspace: Path) -> None:
         """End the sandbox waiting (or starting) in `workspace`: before the workspace is
         removed or replaced, nothing may hold the old one."""
-        task = self._refills.pop(workspace, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        for tasks in (self._waits, self._refills):
+            task = tasks.pop(workspace, None)
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         started = self._ready.pop(workspace, None)
         if started is not None:
             await self.backend.discard(started)
@@ -232,7 +260,7 @@ class SandboxPool:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-        refills = list(self._refills.values())
+        refills = [*self._waits.values(), *self._refills.values()]
         for task in refills:
             task.cancel()
         await asyncio.gather(*refills, return_exceptions=True)

@@ -140,6 +140,10 @@ class SandboxProcess:
     def running(self) -> bool:
         return not self._exited.is_set()
 
+    async def ended(self) -> None:
+        """Until the tree has ended (not waiting for its status and cleanup, as `wait` does)."""
+        await self._exited.wait()
+
     def add_closer(self, closer: Callable[[], Awaitable[None]]) -> None:
         """Run `closer` once the tree has ended, before `wait` returns to anyone (the egress
         socket is closed there: the proxy's last word on the sandbox comes before its end)."""
