@@ -16,7 +16,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxSpec, shell_argv
-from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER
+from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER, STUB_PERL, stub_problem
 from sandbox_runtime.sandbox.cgroups import CgroupLayout
 from sandbox_runtime.sandbox.seccomp import compile_filter
 
@@ -112,6 +112,23 @@ def check_static(settings: Settings) -> list[Check]:
         checks.append(Check("seccomp", True, f"filter compiled ({size // 8} BPF instructions)"))
     except SandboxRuntimeError as exc:
         checks.append(Check("seccomp", False, str(exc), "apt-get install libseccomp2"))
+
+    problem = stub_problem() if settings.pool_size else None
+    checks.append(
+        Check(
+            "sandboxes started ahead",
+            problem is None,
+            problem
+            or (
+                f"up to {settings.pool_size} per replica, their stub is {STUB_PERL}"
+                if settings.pool_size
+                else "off (SANDBOX_POOL_SIZE=0)"
+            ),
+            "apt-get install perl-base (or SANDBOX_POOL_SIZE=0): without it every sandbox "
+            "is started for its call",
+            required=False,
+        )
+    )
 
     layout = CgroupLayout.setup("srt-doctor", favordynmods=False)
     ok = layout.version != "none"

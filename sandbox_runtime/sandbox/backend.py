@@ -385,7 +385,7 @@ class BubblewrapBackend:
         self._root_dir = self._private_dir / "root"
         _build_root(self._root_dir)
         self.relay_problem = _relay_problem()
-        self.stub_problem = _stub_problem()
+        self.stub_problem = stub_problem()
         if os.geteuid() == 0:
             try:
                 self._dev_dir = _build_dev(self._root_dir / "dev")
@@ -973,7 +973,7 @@ def _relay_problem() -> str | None:
     return None
 
 
-def _stub_problem() -> str | None:
+def stub_problem() -> str | None:
     """Why sandboxes cannot be started ahead of need here, if they cannot: their stub needs
     the host's Perl under /usr (perl-base, essential on Debian and Ubuntu)."""
     real = os.path.realpath(STUB_PERL)
