@@ -398,7 +398,9 @@ async def test_nothing_of_the_kernels_outlives_the_server(tmp_path: Path, end: s
     else:  # left by a crash: removed by the next server at its start
         again = ServerProcess(tmp_path, {"SANDBOX_AUTH_TOKEN": TOKEN}).start()
         again.stop()
-        assert not any(kernels.iterdir())
+        # (the directory itself is made again only by a kernel's start, which a quick stop
+        # may have come before)
+        assert not kernels.exists() or not any(kernels.iterdir())
 
 
 async def test_a_caller_may_tighten_an_interpreters_limits_never_loosen_them(

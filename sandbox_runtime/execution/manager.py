@@ -173,8 +173,9 @@ class ExecutionManager:
                 workspace_name(e.owner) for e in self._running.values() if not e.finished.is_set()
             }
         )
-        self.workspaces.busy.append(self.pool.workspaces)
-        self.workspaces.before_remove.append(
+        # (A sandbox waiting in a workspace does not keep it: it is ended before the workspace
+        # is unmounted or removed.)
+        self.workspaces.before_release.append(
             lambda name: self.pool.discard_workspace(self.workspaces.path(name))
         )
         self.pool.on_hit.append(self.metrics.pool_hits.inc)

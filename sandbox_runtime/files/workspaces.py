@@ -106,9 +106,10 @@ class WorkspaceStore:
         self._locks: dict[str, asyncio.Lock] = {}
         self._holds: dict[str, int] = {}
         self.busy: list[Callable[[], set[str]]] = []  # names in use (executions, kernels)
-        # Called with a name before that workspace is removed or replaced (sandboxes started
-        # ahead of need hold a bind of it: they must end first).
-        self.before_remove: list[Callable[[str], Awaitable[None]]] = []
+        # Called with a name before that workspace is unmounted, removed or replaced (a
+        # sandbox started ahead of need holds a bind of it: it must end first; mounting the
+        # image again while a detached mount of it lives on would corrupt it).
+        self.before_release: list[Callable[[str], Awaitable[None]]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -183,8 +184,10 @@ class WorkspaceStore:
         return self.root / f"{name}{IMAGE_SUFFIX}"
 
     def is_ready(self, name: str) -> bool:
-        """Whether the workspace is there and mounted (if it is an image) now."""
-        return name in self._ready
+        """Whether the workspace is there and mounted (if it is an image) now, and nothing is
+        about to unmount, remove or replace it."""
+        lock = self._locks.get(name)
+        return name in self._ready and not (lock is not None and lock.locked())
 
     def exists(self, name: str) -> bool:
         return self.image(name).is_file() or self.path(name).is_dir()
@@ -337,7 +340,7 @@ class WorkspaceStore:
         self._check(slot)
         self._check(name)
         async with self._lock(name):
-            for hook in self.before_remove:  # (an empty `name` is replaced)
+            for hook in self.before_release:  # (an empty `name` is replaced)
                 await hook(name)
             return await asyncio.to_thread(self._adopt_sync, slot, name)
 
@@ -378,7 +381,7 @@ class WorkspaceStore:
         """Remove the workspace and its contents (nothing may be running in it)."""
         self._check(name)
         async with self._lock(name):
-            for hook in self.before_remove:
+            for hook in self.before_release:
                 await hook(name)
             await asyncio.to_thread(self._remove_sync, name)
 
@@ -440,6 +443,8 @@ class WorkspaceStore:
             async with self._lock(name):
                 if self._ready.get(name, 0) > cutoff or name in self._in_use():
                     continue
+                for hook in self.before_release:
+                    await hook(name)
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread(_umount, self.path(name))
                     self._mounted.discard(name)

@@ -98,7 +98,7 @@ class SandboxPool:
         return len(self._refills)
 
     def workspaces(self) -> set[str]:
-        """Names of the workspaces a sandbox waits in or is being started in (kept mounted)."""
+        """Names of the workspaces a sandbox waits in or is being started in."""
         return {p.name for p in self._ready} | {p.name for p in self._refills}
 
     def start(self) -> None:
@@ -208,7 +208,7 @@ class SandboxPool:
         except (SandboxSpawnError, SandboxUnavailableError) as exc:
             logger.warning("could not start a sandbox ahead of need: {}", exc)
             return
-        if self._closed:
+        if self._closed or not self.workspace_ready(workspace):  # (being released meanwhile)
             await self.backend.discard(started)
             return
         elapsed = time.perf_counter() - began
