@@ -197,7 +197,9 @@ class SandboxedKernel:
     async def _next(self, channel: str, wait: float | None) -> dict[str, Any]:
         """The next message from a channel's queue. Raises TimeoutError, KernelDiedError."""
         queue = self._queues[channel]
-        if queue.empty() and not self.alive:
+        if not queue.empty():  # (most messages: no futures, no wait)
+            return queue.get_nowait()
+        if not self.alive:
             raise KernelDiedError(self.stderr_tail())
         get = asyncio.ensure_future(queue.get())
         died = asyncio.ensure_future(self._died.wait())
