@@ -87,6 +87,8 @@ class ExecutionManager:
     ) -> None:
         self.settings = settings
         self.limits = settings.limits()
+        # An execution's info copies it (most run with the server's limits: asdict is slow).
+        self._limits_dict = self.limits.as_dict()
         self.backend = backend or BubblewrapBackend(
             BackendConfig(
                 limits=self.limits,
@@ -354,7 +356,7 @@ class ExecutionManager:
             interactive=request.interactive,
             working_directory=cwd,
             timeout_seconds=timeout,
-            limits=limits.as_dict(),
+            limits=self._limits_dict if limits is self.limits else limits.as_dict(),
             created_at=time.time(),
         )
         execution = Execution(info, owner, limits.output_bytes)
@@ -449,7 +451,7 @@ class ExecutionManager:
             command=code,
             language=language,
             timeout_seconds=timeout,
-            limits=self.limits.as_dict(),
+            limits=self._limits_dict,
             created_at=time.time(),
         )
         execution = Execution(info, owner, self.limits.output_bytes)
