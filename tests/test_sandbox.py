@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -103,8 +104,25 @@ async def wait_until(
     deadline = time.monotonic() + within
     while not condition():
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {within}s waiting for {what}")
+            pytest.fail(f"timed out after {within}s waiting for {what}{_describe(what)}")
         await asyncio.sleep(0.02)
+
+
+def _describe(what: str) -> str:
+    """For a failure about sandbox processes: which processes are left."""
+    if "sandbox uid" not in what:
+        return ""
+    uid = str(pwd.getpwnam("srt-sandbox").pw_uid)
+    left = []
+    for pid in host_pids():
+        if uid in (status_field(pid, "Uid") or "").split():
+            cmdline = read_proc(pid, "cmdline").replace(b"\0", b" ")[:120]
+            cgroup = read_proc(pid, "cgroup").split(b"\n")[0]
+            name, state = status_field(pid, "Name"), status_field(pid, "State")
+            left.append(
+                f"{pid} {name} {state} ppid={status_field(pid, 'PPid')} {cmdline!r} {cgroup!r}"
+            )
+    return ": " + "; ".join(left)
 
 
 def host_pids() -> list[int]:
@@ -159,6 +177,7 @@ def sandbox_uid_processes(backend: BubblewrapBackend) -> list[int]:
     """
     uid = str(pwd.getpwnam(backend.config.sandbox_user).pw_uid)
     group = backend.config.group_name
+    reap_orphaned_zombies(uid)
     ours = set(descendants(os.getpid()))
     found = []
     for pid in host_pids():
@@ -168,6 +187,20 @@ def sandbox_uid_processes(backend: BubblewrapBackend) -> list[int]:
         if pid in ours or f"/{group}/".encode() in read_proc(pid, "cgroup"):
             found.append(pid)
     return found
+
+
+def reap_orphaned_zombies(uid: str) -> None:
+    """Reap zombies of `uid` re-parented to this test process, as init would: a backend made
+    it a child subreaper, so the spawner of a server another test killed ends up here."""
+    me = str(os.getpid())
+    for pid in host_pids():
+        if (
+            status_field(pid, "PPid") == me
+            and (status_field(pid, "State") or "").startswith("Z")
+            and uid in (status_field(pid, "Uid") or "").split()
+        ):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
 
 
 def descendants(root: int) -> list[int]:
