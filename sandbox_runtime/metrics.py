@@ -46,7 +46,8 @@ class Metrics:
         )
         self.spawn = Histogram(
             "srt_sandbox_spawn_seconds",
-            "Time to start a sandbox (cgroup, launcher, bwrap exec).",
+            "Time to start a sandbox (cgroup, launcher, bwrap exec); for one started ahead of "
+            "need, to hand it its command.",
             buckets=SPAWN_BUCKETS,
             registry=r,
         )
@@ -58,8 +59,8 @@ class Metrics:
         self.pool_misses = Counter(
             "srt_sandbox_pool_misses_total",
             "Executions that started a sandbox of their own, by why (empty: none was waiting "
-            "in their workspace; limits: tighter limits; unpoolable: egress; disabled; ended; "
-            "failed).",
+            "in their workspace; busy: it was not started for want of spare CPU or room; "
+            "limits: tighter limits; unpoolable: egress; disabled; ended; failed).",
             ["reason"],
             registry=r,
         )

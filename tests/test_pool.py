@@ -24,9 +24,14 @@ from test_sandbox import (
 )
 
 from sandbox_runtime.egress.policy import EgressPolicy
-from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.errors import (
+    InvalidRequestError,
+    SandboxSpawnError,
+    SandboxUnavailableError,
+)
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxLimits, SandboxSpec, shell_argv
 from sandbox_runtime.sandbox.pool import (
+    MISS_BUSY,
     MISS_EMPTY,
     MISS_LIMITS,
     MISS_UNPOOLABLE,
@@ -126,6 +131,13 @@ async def test_environment_directory_and_stdin_are_the_calls_as_without_the_pool
     assert pool.hits == 1
     assert pooled.stdout == direct.stdout and pooled.stderr == direct.stderr == ""
     assert "WEIRD=x'y\"z\n" in pooled.stdout and "/workspace/sub\n/dev/null\n" in pooled.stdout
+    # Without a shell (which sets PWD itself): PWD is the directory, whatever the caller set.
+    env_only = spec(backend, workspace, ["/usr/bin/env"], env={"PWD": "/elsewhere"}, cwd="/tmp")
+    direct = await collect(await backend.spawn(replace(env_only)))
+    await ready(pool)
+    pooled = await collect(await pool.spawn(replace(env_only)))
+    assert sorted(pooled.stdout.splitlines()) == sorted(direct.stdout.splitlines())
+    assert "PWD=/tmp" in pooled.stdout.splitlines()
     # Typed input reaches an interactive call, as without the pool.
     await ready(pool)
     proc = await pool.spawn(spec(backend, workspace, ["cat"], interactive=True))
@@ -134,7 +146,7 @@ async def test_environment_directory_and_stdin_are_the_calls_as_without_the_pool
     await proc.stdin.drain()
     proc.stdin.close()
     assert (await collect(proc)).stdout == "typed\n"
-    assert pool.hits == 2
+    assert pool.hits == 3
 
 
 async def test_errors_of_a_missing_program_or_directory_are_bwraps_own(
@@ -275,3 +287,77 @@ def test_limits_that_shape_a_sandbox_decide_a_hit() -> None:
     base = SandboxLimits()
     assert _sandbox_part(replace(base, output_bytes=1)) == _sandbox_part(base)
     assert _sandbox_part(replace(base, memory_mb=64)) != _sandbox_part(base)
+
+
+async def test_a_command_cut_short_runs_nothing(backend: BubblewrapBackend) -> None:
+    workspace = backend.create_workspace("ws")
+    started = await backend.prestart(workspace, backend.config.limits)
+    fields = ["/workspace", "n", "0", "3", "/bin/sh", "-c", "touch /workspace/ran"]
+    payload = b"".join(f.encode() + b"\0" for f in fields)
+    assert started.command_fd is not None
+    os.write(started.command_fd, payload[:-4])  # the last argument cut short
+    started.close_command()
+    outcome = await asyncio.wait_for(started.proc.wait(), 10)
+    await started.proc.aclose()
+    assert outcome.exit_code == 125
+    assert not (workspace / "ran").exists()
+
+
+async def test_a_refused_command_ends_the_sandbox_it_would_have_used(
+    backend: BubblewrapBackend, pool: SandboxPool
+) -> None:
+    workspace = backend.create_workspace("ws")
+    await collect(await pool.spawn(spec(backend, workspace, "true")))
+    await ready(pool)
+    with pytest.raises(InvalidRequestError):
+        await pool.spawn(spec(backend, workspace, "true", env={"__srt_cmd": "id"}))
+    with pytest.raises(InvalidRequestError):
+        await pool.spawn(spec(backend, workspace, ["true\0"]))
+    await wait_until(lambda: not sandbox_uid_processes(backend), what="no sandbox uid")
+    assert backend.running_count == 0 and pool.ready_count == 0
+
+
+async def test_a_sandbox_that_ends_while_starting_is_not_counted_as_running(
+    backend: BubblewrapBackend, tmp_path: Path
+) -> None:
+    missing = tmp_path / "workspaces" / "never-made"  # bwrap cannot bind it: it ends at once
+    for _ in range(5):
+        started = await backend.prestart(missing, backend.config.limits)
+        await started.proc.wait()
+        await backend.discard(started)
+        assert not started.usable
+    assert backend.running_count == 0
+
+
+async def test_a_full_pool_does_not_evict_sandboxes_that_just_started(
+    backend: BubblewrapBackend,
+) -> None:
+    pool = SandboxPool(backend, backend.config.limits, size=1, idle_seconds=60)
+    pool.cpus = 64
+    pool.start()
+    try:
+        first, second = backend.create_workspace("a"), backend.create_workspace("b")
+        await collect(await pool.spawn(spec(backend, first, "true")))
+        await ready(pool)
+        await collect(await pool.spawn(spec(backend, second, "true")))
+        await asyncio.sleep(0.3)
+        assert pool.workspaces() == {first.name}  # the first's still waits
+        await collect(await pool.spawn(spec(backend, second, "true")))
+        assert pool.misses == {MISS_EMPTY: 2, MISS_BUSY: 1}
+        await collect(await pool.spawn(spec(backend, first, "true")))
+        assert pool.hits == 1
+    finally:
+        await pool.close()
+
+
+async def test_discarding_a_workspaces_sandbox_waits_until_it_is_gone(
+    backend: BubblewrapBackend, pool: SandboxPool
+) -> None:
+    workspace = backend.create_workspace("ws")
+    await collect(await pool.spawn(spec(backend, workspace, "true")))
+    await ready(pool)
+    pool.idle_seconds = 0  # the sweep ends it in the background...
+    assert pool.sweep() == 1
+    await pool.discard_workspace(workspace)  # ...and this waits for that
+    assert not busy_execution_cgroups(backend)
+    assert not sandbox_uid_processes(backend)

@@ -206,6 +206,7 @@ class ExecutionManager:
 
     async def _shutdown_once(self) -> None:
         self._accepting = False
+        await self.pool.close()  # first: executions stopped now must not start more
         running = list(self._running.values())
         if running:
             logger.info("shutdown: stopping {} running executions", len(running))
@@ -229,7 +230,6 @@ class ExecutionManager:
             self._evictor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._evictor
-        await self.pool.close()
         await self.backend.close()
         if self.egress is not None:
             await self.egress.close()

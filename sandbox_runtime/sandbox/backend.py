@@ -70,19 +70,22 @@ SHELL_SCRIPT = '__srt_c=$__srt_cmd; unset __srt_cmd; eval "$__srt_c"'
 # A sandbox started ahead of need (sandbox/pool.py) runs this stub, Perl's (perl-base is
 # essential on Debian and Ubuntu: every host has it, and it starts in ~1 ms): it waits on fd
 # COMMAND_FD for its command, then does what bwrap would have done with it (stdin from
-# /dev/null unless interactive, chdir, the caller's variables, execvp) with bwrap's own errors
-# and exit code. The command comes as NUL-terminated fields: the directory, "i" or "n"
-# (interactive), the number of variables, then each name and value, then the argv. Nothing
-# else runs in the sandbox before it has the command; fd COMMAND_FD is closed before the exec.
+# /dev/null unless interactive, chdir, the caller's variables, PWD set to the directory after
+# them as bwrap sets it, execvp) with bwrap's own errors and exit code. The command comes as
+# NUL-terminated fields: the directory, "i" or "n" (interactive), the number of variables,
+# the number of argv items, then each name and value, then the argv; anything but exactly
+# that (a command cut short) runs nothing (exit 125). Nothing else runs in the sandbox before
+# it has the command; fd COMMAND_FD is closed before the exec.
 STUB_PERL = "/usr/bin/perl"
 COMMAND_FD = 6
 STUB_PROGRAM = (
     'open(my $c, "<&=", 6) or exit 125; local $/; my $d = <$c>; close $c;'
     " defined $d and length $d or exit 125; my @f = split /\\0/, $d, -1; pop @f;"
-    " my ($cwd, $in, $n) = splice @f, 0, 3;"
+    " my ($cwd, $in, $n, $m) = splice @f, 0, 4;"
+    " defined $m and $m > 0 and @f == 2 * $n + $m or exit 125;"
     ' if ($in ne "i") { open(STDIN, "<", "/dev/null") or exit 125 }'
     ' chdir $cwd or do { print STDERR "bwrap: Can\\x27t chdir to $cwd: $!\\n"; exit 1 };'
-    " for (1 .. $n) { my $k = shift @f; $ENV{$k} = shift @f } @f or exit 125;"
+    " for (1 .. $n) { my $k = shift @f; $ENV{$k} = shift @f } $ENV{PWD} = $cwd;"
     ' exec { $f[0] } @f; print STDERR "bwrap: execvp $f[0]: $!\\n"; exit 1;'
 )
 
@@ -665,7 +668,8 @@ class BubblewrapBackend:
         except BaseException:
             os.close(command_w)
             raise
-        self._waiting.add(proc)
+        if proc.running:  # (one that ended already has been seen off by its exit)
+            self._waiting.add(proc)
         return StartedSandbox(proc, command_w, workspace, limits)
 
     def launch(self, started: StartedSandbox, spec: SandboxSpec) -> SandboxProcess:
@@ -673,23 +677,26 @@ class BubblewrapBackend:
         limits); it serves this execution only. The wall-clock timeout, duration and CPU time
         count from now.
 
-        Raises InvalidRequestError (the sandbox is left as it was), SandboxSpawnError (it has
-        ended, or the command could not be handed over: it is killed).
+        Raises InvalidRequestError, SandboxSpawnError (it had ended, or is not for this call,
+        or the command could not be handed over); the sandbox started ahead is ended then.
         """
-        validate_command(spec.argv)
-        spec.env = validate_env(spec.env)
-        if spec.workspace != started.workspace or spec.limits != started.limits:
-            raise SandboxSpawnError("the sandbox started ahead is for another workspace or limits")
-        if not self.can_prestart(spec):
-            raise SandboxSpawnError("this execution cannot run in a sandbox started ahead")
-        command, extra = command_of(spec.argv)
-        env = {**spec.env, **extra}
-        fields = [spec.cwd, "i" if spec.interactive else "n", str(len(env))]
-        for key, value in env.items():
-            fields += [key, value]
-        payload = b"".join(f.encode("utf-8", "surrogatepass") + b"\0" for f in fields + command)
-        proc, fd = started.proc, started.command_fd
+        proc = started.proc
         try:
+            validate_command(spec.argv)
+            spec.env = validate_env(spec.env)
+            if "\0" in spec.cwd:
+                raise InvalidRequestError("working_directory must not contain NUL")
+            if spec.workspace != started.workspace or spec.limits != started.limits:
+                raise SandboxSpawnError("the sandbox started ahead is for another workspace")
+            if not self.can_prestart(spec):
+                raise SandboxSpawnError("this execution cannot run in a sandbox started ahead")
+            command, extra = command_of(spec.argv)
+            env = {**spec.env, **extra}
+            fields = [spec.cwd, "i" if spec.interactive else "n", str(len(env)), str(len(command))]
+            for key, value in env.items():
+                fields += [key, value]
+            payload = b"".join(f.encode("utf-8", "surrogatepass") + b"\0" for f in fields + command)
+            fd = started.command_fd
             if fd is None or not proc.running:
                 raise SandboxSpawnError("the sandbox started ahead has ended")
             try:
@@ -701,9 +708,9 @@ class BubblewrapBackend:
                     view = view[os.write(fd, view) :]
             except OSError as exc:  # (BlockingIOError: the pipe could not be made big enough)
                 raise SandboxSpawnError(f"could not hand the sandbox its command: {exc}") from exc
-        except SandboxSpawnError:
+        except BaseException:
+            proc.kill("cancelled")  # first: a command cut short must never get to run
             started.close_command()
-            proc.kill("cancelled")
             self._track(proc.aclose())
             raise
         started.close_command()

@@ -42,7 +42,8 @@ EVICT_AFTER_SECONDS = 10.0
 
 # Why a call did not get a pooled sandbox (the label of the misses counter).
 MISS_DISABLED = "disabled"  # no pool on this server
-MISS_EMPTY = "empty"  # none waiting for this workspace (its first call; or not refilled yet)
+MISS_EMPTY = "empty"  # none waiting for this workspace (its first call)
+MISS_BUSY = "busy"  # its next one was not started: no spare CPU, or the pool was full
 MISS_LIMITS = "limits"  # the call tightened the limits
 MISS_UNPOOLABLE = "unpoolable"  # egress (its relay is the sandbox's init)
 MISS_ENDED = "ended"  # the waiting sandbox had ended
@@ -73,11 +74,13 @@ class SandboxPool:
         self._ready: dict[Path, StartedSandbox] = {}  # oldest first
         self._refills: dict[Path, asyncio.Task[None]] = {}
         self._waits: dict[Path, asyncio.Task[None]] = {}  # a refill after a call's command
-        self._closing: set[asyncio.Task[None]] = set()
+        # Sandboxes being ended, by workspace; workspaces whose next sandbox was not started
+        # (no spare CPU, a full pool): their next call's miss says "busy".
+        self._discarding: dict[Path, set[asyncio.Task[None]]] = {}
+        self._skipped: set[Path] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
         self.hits = 0
-        self.skipped = 0  # refills not done for want of spare CPU
         self.cpus = len(os.sched_getaffinity(0))
         self.misses: dict[str, int] = {}
         # Metric hooks: a hit, a miss (its reason), a refill's duration in seconds.
@@ -134,7 +137,9 @@ class SandboxPool:
                     hook()
                 self._refill_after(proc, spec.workspace)
                 return proc
-        self._missed(reason or MISS_EMPTY)
+        if reason is None:
+            reason = MISS_BUSY if spec.workspace in self._skipped else MISS_EMPTY
+        self._missed(reason)
         proc = await self.backend.spawn(spec)
         self._refill_after(proc, spec.workspace)
         return proc
@@ -169,38 +174,46 @@ class SandboxPool:
             task.add_done_callback(lambda _: self._waits.pop(workspace, None))
 
     def refill(self, workspace: Path) -> None:
-        """Start a sandbox for `workspace` in the background, if there is room for one."""
+        """Start a sandbox for `workspace` in the background, if there is room and spare CPU."""
         if not self.enabled or self._closed:
             return
         if workspace in self._ready or workspace in self._refills:
             return
-        if len(self._ready) + len(self._refills) >= self.size and not self._evict_one():
+        if not self.workspace_ready(workspace) or not self._spare_cpu(starting=0):
+            self._skipped.add(workspace)
             return
+        if len(self._ready) + len(self._refills) >= self.size and not self._evict_one():
+            self._skipped.add(workspace)
+            return
+        self._skipped.discard(workspace)
         task = asyncio.get_running_loop().create_task(self._refill(workspace))
         self._refills[workspace] = task
         task.add_done_callback(lambda done: self._forget_refill(workspace, done))
+
+    def _spare_cpu(self, starting: int) -> bool:
+        """Whether a core is free for one more start: a sandbox started ahead on a busy
+        replica would take CPU from the running ones (and cost its stub's start on top)."""
+        return self.backend.running_count + len(self._refills) - starting < self.cpus
 
     def _forget_refill(self, workspace: Path, task: asyncio.Task[None]) -> None:
         if self._refills.get(workspace) is task:
             del self._refills[workspace]
 
     def _evict_one(self) -> bool:
-        """Make room by ending the sandbox that has waited longest, if it has waited long."""
-        for workspace, started in self._ready.items():
-            if time.monotonic() - started.started_at >= EVICT_AFTER_SECONDS or not started.usable:
-                del self._ready[workspace]
-                self._discard_later(started)
-                return True
-            return False
-        return False
+        """Make room: end a waiting sandbox that has ended, else the one that has waited
+        longest if it has waited long."""
+        victim = next((w for w, s in self._ready.items() if not s.usable), None)
+        if victim is None:
+            oldest = next(iter(self._ready.items()), None)
+            if oldest is None or time.monotonic() - oldest[1].started_at < EVICT_AFTER_SECONDS:
+                return False
+            victim = oldest[0]
+        self._discard_later(self._ready.pop(victim))
+        return True
 
     async def _refill(self, workspace: Path) -> None:
-        if not self.workspace_ready(workspace):
-            return
-        if self.backend.running_count + len(self._refills) > self.cpus:
-            # No spare CPU: a sandbox started ahead would take it from the running ones (and
-            # costs its stub's start on top); the next call starts its own.
-            self.skipped += 1
+        if not self.workspace_ready(workspace) or not self._spare_cpu(starting=1):
+            self._skipped.add(workspace)
             return
         began = time.perf_counter()
         try:
@@ -219,22 +232,38 @@ class SandboxPool:
     # -- ending ------------------------------------------------------------------------------
 
     async def discard_workspace(self, workspace: Path) -> None:
-        """End the sandbox waiting (or starting) in `workspace`: before the workspace is
-        removed or replaced, nothing may hold the old one."""
-        for tasks in (self._waits, self._refills):
-            task = tasks.pop(workspace, None)
-            if task is not None:
+        """End the sandbox waiting (or starting) in `workspace` and wait until it has ended:
+        before the workspace is unmounted, removed or replaced, nothing may hold it. (The
+        caller holds the workspace's lock: no new one starts there meanwhile.)"""
+        self._skipped.discard(workspace)
+        while True:
+            cancelled = [
+                task
+                for task in (self._waits.pop(workspace, None), self._refills.pop(workspace, None))
+                if task is not None
+            ]
+            for task in cancelled:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        started = self._ready.pop(workspace, None)
-        if started is not None:
-            await self.backend.discard(started)
+            started = self._ready.pop(workspace, None)
+            if started is not None:
+                self._discard_later(started)
+            pending = cancelled + list(self._discarding.get(workspace, ()))
+            if not pending:
+                return
+            await asyncio.wait(pending)  # (not raising theirs; our own cancellation propagates)
 
-    def _discard_later(self, started: StartedSandbox) -> None:
+    def _discard_later(self, started: StartedSandbox) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(self.backend.discard(started))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        tasks = self._discarding.setdefault(started.workspace, set())
+        tasks.add(task)
+
+        def done(_: asyncio.Task[None]) -> None:
+            tasks.discard(task)
+            if not tasks and self._discarding.get(started.workspace) is tasks:
+                del self._discarding[started.workspace]
+
+        task.add_done_callback(done)
+        return task
 
     def sweep(self) -> int:
         """End the sandboxes that waited `idle_seconds` unused (or ended): how many."""
@@ -265,6 +294,7 @@ class SandboxPool:
             task.cancel()
         await asyncio.gather(*refills, return_exceptions=True)
         ready, self._ready = list(self._ready.values()), {}
+        ending = [t for tasks in self._discarding.values() for t in tasks]
         await asyncio.gather(
-            *(self.backend.discard(s) for s in ready), *self._closing, return_exceptions=True
+            *(self.backend.discard(s) for s in ready), *ending, return_exceptions=True
         )

@@ -122,8 +122,6 @@ class SandboxProcess:
         """A sandbox started ahead of need has been handed its command: its duration, CPU
         time and wall-clock timeout count from now."""
         self._started_at = time.monotonic()
-        if self._cgroup is not None:
-            self._cgroup.rebase()
         if self._timer is not None:
             self._timer.cancel()
         self._timer = (
@@ -131,6 +129,9 @@ class SandboxProcess:
             if timeout is not None and self.running
             else None
         )
+        if self._cgroup is not None:
+            with contextlib.suppress(OSError, ValueError):  # (counters are advisory)
+                self._cgroup.rebase()
 
     @property
     def returncode(self) -> int | None:
