@@ -356,8 +356,11 @@ async def test_discarding_a_workspaces_sandbox_waits_until_it_is_gone(
     workspace = backend.create_workspace("ws")
     await collect(await pool.spawn(spec(backend, workspace, "true")))
     await ready(pool)
+    waiting = next(iter(pool._ready.values()))
     pool.idle_seconds = 0  # the sweep ends it in the background...
     assert pool.sweep() == 1
+    assert waiting.proc.running
     await pool.discard_workspace(workspace)  # ...and this waits for that
-    assert not busy_execution_cgroups(backend)
-    assert not sandbox_uid_processes(backend)
+    assert not waiting.proc.running and not pool._discarding
+    await wait_until(lambda: not sandbox_uid_processes(backend), what="no sandbox uid")
+    await wait_until(lambda: not busy_execution_cgroups(backend), what="cgroups empty")

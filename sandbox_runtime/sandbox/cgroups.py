@@ -443,6 +443,8 @@ class ExecutionCgroup:
 
     def kill(self) -> None:
         """SIGKILL everything in the group, including processes forked while we kill."""
+        if not self.busy():  # (the common case at a sandbox's end: one read, no write)
+            return
         if self.v2_dir is not None and self.layout.v2_kill:
             with contextlib.suppress(OSError):
                 _write(self.v2_dir / "cgroup.kill", "1")
@@ -486,10 +488,13 @@ class ExecutionCgroup:
         return s
 
     def rebase(self) -> None:
-        """Count CPU time and limit hits from now on (a sandbox started ahead of need begins
-        its execution: what its stub used is not the execution's)."""
-        self.baseline = self._counters()
-        self.baseline.memory_peak_bytes = 0
+        """Count CPU time from now on (a sandbox started ahead of need begins its execution:
+        what its stub used is not the execution's; the stub hits no limit). Raises OSError,
+        ValueError."""
+        if self.v2_dir is not None:
+            self.baseline.cpu_usage_ns = self._keyed("v2/cpu.stat").get("usage_usec", 0) * 1000
+        elif "cpuacct" in self.v1_dirs:
+            self.baseline.cpu_usage_ns = int(self._stat("cpuacct/cpuacct.usage"))
 
     def stats(self) -> CgroupStats:
         now, base = self._counters(), self.baseline
