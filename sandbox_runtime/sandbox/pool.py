@@ -171,7 +171,7 @@ class SandboxPool:
         if self.enabled and not self._closed and workspace not in self._waits:
             task = asyncio.get_running_loop().create_task(later())
             self._waits[workspace] = task
-            task.add_done_callback(lambda _: self._waits.pop(workspace, None))
+            task.add_done_callback(lambda done: self._forget(self._waits, workspace, done))
 
     def refill(self, workspace: Path) -> None:
         """Start a sandbox for `workspace` in the background, if there is room and spare CPU."""
@@ -188,16 +188,19 @@ class SandboxPool:
         self._skipped.discard(workspace)
         task = asyncio.get_running_loop().create_task(self._refill(workspace))
         self._refills[workspace] = task
-        task.add_done_callback(lambda done: self._forget_refill(workspace, done))
+        task.add_done_callback(lambda done: self._forget(self._refills, workspace, done))
 
     def _spare_cpu(self, starting: int) -> bool:
         """Whether a core is free for one more start: a sandbox started ahead on a busy
         replica would take CPU from the running ones (and cost its stub's start on top)."""
         return self.backend.running_count + len(self._refills) - starting < self.cpus
 
-    def _forget_refill(self, workspace: Path, task: asyncio.Task[None]) -> None:
-        if self._refills.get(workspace) is task:
-            del self._refills[workspace]
+    @staticmethod
+    def _forget(
+        tasks: dict[Path, asyncio.Task[None]], workspace: Path, task: asyncio.Task[None]
+    ) -> None:
+        if tasks.get(workspace) is task:  # (not a newer one for the same workspace)
+            del tasks[workspace]
 
     def _evict_one(self) -> bool:
         """Make room: end a waiting sandbox that has ended, else the one that has waited
