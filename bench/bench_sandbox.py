@@ -41,7 +41,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxLimits, SandboxSpec
+from sandbox_runtime.sandbox import (
+    BackendConfig,
+    BubblewrapBackend,
+    SandboxLimits,
+    SandboxProcess,
+    SandboxSpec,
+)
 from sandbox_runtime.sandbox.backend import StartedSandbox, _children
 
 COMMANDS = {
@@ -93,9 +99,17 @@ class Bench:
 
     async def ours(self, command: list[str], samples: Samples, arrived: float | None) -> None:
         started = time.perf_counter() if arrived is None else arrived
-        proc = await self.backend.spawn(
-            SandboxSpec(argv=command, workspace=self.workspace, limits=self.backend.config.limits)
+        proc = await self.backend.spawn(self.spec(command))
+        await self.finish(proc, samples, started)
+
+    def spec(self, command: list[str]) -> SandboxSpec:
+        return SandboxSpec(
+            argv=command, workspace=self.workspace, limits=self.backend.config.limits
         )
+
+    @staticmethod
+    async def finish(proc: SandboxProcess, samples: Samples, started: float) -> None:
+        """Drain and wait for `proc`; record its latency from `started` and its failure."""
         try:
             _, _, outcome = await asyncio.gather(
                 proc.stdout.read(), proc.stderr.read(), proc.wait()
@@ -115,18 +129,8 @@ class Bench:
 
     async def ours_ahead(self, command: list[str], samples: Samples, arrived: float | None) -> None:
         started = time.perf_counter() if arrived is None else arrived
-        proc = self.backend.launch(
-            self.ahead.pop(),
-            SandboxSpec(argv=command, workspace=self.workspace, limits=self.backend.config.limits),
-        )
-        try:
-            _, _, outcome = await asyncio.gather(
-                proc.stdout.read(), proc.stderr.read(), proc.wait()
-            )
-        finally:
-            await proc.aclose()
-        samples.latencies_ms.append((time.perf_counter() - started) * 1000)
-        samples.failures += outcome.exit_code != 0
+        proc = self.backend.launch(self.ahead.pop(), self.spec(command))
+        await self.finish(proc, samples, started)
 
     async def plain_popen(
         self, command: list[str], samples: Samples, arrived: float | None

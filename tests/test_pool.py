@@ -53,11 +53,17 @@ async def backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
         await backend.close()
 
 
-@pytest.fixture
-async def pool(backend: BubblewrapBackend) -> AsyncIterator[SandboxPool]:
-    pool = SandboxPool(backend, backend.config.limits, size=4, idle_seconds=60)
+def new_pool(backend: BubblewrapBackend, size: int = 4, idle_seconds: float = 60) -> SandboxPool:
+    """A started pool under the backend's limits."""
+    pool = SandboxPool(backend, backend.config.limits, size=size, idle_seconds=idle_seconds)
     pool.cpus = 64  # (refills are skipped on a machine without spare CPU: not here)
     pool.start()
+    return pool
+
+
+@pytest.fixture
+async def pool(backend: BubblewrapBackend) -> AsyncIterator[SandboxPool]:
+    pool = new_pool(backend)
     try:
         yield pool
     finally:
@@ -210,9 +216,7 @@ async def test_the_wall_clock_timeout_and_duration_count_from_the_call(
 async def test_bounded_per_replica_idle_ones_end_and_a_removed_workspace_loses_its_own(
     backend: BubblewrapBackend,
 ) -> None:
-    pool = SandboxPool(backend, backend.config.limits, size=2, idle_seconds=1.0)
-    pool.cpus = 64
-    pool.start()
+    pool = new_pool(backend, size=2, idle_seconds=1.0)
     try:
         spaces = [backend.create_workspace(f"ws{i}") for i in range(4)]
         for workspace in spaces:
@@ -332,9 +336,7 @@ async def test_a_sandbox_that_ends_while_starting_is_not_counted_as_running(
 async def test_a_full_pool_does_not_evict_sandboxes_that_just_started(
     backend: BubblewrapBackend,
 ) -> None:
-    pool = SandboxPool(backend, backend.config.limits, size=1, idle_seconds=60)
-    pool.cpus = 64
-    pool.start()
+    pool = new_pool(backend, size=1, idle_seconds=60)
     try:
         first, second = backend.create_workspace("a"), backend.create_workspace("b")
         await collect(await pool.spawn(spec(backend, first, "true")))

@@ -464,14 +464,19 @@ class ExecutionCgroup:
     def _keyed(self, key: str) -> dict[str, int]:
         return _keyed(self._stat(key))
 
+    def _cpu_usage_ns(self) -> int:
+        """CPU time the group's processes used. Raises OSError, ValueError."""
+        if self.v2_dir is not None:  # cpu.stat is there even with no controller enabled
+            return self._keyed("v2/cpu.stat").get("usage_usec", 0) * 1000
+        if "cpuacct" in self.v1_dirs:
+            return int(self._stat("cpuacct/cpuacct.usage"))
+        return 0
+
     def _counters(self) -> CgroupStats:
         """The group's cumulative counters (peak memory: since the last reset)."""
         s = CgroupStats()
         with contextlib.suppress(OSError, ValueError):
-            if self.v2_dir is not None:  # cpu.stat is there even with no controller enabled
-                s.cpu_usage_ns = self._keyed("v2/cpu.stat").get("usage_usec", 0) * 1000
-            elif "cpuacct" in self.v1_dirs:
-                s.cpu_usage_ns = int(self._stat("cpuacct/cpuacct.usage"))
+            s.cpu_usage_ns = self._cpu_usage_ns()
             if self.layout.version == "v2" and self.v2_dir is not None:
                 s.oom_kills = self._keyed("v2/memory.events").get("oom_kill", 0)
                 s.pids_limit_hits = self._keyed("v2/pids.events").get("max", 0)
@@ -491,10 +496,7 @@ class ExecutionCgroup:
         """Count CPU time from now on (a sandbox started ahead of need begins its execution:
         what its stub used is not the execution's; the stub hits no limit). Raises OSError,
         ValueError."""
-        if self.v2_dir is not None:
-            self.baseline.cpu_usage_ns = self._keyed("v2/cpu.stat").get("usage_usec", 0) * 1000
-        elif "cpuacct" in self.v1_dirs:
-            self.baseline.cpu_usage_ns = int(self._stat("cpuacct/cpuacct.usage"))
+        self.baseline.cpu_usage_ns = self._cpu_usage_ns()
 
     def stats(self) -> CgroupStats:
         now, base = self._counters(), self.baseline

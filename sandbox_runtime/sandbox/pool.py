@@ -68,6 +68,7 @@ class SandboxPool:
     ) -> None:
         self.backend = backend
         self.limits = limits
+        self._shape = _sandbox_part(limits)  # (compared with each call's)
         self.size = size
         self.idle_seconds = idle_seconds
         self.workspace_ready = workspace_ready  # a refill starts only into a mounted workspace
@@ -149,7 +150,7 @@ class SandboxPool:
             return MISS_DISABLED
         if not self.backend.can_prestart(spec):
             return MISS_UNPOOLABLE
-        if _sandbox_part(spec.limits) != _sandbox_part(self.limits):
+        if spec.limits != self.limits and _sandbox_part(spec.limits) != self._shape:
             return MISS_LIMITS
         return None
 
