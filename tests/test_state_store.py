@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_harness import RedisServer
 
 from sandbox_runtime.execution.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
@@ -217,6 +218,30 @@ async def test_redis_store_raises_when_redis_is_down(tmp_path: Path) -> None:
         with pytest.raises((ConnectionError, OSError, Exception)) as excinfo:
             await store.write([Snapshot(make_info(), "alice:s:one", make_events(1, 1))])
         assert "onnect" in str(excinfo.value) or "refused" in str(excinfo.value).lower()
+    finally:
+        server.stop()
+        await store.aclose()
+
+
+async def test_redis_store_answers_at_once_after_redis_restarts(tmp_path: Path) -> None:
+    """Connections pooled before a restart are dead; the first call on each is sent again on a
+    new connection rather than failing (a replica that was idle through the restart)."""
+    server = RedisServer(tmp_path / "restart")
+    server.start()
+    store = RedisStore(server.url, ttl_seconds=60)
+    try:
+        info = make_info()
+        await store.write([Snapshot(info, "alice:s:one", make_events(1, 2))])
+        assert await store.next_control("r9", 0.1) is None  # the blocking client's connection
+        server.stop()
+        server.start()
+        assert await store.get_execution(info.execution_id) is None  # a new, empty Redis
+        await store.write([Snapshot(info, "alice:s:one", make_events(1, 2))])
+        assert [e.seq for e in await store.get_events(info.execution_id, 0, 10)] == [1, 2]
+        assert await store.next_control("r9", 0.1) is None
+        server.stop()
+        with pytest.raises(RedisConnectionError):  # down is down: one retry, then the error
+            await store.ping()
     finally:
         server.stop()
         await store.aclose()

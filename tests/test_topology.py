@@ -208,3 +208,10 @@ async def test_redis_restart_through_nginx_loses_nothing_already_produced(
         assert text == "".join(f"beat{i}\n" for i in range(1, 31))
         status = await conn.ok("get_execution_status", execution_id=execution_id, session=session)
         assert status["status"] == "completed" and status["replica_id"] == owner
+    # Every replica answers at once, those that kept connections from before the restart too.
+    for replica in topology.replicas.values():
+        async with open_client(replica.url, TOKEN, "auto") as direct:
+            status = await direct.ok(
+                "get_execution_status", execution_id=execution_id, session=session
+            )
+            assert status["status"] == "completed" and status["replica_id"] == owner

@@ -296,8 +296,15 @@ def _event_store(settings: Settings) -> Any:
     from fastmcp.server.event_store import EventStore
     from key_value.aio.stores.redis import RedisStore as KeyValueRedisStore
 
+    from sandbox_runtime.state.redis_store import redis_client
+
+    # Our client, not the library's from the URL: that one has no socket timeouts (a Redis that
+    # stops answering would hold a stream forever) and retries with backoff up to 10 s.
+    client = redis_client(
+        settings.redis_url, decode_responses=True, socket_timeout=2.0, socket_connect_timeout=2.0
+    )
     return EventStore(
-        storage=KeyValueRedisStore(url=settings.redis_url),
+        storage=KeyValueRedisStore(client=client),
         max_events_per_stream=1000,
         ttl=settings.retention_seconds,
     )

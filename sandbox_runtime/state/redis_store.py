@@ -7,6 +7,9 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import WatchError
 
 from sandbox_runtime.execution.models import ExecutionInfo, OutputEvent
@@ -34,6 +37,16 @@ return n
 """
 
 
+def redis_client(url: str, **options: Any) -> aioredis.Redis:
+    """A client that sends a command once more, on a new connection, when its connection turns
+    out closed (Redis restarted, or dropped an idle client): otherwise every connection pooled
+    before a restart fails one call after Redis is back. Only once, and never after a timeout
+    (the command may be running; the caller's deadline stands).
+    """
+    retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+    return aioredis.Redis.from_url(url, retry=retry, **options)
+
+
 class RedisStore:
     """StateStore on Redis. Raises redis.exceptions.RedisError (and OSError) when Redis fails."""
 
@@ -53,11 +66,10 @@ class RedisStore:
             "decode_responses": True,
             "socket_connect_timeout": timeout,
             "health_check_interval": 15,
-            "retry_on_timeout": False,
         }
-        self.redis = aioredis.Redis.from_url(url, socket_timeout=timeout, **common)
+        self.redis = redis_client(url, socket_timeout=timeout, **common)
         # Blocking pops wait up to a few seconds server-side: give their socket more time.
-        self._blocking = aioredis.Redis.from_url(url, socket_timeout=timeout + 10, **common)
+        self._blocking = redis_client(url, socket_timeout=timeout + 10, **common)
         self._write = self.redis.register_script(WRITE_SCRIPT)
 
     async def write(self, batch: list[Snapshot]) -> dict[str, int]:
