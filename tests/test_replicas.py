@@ -15,6 +15,7 @@ from mcp_harness import (
     CLUSTER_SECRET,
     Conn,
     ServerProcess,
+    error_text,
     eventually,
     open_client,
     processes_with,
@@ -254,6 +255,67 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
             assert meta["status"] == "completed"
     finally:
         stop_all(stop_if_running(server), redis.stop)
+
+
+async def test_redis_restarted_empty_in_an_instant_gets_everything_back(tmp_path: Path) -> None:
+    """Redis restarted without persistence between two calls: nothing fails on either replica
+    (no connection error shows), the owner notices its heartbeat gone and writes back its
+    executions, finished ones too, and the other replica never takes a running one for lost."""
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    a = replica(tmp_path, redis, f"rqa-{uuid.uuid4().hex[:6]}").start()
+    b = replica(tmp_path, redis, f"rqb-{uuid.uuid4().hex[:6]}").start()
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    try:
+        async with (
+            open_client(a.url, TOKEN, "auto") as on_a,
+            open_client(b.url, TOKEN, "auto") as on_b,
+        ):
+            done = await on_a.ok("execute_code", command="echo finished-before", session=session)
+            started = await on_a.ok(
+                "execute_code_async",
+                command="for i in $(seq 1 30); do echo tick$i; sleep 0.1; done",
+                session=session,
+            )
+            running_id = started["execution_id"]
+            await eventually(lambda: _count_stdout(redis, running_id, 3), 10, "output mirrored")
+            redis.stop()
+            redis.start()
+            seen: list[str] = []
+            deadline = time.monotonic() + 20
+            while (
+                not seen or seen[-1] in ("running", "not found")
+            ) and time.monotonic() < deadline:
+                result = await on_b.call(
+                    "get_execution_status", execution_id=running_id, session=session
+                )
+                if result.is_error:  # not written back yet: says so, and nothing else
+                    assert "not found" in error_text(result), error_text(result)
+                    seen.append("not found")
+                else:
+                    seen.append(str(result.structured_content["status"]))  # type: ignore[index]
+                await asyncio.sleep(0.01)
+            assert seen[-1] == "completed" and "lost" not in seen, seen
+            assert "running" in seen, "B never read the running execution back"
+            await eventually(
+                lambda: _count_stdout(redis, running_id, 30), 10, "every event back in Redis"
+            )
+            raw = redis.cli_raw("lrange", f"execution:{running_id}:output", "0", "-1")
+            events = [json.loads(line) for line in raw.splitlines() if line.strip()]
+            assert [e["seq"] for e in events] == list(range(1, len(events) + 1))
+            assert [e["type"] for e in events][-1] == "exit"
+
+            async def finished_back() -> bool:
+                got = await on_b.call(
+                    "get_execution_status", execution_id=done["execution_id"], session=session
+                )
+                return not got.is_error
+
+            await eventually(finished_back, 10, "the finished execution back", interval=0.2)
+            text, page = await all_output(on_b, done["execution_id"], session)
+            assert text == "finished-before\n" and page["status"] == "completed"
+    finally:
+        stop_all(stop_if_running(a), stop_if_running(b), redis.stop)
 
 
 async def test_ttls_are_set_and_refreshed_by_reads(

@@ -16,7 +16,7 @@ from redis_harness import RedisServer
 from sandbox_runtime.execution.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
 from sandbox_runtime.state.keys import Keys
 from sandbox_runtime.state.redis_store import RedisStore
-from sandbox_runtime.state.store import MemoryStore, Snapshot, StateStore
+from sandbox_runtime.state.store import Beat, MemoryStore, Snapshot, StateStore
 
 pytestmark = pytest.mark.integration
 
@@ -129,6 +129,35 @@ async def test_execution_of_a_live_replica_is_not_marked_lost(store: StateStore)
     assert await store.replica_alive("alive-replica")
     await store.drop_replica("alive-replica")
     assert not await store.replica_alive("alive-replica")
+
+
+async def test_heartbeat_says_whether_the_store_still_had_it(store: StateStore) -> None:
+    replica = f"r-{uuid.uuid4().hex[:6]}"
+    assert await store.heartbeat(replica, {"replica_id": replica}, 30) is False
+    assert await store.heartbeat(replica, {"replica_id": replica}, 30) is True
+    await store.drop_replica(replica)  # as a store that lost it
+    assert await store.heartbeat(replica, {"replica_id": replica}, 30) is False
+
+
+async def test_a_write_publishes_its_replicas_heartbeat_only_where_missing(
+    store: StateStore,
+) -> None:
+    """After a store restarted empty, the first write brings back the writer's heartbeat with
+    it: its running execution is never readable while its replica looks dead."""
+    replica = f"r-{uuid.uuid4().hex[:6]}"
+    info = make_info(replica=replica)
+    beat = Beat(replica, {"replica_id": replica, "from": "write"}, 30)
+    written = await store.write([Snapshot(info, "alice:s:one", make_events(1, 1))], beat)
+    assert written.beat_restored and written.stored == {info.execution_id: 1}
+    assert await store.replica_alive(replica)
+    assert (await store.live_replicas())[replica]["from"] == "write"
+    got = await store.mark_lost(info.execution_id, time.time())
+    assert got is not None and got.status is ExecutionStatus.RUNNING
+    await store.heartbeat(replica, {"replica_id": replica, "from": "heartbeat"}, 30)
+    written = await store.write([Snapshot(info, "alice:s:one", make_events(2, 1))], beat)
+    assert not written.beat_restored and written.stored == {info.execution_id: 2}
+    assert (await store.live_replicas())[replica]["from"] == "heartbeat"
+    assert [e.seq for e in await store.get_events(info.execution_id, 0, 10)] == [1, 2]
 
 
 async def test_finished_execution_is_never_marked_lost(store: StateStore) -> None:

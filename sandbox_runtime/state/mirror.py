@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from sandbox_runtime.state.keys import HEARTBEAT_INTERVAL_SECONDS, HEARTBEAT_TTL_SECONDS
-from sandbox_runtime.state.store import Snapshot, StateStore
+from sandbox_runtime.state.store import Beat, Snapshot, StateStore
 
 if TYPE_CHECKING:
     from sandbox_runtime.execution.execution import Execution
@@ -139,12 +139,16 @@ class Mirror:
             return True
         versions = dict(self._version)
         batch = [self._snapshot(e) for e in self._dirty.values()]
+        beat = Beat(self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl)
         try:
-            stored = await self.store.write(batch)
+            written = await self.store.write(batch, beat)
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
+        if written.beat_restored and self.connected:
+            self._store_lost_data()
         self._set_connected(True)
+        stored = written.stored
         now = time.time()
         for snap in batch:
             execution_id = snap.info.execution_id
@@ -186,6 +190,14 @@ class Mirror:
                     await asyncio.sleep(backoff)
                     backoff = min(BACKOFF_MAX, backoff * 2)
 
+    def _store_lost_data(self) -> None:
+        """Our heartbeat vanished while we kept beating: the store lost what we wrote (Redis
+        restarted empty, quickly enough that no call of ours failed). Write everything again."""
+        logger.warning("redis: this replica's heartbeat was gone (restarted without persistence?)")
+        for execution in self.known():
+            self.mark(execution)
+        logger.info("redis: writing back {} executions", len(self._dirty))
+
     def _set_connected(self, connected: bool, exc: BaseException | None = None) -> None:
         if connected and not self.connected:
             # The store may have lost what we wrote before (a restart without persistence):
@@ -203,9 +215,11 @@ class Mirror:
     async def _heartbeat_forever(self) -> None:
         while True:
             try:
-                await self.store.heartbeat(
+                existed = await self.store.heartbeat(
                     self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
                 )
+                if not existed and self.connected:
+                    self._store_lost_data()
                 self._set_connected(True)
                 if self._dirty:
                     self._wake.set()

@@ -14,7 +14,7 @@ from redis.exceptions import WatchError
 
 from sandbox_runtime.execution.models import ExecutionInfo, OutputEvent
 from sandbox_runtime.state.keys import CONTROL_REPLY_TTL_SECONDS, Keys
-from sandbox_runtime.state.store import Snapshot, lost_event, mark_info_lost
+from sandbox_runtime.state.store import Beat, Snapshot, Written, lost_event, mark_info_lost
 
 # Appends only the events that continue the list (seq == LLEN + 1), so a retried flush never
 # duplicates and list index = seq - 1 always holds; the list stops growing at the cap.
@@ -72,10 +72,18 @@ class RedisStore:
         self._blocking = redis_client(url, socket_timeout=timeout + 10, **common)
         self._write = self.redis.register_script(WRITE_SCRIPT)
 
-    async def write(self, batch: list[Snapshot]) -> dict[str, int]:
+    async def write(self, batch: list[Snapshot], beat: Beat | None = None) -> Written:
         if not batch:
-            return {}
+            return Written({})
         async with self.redis.pipeline(transaction=False) as pipe:
+            if beat is not None:  # only where missing: the heartbeat loop owns its refresh
+                pipe.set(
+                    self.keys.replica(beat.replica_id),
+                    json.dumps(beat.payload),
+                    ex=beat.ttl,
+                    nx=True,
+                )
+                pipe.zadd(self.keys.replicas(), {beat.replica_id: time.time() + beat.ttl}, nx=True)
             for snap in batch:
                 execution_id = snap.info.execution_id
                 first = snap.events[0].seq if snap.events else 0
@@ -95,8 +103,10 @@ class RedisStore:
                     ],
                     client=pipe,
                 )
-            lengths = await pipe.execute()
-        return {s.info.execution_id: int(n) for s, n in zip(batch, lengths, strict=True)}
+            results = await pipe.execute()
+        lengths = results[-len(batch) :]
+        stored = {s.info.execution_id: int(n) for s, n in zip(batch, lengths, strict=True)}
+        return Written(stored, beat is not None and bool(results[0]))
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -121,13 +131,15 @@ class RedisStore:
         raws = await self.redis.mget([self.keys.execution(i) for i in ids])
         return [ExecutionInfo.model_validate_json(r) for r in raws if r]
 
-    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None:
+    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> bool:
         now = time.time()
         async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(self.keys.replica(replica_id))
             pipe.set(self.keys.replica(replica_id), json.dumps(payload), ex=ttl)
             pipe.zadd(self.keys.replicas(), {replica_id: now + ttl})
             pipe.zremrangebyscore(self.keys.replicas(), "-inf", now - 3600)
-            await pipe.execute()
+            existed, *_ = await pipe.execute()
+        return bool(existed)
 
     async def drop_replica(self, replica_id: str) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:

@@ -26,6 +26,25 @@ class Snapshot:
     events: list[OutputEvent] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Beat:
+    """A replica's heartbeat: its id, what it publishes about itself, and for how long."""
+
+    replica_id: str
+    payload: dict[str, Any]
+    ttl: int
+
+
+@dataclass
+class Written:
+    """What a write left in the store: how many events each execution has stored afterwards
+    (fewer than written: the store lost data), and whether the writer's heartbeat had to be
+    published again (the store lost it)."""
+
+    stored: dict[str, int]
+    beat_restored: bool = False
+
+
 class StateStore(Protocol):
     """Where executions live beyond the process that runs them. Errors: OSError/ConnectionError
     subclasses (redis.exceptions.RedisError for Redis) mean "unavailable now, retry later"."""
@@ -33,11 +52,13 @@ class StateStore(Protocol):
     ttl_seconds: int
     max_events: int
 
-    async def write(self, batch: list[Snapshot]) -> dict[str, int]:
+    async def write(self, batch: list[Snapshot], beat: Beat | None = None) -> Written:
         """Store every snapshot (metadata, appended events, session membership); refresh TTLs.
 
-        Returns how many events each execution has stored afterwards, so a writer can notice
-        that the store lost data (a restarted Redis without persistence) and resend it.
+        With `beat`, first publish the writer's heartbeat if the store has none (it restarted
+        empty): a running execution is never readable while its replica looks dead. What is
+        returned lets a writer notice that the store lost data (a restarted Redis without
+        persistence) and write it again.
         """
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
@@ -49,7 +70,9 @@ class StateStore(Protocol):
     async def session_executions(self, session_key: str) -> list[ExecutionInfo]:
         """Every execution of a session that is still stored."""
 
-    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None: ...
+    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> bool:
+        """Publish (and extend) a replica's heartbeat; whether it was still there before (False
+        on the first beat, after an expiry, or when the store lost it)."""
 
     async def drop_replica(self, replica_id: str) -> None: ...
 
@@ -118,8 +141,11 @@ class MemoryStore:
             if deadline <= now:
                 del self._replicas[replica_id]
 
-    async def write(self, batch: list[Snapshot]) -> dict[str, int]:
+    async def write(self, batch: list[Snapshot], beat: Beat | None = None) -> Written:
         self._expire()
+        restored = beat is not None and beat.replica_id not in self._replicas
+        if beat is not None and restored:
+            await self.heartbeat(beat.replica_id, beat.payload, beat.ttl)
         deadline = time.monotonic() + self.ttl_seconds
         stored: dict[str, int] = {}
         for snap in batch:
@@ -131,7 +157,7 @@ class MemoryStore:
                     events.append(event)
             self._sessions.setdefault(snap.session_key, set()).add(execution_id)
             stored[execution_id] = len(events)
-        return stored
+        return Written(stored, restored)
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
         self._expire()
@@ -150,9 +176,12 @@ class MemoryStore:
         ids = self._sessions.get(session_key, set())
         return [self._infos[i][0].model_copy(deep=True) for i in ids if i in self._infos]
 
-    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> None:
-        self._replicas[replica_id] = time.monotonic() + ttl
+    async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> bool:
+        now = time.monotonic()
+        existed = self._replicas.get(replica_id, now) > now
+        self._replicas[replica_id] = now + ttl
         self._payloads[replica_id] = dict(payload)
+        return existed
 
     async def live_replicas(self) -> dict[str, dict[str, Any]]:
         self._expire()
