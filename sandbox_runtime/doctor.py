@@ -16,8 +16,8 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxSpec, shell_argv
-from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER, STUB_PERL, stub_problem
 from sandbox_runtime.sandbox.cgroups import CgroupLayout
+from sandbox_runtime.sandbox.host import DEFAULT_SANDBOX_USER, STUB_PERL, stub_problem
 from sandbox_runtime.sandbox.seccomp import compile_filter
 
 APPARMOR_FIX = (

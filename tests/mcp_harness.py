@@ -30,7 +30,7 @@ MODERN_PROTOCOL = "2026-07-28"
 
 def sandbox_uid() -> int:
     """The host uid of the default sandbox user (`srt-sandbox`, made here if missing)."""
-    from sandbox_runtime.sandbox.backend import DEFAULT_SANDBOX_USER, ensure_system_user
+    from sandbox_runtime.sandbox.host import DEFAULT_SANDBOX_USER, ensure_system_user
 
     return pwd.getpwnam(ensure_system_user(DEFAULT_SANDBOX_USER)).pw_uid
 

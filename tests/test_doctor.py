@@ -74,14 +74,14 @@ import sandbox_runtime.sandbox.backend as backend_module
 from sandbox_runtime.config import Settings
 from sandbox_runtime.doctor import check_live
 
-real_build_dev = backend_module._build_dev
+real_build_dev = backend_module.build_dev
 
 def refused_inside(dev):
     built = real_build_dev(dev)
     os.chmod(built / "null", 0o600)
     return built
 
-backend_module._build_dev = refused_inside
+backend_module.build_dev = refused_inside
 checks = asyncio.run(check_live(Settings(_env_file=None)))
 print(json.dumps({c.layer: dataclasses.asdict(c) for c in checks}))
 """

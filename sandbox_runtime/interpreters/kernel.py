@@ -28,7 +28,7 @@ from sandbox_runtime.egress.supervisor import DeniedHandler
 from sandbox_runtime.errors import SandboxSpawnError
 from sandbox_runtime.interpreters.runtime import KernelSpec
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxLimits, SandboxProcess, SandboxSpec
-from sandbox_runtime.sandbox.backend import KERNEL_DIR, RUNTIME
+from sandbox_runtime.sandbox.host import KERNEL_DIR, RUNTIME
 
 START_TIMEOUT = 60.0
 CONNECTION_FILE = f"{KERNEL_DIR}/connection.json"

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandbox_runtime.sandbox.backend import RUNTIME
+from sandbox_runtime.sandbox.host import RUNTIME
 
 MANIFEST = "srt-runtime.json"
 # What the runtime's layout is: a runtime of an older layout is rebuilt by `runtime install`.

@@ -1,7 +1,6 @@
 """The OS-level sandbox: bubblewrap + cgroups + seccomp, run as an unprivileged uid."""
 
 from sandbox_runtime.sandbox.backend import (
-    WORKSPACE,
     BackendConfig,
     BubblewrapBackend,
     SandboxSpec,
@@ -10,6 +9,7 @@ from sandbox_runtime.sandbox.backend import (
     validate_command,
     validate_env,
 )
+from sandbox_runtime.sandbox.host import WORKSPACE
 from sandbox_runtime.sandbox.policy import SandboxLimits
 from sandbox_runtime.sandbox.process import SandboxOutcome, SandboxProcess
 
