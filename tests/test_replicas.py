@@ -260,10 +260,13 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
 async def test_redis_restarted_empty_in_an_instant_gets_everything_back(tmp_path: Path) -> None:
     """Redis restarted without persistence between two calls: nothing fails on either replica
     (no connection error shows), the owner notices its heartbeat gone and writes back its
-    executions, finished ones too, and the other replica never takes a running one for lost."""
+    executions, finished ones too, and the other replica never takes a running one for lost;
+    the session's record comes back too, so its next call from the other replica still
+    reaches its home and its files."""
     redis = RedisServer(tmp_path / "redis")
     redis.start()
-    a = replica(tmp_path, redis, f"rqa-{uuid.uuid4().hex[:6]}").start()
+    a_id = f"rqa-{uuid.uuid4().hex[:6]}"
+    a = replica(tmp_path, redis, a_id).start()
     b = replica(tmp_path, redis, f"rqb-{uuid.uuid4().hex[:6]}").start()
     session = f"s-{uuid.uuid4().hex[:8]}"
     try:
@@ -271,7 +274,9 @@ async def test_redis_restarted_empty_in_an_instant_gets_everything_back(tmp_path
             open_client(a.url, TOKEN, "auto") as on_a,
             open_client(b.url, TOKEN, "auto") as on_b,
         ):
-            done = await on_a.ok("execute_code", command="echo finished-before", session=session)
+            done = await on_a.ok(
+                "execute_code", command="echo finished-before | tee kept.txt", session=session
+            )
             started = await on_a.ok(
                 "execute_code_async",
                 command="for i in $(seq 1 30); do echo tick$i; sleep 0.1; done",
@@ -314,6 +319,22 @@ async def test_redis_restarted_empty_in_an_instant_gets_everything_back(tmp_path
             await eventually(finished_back, 10, "the finished execution back", interval=0.2)
             text, page = await all_output(on_b, done["execution_id"], session)
             assert text == "finished-before\n" and page["status"] == "completed"
+            await eventually(
+                lambda: (
+                    redis.cli_raw("hget", f"session:default:s:{session}:home", "home")
+                    == f"{a_id}\n"
+                ),
+                10,
+                "the session's record back, homed on A",
+            )
+            kept = await on_b.ok("execute_code", command="cat kept.txt", session=session)
+            stdout = "".join(e.get("data", "") for e in kept["events"] if e["type"] == "stdout")
+            assert stdout == "finished-before\n", kept
+            assert kept.get("session_reset") is None, kept
+            ran = await on_b.ok(
+                "get_execution_status", execution_id=kept["execution_id"], session=session
+            )
+            assert ran["replica_id"] == a_id
     finally:
         stop_all(stop_if_running(a), stop_if_running(b), redis.stop)
 

@@ -133,6 +133,9 @@ class ExecutionManager:
         self.on_finished: list[Callable[[Execution], None]] = []
         self.before_shutdown: list[Callable[[], Awaitable[None]]] = []
         self.heartbeat_fields: Callable[[], dict[str, Any]] = dict
+        # Called when the shared store turns out to have lost what this replica wrote (Redis
+        # restarted empty); the mirror writes the executions back itself.
+        self.on_store_lost: list[Callable[[], None]] = []
         self.metrics = Metrics()
         if store is None and settings.redis_url:
             from sandbox_runtime.state.redis_store import RedisStore
@@ -149,6 +152,7 @@ class ExecutionManager:
                 heartbeat_ttl=settings.heartbeat_ttl,
                 known=lambda: list(self._executions.values()),
                 observe_lag=self.metrics.mirror_lag.observe,
+                on_store_lost=lambda: [hook() for hook in self.on_store_lost],
             )
             self.listeners.append(self.mirror.on_events)
 

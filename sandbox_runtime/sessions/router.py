@@ -99,10 +99,12 @@ class Router:
         self._peers_seen = False  # another replica's heartbeat was seen (with a store)
         self._background: set[asyncio.Task[None]] = set()
         self._last_placement: dict[str, str] = {}  # session key -> home, for a Redis outage
+        self._homed: dict[str, Owner] = {}  # session key -> owner, of sessions placed here
         manager.admission = self._admit
         manager.on_finished.append(self._release_running)
         manager.before_shutdown.append(self.release_homes)
         manager.heartbeat_fields = self._heartbeat_fields
+        manager.on_store_lost.append(self._restore_homes)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -199,7 +201,7 @@ class Router:
                 return self._place_without_store(key, exc)
             record = found.record
             if found.touched and record is not None:
-                self._remember(key, record.home)
+                self._remember(key, record.home, owner)
                 reset = await self._check_workspace(owner)
                 return Placement(True, self.replica_id, reset=reset)
             if record is None:
@@ -218,14 +220,55 @@ class Router:
                     )
                 placement = Placement(False, record.home, address)
             if placement is not None:
-                self._remember(key, placement.home)
+                self._remember(key, placement.home, owner)
                 return placement
         raise OwnerUnavailableError("this session's home kept changing; retry shortly")
 
-    def _remember(self, key: str, home: str) -> None:
+    def _remember(self, key: str, home: str, owner: Owner) -> None:
         if len(self._last_placement) > 100_000:
             self._last_placement.clear()
+            self._homed.clear()
         self._last_placement[key] = home
+        if home == self.replica_id:
+            self._homed[key] = owner
+        else:
+            self._homed.pop(key, None)
+
+    def _restore_homes(self) -> None:
+        """The store lost its data (Redis restarted empty): publish again the records of the
+        sessions homed here, so that their next calls, wherever they land, come here and find
+        their workspaces rather than start afresh elsewhere."""
+        owners = list(self._homed.values())
+        if owners:
+            task = asyncio.get_running_loop().create_task(self._reclaim(owners))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _reclaim(self, owners: list[Owner]) -> None:
+        restored = 0
+        for owner in owners:
+            if not self.manager.accepting:
+                return
+            if not self.manager.workspaces.exists(workspace_name(owner)):
+                continue
+            now = time.time()
+            record = SessionRecord(
+                principal=owner.principal,
+                session_id=owner.session_id,
+                home=self.replica_id,
+                home_started_at=self.manager.started_at,
+                created_at=now,
+                last_used_at=now,
+            )
+            try:  # only where no record is: a session homed meanwhile elsewhere stays there
+                outcome = await self.sessions.claim(
+                    record, None, self.settings.max_sessions_per_principal, self._record_ttl
+                )
+            except Exception as exc:  # the store failed again: its next loss retries
+                logger.warning("could not restore the records of sessions homed here: {}", exc)
+                return
+            restored += outcome == "claimed"
+        logger.info("restored the records of {} sessions homed here", restored)
 
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the

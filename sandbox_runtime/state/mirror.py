@@ -41,6 +41,7 @@ class Mirror:
         heartbeat_ttl: int = HEARTBEAT_TTL_SECONDS,
         known: Callable[[], list[Execution]] = list,
         observe_lag: Callable[[float], None] | None = None,
+        on_store_lost: Callable[[], object] | None = None,
     ) -> None:
         self.store = store
         self.replica_id = replica_id
@@ -49,6 +50,7 @@ class Mirror:
         self.heartbeat_ttl = heartbeat_ttl
         self.known = known
         self.observe_lag = observe_lag
+        self.on_store_lost = on_store_lost
         self.heartbeat_interval = min(HEARTBEAT_INTERVAL_SECONDS, heartbeat_ttl / 3)
         self.connected = False
         self.last_error: str | None = None
@@ -59,6 +61,7 @@ class Mirror:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._beaten = False  # a heartbeat of ours reached the store once
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -145,7 +148,7 @@ class Mirror:
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
-        if written.beat_restored and self.connected:
+        if written.beat_restored and self._beaten:
             self._store_lost_data()
         self._set_connected(True)
         stored = written.stored
@@ -191,12 +194,15 @@ class Mirror:
                     backoff = min(BACKOFF_MAX, backoff * 2)
 
     def _store_lost_data(self) -> None:
-        """Our heartbeat vanished while we kept beating: the store lost what we wrote (Redis
-        restarted empty, quickly enough that no call of ours failed). Write everything again."""
+        """Our heartbeat vanished: the store lost what we wrote (Redis restarted empty, even
+        too quickly for a call of ours to fail), or it expired while Redis was out of reach.
+        Write everything again; the hooks restore what else we keep there."""
         logger.warning("redis: this replica's heartbeat was gone (restarted without persistence?)")
         for execution in self.known():
             self.mark(execution)
         logger.info("redis: writing back {} executions", len(self._dirty))
+        if self.on_store_lost is not None:
+            self.on_store_lost()
 
     def _set_connected(self, connected: bool, exc: BaseException | None = None) -> None:
         if connected and not self.connected:
@@ -218,8 +224,9 @@ class Mirror:
                 existed = await self.store.heartbeat(
                     self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
                 )
-                if not existed and self.connected:
+                if not existed and self._beaten:
                     self._store_lost_data()
+                self._beaten = True
                 self._set_connected(True)
                 if self._dirty:
                     self._wake.set()
