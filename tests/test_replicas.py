@@ -209,7 +209,8 @@ async def _count_stdout(redis_server: RedisServer, execution_id: str, want: int)
 async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
     redis = RedisServer(tmp_path / "redis")
     redis.start()
-    server = replica(tmp_path, redis, f"rout-{uuid.uuid4().hex[:6]}").start()
+    replica_id = f"rout-{uuid.uuid4().hex[:6]}"
+    server = replica(tmp_path, redis, replica_id).start()
     session = f"s-{uuid.uuid4().hex[:8]}"
     try:
         async with open_client(server.url, TOKEN, "auto") as conn:
@@ -253,6 +254,15 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
             assert events[-1]["type"] == "exit"
             meta = json.loads(redis.cli_raw("get", f"execution:{execution_id}"))
             assert meta["status"] == "completed"
+            # The session's record, lost with Redis's data, is published again by its home.
+            await eventually(
+                lambda: (
+                    redis.cli_raw("hget", f"session:default:s:{session}:home", "home")
+                    == f"{replica_id}\n"
+                ),
+                10,
+                "the session's record back",
+            )
     finally:
         stop_all(stop_if_running(server), redis.stop)
 

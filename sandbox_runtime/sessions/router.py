@@ -100,6 +100,7 @@ class Router:
         self._background: set[asyncio.Task[None]] = set()
         self._last_placement: dict[str, str] = {}  # session key -> home, for a Redis outage
         self._homed: dict[str, Owner] = {}  # session key -> owner, of sessions placed here
+        self._restoring: asyncio.Task[None] | None = None
         manager.admission = self._admit
         manager.on_finished.append(self._release_running)
         manager.before_shutdown.append(self.release_homes)
@@ -235,40 +236,57 @@ class Router:
             self._homed.pop(key, None)
 
     def _restore_homes(self) -> None:
-        """The store lost its data (Redis restarted empty): publish again the records of the
-        sessions homed here, so that their next calls, wherever they land, come here and find
-        their workspaces rather than start afresh elsewhere."""
-        owners = list(self._homed.values())
-        if owners:
-            task = asyncio.get_running_loop().create_task(self._reclaim(owners))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+        """The store may have lost its data (Redis restarted empty, or came back after an
+        outage): publish again, where missing, the records of the sessions homed here, so that
+        their next calls, wherever they land, come here and find their workspaces rather than
+        start afresh elsewhere. Retried until done (a restore already under way starts over)."""
+        if self._restoring is not None:
+            self._restoring.cancel()
+        self._restoring = asyncio.get_running_loop().create_task(self._reclaim_until_done())
+        self._background.add(self._restoring)
+        self._restoring.add_done_callback(self._background.discard)
 
-    async def _reclaim(self, owners: list[Owner]) -> None:
-        restored = 0
-        for owner in owners:
-            if not self.manager.accepting:
-                return
-            if not self.manager.workspaces.exists(workspace_name(owner)):
+    async def _reclaim_until_done(self) -> None:
+        pending = dict(self._homed)
+        restored, backoff = 0, 0.2
+        while pending and self.manager.accepting:
+            key, owner = next(iter(pending.items()))
+            try:
+                restored += await self._reclaim(key, owner)
+            except Exception as exc:  # the store failed again: retry shortly
+                logger.warning("restoring the records of sessions homed here: {}", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
                 continue
-            now = time.time()
-            record = SessionRecord(
-                principal=owner.principal,
-                session_id=owner.session_id,
-                home=self.replica_id,
-                home_started_at=self.manager.started_at,
-                created_at=now,
-                last_used_at=now,
-            )
-            try:  # only where no record is: a session homed meanwhile elsewhere stays there
-                outcome = await self.sessions.claim(
-                    record, None, self.settings.max_sessions_per_principal, self._record_ttl
-                )
-            except Exception as exc:  # the store failed again: its next loss retries
-                logger.warning("could not restore the records of sessions homed here: {}", exc)
-                return
-            restored += outcome == "claimed"
-        logger.info("restored the records of {} sessions homed here", restored)
+            del pending[key]
+        if restored:
+            logger.info("restored the records of {} sessions homed here", restored)
+
+    async def _reclaim(self, key: str, owner: Owner) -> bool:
+        """Claim `owner`'s session here if the store has no record of it; learn of a home
+        elsewhere otherwise. Raises what the store raises."""
+        if self._homed.get(key) != owner or not self.manager.workspaces.exists(
+            workspace_name(owner)
+        ):
+            return False  # placed elsewhere meanwhile, or its workspace is gone
+        now = time.time()
+        record = SessionRecord(
+            principal=owner.principal,
+            session_id=owner.session_id,
+            home=self.replica_id,
+            home_started_at=self.manager.started_at,
+            created_at=now,
+            last_used_at=now,
+        )
+        outcome = await self.sessions.claim(
+            record, None, self.settings.max_sessions_per_principal, self._record_ttl
+        )
+        if outcome == "claimed":
+            return True
+        found = await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
+        if found.record is not None and found.record.home != self.replica_id:
+            self._remember(key, found.record.home, owner)  # not ours any more
+        return False
 
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the

@@ -142,14 +142,21 @@ class Mirror:
             return True
         versions = dict(self._version)
         batch = [self._snapshot(e) for e in self._dirty.values()]
-        beat = Beat(self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl)
+        # (Stopping: no heartbeat published again after the replica has said goodbye.)
+        beat = None
+        if not self._stopping:
+            beat = Beat(self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl)
         try:
             written = await self.store.write(batch, beat)
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
-        if written.beat_restored and self._beaten:
-            self._store_lost_data()
+        if self._beaten and (written.beat_restored or not self.connected):
+            self._store_lost_data(
+                "this replica's heartbeat was gone"
+                if written.beat_restored
+                else "back after an outage"
+            )
         self._set_connected(True)
         stored = written.stored
         now = time.time()
@@ -193,16 +200,23 @@ class Mirror:
                     await asyncio.sleep(backoff)
                     backoff = min(BACKOFF_MAX, backoff * 2)
 
-    def _store_lost_data(self) -> None:
-        """Our heartbeat vanished: the store lost what we wrote (Redis restarted empty, even
-        too quickly for a call of ours to fail), or it expired while Redis was out of reach.
+    def _store_lost_data(self, why: str) -> None:
+        """The store may have lost what we wrote: our heartbeat vanished (Redis restarted
+        empty, even too quickly for a call of ours to fail), or we are back after an outage.
         Write everything again; the hooks restore what else we keep there."""
-        logger.warning("redis: this replica's heartbeat was gone (restarted without persistence?)")
+        logger.warning("redis: {}; writing again what this replica keeps there", why)
         for execution in self.known():
             self.mark(execution)
         logger.info("redis: writing back {} executions", len(self._dirty))
-        if self.on_store_lost is not None:
+        self._run_loss_hooks()
+
+    def _run_loss_hooks(self) -> None:
+        if self.on_store_lost is None:
+            return
+        try:
             self.on_store_lost()
+        except Exception:  # a hook's failure must not stop mirroring
+            logger.exception("a hook for a store that lost data failed")
 
     def _set_connected(self, connected: bool, exc: BaseException | None = None) -> None:
         if connected and not self.connected:
@@ -224,8 +238,10 @@ class Mirror:
                 existed = await self.store.heartbeat(
                     self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
                 )
-                if not existed and self._beaten:
-                    self._store_lost_data()
+                if self._beaten and (not existed or not self.connected):
+                    self._store_lost_data(
+                        "back after an outage" if existed else "this replica's heartbeat was gone"
+                    )
                 self._beaten = True
                 self._set_connected(True)
                 if self._dirty:

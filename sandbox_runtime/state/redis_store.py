@@ -83,7 +83,7 @@ class RedisStore:
                     ex=beat.ttl,
                     nx=True,
                 )
-                pipe.zadd(self.keys.replicas(), {beat.replica_id: time.time() + beat.ttl}, nx=True)
+                pipe.zadd(self.keys.replicas(), {beat.replica_id: time.time() + beat.ttl})
             for snap in batch:
                 execution_id = snap.info.execution_id
                 first = snap.events[0].seq if snap.events else 0
