@@ -970,6 +970,10 @@ async def test_a_start_cancelled_at_any_point_never_leaves_a_sandbox_running(
         proc.kill()
         await collect(proc)
     assert cancelled, "no start was cancelled in time: the test proves nothing"
+    # The backend still serves after all that (on a slow machine every start may have been
+    # cancelled: this one is not).
+    after = await run(sandbox_backend, sandbox_workspace, "ulimit -n", limits=limits)
+    assert after.stdout == "77\n", after
     await wait_until(lambda: not sandbox_uid_processes(sandbox_backend), what="no sandbox uid")
     await wait_until(lambda: not busy_execution_cgroups(sandbox_backend), what="cgroups empty")
     assert sandbox_backend.running_count == 0
