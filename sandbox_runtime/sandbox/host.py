@@ -103,24 +103,20 @@ def ensure_system_user(name: str) -> str:
 def relay_problem() -> str | None:
     """Why the relay cannot run in sandboxes here, if it cannot: it needs the host's Python 3
     under /usr (which every sandbox sees)."""
-    real = os.path.realpath(RELAY_PYTHON)
-    if not real.startswith("/usr/") or not os.access(real, os.X_OK):
-        return (
-            f"{RELAY_PYTHON} (the egress relay's interpreter) is missing or outside /usr; "
-            "install it: apt-get install python3"
-        )
-    return None
+    return _host_program_problem(RELAY_PYTHON, "the egress relay's interpreter", "python3")
 
 
 def stub_problem() -> str | None:
     """Why sandboxes cannot be started ahead of need here, if they cannot: their stub needs
     the host's Perl under /usr (perl-base, essential on Debian and Ubuntu)."""
-    real = os.path.realpath(STUB_PERL)
+    return _host_program_problem(STUB_PERL, "the stub of sandboxes started ahead", "perl-base")
+
+
+def _host_program_problem(path: str, role: str, package: str) -> str | None:
+    """Why the host program at `path` cannot run in a sandbox, which sees the host's /usr only."""
+    real = os.path.realpath(path)
     if not real.startswith("/usr/") or not os.access(real, os.X_OK):
-        return (
-            f"{STUB_PERL} (the stub of sandboxes started ahead) is missing; "
-            "install it: apt-get install perl-base"
-        )
+        return f"{path} ({role}) is missing or outside /usr; install it: apt-get install {package}"
     return None
 
 

@@ -98,8 +98,9 @@ class Router:
         self._owed: dict[str, SessionReset] = {}  # resets not yet told to a caller
         self._peers_seen = False  # another replica's heartbeat was seen (with a store)
         self._background: set[asyncio.Task[None]] = set()
-        self._last_placement: dict[str, str] = {}  # session key -> home, for a Redis outage
-        self._homed: dict[str, Owner] = {}  # session key -> owner, of sessions placed here
+        # session key -> (home, owner) as last placed: for a Redis outage, and for publishing
+        # again the records of sessions homed here when Redis lost them.
+        self._last_placement: dict[str, tuple[str, Owner]] = {}
         self._restoring: asyncio.Task[None] | None = None
         manager.admission = self._admit
         manager.on_finished.append(self._release_running)
@@ -228,12 +229,7 @@ class Router:
     def _remember(self, key: str, home: str, owner: Owner) -> None:
         if len(self._last_placement) > 100_000:
             self._last_placement.clear()
-            self._homed.clear()
-        self._last_placement[key] = home
-        if home == self.replica_id:
-            self._homed[key] = owner
-        else:
-            self._homed.pop(key, None)
+        self._last_placement[key] = (home, owner)
 
     def _restore_homes(self) -> None:
         """The store may have lost its data (Redis restarted empty, or came back after an
@@ -247,7 +243,11 @@ class Router:
         self._restoring.add_done_callback(self._background.discard)
 
     async def _reclaim_until_done(self) -> None:
-        pending = dict(self._homed)
+        pending = {
+            key: owner
+            for key, (home, owner) in self._last_placement.items()
+            if home == self.replica_id
+        }
         restored, backoff = 0, 0.2
         while pending and self.manager.accepting:
             key, owner = next(iter(pending.items()))
@@ -265,19 +265,11 @@ class Router:
     async def _reclaim(self, key: str, owner: Owner) -> bool:
         """Claim `owner`'s session here if the store has no record of it; learn of a home
         elsewhere otherwise. Raises what the store raises."""
-        if self._homed.get(key) != owner or not self.manager.workspaces.exists(
-            workspace_name(owner)
-        ):
+        still_here = self._last_placement.get(key) == (self.replica_id, owner)
+        if not still_here or not self.manager.workspaces.exists(workspace_name(owner)):
             return False  # placed elsewhere meanwhile, or its workspace is gone
         now = time.time()
-        record = SessionRecord(
-            principal=owner.principal,
-            session_id=owner.session_id,
-            home=self.replica_id,
-            home_started_at=self.manager.started_at,
-            created_at=now,
-            last_used_at=now,
-        )
+        record = self._record_here(owner, None, now)
         outcome = await self.sessions.claim(
             record, None, self.settings.max_sessions_per_principal, self._record_ttl
         )
@@ -300,8 +292,9 @@ class Router:
         # Without the store, this replica still serves the sessions it last saw homed here,
         # and, when it has never seen another replica, every session (one replica: there is
         # no other home it could have).
-        if self._last_placement.get(key) == self.replica_id or (
-            not self._peers_seen and key not in self._last_placement
+        last = self._last_placement.get(key)
+        if (last is not None and last[0] == self.replica_id) or (
+            not self._peers_seen and last is None
         ):
             return Placement(True, self.replica_id)
         raise OwnerUnavailableError(
@@ -309,14 +302,11 @@ class Router:
             "is not this replica; retry shortly"
         ) from exc
 
-    async def _claim(
-        self, owner: Owner, previous: SessionRecord | None, reason: str = ""
-    ) -> Placement | None:
-        """Make this replica the session's home (None: someone else changed it first)."""
-        if not self.manager.accepting:
-            raise SandboxSpawnError("this replica is shutting down; retry on another replica")
-        now = time.time()
-        record = SessionRecord(
+    def _record_here(
+        self, owner: Owner, previous: SessionRecord | None, now: float
+    ) -> SessionRecord:
+        """A record homing `owner`'s session on this replica, following `previous` if any."""
+        return SessionRecord(
             principal=owner.principal,
             session_id=owner.session_id,
             home=self.replica_id,
@@ -325,6 +315,15 @@ class Router:
             last_used_at=now,
             generation=previous.generation + 1 if previous else 1,
         )
+
+    async def _claim(
+        self, owner: Owner, previous: SessionRecord | None, reason: str = ""
+    ) -> Placement | None:
+        """Make this replica the session's home (None: someone else changed it first)."""
+        if not self.manager.accepting:
+            raise SandboxSpawnError("this replica is shutting down; retry on another replica")
+        now = time.time()
+        record = self._record_here(owner, previous, now)
         try:
             outcome = await self.sessions.claim(
                 record,

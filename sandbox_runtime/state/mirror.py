@@ -61,7 +61,7 @@ class Mirror:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
-        self._beaten = False  # a heartbeat of ours reached the store once
+        self._reached = False  # a heartbeat or write of ours reached the store once
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -151,12 +151,13 @@ class Mirror:
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
-        if self._beaten and (written.beat_restored or not self.connected):
+        if self._reached and (written.beat_restored or not self.connected):
             self._store_lost_data(
                 "this replica's heartbeat was gone"
                 if written.beat_restored
                 else "back after an outage"
             )
+        self._reached = True
         self._set_connected(True)
         stored = written.stored
         now = time.time()
@@ -220,10 +221,7 @@ class Mirror:
 
     def _set_connected(self, connected: bool, exc: BaseException | None = None) -> None:
         if connected and not self.connected:
-            # The store may have lost what we wrote before (a restart without persistence):
-            # check every execution we still hold; the write script resends only what is missing.
-            for execution in self.known():
-                self.mark(execution)
+            # (Back after an outage, _store_lost_data has marked everything for writing again.)
             logger.info("redis: connected; mirroring {} executions", len(self._dirty))
         elif not connected and self.connected:
             logger.warning("redis: unavailable ({}); serving from local state", exc)
@@ -238,11 +236,11 @@ class Mirror:
                 existed = await self.store.heartbeat(
                     self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
                 )
-                if self._beaten and (not existed or not self.connected):
+                if self._reached and (not existed or not self.connected):
                     self._store_lost_data(
                         "back after an outage" if existed else "this replica's heartbeat was gone"
                     )
-                self._beaten = True
+                self._reached = True
                 self._set_connected(True)
                 if self._dirty:
                     self._wake.set()
