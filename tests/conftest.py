@@ -63,13 +63,11 @@ def new_sandbox_backend(tmp_path: Path, started_ahead: bool = False) -> Bubblewr
     )
 
 
-@pytest.fixture(params=["direct", "started-ahead"])
-async def sandbox_backend(
-    tmp_path: Path, request: pytest.FixtureRequest
+@contextlib.asynccontextmanager
+async def started_backend(
+    tmp_path: Path, started_ahead: bool = False
 ) -> AsyncIterator[BubblewrapBackend]:
-    """A started backend with its workspaces under tmp_path and a cgroup group of its own:
-    one that starts each sandbox for its call, and one that starts them ahead of need."""
-    started_ahead = request.param == "started-ahead"
+    """`new_sandbox_backend`, started (the test fails if it cannot be), closed after."""
     backend = new_sandbox_backend(tmp_path, started_ahead)
     backend.start()
     if backend.unavailable_reason is not None:
@@ -78,6 +76,16 @@ async def sandbox_backend(
         yield backend
     finally:
         await backend.close()  # removes its cgroups too
+
+
+@pytest.fixture(params=["direct", "started-ahead"])
+async def sandbox_backend(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[BubblewrapBackend]:
+    """A started backend with its workspaces under tmp_path and a cgroup group of its own:
+    one that starts each sandbox for its call, and one that starts them ahead of need."""
+    async with started_backend(tmp_path, request.param == "started-ahead") as backend:
+        yield backend
     if isinstance(backend, StartedAheadBackend):
         assert backend.launched or request.node.get_closest_marker("no_launch"), (
             "no sandbox of this test was started ahead"

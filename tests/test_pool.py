@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import new_sandbox_backend
+from conftest import started_backend
 from test_sandbox import (
     busy_execution_cgroups,
     collect,
@@ -30,6 +30,7 @@ from sandbox_runtime.errors import (
     SandboxUnavailableError,
 )
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxLimits, SandboxSpec, shell_argv
+from sandbox_runtime.sandbox.backend import StartedSandbox
 from sandbox_runtime.sandbox.pool import (
     MISS_BUSY,
     MISS_EMPTY,
@@ -43,14 +44,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[BubblewrapBackend]:
-    backend = new_sandbox_backend(tmp_path)
-    backend.start()
-    if backend.unavailable_reason is not None:
-        pytest.fail(f"sandbox unavailable: {backend.unavailable_reason}")
-    try:
+    async with started_backend(tmp_path) as backend:
         yield backend
-    finally:
-        await backend.close()
 
 
 def new_pool(backend: BubblewrapBackend, size: int = 4, idle_seconds: float = 60) -> SandboxPool:
@@ -80,6 +75,16 @@ def spec(
 
 async def ready(pool: SandboxPool, count: int = 1) -> None:
     await wait_until(lambda: pool.ready_count >= count, what=f"{count} sandboxes started ahead")
+
+
+async def after_one_call(
+    backend: BubblewrapBackend, pool: SandboxPool
+) -> tuple[Path, StartedSandbox]:
+    """A workspace after one call, and the sandbox now started ahead for its next."""
+    workspace = backend.create_workspace("ws")
+    await collect(await pool.spawn(spec(backend, workspace, "true")))
+    await ready(pool)
+    return workspace, next(iter(pool._ready.values()))
 
 
 async def test_the_second_call_of_a_workspace_runs_in_a_sandbox_started_ahead(
@@ -263,10 +268,7 @@ async def test_close_ends_every_sandbox_waiting_or_starting(
 async def test_a_sandbox_started_ahead_that_died_is_not_used(
     backend: BubblewrapBackend, pool: SandboxPool
 ) -> None:
-    workspace = backend.create_workspace("ws")
-    await collect(await pool.spawn(spec(backend, workspace, "true")))
-    await ready(pool)
-    waiting = next(iter(pool._ready.values()))
+    workspace, waiting = await after_one_call(backend, pool)
     waiting.proc.kill()
     await waiting.proc.wait()
     run = await collect(await pool.spawn(spec(backend, workspace, "echo fine")))
@@ -355,10 +357,7 @@ async def test_a_full_pool_does_not_evict_sandboxes_that_just_started(
 async def test_discarding_a_workspaces_sandbox_waits_until_it_is_gone(
     backend: BubblewrapBackend, pool: SandboxPool
 ) -> None:
-    workspace = backend.create_workspace("ws")
-    await collect(await pool.spawn(spec(backend, workspace, "true")))
-    await ready(pool)
-    waiting = next(iter(pool._ready.values()))
+    workspace, waiting = await after_one_call(backend, pool)
     pool.idle_seconds = 0  # the sweep ends it in the background...
     assert pool.sweep() == 1
     assert waiting.proc.running

@@ -199,6 +199,11 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
         doomed.kill()
 
 
+def session_home(redis: RedisServer, session: str) -> str:
+    """The home replica in a session's record in Redis (empty: no record)."""
+    return redis.cli_raw("hget", f"session:default:s:{session}:home", "home").strip()
+
+
 async def _count_stdout(redis_server: RedisServer, execution_id: str, want: int) -> bool:
     raw = redis_server.cli_raw("lrange", f"execution:{execution_id}:output", "0", "-1")
     events = [json.loads(line) for line in raw.splitlines() if line.strip()]
@@ -256,10 +261,7 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
             assert meta["status"] == "completed"
             # The session's record, lost with Redis's data, is published again by its home.
             await eventually(
-                lambda: (
-                    redis.cli_raw("hget", f"session:default:s:{session}:home", "home")
-                    == f"{replica_id}\n"
-                ),
+                lambda: session_home(redis, session) == replica_id,
                 10,
                 "the session's record back",
             )
@@ -330,10 +332,7 @@ async def test_redis_restarted_empty_in_an_instant_gets_everything_back(tmp_path
             text, page = await all_output(on_b, done["execution_id"], session)
             assert text == "finished-before\n" and page["status"] == "completed"
             await eventually(
-                lambda: (
-                    redis.cli_raw("hget", f"session:default:s:{session}:home", "home")
-                    == f"{a_id}\n"
-                ),
+                lambda: session_home(redis, session) == a_id,
                 10,
                 "the session's record back, homed on A",
             )
