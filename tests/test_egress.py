@@ -174,7 +174,7 @@ for i in range(N):
     sock.setblocking(False)
     err = sock.connect_ex(("127.0.0.1", 3128))
     if err not in (0, 115):  # EINPROGRESS
-        outcome[i] = f"connect_errno_{err}"
+        outcome[i] = "reset" if err == 104 else f"connect_errno_{err}"
         sock.close()
         continue
     data[sock] = b""
@@ -195,10 +195,13 @@ while len(outcome) < N and time.monotonic() < deadline:
         if mask & selectors.EVENT_WRITE:
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
-                done(sock, i, f"connect_errno_{err}")
+                done(sock, i, "reset" if err == 104 else f"connect_errno_{err}")
                 continue
             try:
                 sock.send(REQUEST)
+            except (ConnectionResetError, BrokenPipeError):
+                done(sock, i, "reset")
+                continue
             except OSError as exc:
                 done(sock, i, f"send_{type(exc).__name__}")
                 continue
@@ -206,6 +209,9 @@ while len(outcome) < N and time.monotonic() < deadline:
             continue
         try:
             chunk = sock.recv(4096)
+        except ConnectionResetError:
+            done(sock, i, "reset")
+            continue
         except OSError as exc:
             done(sock, i, f"recv_{type(exc).__name__}")
             continue
@@ -827,7 +833,9 @@ async def test_a_thousand_connects_are_bounded(server: ServerProcess, lab: NetLa
         assert sum(counts.values()) == 1000, counts
         tunnels = counts.get("200", 0)
         assert 1 <= tunnels <= MAX_CONNECTIONS, counts
-        assert set(counts) <= {"200", "503", "closed"}, counts
+        # A refusal is a 503, or (when the relay has every descriptor it may open taken by
+        # the flood) a reset: the program hears it at once either way, and nothing waits.
+        assert set(counts) <= {"200", "503", "closed", "reset"}, counts
         assert counts.get("503", 0) >= 1000 - MAX_CONNECTIONS - 100, counts
         events = denials(result)
         assert 1 <= len(events) <= MAX_EVENTS + 5, len(events)
