@@ -159,12 +159,16 @@ print(json.dumps([exchange(base64.b64decode(raw), head_only) for raw, head_only 
 # Opens N connections to the relay's port at once, each asking CONNECT allowed.test:443,
 # holding the ones that get through; prints how many got which answer.
 FLOOD = r"""
-import json, selectors, socket, sys, time
+import errno, json, selectors, socket, sys, time
 
 N, SECONDS = int(sys.argv[1]), float(sys.argv[2])
 REQUEST = b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n"
 selector = selectors.DefaultSelector()
 outcome, data, held = {}, {}, []
+
+def failed_connect(err):
+    return "reset" if err == errno.ECONNRESET else f"connect_errno_{err}"
+
 for i in range(N):
     try:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -173,8 +177,8 @@ for i in range(N):
         continue
     sock.setblocking(False)
     err = sock.connect_ex(("127.0.0.1", 3128))
-    if err not in (0, 115):  # EINPROGRESS
-        outcome[i] = "reset" if err == 104 else f"connect_errno_{err}"
+    if err not in (0, errno.EINPROGRESS):
+        outcome[i] = failed_connect(err)
         sock.close()
         continue
     data[sock] = b""
@@ -195,7 +199,7 @@ while len(outcome) < N and time.monotonic() < deadline:
         if mask & selectors.EVENT_WRITE:
             err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
             if err:
-                done(sock, i, "reset" if err == 104 else f"connect_errno_{err}")
+                done(sock, i, failed_connect(err))
                 continue
             try:
                 sock.send(REQUEST)

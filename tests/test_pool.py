@@ -186,9 +186,7 @@ async def test_errors_of_a_missing_program_or_directory_are_bwraps_own(
 async def test_tighter_limits_and_egress_start_a_sandbox_of_their_own(
     backend: BubblewrapBackend, pool: SandboxPool
 ) -> None:
-    workspace = backend.create_workspace("ws")
-    await collect(await pool.spawn(spec(backend, workspace, "true")))
-    await ready(pool)
+    workspace, _ = await after_one_call(backend, pool)
     tight = backend.config.limits.tighten({"memory_mb": 32})
     hog = "python3 -c 'a = bytearray(200 * 2**20); a[::4096] = b\"1\" * (len(a) // 4096)'"
     run = await collect(await pool.spawn(spec(backend, workspace, hog, limits=tight)))
@@ -205,9 +203,7 @@ async def test_tighter_limits_and_egress_start_a_sandbox_of_their_own(
 async def test_the_wall_clock_timeout_and_duration_count_from_the_call(
     backend: BubblewrapBackend, pool: SandboxPool
 ) -> None:
-    workspace = backend.create_workspace("ws")
-    await collect(await pool.spawn(spec(backend, workspace, "true")))
-    await ready(pool)
+    workspace, _ = await after_one_call(backend, pool)
     await asyncio.sleep(1.5)  # waiting longer than the call's timeout
     started = time.monotonic()
     run = await collect(await pool.spawn(spec(backend, workspace, "sleep 30", timeout=0.8)))
@@ -312,9 +308,7 @@ async def test_a_command_cut_short_runs_nothing(backend: BubblewrapBackend) -> N
 async def test_a_refused_command_ends_the_sandbox_it_would_have_used(
     backend: BubblewrapBackend, pool: SandboxPool
 ) -> None:
-    workspace = backend.create_workspace("ws")
-    await collect(await pool.spawn(spec(backend, workspace, "true")))
-    await ready(pool)
+    workspace, _ = await after_one_call(backend, pool)
     with pytest.raises(InvalidRequestError):
         await pool.spawn(spec(backend, workspace, "true", env={"__srt_cmd": "id"}))
     with pytest.raises(InvalidRequestError):
