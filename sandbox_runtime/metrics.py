@@ -176,9 +176,17 @@ class Metrics:
         )
         self.interpreter_events = Counter(
             "srt_interpreter_events_total",
-            "Interpreter lifecycle events by language: start, restart, crash, reaped, "
-            "warm_hit, warm_miss.",
+            "Interpreter lifecycle events by language: start, restart, crash, flood (stopped for "
+            "flooding the server), reaped, warm_hit, warm_miss.",
             ["language", "event"],
+            registry=r,
+        )
+        self.interpreter_dropped = Counter(
+            "srt_interpreter_dropped_bytes_total",
+            "Bytes of kernel messages the server dropped: unsolicited (answering no call: "
+            "output of a cell that returned, made-up parents), over_bound (past a call's "
+            "queue or message size bounds).",
+            ["reason"],
             registry=r,
         )
         self.warm_refill = Histogram(

@@ -65,6 +65,7 @@ class Execution:
         self.listeners: list[Callable[[Execution, list[OutputEvent]], None]] = []
         self._wakeup = asyncio.Event()  # set and replaced on every change
         self._retained_bytes = 0
+        self._other_bytes = 0  # an interpreter call's results, errors, prompts and drops
         self._truncated = False
         self._task: asyncio.Task[None] | None = None
 
@@ -75,6 +76,11 @@ class Execution:
     @property
     def status(self) -> ExecutionStatus:
         return self.info.status
+
+    @property
+    def retained_bytes(self) -> int:
+        """Bytes of output this execution holds in memory."""
+        return self._retained_bytes
 
     # -- events ------------------------------------------------------------------------------
 
@@ -151,6 +157,41 @@ class Execution:
     def record_output(self, kind: EventType, text: str) -> None:
         """Output an interpreter call produced (counted and capped like a process's)."""
         self._record_output(kind, text, len(text.encode("utf-8", "surrogatepass")))
+
+    def record_event(self, kind: EventType, size: int, **fields: object) -> None:
+        """An interpreter call's other event (a result, an exception, an input request) of
+        about `size` bytes: counted against the output limit like output, and dropped (with
+        its bytes counted) once the limit is reached."""
+        self._other_bytes += size
+        if not self._admit(size):
+            return
+        self.emit(kind, **fields)
+
+    def record_dropped(self, size: int, why: str) -> None:
+        """Output of an interpreter call that was dropped before it reached the call."""
+        self._other_bytes += size
+        self.info.dropped_bytes += size
+        self.emit(EventType.TRUNCATED, message=why, dropped_bytes=self.info.dropped_bytes)
+
+    def _admit(self, size: int) -> bool:
+        """Whether `size` more bytes (already counted) fit the output limit; the first time
+        they do not, a truncated event says so."""
+        info = self.info
+        if self._truncated:
+            info.dropped_bytes += size
+            return False
+        kept = info.stdout_bytes + info.stderr_bytes + self._other_bytes - info.dropped_bytes
+        if kept <= self.output_limit:
+            return True
+        info.dropped_bytes += size
+        self._truncated = True
+        self.emit(
+            EventType.TRUNCATED,
+            message=f"output limit of {self.output_limit} bytes reached; "
+            "further output is dropped (the process keeps running)",
+            dropped_bytes=info.dropped_bytes,
+        )
+        return False
 
     def end_call(
         self,
@@ -238,7 +279,10 @@ class Execution:
             self.info.stdout_bytes += raw_bytes
         else:
             self.info.stderr_bytes += raw_bytes
-        kept = self.info.stdout_bytes + self.info.stderr_bytes - self.info.dropped_bytes
+        kept = (
+            self.info.stdout_bytes + self.info.stderr_bytes + self._other_bytes
+            - self.info.dropped_bytes
+        )  # fmt: skip
         if self._truncated:
             self.info.dropped_bytes += raw_bytes
             return

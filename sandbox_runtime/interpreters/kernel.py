@@ -1,10 +1,15 @@
 """One Jupyter kernel inside a sandbox, and the host's side of the messaging protocol.
 
-The kernel's sockets are `ipc` files in a per-kernel directory bound into its sandbox (no
-host port ever listens); a kernel that only speaks TCP runs behind the runtime's relay, on the
-sandbox's own loopback. The sandbox is an execution sandbox like any other (namespaces, the
-sandbox uid, seccomp, a cgroup for its whole life, the session's workspace), except that its
-empty network namespace may carry loopback TCP.
+The host runs no ZeroMQ against the kernel: the sandbox's first process is a small relay
+(runtime_files/srt_kernel_pipe.py) that starts the kernel, is its only client (over `ipc`
+files in a per-kernel directory, or loopback TCP inside the sandbox for a kernel that only
+speaks TCP) and passes whole messages to and from the host as length-prefixed records on its
+stdin and stdout. Whatever a flood makes ZeroMQ buffer is then buffered inside the sandbox,
+under its memory limit; the host reads records with its own bounds (MESSAGE_MAX_BYTES,
+QUEUED_MAX_BYTES) and drops what answers nothing it waits for without parsing it. No host
+port ever listens. The sandbox is an execution sandbox like any other (namespaces, the sandbox
+uid, seccomp, a cgroup for its whole life, the session's workspace), except that its empty
+network namespace may carry loopback TCP.
 """
 
 from __future__ import annotations
@@ -15,12 +20,13 @@ import json
 import os
 import secrets
 import shutil
+import struct
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.asynchronous import AsyncKernelClient
+from jupyter_client.session import Session
 from loguru import logger
 
 from sandbox_runtime.egress.policy import EgressPolicy
@@ -33,8 +39,25 @@ from sandbox_runtime.sandbox.host import KERNEL_DIR, RUNTIME
 START_TIMEOUT = 60.0
 CONNECTION_FILE = f"{KERNEL_DIR}/connection.json"
 STDERR_KEPT = 4096
-MAX_QUEUED = 10_000  # messages of one channel waiting to be read
 FLUSH_SECONDS = 1.0  # longest a trailing-output kernel's flush may take
+IDLE_AFTER_REPLY = 5.0  # longest a call waits for its idle status once its reply is in
+PIPE = Path(__file__).with_name("runtime_files") / "srt_kernel_pipe.py"
+CHANNELS = ("iopub", "shell", "stdin", "control")  # (the relay's record channel numbers)
+DROPPED = 255  # a record saying the relay dropped a message over MESSAGE_MAX_BYTES
+MAX_PARTS = 64  # parts of one message (a Jupyter message has 6 and its buffers)
+# What a kernel (code the server does not trust) can make the server hold. Everything it sends
+# is read at once, for the kernel's whole life; what answers no request that is waiting
+# (output of a cell that has returned, messages with a made-up parent) is dropped unparsed.
+MESSAGE_MAX_BYTES = 8 * 1024 * 1024  # one message; a larger one is dropped (the relay says so)
+QUEUED_MAX_BYTES = 16 * 1024 * 1024  # messages of waiting requests not yet taken, all channels
+# A kernel that sends more than this outside its calls within the window is stopped: reading
+# and dropping it costs the server CPU, and no program needs it.
+UNSOLICITED_MAX_BYTES = 64 * 1024 * 1024
+UNSOLICITED_WINDOW = 10.0
+FLOODED = (
+    f"the interpreter was stopped: it sent more than {UNSOLICITED_MAX_BYTES // 2**20} MiB of "
+    f"messages outside its calls within {UNSOLICITED_WINDOW:g} s; its state is lost"
+)
 KERNEL_ENV = {
     "IPYTHONDIR": "/tmp/.ipython",
     "FONTCONFIG_FILE": f"{RUNTIME}/share/srt/fonts.conf",
@@ -45,6 +68,7 @@ KERNEL_ENV = {
 }
 
 OnMessage = Callable[[str, dict[str, Any]], None]  # (msg_type, content)
+OnDropped = Callable[[str, int], None]  # (unsolicited | over_bound, bytes)
 
 
 class KernelDiedError(Exception):
@@ -63,8 +87,10 @@ class SandboxedKernel:
         kernels_root: Path,
         env: dict[str, str] | None = None,
         egress: EgressPolicy | None = None,
+        on_dropped: OnDropped | None = None,
     ) -> None:
         self.backend = backend
+        self.on_dropped = on_dropped
         self.egress = egress
         # Who hears the egress proxy's denials (the interpreter's current call); settable, as
         # a pooled kernel gets its owner after it started.
@@ -77,14 +103,24 @@ class SandboxedKernel:
         self.env = dict(env or {})
         self.directory: Path | None = None
         self.process: SandboxProcess | None = None
-        self.client: AsyncKernelClient | None = None
+        self.session: Session | None = None  # signs requests, checks and decodes messages
         self.started_at = 0.0
         self._stderr = bytearray()
         self._drains: list[asyncio.Task[None]] = []
         self._died = asyncio.Event()
-        self._queues: dict[str, asyncio.Queue[dict[str, Any]]] = {
+        # Messages (with their size) answering requests in `_wanted`, per channel.
+        self._queues: dict[str, asyncio.Queue[tuple[dict[str, Any], int]]] = {
             name: asyncio.Queue() for name in ("iopub", "shell", "stdin")
         }
+        self._wanted: set[str] = set()  # ids of the requests whose answers are awaited
+        self._queued_bytes = 0
+        self.dropped_bytes = 0  # answers dropped because the queues were full (QUEUED_MAX_BYTES)
+        self.unsolicited_bytes = 0  # messages answering nothing awaited, dropped unread
+        self._window_start = 0.0
+        self._window_bytes = 0
+        # Why the server stopped this kernel itself (None: it did not); says so to the caller.
+        self.end_reason: str | None = None
+        self._stopping: asyncio.Task[None] | None = None
 
     @property
     def alive(self) -> bool:
@@ -120,14 +156,14 @@ class SandboxedKernel:
             os.chown(directory, uid, gid)
             os.chown(connection, uid, gid)
         os.chmod(connection, 0o600)
-        argv = [a.replace("{connection_file}", CONNECTION_FILE) for a in self.spec.argv]
-        if self.spec.tcp:
-            inner = [
-                a.replace("{connection_file}", "{tcp_connection_file}") for a in self.spec.argv
-            ]
-            argv = ["python", "-m", "srt_kernel_relay", CONNECTION_FILE, "--", *inner]
-        if argv and "/" not in argv[0]:
-            argv[0] = f"{RUNTIME}/bin/{argv[0]}"
+        shutil.copyfile(PIPE, directory / PIPE.name)  # (the server's own, whatever the runtime)
+        kernel_argv = list(self.spec.argv)
+        if kernel_argv and "/" not in kernel_argv[0]:
+            kernel_argv[0] = f"{RUNTIME}/bin/{kernel_argv[0]}"
+        argv = [
+            f"{RUNTIME}/bin/python", "-I", f"{KERNEL_DIR}/{PIPE.name}", CONNECTION_FILE,
+            str(MESSAGE_MAX_BYTES), "tcp" if self.spec.tcp else "ipc", "--", *kernel_argv,
+        ]  # fmt: skip
         env = {**KERNEL_ENV, **self.spec.env, **self.env}
         self.started_at = time.monotonic()
         self.process = await self.backend.spawn(
@@ -138,24 +174,21 @@ class SandboxedKernel:
                 env={k: v for k, v in env.items() if v},
                 kernel_dir=directory,
                 loopback_inet=True,
+                interactive=True,  # (stdin: the requests' pipe)
                 egress=self.egress,
                 on_denied=self._denied,
             )
         )
         if self.backend.egress is not None:
             self.egress_deaths = self.backend.egress.deaths
+        self.session = Session(
+            key=str(info["key"]).encode(), signature_scheme="hmac-sha256", username="srt"
+        )
         loop = asyncio.get_running_loop()
         self._drains = [
-            loop.create_task(self._drain(self.process.stdout)),
+            loop.create_task(self._read(self.process.stdout)),
             loop.create_task(self._drain(self.process.stderr)),
             loop.create_task(self._watch(self.process)),
-        ]
-        client = AsyncKernelClient()
-        client.load_connection_info(dict(info, ip=str(directory / "k")))  # type: ignore[arg-type]
-        client.start_channels(hb=False)
-        self.client = client
-        self._drains += [
-            loop.create_task(self._read(channel)) for channel in ("iopub", "shell", "stdin")
         ]
         try:
             await self._wait_ready()
@@ -169,14 +202,16 @@ class SandboxedKernel:
         publisher (slower through the relay), so output would be lost otherwise."""
         deadline = time.monotonic() + START_TIMEOUT
         while True:
-            assert self.client is not None
-            msg_id = self.client.kernel_info()
+            msg_id = self._send("shell", "kernel_info_request", {})
+            self._wanted.add(msg_id)
             try:
                 await self._await_reply("shell", msg_id, deadline)
                 await self._await_reply("iopub", msg_id, min(deadline, time.monotonic() + 0.25))
                 return
             except TimeoutError:
                 pass
+            finally:
+                self._release(msg_id)
             if time.monotonic() >= deadline:
                 raise SandboxSpawnError(
                     f"the {self.spec.language} interpreter did not answer within "
@@ -198,9 +233,11 @@ class SandboxedKernel:
         """The next message from a channel's queue. Raises TimeoutError, KernelDiedError."""
         queue = self._queues[channel]
         if not queue.empty():  # (most messages: no futures, no wait)
-            return queue.get_nowait()
+            msg, size = queue.get_nowait()
+            self._queued_bytes -= size
+            return msg
         if not self.alive:
-            raise KernelDiedError(self.stderr_tail())
+            raise KernelDiedError(self.end_reason or self.stderr_tail())
         get = asyncio.ensure_future(queue.get())
         died = asyncio.ensure_future(self._died.wait())
         try:
@@ -212,33 +249,128 @@ class SandboxedKernel:
             if not get.done():
                 get.cancel()  # a queue get: cancelling it loses nothing
         if get in done:
-            return get.result()
+            msg, size = get.result()
+            self._queued_bytes -= size
+            return msg
         if died in done:
-            raise KernelDiedError(self.stderr_tail())
+            raise KernelDiedError(self.end_reason or self.stderr_tail())
         raise TimeoutError
 
-    async def _read(self, channel: str) -> None:
-        """Move one channel's messages into its queue, for the kernel's whole life: the only
-        reader of that socket, so no message is ever taken by a reader nobody awaits."""
-        assert self.client is not None
-        # The channel's own get_msg, without its poll before each receive (a future and a
-        # reader registration per message): receive, check the signature, decode.
-        socket = getattr(self.client, f"{channel}_channel").socket
-        session = self.client.session
-        queue = self._queues[channel]
-        while True:
-            try:
-                _, frames = session.feed_identities(await socket.recv_multipart())
-                msg = session.deserialize(frames)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a message it could not parse (bad signature), a closed socket
-                if self._died.is_set() or socket.closed:
-                    return
-                continue
-            queue.put_nowait(msg)
-            if queue.qsize() > MAX_QUEUED:  # nobody reads this channel: keep the newest
-                queue.get_nowait()
+    def _send(self, channel: str, msg_type: str, content: dict[str, Any]) -> str:
+        """Sign and send a request to the kernel through the relay; its msg_id.
+
+        Raises KernelDiedError when the kernel is gone."""
+        process, session = self.process, self.session
+        if process is None or process.stdin is None or session is None or not self.alive:
+            raise KernelDiedError(self.end_reason or self.stderr_tail())
+        msg = session.msg(msg_type, content)
+        parts = session.serialize(msg)
+        record = [struct.pack(">BI", CHANNELS.index(channel), len(parts))]
+        for part in parts:
+            record += (struct.pack(">I", len(part)), part)
+        process.stdin.write(b"".join(record))
+        return str(msg["header"]["msg_id"])
+
+    async def _read(self, stream: asyncio.StreamReader) -> None:
+        """Take the relay's records as they come, for the kernel's whole life: answers to
+        awaited requests are queued (within QUEUED_MAX_BYTES); the rest is dropped unparsed.
+        The relay is as untrusted as the kernel: nothing it says is held past the bounds."""
+        session = self.session
+        assert session is not None
+        try:
+            while True:
+                channel, count = struct.unpack(">BI", await stream.readexactly(5))
+                if channel == DROPPED:  # (the relay's note of a message too big to copy)
+                    note = _note(await self._parts(stream, count))
+                    parent, size = note.get("parent"), int(note.get("bytes") or 0)
+                    if parent in self._wanted:
+                        self._over_bound(size)
+                    else:
+                        self._unsolicited(size)
+                    continue
+                if channel >= len(CHANNELS) or count > MAX_PARTS:
+                    raise ValueError(f"record of channel {channel} with {count} parts")
+                parts = await self._parts(stream, count)
+                size = sum(map(len, parts))
+                queue = self._queues.get(CHANNELS[channel])
+                try:
+                    frames = parts[parts.index(b"<IDS|MSG>") + 1 :]
+                    parent = session.unpack(frames[2]).get("msg_id") if size else None
+                except Exception:  # not a message: the relay is not ours
+                    parent = None
+                if queue is None or parent is None or parent not in self._wanted:
+                    self._unsolicited(size)
+                    continue
+                if self._queued_bytes + size > QUEUED_MAX_BYTES:
+                    self._over_bound(size)
+                    continue
+                try:
+                    msg = session.deserialize(frames)
+                except Exception:  # a message it could not check (bad signature) or decode
+                    self._unsolicited(size)
+                    continue
+                self._queued_bytes += size
+                queue.put_nowait((msg, size))
+        except asyncio.IncompleteReadError:  # the relay ended: so did the kernel
+            pass
+        except (ValueError, struct.error) as exc:
+            self._end(f"the interpreter was stopped: its relay broke the protocol ({exc})")
+
+    def _release(self, *msg_ids: str | None) -> None:
+        """Requests no longer awaited: their answers still queued are dropped (they would
+        hold the queue bound against the next request's)."""
+        self._wanted.difference_update(msg_ids)
+        for queue in self._queues.values():
+            kept = []
+            while not queue.empty():
+                msg, size = queue.get_nowait()
+                if msg["parent_header"].get("msg_id") in self._wanted:
+                    kept.append((msg, size))
+                else:
+                    self._queued_bytes -= size
+            for item in kept:
+                queue.put_nowait(item)
+
+    async def _parts(self, stream: asyncio.StreamReader, count: int) -> list[bytes]:
+        """The `count` parts of one record, at most MESSAGE_MAX_BYTES in all (ValueError)."""
+        parts: list[bytes] = []
+        total = 0
+        for _ in range(count):
+            (length,) = struct.unpack(">I", await stream.readexactly(4))
+            total += length
+            if total > MESSAGE_MAX_BYTES:
+                raise ValueError(f"a message over {MESSAGE_MAX_BYTES} bytes")
+            parts.append(await stream.readexactly(length))
+        return parts
+
+    def _over_bound(self, size: int) -> None:
+        self.dropped_bytes += size  # (the call reading them says so)
+        if self.on_dropped is not None:
+            self.on_dropped("over_bound", size)
+
+    def _unsolicited(self, size: int) -> None:
+        """Count a dropped message that answered nothing awaited; stop a kernel that floods."""
+        self.unsolicited_bytes += size
+        if self.on_dropped is not None:
+            self.on_dropped("unsolicited", size)
+        now = time.monotonic()
+        if now - self._window_start > UNSOLICITED_WINDOW:
+            self._window_start, self._window_bytes = now, 0
+        self._window_bytes += size
+        if self._window_bytes > UNSOLICITED_MAX_BYTES and self.end_reason is None:
+            logger.warning(
+                "stopping a {} interpreter: {} bytes of messages outside its calls in {:.1f} s",
+                self.spec.language, self._window_bytes, now - self._window_start,
+            )  # fmt: skip
+            self._end(FLOODED)
+
+    def _end(self, reason: str) -> None:
+        """The server stops this kernel itself: callers are told `reason`."""
+        if self.end_reason is None:
+            self.end_reason = reason
+        self._died.set()
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self.stop())
 
     async def _drain(self, stream: asyncio.StreamReader) -> None:
         """Read the kernel's stdout/stderr (it must never block on a full pipe); keep a tail."""
@@ -257,10 +389,7 @@ class SandboxedKernel:
     async def stop(self) -> None:
         """Kill the sandbox and everything in it; remove the kernel's directory. Idempotent."""
         self._died.set()
-        if self.client is not None:
-            with contextlib.suppress(Exception):
-                self.client.stop_channels()
-            self.client = None
+        self.session = None
         if self.process is not None:
             process, self.process = self.process, None
             process.kill("cancelled")
@@ -276,18 +405,21 @@ class SandboxedKernel:
     async def execute(
         self, code: str, on_message: OnMessage, allow_stdin: bool = True
     ) -> dict[str, Any]:
-        """Run `code`; every output message goes to `on_message` as it arrives. The kernel's
-        execute_reply content (status ok, error or aborted).
+        """Run `code`; every output message goes to `on_message` as it arrives (and
+        ("dropped", {"bytes": N}) for messages of it dropped past QUEUED_MAX_BYTES or
+        MESSAGE_MAX_BYTES). The kernel's execute_reply content (status ok, error or aborted).
 
         Raises KernelDiedError (the state is gone).
         """
-        client = self.client
-        if client is None or not self.alive:
-            raise KernelDiedError(self.stderr_tail())
-        msg_id = client.execute(
-            code, silent=False, store_history=True, allow_stdin=allow_stdin, stop_on_error=False
-        )
+        content = {
+            "code": code, "silent": False, "store_history": True, "user_expressions": {},
+            "allow_stdin": allow_stdin, "stop_on_error": False,
+        }  # fmt: skip
+        msg_id = self._send("shell", "execute_request", content)
+        self._wanted.add(msg_id)
+        reported = self.dropped_bytes
         reply: dict[str, Any] | None = None
+        replied_at = 0.0
         idle = False
         iopub = asyncio.ensure_future(self._next("iopub", None))
         shell = asyncio.ensure_future(self._next("shell", None))
@@ -301,12 +433,20 @@ class SandboxedKernel:
         linger_until = deadline = 0.0
         try:
             while True:
+                if self.dropped_bytes > reported:
+                    on_message("dropped", {"bytes": self.dropped_bytes - reported})
+                    reported = self.dropped_bytes
+                if reply is not None and not idle:
+                    # (the idle status may have been dropped with output past the bounds)
+                    if time.monotonic() - replied_at >= IDLE_AFTER_REPLY:
+                        break
                 if reply is not None and idle:
                     if not self.spec.linger:
                         break
                     now = time.monotonic()
                     if barrier is None:
-                        barrier = client.kernel_info()
+                        barrier = self._send("shell", "kernel_info_request", {})
+                        self._wanted.add(barrier)
                         linger_until, deadline = now + self.spec.linger, now + FLUSH_SECONDS
                     elif (flushed and now >= linger_until) or now >= deadline:
                         break
@@ -314,6 +454,8 @@ class SandboxedKernel:
                 if barrier is not None:
                     until = linger_until if flushed else deadline
                     wait = max(0.0, until - time.monotonic())
+                elif reply is not None:
+                    wait = max(0.0, replied_at + IDLE_AFTER_REPLY - time.monotonic())
                 done, _ = await asyncio.wait(
                     pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED
                 )
@@ -336,6 +478,7 @@ class SandboxedKernel:
                     elif task is shell:
                         if msg["parent_header"].get("msg_id") == msg_id:
                             reply = dict(msg["content"])
+                            replied_at = time.monotonic()
                         else:
                             shell = asyncio.ensure_future(self._next("shell", None))
                             pending.add(shell)
@@ -345,15 +488,18 @@ class SandboxedKernel:
                         if msg["msg_type"] == "input_request":
                             on_message("input_request", msg["content"])
         finally:
+            self._release(msg_id, barrier)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        if self.dropped_bytes > reported:
+            on_message("dropped", {"bytes": self.dropped_bytes - reported})
         assert reply is not None
         return reply
 
     def input_reply(self, value: str) -> None:
-        if self.client is not None:
-            self.client.input(value)
+        with contextlib.suppress(KernelDiedError):
+            self._send("stdin", "input_reply", {"value": value})
 
     @property
     def egress_lost(self) -> bool:
@@ -368,11 +514,19 @@ class SandboxedKernel:
 
     def interrupt(self) -> None:
         """Ask the kernel to interrupt what it runs (its own mechanism: interrupt_request)."""
-        if self.client is not None and self.alive:
-            msg = self.client.session.msg("interrupt_request", {})
-            self.client.control_channel.send(msg)
+        with contextlib.suppress(KernelDiedError):
+            self._send("control", "interrupt_request", {})
             logger.debug("interrupt sent to the {} kernel", self.spec.language)
 
 
 def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
+
+
+def _note(parts: list[bytes]) -> dict[str, Any]:
+    """The relay's note of a dropped message: {"bytes": N, "parent": msg_id}."""
+    try:
+        note = json.loads(parts[0])
+    except (ValueError, IndexError):
+        return {}
+    return note if isinstance(note, dict) else {}

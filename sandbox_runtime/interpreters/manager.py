@@ -33,7 +33,12 @@ from sandbox_runtime.errors import (
 from sandbox_runtime.execution.execution import Execution, Owner
 from sandbox_runtime.execution.manager import ExecutionManager, workspace_name
 from sandbox_runtime.execution.models import EventType, ExecutionStatus
-from sandbox_runtime.interpreters.kernel import KernelDiedError, SandboxedKernel
+from sandbox_runtime.interpreters.kernel import (
+    FLOODED,
+    MESSAGE_MAX_BYTES,
+    KernelDiedError,
+    SandboxedKernel,
+)
 from sandbox_runtime.interpreters.runtime import KernelSpec, Runtime, load_runtime
 from sandbox_runtime.sandbox import SandboxLimits, validate_env
 
@@ -42,6 +47,7 @@ QUEUE_LIMIT = 16  # calls waiting for one interpreter
 # One MIME value kept in an execution's events. A reply carries it about twice, and the
 # official MCP client refuses a message over 1 MiB: a plot is tens of KB.
 MAX_BUNDLE_BYTES = 256 * 1024
+MAX_TEXT_CHARS = 8192  # an exception's name, value and each traceback line; a prompt
 REAP_INTERVAL = 10.0
 ENDED_REMEMBERED = 10_000
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -225,9 +231,10 @@ class InterpreterManager:
         if current is not None and current.kernel.alive:
             self._same_limits(current, limits)
             return current, None
-        if current is not None:  # died since its last call
-            self._forget(key, "crashed")
-            self.metrics.interpreter_events.labels(language, "crash").inc()
+        if current is not None:  # died since its last call (or the server stopped it)
+            flooded = current.kernel.end_reason == FLOODED
+            self._forget(key, "flooded" if flooded else "crashed")
+            self.metrics.interpreter_events.labels(language, "flood" if flooded else "crash").inc()
         task = self._starting.get(key)
         if task is None:
             task = asyncio.get_running_loop().create_task(self._start(owner, language, limits))
@@ -292,7 +299,7 @@ class InterpreterManager:
             workspace, _ = await self.manager.workspaces.ensure(name)
             kernel = SandboxedKernel(
                 backend, spec, workspace, limits, self.kernels_root,
-                egress=self.manager.egress_of(limits),
+                egress=self.manager.egress_of(limits), on_dropped=self._dropped,
             )  # fmt: skip
             await kernel.start()
         self.metrics.interpreter_events.labels(language, "start").inc()
@@ -303,6 +310,9 @@ class InterpreterManager:
         self._interpreters[(owner, language)] = interpreter
         logger.info("interpreter started language={} warm={}", language, warm)
         return interpreter
+
+    def _dropped(self, reason: str, size: int) -> None:
+        self.metrics.interpreter_dropped.labels(reason).inc(size)
 
     def _network_denied(self, interpreter: Interpreter, host: str, port: int, reason: str) -> None:
         """A denial of the egress proxy for `interpreter`'s kernel: an event on the call it
@@ -358,7 +368,7 @@ class InterpreterManager:
             return
         kernel = SandboxedKernel(
             backend, self._spec(language), slot, self.manager.limits, self.kernels_root,
-            egress=self.manager.egress_of(self.manager.limits),
+            egress=self.manager.egress_of(self.manager.limits), on_dropped=self._dropped,
         )  # fmt: skip
         try:
             await kernel.start()
@@ -459,34 +469,50 @@ class InterpreterManager:
 
     async def _execute(self, interpreter: Interpreter, run: CallRun, code: str) -> None:
         execution = run.execution
-        errors: list[dict[str, Any]] = []
+        errors: list[bool] = []
 
         def on_message(kind: str, content: dict[str, Any]) -> None:
+            # (Everything here comes from code the server does not trust: bounded, counted.)
             if kind == "stream":
                 stream = EventType.STDERR if content.get("name") == "stderr" else EventType.STDOUT
                 execution.record_output(stream, str(content.get("text", "")))
             elif kind in ("display_data", "execute_result", "update_display_data"):
-                execution.emit(
+                data = content.get("data")
+                bundle = _bounded_bundle(data if isinstance(data, dict) else {})
+                count = content.get("execution_count")
+                execution.record_event(
                     EventType.RESULT,
-                    bundle=_bounded_bundle(content.get("data") or {}),
-                    execution_count=content.get("execution_count"),
+                    sum(len(str(v)) for v in bundle.values()),
+                    bundle=bundle,
+                    execution_count=count if isinstance(count, int) else None,
                 )
             elif kind == "error":
+                trace = content.get("traceback")
                 error = {
-                    "name": str(content.get("ename", "")),
-                    "value": str(content.get("evalue", "")),
-                    "traceback": [ANSI.sub("", str(t)) for t in content.get("traceback", [])][
-                        -100:
-                    ],
+                    "name": _text(content.get("ename")),
+                    "value": _text(content.get("evalue")),
+                    "traceback": [
+                        ANSI.sub("", _text(t)) for t in (trace if isinstance(trace, list) else [])
+                    ][-100:],
                 }
-                errors.append(error)
-                execution.emit(EventType.EXCEPTION, **error)
+                if not errors:
+                    errors.append(True)
+                size = len(error["name"]) + len(error["value"]) + sum(map(len, error["traceback"]))
+                execution.record_event(EventType.EXCEPTION, size, **error)
             elif kind == "input_request":
                 run.awaiting_input = True
-                execution.emit(
+                prompt = _text(content.get("prompt"))
+                execution.record_event(
                     EventType.INPUT_REQUEST,
-                    prompt=str(content.get("prompt", "")),
+                    len(prompt),
+                    prompt=prompt,
                     password=bool(content.get("password")),
+                )
+            elif kind == "dropped":
+                execution.record_dropped(
+                    int(content["bytes"]),
+                    "the interpreter sent output faster than it could be taken, or a message "
+                    f"over {MESSAGE_MAX_BYTES} bytes: {content['bytes']} bytes of it dropped",
                 )
 
         call = asyncio.ensure_future(interpreter.kernel.execute(code, on_message))
@@ -500,12 +526,17 @@ class InterpreterManager:
         except KernelDiedError as exc:
             key = (interpreter.owner, interpreter.language)
             if self._interpreters.get(key) is interpreter:
-                self._forget(key, "killed" if run.lost_state else "crashed")
-                self.metrics.interpreter_events.labels(interpreter.language, "crash").inc()
+                flooded = interpreter.kernel.end_reason == FLOODED
+                reason = "killed" if run.lost_state else "flooded" if flooded else "crashed"
+                self._forget(key, reason)
+                event = "flood" if flooded else "crash"
+                self.metrics.interpreter_events.labels(interpreter.language, event).inc()
             message = (
                 "the interpreter did not stop within the grace period and was killed: its "
                 "state (variables, imports) is lost"
                 if run.lost_state
+                else str(exc)
+                if interpreter.kernel.end_reason
                 else f"the interpreter died: {exc}; its state is lost"
             )
             status = {
@@ -573,6 +604,11 @@ class InterpreterManager:
             self._forget(key, "idle")
             self.metrics.interpreter_events.labels(key[1], "reaped").inc()
         return len(doomed)
+
+
+def _text(value: object) -> str:
+    text = value if isinstance(value, str) else "" if value is None else str(value)
+    return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS] + " [...]"
 
 
 def _bounded_bundle(data: dict[str, Any]) -> dict[str, Any]:

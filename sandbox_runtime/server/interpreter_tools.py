@@ -36,7 +36,8 @@ class StateReset(BaseModel):
     reason: str = Field(
         description="Why this call did not find the interpreter it expected: first_call, "
         "idle (stopped after SANDBOX_INTERPRETER_IDLE_SECONDS), crashed, killed (did not stop "
-        "when interrupted), restarted, rehomed (the session moved to another replica)."
+        "when interrupted), flooded (stopped for sending more than 64 MiB outside its calls within "
+        "10 s), restarted, rehomed (the session moved to another replica)."
     )
 
 

@@ -1,0 +1,301 @@
+"""A kernel is code the server does not trust: whatever it sends, the server holds a bounded
+amount of it (issue 24, finding 1: three flooding kernels took the server to 3.9 GB).
+
+A real server, real kernels in real sandboxes, the official MCP client; the server's memory
+is read from /proc. Every flood is checked to have reached the server (its dropped-bytes
+counter, or the call's own events), so a flood that never ran cannot pass for a bounded one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+import pytest
+from mcp_harness import ServerProcess, open_client, running_server
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "flood-test-token-1"
+OTHER = "flood-other-token-2"
+# The server may grow by this much over the whole module: the bounds are 16 MiB queued and
+# one 8 MiB message in flight per kernel, and a few kernels flood at once. Unbounded, the
+# first test alone grew it by ~3.8 GB.
+RSS_GROWTH_MB = 300
+
+# From a thread of the kernel after its cell returned: messages answering nothing.
+THREAD_FLOOD = """
+import threading, time
+k = get_ipython().kernel
+p = "x" * 1_000_000
+def go():
+    time.sleep(0.3)
+    for i in range(400):
+        k.session.send(k.iopub_socket, {kind!r}, {content}, parent={{}})
+threading.Thread(target=go, daemon=True).start()
+"""
+STREAM = '{"name": "stdout", "text": p}'
+DISPLAY = '{"data": {"text/plain": p}, "metadata": {}, "transient": {}}'
+RESULT = '{"data": {"text/plain": p}, "metadata": {}, "execution_count": 1}'
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(
+        tmp_path_factory.mktemp("floods"),
+        SANDBOX_AUTH_TOKENS=f"alice:{TOKEN},bob:{OTHER}",
+        SANDBOX_MEMORY_MB="512",
+        SANDBOX_CANCEL_GRACE="1",
+        SANDBOX_MAX_INTERPRETERS="64",
+        SANDBOX_MAX_INTERPRETERS_PER_PRINCIPAL="64",
+    ) as server:
+        yield server
+
+
+def rss_mb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) // 1024
+    raise AssertionError("no VmRSS")
+
+
+def metric(server: ServerProcess, name: str, label: str) -> float:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    text = httpx2.get(f"{server.base_url}/metrics", headers=auth, timeout=5).text
+    for line in text.splitlines():
+        if line.startswith(name + "{") and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def baseline(server: ServerProcess) -> int:
+    """The server's RSS once it has run each kind of call once."""
+
+    async def warm() -> None:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            await conn.ok("run_code", code="import numpy", session="warm-up")
+            await conn.ok("execute_code", command="true", session="warm-up")
+
+    asyncio.run(warm())
+    return rss_mb(server.pid)
+
+
+def session() -> str:
+    return f"f-{uuid.uuid4().hex[:8]}"
+
+
+def stdout_of(result: dict[str, Any]) -> str:
+    return "".join(e.get("data", "") for e in result["events"] if e["type"] == "stdout")
+
+
+async def others_keep_answering(server: ServerProcess, seconds: float) -> list[float]:
+    """Another principal's calls, one after another for `seconds`: how long each took."""
+    took: list[float] = []
+    async with open_client(server.url, OTHER, "auto") as conn:
+        end = time.monotonic() + seconds
+        s = session()
+        while time.monotonic() < end:
+            started = time.monotonic()
+            done = await conn.ok("execute_code", command="echo ok", session=s)
+            assert stdout_of(done) == "ok\n", done
+            code = await conn.ok("run_code", code="print(6 * 7)", session=s)
+            assert stdout_of(code) == "42\n", code
+            took.append(time.monotonic() - started)
+    return took
+
+
+async def watch_rss(server: ServerProcess, seconds: float) -> int:
+    peak = 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        peak = max(peak, rss_mb(server.pid))
+        await asyncio.sleep(0.1)
+    return peak
+
+
+@pytest.mark.parametrize(
+    ("kind", "content"),
+    [("stream", STREAM), ("display_data", DISPLAY), ("execute_result", RESULT)],
+)
+async def test_kernels_flooding_between_calls_are_bounded_and_stopped(
+    server: ServerProcess, baseline: int, kind: str, content: str
+) -> None:
+    dropped_before = metric(server, "srt_interpreter_dropped_bytes_total", "unsolicited")
+    sessions = [session() for _ in range(3)]
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        for s in sessions:
+            await conn.ok("run_code", code="x = 1", session=s)
+            started = await conn.ok(
+                "run_code", code=THREAD_FLOOD.format(kind=kind, content=content), session=s
+            )
+            assert started["status"] == "completed", started
+        peak, took = await asyncio.gather(
+            watch_rss(server, 6.0), others_keep_answering(server, 6.0)
+        )
+        assert peak - baseline < RSS_GROWTH_MB, f"server RSS {baseline} -> {peak} MB"
+        assert took and max(took) < 10, took
+        # Each flood reached the server and was dropped unread...
+        dropped = metric(server, "srt_interpreter_dropped_bytes_total", "unsolicited")
+        assert dropped - dropped_before > 3 * 64 * 2**20, dropped - dropped_before
+        # ...and each flooding kernel was stopped: its session's next call says why.
+        for s in sessions:
+            after = await conn.ok("run_code", code="print('x' in dir())", session=s)
+            assert after["state_reset"] == {"reason": "flooded"}, after
+            assert stdout_of(after) == "False\n"
+            again = await conn.ok("run_code", code="print(1)", session=s)
+            assert again["state_reset"] is None and stdout_of(again) == "1\n"
+    assert rss_mb(server.pid) - baseline < RSS_GROWTH_MB
+
+
+async def test_output_flooding_a_running_call_is_capped_and_the_call_ends(
+    server: ServerProcess, baseline: int
+) -> None:
+    s = session()
+    code = "p = 'y' * 1_000_000\nfor i in range(300):\n    print(p, end='', flush=True)\nz = 5"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        flood = asyncio.ensure_future(conn.ok("run_code", code=code, session=s))
+        peak, took = await asyncio.gather(
+            watch_rss(server, 4.0), others_keep_answering(server, 4.0)
+        )
+        result = await flood
+        assert result["status"] == "completed", result
+        status = await conn.ok(
+            "get_execution_status", execution_id=result["execution_id"], session=s
+        )
+        assert status["stdout_bytes"] == 300 * 10**6, status
+        assert status["dropped_bytes"] >= 300 * 10**6 - 10 * 2**20, status
+        after = await conn.ok("run_code", code="print(z)", session=s)
+        assert after["state_reset"] is None and stdout_of(after) == "5\n"
+    assert peak - baseline < RSS_GROWTH_MB, f"server RSS {baseline} -> {peak} MB"
+    assert max(took) < 10, took
+
+
+async def test_a_message_over_the_size_bound_is_dropped_and_the_call_says_so(
+    server: ServerProcess,
+) -> None:
+    s = session()
+    code = (
+        "k = get_ipython().kernel\n"
+        "k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': 'z' * 20_000_000},"
+        " parent=k.get_parent())\n"
+        "print('after')"
+    )
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        result = await conn.ok("run_code", code=code, session=s)
+        assert result["status"] == "completed", result
+        assert stdout_of(result) == "after\n"
+        truncated = [e for e in result["events"] if e["type"] == "truncated"]
+        assert truncated and truncated[0]["dropped_bytes"] > 20_000_000, result["events"]
+        assert "over 8388608 bytes" in truncated[0]["message"]
+        again = await conn.ok("run_code", code="print(2)", session=s)
+        assert again["state_reset"] is None and stdout_of(again) == "2\n"
+
+
+@pytest.mark.parametrize("channel", ["shell", "stdin"])
+async def test_big_messages_on_the_shell_and_stdin_channels_are_bounded(
+    server: ServerProcess, baseline: int, channel: str
+) -> None:
+    """Messages on the request channels, claiming to answer the running call."""
+    s = session()
+    socket = "k.shell_stream" if channel == "shell" else "k.stdin_socket"
+    kind = "execute_reply" if channel == "shell" else "input_request"
+    code = (
+        "k = get_ipython().kernel\np = 'q' * 2_000_000\n"
+        "for i in range(200):\n"
+        f"    k.session.send({socket}, {kind!r}, {{'status': 'ok', 'prompt': p, 'x': p}},"
+        " parent=k.get_parent('shell'), ident=k._parent_ident['shell'])\n"
+    )
+    dropped_before = metric(server, "srt_interpreter_dropped_bytes_total", "")
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        flood = asyncio.ensure_future(conn.call("run_code", code=code, session=s))
+        peak, took = await asyncio.gather(
+            watch_rss(server, 5.0), others_keep_answering(server, 5.0)
+        )
+        await asyncio.wait_for(flood, 60)  # it ends (how is the flood's business)
+        # The server read the flood (and dropped what it could not use)...
+        unsolicited = metric(server, "srt_interpreter_dropped_bytes_total", "unsolicited")
+        over = metric(server, "srt_interpreter_dropped_bytes_total", "over_bound")
+        assert unsolicited + over - dropped_before > 100 * 2**20
+        # ...and the session still has a working interpreter: the rest of a flood that
+        # outlived its call may get the kernel stopped under the next call, which says so.
+        after = await conn.call("run_code", code="print(3)", session=s)
+        content = after.structured_content
+        assert content is not None
+        if content["status"] != "completed":
+            assert "outside its calls" in str(content["error"]), content
+            after = await conn.call("run_code", code="print(3)", session=s)
+            content = after.structured_content
+            assert content is not None and content["state_reset"] == {"reason": "flooded"}
+        assert content["status"] == "completed" and stdout_of(content) == "3\n", content
+    assert peak - baseline < RSS_GROWTH_MB, f"server RSS {baseline} -> {peak} MB"
+    assert max(took) < 10, took
+
+
+async def test_a_flood_from_a_subprocess_of_the_kernel_is_bounded(
+    server: ServerProcess, baseline: int
+) -> None:
+    """A child process writes to the kernel's captured stdout (the kernel turns that into
+    messages) and garbage into the relay's record pipe; neither reaches the server's memory."""
+    s = session()
+    code = (
+        "import subprocess, sys, os\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(0.3)\\n"
+        'for i in range(2000): print("s" * 500_000, flush=True)\'])\n'
+        "print('started')"
+    )
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        started = await conn.ok("run_code", code=code, session=s)
+        assert stdout_of(started).endswith("started\n")
+        peak, took = await asyncio.gather(
+            watch_rss(server, 5.0), others_keep_answering(server, 5.0)
+        )
+        after = await conn.ok("run_code", code="print(4)", session=s)
+        assert stdout_of(after) == "4\n"
+
+        # Garbage written straight into the relay's stdout (the record pipe): the server
+        # stops that kernel (a protocol violation) and the next call starts afresh.
+        relay = (
+            "import os\n"
+            "for pid in os.listdir('/proc'):\n"
+            "    if pid.isdigit() and 'srt_kernel_pipe' in open(f'/proc/{pid}/cmdline').read():\n"
+            "        fd = os.open(f'/proc/{pid}/fd/1', os.O_WRONLY)\n"
+            "        os.write(fd, b'\\x07' + b'\\xff' * 4096)\n"
+            "        break\n"
+        )
+        broken = await conn.call("run_code", code=relay, session=s)
+        assert broken.structured_content is not None
+        assert broken.structured_content["status"] in ("failed", "completed")
+        fresh = await conn.ok("run_code", code="print(5)", session=s)
+        assert stdout_of(fresh) == "5\n"
+        assert fresh["state_reset"] is not None
+    assert peak - baseline < RSS_GROWTH_MB, f"server RSS {baseline} -> {peak} MB"
+    assert max(took) < 10, took
+
+
+async def test_a_flood_during_a_call_stops_the_kernel_and_the_call_says_why(
+    server: ServerProcess,
+) -> None:
+    s = session()
+    code = (
+        "import time\nk = get_ipython().kernel\np = 'w' * 1_000_000\n"
+        "for i in range(300):\n"
+        "    k.session.send(k.iopub_socket, 'stream', {'name': 'stdout', 'text': p}, parent={})\n"
+        "time.sleep(30)"
+    )
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        started = time.monotonic()
+        result = await conn.call("run_code", code=code, session=s)
+        assert time.monotonic() - started < 20
+        assert result.structured_content is not None
+        content = result.structured_content
+        assert content["status"] == "failed", content
+        assert "sent more than 64 MiB of messages outside its calls" in str(content["error"])
+        after = await conn.ok("run_code", code="print(6)", session=s)
+        assert after["state_reset"] == {"reason": "flooded"}
+        assert stdout_of(after) == "6\n"
