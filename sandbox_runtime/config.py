@@ -150,6 +150,13 @@ class Settings(BaseSettings):
     max_retained: int = Field(
         2000, ge=1, description="Most finished executions kept in memory; oldest evicted first."
     )
+    retained_output_mb: int = Field(
+        1024,
+        ge=1,
+        description="Output of finished executions kept in memory, MiB in all (a principal "
+        "may hold at most half of it); past it the oldest executions of the principal holding "
+        "the most are evicted (their output stays readable from Redis while it keeps them).",
+    )
     cancel_grace: float = Field(
         2.0, ge=0, le=60, description="Seconds between SIGTERM and SIGKILL on a cancel."
     )

@@ -79,3 +79,33 @@ async def test_idle_workspace_is_removed_only_after_the_retention(
     os.utime(handle, (time.time() - 700, time.time() - 700))
     await workspaces.sweep()
     assert not workspaces.path(name).exists() and not workspaces.image(name).exists()
+
+
+async def test_retained_output_is_bounded_in_bytes_and_per_principal(tmp_path: Path) -> None:
+    """Finished executions that each keep their full output limit cannot add up past
+    SANDBOX_RETAINED_OUTPUT_MB; a principal keeps at most half of it, oldest evicted first."""
+    traversable_by_others(tmp_path)
+    settings = Settings(
+        state_dir=tmp_path / "state",
+        replica_id=f"ret-{uuid.uuid4().hex[:6]}",
+        retained_output_mb=4,
+        retention_seconds=600,
+        _env_file=None,  # type: ignore[call-arg]
+    )
+    mgr = ExecutionManager(settings)
+    await mgr.start()
+    try:
+        bob, alice = Owner("bob", "default"), Owner("alice", "default")
+        big = "head -c 1500000 /dev/zero | tr '\\0' x"
+        kept = await run(mgr, bob, big)
+        alices = [await run(mgr, alice, big) for _ in range(5)]
+        mgr.evict()
+        assert (await mgr.status(bob, kept)).status == "completed"
+        assert (await mgr.status(alice, alices[-1])).status == "completed"
+        for old in alices[:-1]:
+            with pytest.raises(ExecutionNotFoundError):
+                await mgr.status(alice, old)
+        held = sum(e.retained_bytes for e in mgr._executions.values())
+        assert 3_000_000 <= held <= 4 * 1024 * 1024
+    finally:
+        await mgr.shutdown()

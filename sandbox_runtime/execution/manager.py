@@ -119,6 +119,7 @@ class ExecutionManager:
         self.replica_id = settings.replica_id
         self.started_at = time.time()
         self._executions: dict[str, Execution] = {}
+        self._evicted_at = 0.0  # (monotonic) the last eviction
         self._running: dict[str, Execution] = {}
         self._reserved = 0
         self._per_owner: dict[Owner, int] = {}
@@ -390,6 +391,7 @@ class ExecutionManager:
         self.metrics.spawn.observe(time.perf_counter() - spawn_started)
         self.metrics.started.inc()
         self._reserved -= 1
+        self._evict_soon()
         self._executions[execution_id] = execution
         self._running[execution_id] = execution
         with logger.contextualize(execution_id=execution_id):
@@ -460,6 +462,7 @@ class ExecutionManager:
         )
         execution = Execution(info, owner, self.limits.output_bytes)
         execution.listeners.extend(self.listeners)
+        self._evict_soon()
         self._executions[execution_id] = execution
         self._running[execution_id] = execution
         self.metrics.started.inc()
@@ -596,6 +599,14 @@ class ExecutionManager:
 
     # -- retention ---------------------------------------------------------------------------
 
+    def _evict_soon(self) -> None:
+        """Evict now if the last eviction is over a second old: between the periodic sweeps,
+        executions that each keep their output limit must not add up past the byte bound."""
+        now = time.monotonic()
+        if now - self._evicted_at >= 1.0:
+            self._evicted_at = now
+            self.evict()
+
     def evict(self, now: float | None = None) -> int:
         """Drop finished executions past retention, and past the count cap (taking from the
         principal that holds the most first, so no one can push out another's); returns how
@@ -608,14 +619,22 @@ class ExecutionManager:
             if (e.info.finished_at or 0) + self.settings.retention_seconds <= now
         }
         kept = [e for e in finished if e.execution_id not in doomed]
-        excess = len(kept) - self.settings.max_retained
-        if excess > 0:
-            by_principal: dict[str, builtins.list[Execution]] = {}
-            for e in sorted(kept, key=lambda e: e.info.finished_at or 0):
-                by_principal.setdefault(e.owner.principal, []).append(e)
-            for _ in range(excess):
-                heaviest = max(by_principal.values(), key=len)
-                doomed.add(heaviest.pop(0).execution_id)
+        by_principal: dict[str, builtins.list[Execution]] = {}
+        for e in sorted(kept, key=lambda e: e.info.finished_at or 0):
+            by_principal.setdefault(e.owner.principal, []).append(e)
+        for _ in range(len(kept) - self.settings.max_retained):
+            heaviest = max(by_principal.values(), key=len)
+            doomed.add(heaviest.pop(0).execution_id)
+        # Then bytes: in all, and per principal (half the total, so no one pushes out all).
+        budget = self.settings.retained_output_mb * 1024 * 1024
+        held = {p: sum(e.retained_bytes for e in es) for p, es in by_principal.items()}
+        total = sum(held.values())
+        while total > budget or max(held.values(), default=0) > budget // 2:
+            principal = max(held, key=lambda p: held[p])
+            oldest = by_principal[principal].pop(0)
+            doomed.add(oldest.execution_id)
+            held[principal] -= oldest.retained_bytes
+            total -= oldest.retained_bytes
         for execution_id in doomed:
             del self._executions[execution_id]
             if self.mirror is not None:
