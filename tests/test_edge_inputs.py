@@ -12,6 +12,7 @@ import httpx2
 import pytest
 from mcp_harness import (
     CLUSTER_SECRET,
+    Conn,
     ServerProcess,
     open_client,
     run_server_once,
@@ -19,9 +20,12 @@ from mcp_harness import (
 )
 from redis_harness import RedisServer
 
+from sandbox_runtime.execution.models import shown_id
+
 pytestmark = pytest.mark.e2e
 
 TOKEN = "edge-test-token-0123456789"
+ID_TOOLS = ("get_execution_status", "get_execution_output", "send_stdin", "cancel_execution")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,54 @@ def server(
         SANDBOX_CLUSTER_SECRET=CLUSTER_SECRET,
     ) as srv:
         yield srv
+
+
+async def id_error(conn: Conn, tool: str, execution_id: str, session: str) -> str:
+    extra = {"input_data": "x"} if tool == "send_stdin" else {}
+    return await conn.error(tool, execution_id=execution_id, session=session, **extra)
+
+
+async def test_execution_ids_shaped_like_other_keys_answer_as_unknown_ids_do(
+    server: ServerProcess, redis_server: RedisServer
+) -> None:
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        done = await conn.ok("execute_code", command="echo hi", session=session)
+        real = done["execution_id"]
+        # The real id's output list is in Redis: "<id>:output" names a key that exists.
+        assert redis_server.cli("type", f"execution:{real}:output").strip() == "list"
+        unknown = uuid.uuid4().hex
+        probes = [
+            f"{real}:output",
+            f"{real}\n",
+            f"{real}*",
+            f"{real[:20]}*",
+            "*",
+            f"{real} ",
+            f"{real}\x00",
+            real.upper(),
+            real[:-1],
+            f"{real}:output" * 4000,  # long
+            "x" * 100_000,
+        ]
+        for tool in ID_TOOLS:
+            assert await id_error(conn, tool, unknown, session) == (
+                f"execution {shown_id(unknown)} not found"
+            )
+            for probe in probes:
+                text = await id_error(conn, tool, probe, session)
+                assert text == f"execution {shown_id(probe)} not found", (tool, probe[:80], text)
+                assert len(text) < 200
+        # Nothing broke: the real execution and the other tools still answer.
+        status = await conn.ok("get_execution_status", execution_id=real, session=session)
+        assert status["status"] == "completed"
+        page = await conn.ok("get_execution_output", execution_id=real, session=session)
+        assert "".join(e.get("data", "") for e in page["events"]) == "hi\n"
+        listed = await conn.ok("list_executions", session=session)
+        assert [e["execution_id"] for e in listed["executions"]] == [real]
+        again = await conn.ok("execute_code", command="echo again", session=session)
+        assert again["status"] == "completed"
+    assert server.health()["status"] == "ok"
 
 
 BAD_SESSIONS = [
