@@ -182,7 +182,7 @@ def sandbox_uid_processes(backend: BubblewrapBackend) -> list[int]:
     backend's spawner, which runs as the sandbox user outside every sandbox, is not counted.
     """
     uid = str(pwd.getpwnam(backend.config.sandbox_user).pw_uid)
-    group = backend.config.group_name
+    group = backend.cgroups.name  # the backend's parent group
     reap_orphaned_zombies(uid)
     ours = set(descendants(os.getpid()))
     found = []
