@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import socket
 from pathlib import Path
@@ -12,6 +13,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from sandbox_runtime.egress.policy import EgressDenied, EgressPolicy, is_ip, parse_authority
 from sandbox_runtime.egress.supervisor import EgressSettings
 from sandbox_runtime.sandbox.policy import SandboxLimits
+
+REPLICA_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class Settings(BaseSettings):
@@ -330,7 +333,9 @@ class Settings(BaseSettings):
     @field_validator("replica_id")
     @classmethod
     def _replica(cls, value: str) -> str:
-        if not value or not all(c.isalnum() or c in "-_" for c in value) or len(value) > 64:
+        # ASCII only (str.isalnum takes any script's letters and digits): it names cgroups,
+        # Redis keys and the Mcp-Session-Id tag.
+        if not REPLICA_ID.fullmatch(value):
             raise ValueError("replica_id: letters, digits, '-' and '_' only, at most 64")
         return value
 

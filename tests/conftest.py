@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -18,6 +21,40 @@ from sandbox_runtime.sandbox import (
     SandboxProcess,
     SandboxSpec,
 )
+
+# ---------------------------------------------------------------------------------------------
+# Where the suite's temporary directories live
+# ---------------------------------------------------------------------------------------------
+
+SUITE_TMP_PREFIX = "srt-tests-"
+_suite_tmp: Path | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Put tmp_path and tmp_path_factory under a directory of this run's own (0711, under
+    $SRT_TEST_TMP or /tmp; removed at the end), unless --basetemp names one.
+
+    The sandbox uid must traverse to the workspaces and state dirs the tests make there.
+    pytest's own root (/tmp/pytest-of-<user>) will not do: every pytest run on the machine
+    closes it to 0700 again, which broke the sandboxes of any other run going on.
+    """
+    global _suite_tmp
+    if config.option.basetemp is not None or hasattr(config, "workerinput"):
+        return  # (an xdist worker gets its --basetemp from the controller)
+    _suite_tmp = Path(tempfile.mkdtemp(prefix=SUITE_TMP_PREFIX, dir=suite_tmp_parent()))
+    os.chmod(_suite_tmp, 0o711)
+    config.option.basetemp = str(_suite_tmp / "pytest")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _suite_tmp is not None and not os.environ.get("SRT_KEEP_TEST_TMP"):
+        shutil.rmtree(_suite_tmp, ignore_errors=True)
+
+
+def suite_tmp_parent() -> str:
+    return os.environ.get("SRT_TEST_TMP") or "/tmp"
+
 
 # ---------------------------------------------------------------------------------------------
 # Sandbox fixtures (real bubblewrap; see tests/test_sandbox.py)

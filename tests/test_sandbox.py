@@ -7,6 +7,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import getpass
 import itertools
 import json
 import os
@@ -24,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
-from conftest import new_sandbox_backend
+from conftest import new_sandbox_backend, started_backend
 from mcp_harness import traversable_by_others
 
 import sandbox_runtime
@@ -181,7 +182,7 @@ def sandbox_uid_processes(backend: BubblewrapBackend) -> list[int]:
     backend's spawner, which runs as the sandbox user outside every sandbox, is not counted.
     """
     uid = str(pwd.getpwnam(backend.config.sandbox_user).pw_uid)
-    group = backend.config.group_name
+    group = backend.cgroups.name  # the backend's parent group
     reap_orphaned_zombies(uid)
     ours = set(descendants(os.getpid()))
     found = []
@@ -1369,3 +1370,23 @@ def test_a_server_that_is_not_root_runs_sandboxes_as_itself_with_rlimits(tmp_pat
     assert report["stubborn_outcome"] == [128 + signal.SIGKILL, "cancelled"]
     assert report["stubborn_left"] == 0
     assert report["file_size"] == ["SIGXFSZ", "file_size", 1024 * 1024]
+
+
+async def test_sandbox_workspaces_do_not_depend_on_pytests_own_temp_root(tmp_path: Path) -> None:
+    """Every pytest run on the machine closes pytest's root (/tmp/pytest-of-<user>) to 0700
+    when it starts; the suite's sandbox-visible directories must not be under it
+    (tests/conftest.py), or one engineer's run breaks the sandboxes of another's."""
+    pytest_root = Path(tempfile.gettempdir()) / f"pytest-of-{getpass.getuser()}"
+    assert pytest_root not in tmp_path.parents, tmp_path
+    mode = pytest_root.stat().st_mode & 0o7777 if pytest_root.exists() else None
+    try:
+        if mode is not None:
+            os.chmod(pytest_root, mode & ~0o077)  # as a pytest run starting now does
+        async with started_backend(tmp_path) as backend:
+            workspace = backend.create_workspace("ws")
+            done = await run(backend, workspace, "echo seen > note && cat note && pwd")
+            assert done.outcome.exit_code == 0, done.stderr
+            assert done.stdout == "seen\n/workspace\n"
+    finally:
+        if mode is not None:
+            os.chmod(pytest_root, mode)

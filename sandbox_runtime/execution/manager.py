@@ -9,7 +9,6 @@ import ctypes
 import hashlib
 import math
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,15 @@ from sandbox_runtime.errors import (
     SandboxUnavailableError,
 )
 from sandbox_runtime.execution.execution import Execution, Owner
-from sandbox_runtime.execution.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
+from sandbox_runtime.execution.models import (
+    EventType,
+    ExecutionInfo,
+    ExecutionStatus,
+    OutputEvent,
+    is_execution_id,
+    new_execution_id,
+    shown_id,
+)
 from sandbox_runtime.files.workspaces import WorkspaceStore
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
@@ -425,7 +432,7 @@ class ExecutionManager:
             )
         self._reserved += 1
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
-        execution_id = uuid.uuid4().hex
+        execution_id = new_execution_id()
         if self.admission is not None:
             try:
                 await self.admission(owner, execution_id)
@@ -511,19 +518,19 @@ class ExecutionManager:
 
         Raises ExecutionNotFoundError (also for other owners' ids: they look unknown).
         """
-        execution = self._executions.get(execution_id) if isinstance(execution_id, str) else None
+        execution = self._executions.get(execution_id) if is_execution_id(execution_id) else None
         if execution is None or execution.owner != owner:
-            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+            raise ExecutionNotFoundError(f"execution {shown_id(execution_id)} not found")
         return execution
 
     def lookup(self, owner: Owner, execution_id: str) -> Execution | None:
         """The caller's execution if this replica holds it (None: not here, or another
         owner's); refreshes its TTLs in the store."""
-        local = self._executions.get(execution_id) if isinstance(execution_id, str) else None
+        local = self._executions.get(execution_id) if is_execution_id(execution_id) else None
         if local is None:
             return None
         if local.owner != owner:
-            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+            raise ExecutionNotFoundError(f"execution {shown_id(execution_id)} not found")
         if self.mirror is not None:
             self.mirror.mark(local)
         return local

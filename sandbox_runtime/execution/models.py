@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import re
+import uuid
 from enum import StrEnum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
+
+# An execution id is exactly what new_execution_id makes: ids from callers are checked against
+# it before any lookup, so that a key-shaped id ("ID:output", "ID*") never reaches the store.
+EXECUTION_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def new_execution_id() -> str:
+    """A fresh, unguessable execution id (uuid4, 32 lowercase hex digits)."""
+    return uuid.uuid4().hex
+
+
+def is_execution_id(value: object) -> bool:
+    """Whether `value` has the form of an execution id (it may still be unknown)."""
+    return isinstance(value, str) and EXECUTION_ID.fullmatch(value) is not None
+
+
+def shown_id(value: object) -> str:
+    """A caller's execution id as error messages show it: quoted, and short."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:64]}… ({len(text)} characters)"
 
 
 class ExecutionStatus(StrEnum):

@@ -52,7 +52,7 @@ CLUSTER_PREFIX = "/cluster/v1/files/"
 METHODS = ("GET", "HEAD", "PUT")
 # Types a browser could run as a document: always served as bytes.
 ACTIVE_TYPES = re.compile(r"^(text/html|application/xhtml|image/svg|text/xml|application/xml)")
-RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+RANGE = re.compile(r"bytes=(\d*)-(\d*)")  # fullmatch
 # Headers a forwarded transfer carries each way.
 REQUEST_HEADERS = ("range", "content-length", "content-type", "if-none-match")
 RESPONSE_HEADERS = (
@@ -355,7 +355,7 @@ async def _stream_file(fd: int, start: int, length: int, receive: Receive, send:
 def _range(header: str, size: int) -> tuple[int, int] | None:
     """(start, length) of a single byte range, (0, size) for one not understood (the whole
     file is sent, as HTTP allows); None: not satisfiable."""
-    match = RANGE.match(header)
+    match = RANGE.fullmatch(header)
     if match is None:
         return 0, size
     first, last = match.groups()

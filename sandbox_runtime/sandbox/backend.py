@@ -60,7 +60,7 @@ from sandbox_runtime.sandbox.spawn_client import SpawnerManager
 MAX_COMMAND_BYTES = 120 * 1024  # the kernel refuses one argument over 128 KiB
 MAX_ENV_BYTES = 64 * 1024
 MAX_ENV_VARS = 256
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")  # fullmatch: no trailing newline
 PR_SET_CHILD_SUBREAPER = 36
 F_SETPIPE_SZ = 1031
 
@@ -231,7 +231,7 @@ def validate_env(env: dict[str, str] | None) -> dict[str, str]:
         raise InvalidRequestError(f"environment has {len(env)} variables; at most {MAX_ENV_VARS}")
     size = 0
     for key, value in env.items():
-        if not isinstance(key, str) or not ENV_NAME.match(key) or key.startswith("__srt"):
+        if not isinstance(key, str) or not ENV_NAME.fullmatch(key) or key.startswith("__srt"):
             raise InvalidRequestError(f"environment variable name {key!r} is not valid")
         if not isinstance(value, str) or "\x00" in value:
             raise InvalidRequestError(f"environment variable {key} must be a string without NUL")

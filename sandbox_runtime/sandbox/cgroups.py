@@ -6,7 +6,9 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import signal
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,11 @@ V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 V2_CONTROLLERS = ("memory", "pids", "cpu")
 CPU_PERIOD_US = 100_000
 MS_REMOUNT = 32
+# A server's parent group is named `<group name>.<pid>.<start time>.<pid namespace>`: unique
+# to the running process, so two servers on one host (even with one replica id) never share
+# one, and a group whose process is gone can be told from a live server's.
+INSTANCE_NAME = re.compile(r"srt[A-Za-z0-9_.-]*?\.(\d+)\.(\d+)\.(\d+)(?:-server)?")
+STALE_KILL_SECONDS = 2.0
 
 
 def _read(path: Path) -> str:
@@ -110,11 +117,76 @@ def _own_paths() -> tuple[str | None, dict[str, str]]:
     return unified, v1
 
 
+def _start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot), None if there is no such process."""
+    try:
+        text = _read(Path(f"/proc/{pid}/stat"))
+    except OSError:
+        return None
+    try:  # "pid (comm) state ppid ...": comm may hold spaces and parentheses
+        return int(text.rpartition(")")[2].split()[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pid_namespace() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def instance_name(group_name: str) -> str:
+    """This process's parent group name for `group_name` (see INSTANCE_NAME)."""
+    pid = os.getpid()
+    return f"{group_name}.{pid}.{_start_time(pid) or 0}.{_pid_namespace()}"
+
+
+def owner_gone(name: str) -> bool:
+    """Whether `name` is a server's parent group (or server leaf) whose process has ended.
+    A group of another pid namespace is never taken for gone: its pid means nothing here."""
+    match = INSTANCE_NAME.fullmatch(name)
+    if match is None:
+        return False
+    pid, start, namespace = map(int, match.groups())
+    if namespace != _pid_namespace():
+        return False
+    return _start_time(pid) != start
+
+
+def _remove_stale_tree(group: Path) -> bool:
+    """Kill what is left in `group` and its descendants, remove them all; whether it is gone."""
+    with os.scandir(group) as entries:
+        children = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+    for child in children:
+        _remove_stale_tree(child)
+    deadline = time.monotonic() + STALE_KILL_SECONDS
+    killed = False
+    while True:
+        try:
+            group.rmdir()
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        if (group / "cgroup.kill").exists():
+            if not killed:
+                killed = _try_write(group / "cgroup.kill", "1")
+        else:  # v1, or v2 before Linux 5.14: each round kills all it sees
+            with contextlib.suppress(OSError, ValueError):
+                for pid in map(int, _read(group / "cgroup.procs").split()):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
 @dataclass
 class CgroupLayout:
     """Where this server creates execution cgroups, and which limits it can enforce there."""
 
     version: str = "none"  # "v2", "v1" or "none": which hierarchy enforces limits
+    name: str = ""  # this server's parent group in each hierarchy (see instance_name)
+    legacy_name: str = ""  # what servers before per-process names called it
     v2_base: Path | None = None
     v2_controllers: frozenset[str] = frozenset()
     v2_kill: bool = False
@@ -143,8 +215,9 @@ class CgroupLayout:
 
     @classmethod
     def setup(cls, group_name: str, favordynmods: bool = True) -> CgroupLayout:
-        """Find the hierarchies and create this server's parent group `group_name` in each."""
-        layout = cls()
+        """Find the hierarchies and create this server's parent group in each: named for
+        `group_name` and this process (instance_name), so no other server uses it."""
+        layout = cls(name=instance_name(group_name), legacy_name=group_name)
         layout.favordynmods = ensure_favordynmods(favordynmods)
         if os.geteuid() != 0:
             layout.problems.append("not running as root: per-execution cgroups need root")
@@ -156,9 +229,9 @@ class CgroupLayout:
             layout.problems.append(f"cannot read cgroup mounts: {exc}")
             return layout
         if unified_mount is not None and unified_own is not None:
-            layout._setup_v2(unified_mount / unified_own.lstrip("/"), group_name)
+            layout._setup_v2(unified_mount / unified_own.lstrip("/"), layout.name)
         if not layout.v2_controllers >= {"memory", "pids"}:
-            layout._setup_v1(v1_mounts, v1_own, group_name)
+            layout._setup_v1(v1_mounts, v1_own, layout.name)
         if layout.v2_controllers >= {"memory", "pids"}:
             layout.version = "v2"
         elif {"memory", "pids"} <= set(layout.v1_bases):
@@ -284,13 +357,34 @@ class CgroupLayout:
             with contextlib.suppress(OSError):
                 base.rmdir()
 
-    def cleanup_stale(self) -> None:
-        """Remove empty execution groups a previous run of this server left behind."""
-        for base in self.bases:
-            for child in base.iterdir():
-                if child.is_dir():
+    def cleanup_stale(self) -> int:
+        """Remove the parent groups (and server leaves) that servers which have ended left
+        beside ours, killing what is still in them; live servers' groups, whatever their
+        replica id, are left alone. Returns how many were removed."""
+        removed = 0
+        for parent in {base.parent for base in self.bases}:
+            try:
+                with os.scandir(parent) as entries:
+                    names = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for name in names:
+                if name == self.name or not owner_gone(name):
+                    continue
+                if _remove_stale_tree(parent / name):
+                    removed += 1
+                    logger.info("cgroups: removed {}, left by a server that has ended", name)
+                else:
+                    logger.warning("cgroups: could not remove {} (a stopped server's)", name)
+            # An older version's group (no owner in its name): its empty groups, as it did.
+            legacy = parent / self.legacy_name
+            if self.legacy_name and legacy.is_dir() and not legacy.is_symlink():
+                for child in legacy.iterdir():
                     with contextlib.suppress(OSError):
                         child.rmdir()
+                with contextlib.suppress(OSError):
+                    legacy.rmdir()
+        return removed
 
 
 def _write(path: Path | str, value: str) -> None:

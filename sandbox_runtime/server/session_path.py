@@ -7,7 +7,7 @@ import re
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 SCOPE_KEY = "srt.session"  # the session named by the path, for the tools (server/tools.py)
-PATH = re.compile(r"^/s/(?P<session>(?!\.+/)[A-Za-z0-9._:@-]{1,128})/mcp/?$")
+PATH = re.compile(r"/s/(?P<session>(?!\.+/)[A-Za-z0-9._:@-]{1,128})/mcp/?")  # fullmatch
 
 
 class SessionPathMiddleware:
@@ -25,7 +25,7 @@ class SessionPathMiddleware:
             scope.pop(SCOPE_KEY, None)  # only this middleware may set it
             path: str = scope["path"]
             if path.startswith("/s/"):
-                match = PATH.match(path)
+                match = PATH.fullmatch(path)
                 if match is None:
                     await send(
                         {

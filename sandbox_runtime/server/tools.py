@@ -26,7 +26,8 @@ from sandbox_runtime.sessions.models import SessionReset
 from sandbox_runtime.sessions.operations import Progress, result_fields
 from sandbox_runtime.sessions.router import get_router
 
-SESSION_RE = re.compile(r"^(?!\.+$)[A-Za-z0-9._:@-]{1,128}$")  # not "." or "..": path-like
+# Used with fullmatch: `$` would also accept a trailing newline ("evil\n").
+SESSION_RE = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,128}")  # not "." or "..": path-like
 DEFAULT_SESSION = "default"
 ANONYMOUS = "anonymous"
 # Replies stay far below the official MCP client's 1 MiB limit per SSE event (a reply carries
@@ -129,7 +130,7 @@ def _owner_of(ctx: Context, session: str | None) -> Owner:
     token = get_access_token()
     principal = token.client_id if token is not None else ANONYMOUS
     if session is not None:
-        if not isinstance(session, str) or not SESSION_RE.match(session):
+        if not isinstance(session, str) or not SESSION_RE.fullmatch(session):
             raise ToolError(
                 "session must be 1-128 characters of letters, digits and ._:@- (not only dots)"
             )

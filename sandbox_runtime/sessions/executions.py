@@ -24,7 +24,12 @@ from sandbox_runtime.execution.manager import (
     ExecutionManager,
     OutputPage,
 )
-from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus
+from sandbox_runtime.execution.models import (
+    ExecutionInfo,
+    ExecutionStatus,
+    is_execution_id,
+    shown_id,
+)
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.state.keys import session_key
 
@@ -50,27 +55,29 @@ class ExecutionAccess:
         An execution whose owner replica stopped heart-beating is marked lost on the way.
         Raises ExecutionNotFoundError, OwnerUnavailableError (store unreachable).
         """
-        if not isinstance(execution_id, str) or not 0 < len(execution_id) <= 128:
-            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+        # Malformed ids are refused before any lookup, with the answer an unknown id gets: an
+        # id shaped like another key ("ID:output") must not tell a real id from an unknown one.
+        if not is_execution_id(execution_id):
+            raise ExecutionNotFoundError(f"execution {shown_id(execution_id)} not found")
         local = self.manager.lookup(owner, execution_id)
         if local is not None:
             return local
         if self.store is None:
-            raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+            raise ExecutionNotFoundError(f"execution {shown_id(execution_id)} not found")
         try:
             info = await self.store.get_execution(execution_id)
             if info is None or (info.principal, info.session_id) != (
                 owner.principal,
                 owner.session_id,
             ):
-                raise ExecutionNotFoundError(f"execution {execution_id!r} not found")
+                raise ExecutionNotFoundError(f"execution {shown_id(execution_id)} not found")
             return await self._check_alive(info)
         except SandboxRuntimeError:
             raise
         except Exception as exc:  # the store failed: say so instead of "not found"
             raise OwnerUnavailableError(
-                f"execution {execution_id!r} is not on this replica and the shared store is "
-                f"unavailable ({type(exc).__name__}); retry shortly"
+                f"execution {shown_id(execution_id)} is not on this replica and the shared "
+                f"store is unavailable ({type(exc).__name__}); retry shortly"
             ) from exc
 
     async def _check_alive(self, info: ExecutionInfo) -> ExecutionInfo:
