@@ -251,6 +251,23 @@ class Settings(BaseSettings):
         "(root, loop devices, mkfs.ext4), else plain directories without a quota; `image`: "
         "refuse to run without; `none`: plain directories.",
     )
+    max_mounted_workspaces: int = Field(
+        1024,
+        ge=1,
+        le=65536,
+        description="Workspace images mounted at once on this replica (each holds a loop "
+        "device and a kernel journal thread); warm interpreters' workspaces count too. Past "
+        "it, the least recently used idle workspace is unmounted (its files stay in its image "
+        "and come back on next use); when every one is in use, the call is refused.",
+    )
+    max_mounted_workspaces_per_principal: int = Field(
+        64,
+        ge=1,
+        le=65536,
+        description="Session workspaces one token principal has mounted at once on this "
+        "replica; past it, that principal's least recently used idle workspace is unmounted, "
+        "and the call is refused when every one is in use.",
+    )
     workspace_retention_seconds: int = Field(
         86400,
         ge=60,

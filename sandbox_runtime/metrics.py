@@ -90,7 +90,8 @@ class Metrics:
         )
         self.rejections = Counter(
             "srt_concurrency_rejections_total",
-            "Executions refused because a concurrency limit was full, by scope.",
+            "Calls refused because a limit was full, by scope (global, session, interpreters, "
+            "principal_interpreters, mounted_workspaces, principal_mounted_workspaces, ...).",
             ["scope"],
             registry=r,
         )
@@ -212,11 +213,32 @@ class Metrics:
             "Bytes through the egress proxy (both ways), counted when a sandbox ends.",
             registry=r,
         )
+        self.workspaces_mounted = Gauge(
+            "srt_workspaces_mounted",
+            "Workspace images mounted on this replica, by kind (session; slot: a warm "
+            "interpreter's), against SANDBOX_MAX_MOUNTED_WORKSPACES.",
+            ["kind"],
+            registry=r,
+        )
+        self.loop_devices = Gauge(
+            "srt_workspace_loop_devices",
+            "Loop devices backed by this replica's workspace images (more than the mounted "
+            "ones: detached mounts a sandbox still holds).",
+            registry=r,
+        )
         self._interpreter_gauges: Callable[[], dict[tuple[str, str], float]] | None = None
+        self._workspace_gauges: Callable[[], dict[str, int]] | None = None
 
     def bind_interpreters(self, values: Callable[[], dict[tuple[str, str], float]]) -> None:
         """Interpreter gauges read at scrape time."""
         self._interpreter_gauges = values
+
+    def bind_workspaces(
+        self, mounted: Callable[[], dict[str, int]], loop_devices: Callable[[], float]
+    ) -> None:
+        """Workspace gauges read at scrape time: mounted images by kind, loop devices."""
+        self._workspace_gauges = mounted
+        self.loop_devices.set_function(loop_devices)
 
     def bind(
         self,
@@ -234,4 +256,7 @@ class Metrics:
             self.interpreters.clear()
             for (language, state), value in self._interpreter_gauges().items():
                 self.interpreters.labels(language, state).set(value)
+        if self._workspace_gauges is not None:
+            for kind, value in self._workspace_gauges().items():
+                self.workspaces_mounted.labels(kind).set(value)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -37,7 +37,7 @@ from sandbox_runtime.execution.models import (
     new_execution_id,
     shown_id,
 )
-from sandbox_runtime.files.workspaces import WorkspaceStore
+from sandbox_runtime.files.workspaces import WorkspaceStore, loop_devices_under
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
     BackendConfig,
@@ -113,6 +113,8 @@ class ExecutionManager:
             inodes=settings.workspace_inode_count(),
             quota=settings.workspace_quota,
             retention_seconds=settings.workspace_retention_seconds,
+            max_mounted=settings.max_mounted_workspaces,
+            max_mounted_per_principal=settings.max_mounted_workspaces_per_principal,
         )
         self.pool = SandboxPool(
             self.backend,
@@ -182,15 +184,18 @@ class ExecutionManager:
             except SandboxUnavailableError as exc:
                 self.backend.unavailable_reason = str(exc)
                 logger.error("sandbox unavailable: {}", exc)
-        self.workspaces.busy.append(
-            lambda: {
-                workspace_name(e.owner) for e in self._running.values() if not e.finished.is_set()
-            }
-        )
+        # An owner's workspace is in use from the moment one of its executions takes its slot
+        # (before its sandbox starts) until it has ended: nothing may replace or unmount it.
+        self.workspaces.busy.append(lambda: {workspace_name(o) for o in self._per_owner})
         # (A sandbox waiting in a workspace does not keep it: it is ended before the workspace
-        # is unmounted or removed.)
+        # is unmounted or removed; but no warm interpreter takes it over.)
+        self.workspaces.standby.append(self.pool.workspaces)
         self.workspaces.before_release.append(
             lambda name: self.pool.discard_workspace(self.workspaces.path(name))
+        )
+        self.workspaces.on_refused.append(lambda cap: self.metrics.rejections.labels(cap).inc())
+        self.metrics.bind_workspaces(
+            self.workspaces.mounted_by_kind, lambda: loop_devices_under(self.workspaces.root)
         )
         self.pool.on_hit.append(self.metrics.pool_hits.inc)
         self.pool.on_miss.append(lambda reason: self.metrics.pool_misses.labels(reason).inc())
@@ -375,7 +380,7 @@ class ExecutionManager:
         execution.listeners.extend(self.listeners)
         spawn_started = time.perf_counter()
         try:
-            workspace, _ = await self.workspaces.ensure(workspace_name(owner))
+            workspace, _ = await self.workspaces.ensure(workspace_name(owner), owner.principal)
             process = await self.pool.spawn(
                 SandboxSpec(
                     argv=argv,

@@ -166,7 +166,7 @@ class FilesApp:
     ) -> None:
         workspaces = router.manager.workspaces
         name = workspace_name(owner)
-        await workspaces.ensure(name)
+        await workspaces.ensure(name, owner.principal)
         with workspaces.hold(name):
             fd, st = await asyncio.to_thread(workspaces.files(name).open_read, grant.path)
             try:
@@ -227,7 +227,7 @@ class FilesApp:
             return
         workspaces = router.manager.workspaces
         name = workspace_name(owner)
-        await workspaces.ensure(name)
+        await workspaces.ensure(name, owner.principal)
         with workspaces.hold(name):
             free = workspaces.free_bytes(name)
             if declared is not None and free is not None and declared > free:

@@ -53,7 +53,7 @@ def mime_type_of(path: str) -> str:
 
 async def _workspace(manager: ExecutionManager, owner: Owner) -> str:
     name = workspace_name(owner)
-    await manager.workspaces.ensure(name)
+    await manager.workspaces.ensure(name, owner.principal)
     return name
 
 

@@ -12,9 +12,13 @@ The sandbox only ever sees the mounted filesystem; the image file is root's, 060
 Layout under the root: `<name>.img` (the image) and `<name>/` (its mount point, root-owned
 mode 0 while nothing is mounted, so nothing is ever written to the host's disk through it).
 An image is mounted when first used, unmounted after UNMOUNT_IDLE_SECONDS without use, and
-removed with its mount point after the retention period. Mounts a killed server left are
-detached at start. Where images cannot be mounted (no root, no loop devices, no mkfs.ext4),
-`quota="auto"` falls back to plain directories without a quota, and says so (doctor, /health).
+removed with its mount point after the retention period. Each mount holds a loop device and a
+journal thread in the kernel, so mounts are capped per replica and per principal: a mount past
+a cap first unmounts the least recently used idle workspace (its image stays: its files come
+back on its next use), and is refused (LimitExceededError) when every one is in use. Mounts a
+killed server left are detached at start. Where images cannot be mounted (no root, no loop
+devices, no mkfs.ext4), `quota="auto"` falls back to plain directories without a quota, and
+says so (doctor, /health).
 """
 
 from __future__ import annotations
@@ -34,7 +38,12 @@ from pathlib import Path
 
 from loguru import logger
 
-from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.errors import (
+    InvalidRequestError,
+    LimitExceededError,
+    SandboxSpawnError,
+    SandboxUnavailableError,
+)
 from sandbox_runtime.files.fsops import WorkspaceFiles
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -80,6 +89,21 @@ def mounts_under(root: Path) -> list[Path]:
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
+def loop_devices_under(root: Path) -> int:
+    """Loop devices whose backing file is under `root` (this replica's images), detached
+    mounts a sandbox still holds included (from /sys/block/loop*/loop/backing_file)."""
+    prefix = str(root).rstrip("/") + "/"
+    count = 0
+    with contextlib.suppress(OSError), os.scandir("/sys/block") as entries:
+        for entry in entries:
+            if not entry.name.startswith("loop"):
+                continue
+            with contextlib.suppress(OSError), open(f"{entry.path}/loop/backing_file") as f:
+                if f.read().startswith(prefix):
+                    count += 1
+    return count
+
+
 class WorkspaceStore:
     """Creates, mounts, measures and removes this replica's workspaces."""
 
@@ -91,6 +115,8 @@ class WorkspaceStore:
         inodes: int,
         quota: str = "auto",
         retention_seconds: float,
+        max_mounted: int = 1024,
+        max_mounted_per_principal: int = 64,
     ) -> None:
         self.root = root
         self.size_mb = size_mb
@@ -98,14 +124,23 @@ class WorkspaceStore:
         self.wanted = quota  # auto, image, none
         self.uid = self.gid = -1  # the sandbox user's, set by start()
         self.retention_seconds = retention_seconds
+        self.max_mounted = max_mounted
+        self.max_mounted_per_principal = max_mounted_per_principal
         self.mode = "directory"  # or "image" once start() found images work
         self.problem: str | None = None  # why there is no quota
         self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
         self._mounted: set[str] = set()  # those of them that are mounted images
+        # Mounted images, and those being mounted, with their principal (None: a warm slot):
+        # what the mount caps count.
+        self._principals: dict[str, str | None] = {}
         self._touched: dict[str, float] = {}  # name -> when its use was last put on disk
         self._locks: dict[str, asyncio.Lock] = {}
         self._holds: dict[str, int] = {}
         self.busy: list[Callable[[], set[str]]] = []  # names in use (executions, kernels)
+        # Names a sandbox started ahead of need waits in: not in use, but not a new session's
+        # either; unmounted only after every idle workspace without one.
+        self.standby: list[Callable[[], set[str]]] = []
+        self.on_refused: list[Callable[[str], None]] = []  # a mount refused, by which cap
         # Called with a name before that workspace is unmounted, removed or replaced (a
         # sandbox started ahead of need holds a bind of it: it must end first; mounting the
         # image again while a detached mount of it lives on would corrupt it).
@@ -168,6 +203,7 @@ class WorkspaceStore:
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(_umount, self.root / name)
             self._mounted.discard(name)
+            self._principals.pop(name, None)
         self._ready.clear()
 
     # -- naming ------------------------------------------------------------------------------
@@ -206,9 +242,14 @@ class WorkspaceStore:
             lock = self._locks[name] = asyncio.Lock()
         return lock
 
-    async def ensure(self, name: str) -> tuple[Path, bool]:
+    async def ensure(self, name: str, principal: str | None = None) -> tuple[Path, bool]:
         """The workspace, made and mounted if needed, and whether it existed before; marks
-        it used. Raises InvalidRequestError, SandboxSpawnError (it cannot be made)."""
+        it used. A mount counts against the caps of the replica and of `principal` (None: a
+        warm interpreter's slot, the replica's cap only).
+
+        Raises InvalidRequestError, SandboxSpawnError (it cannot be made), LimitExceededError
+        (a mount cap is reached and every mounted workspace in its scope is in use).
+        """
         self._check(name)
         if name in self._ready:
             self._ready[name] = time.monotonic()
@@ -216,11 +257,105 @@ class WorkspaceStore:
             return self.path(name), True
         async with self._lock(name):
             existed = self.exists(name)
+            if name in self._ready:  # made ready by the call this one waited for
+                self._ready[name] = time.monotonic()
+                return self.path(name), True
+            mounting = self._needs_mount(name)
+            if mounting:
+                await self._make_room(principal, host=True)
+                self._principals[name] = principal  # (counted from now: no await since)
             try:
                 await asyncio.to_thread(self._ensure_sync, name)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise SandboxSpawnError(f"could not prepare the workspace: {exc}") from exc
+            finally:
+                if mounting and name not in self._mounted:
+                    self._principals.pop(name, None)
         return self.path(name), existed
+
+    def _needs_mount(self, name: str) -> bool:
+        """Whether making `name` ready mounts an image (not a plain directory)."""
+        if self.mode != "image":
+            return False
+        point = self.path(name)
+        with contextlib.suppress(OSError):
+            if point.is_dir() and not self.image(name).exists() and any(point.iterdir()):
+                return False  # a plain directory from before images
+        return True
+
+    def mounted_count(self, principal: str | None = None) -> int:
+        """Mounted images (and those being mounted): all, or `principal`'s."""
+        if principal is None:
+            return len(self._principals)
+        return sum(1 for p in self._principals.values() if p == principal)
+
+    def mounted_by_kind(self) -> dict[str, int]:
+        """Mounted images of sessions and of warm interpreters' slots (the metrics' view)."""
+        slots = sum(1 for p in self._principals.values() if p is None)
+        return {"session": len(self._principals) - slots, "slot": slots}
+
+    async def _make_room(self, principal: str | None, *, host: bool) -> None:
+        """Unmount least recently used idle workspaces until one more mount of `principal`
+        fits under the caps (the replica's too if `host`). A warm slot (principal None) never
+        unmounts a session's workspace. The caller holds the lock of the name it mounts.
+
+        Raises LimitExceededError.
+        """
+        tried: set[str] = set()
+        while True:
+            over_host = host and len(self._principals) >= self.max_mounted
+            over_mine = (
+                principal is not None
+                and self.mounted_count(principal) >= self.max_mounted_per_principal
+            )
+            if not over_host and not over_mine:
+                return
+            victim = None
+            if principal is not None:
+                victim = self._least_recently_used(principal if over_mine else None, tried)
+            if victim is None:
+                self._refuse(principal, over_mine)
+            assert victim is not None
+            tried.add(victim)
+            if await self._unmount(victim):
+                logger.info("unmounted the idle workspace {} to mount another", victim)
+
+    def _least_recently_used(self, principal: str | None, skip: set[str]) -> str | None:
+        """The mounted workspace (of `principal`, or anyone's) to unmount first: not in use,
+        not locked; one without a sandbox waiting in it before one with, then the oldest."""
+        busy = self._in_use()
+        standby = self._standing_by()
+        candidates = [
+            name
+            for name in self._mounted
+            if name not in busy
+            and name not in skip
+            and name in self._ready
+            and not (name in self._locks and self._locks[name].locked())
+            and (principal is None or self._principals.get(name) == principal)
+        ]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda n: (n in standby, self._ready.get(n, 0.0)))
+
+    def _refuse(self, principal: str | None, mine: bool) -> None:
+        if mine:
+            for hook in self.on_refused:
+                hook("principal_mounted_workspaces")
+            raise LimitExceededError(
+                f"this token has its maximum of {self.max_mounted_per_principal} session "
+                "workspaces mounted on this replica (SANDBOX_MAX_MOUNTED_WORKSPACES_PER_PRINCIPAL)"
+                " and every one is in use (running code, an interpreter, a file operation): "
+                "wait for one to finish, restart_interpreter or stop work in a session you no "
+                "longer need, or reuse a session; idle workspaces are unmounted to make room"
+            )
+        for hook in self.on_refused:
+            hook("mounted_workspaces")
+        raise LimitExceededError(
+            f"this replica has its maximum of {self.max_mounted} workspaces mounted "
+            "(SANDBOX_MAX_MOUNTED_WORKSPACES) and every one is in use: retry later (idle "
+            "workspaces are unmounted to make room) or on another replica"
+        )
 
     def _ensure_sync(self, name: str) -> None:
         point, image = self.path(name), self.image(name)
@@ -334,20 +469,47 @@ class WorkspaceStore:
 
     # -- moving and removing -----------------------------------------------------------------
 
-    async def adopt(self, slot: str, name: str) -> bool:
+    async def adopt(self, slot: str, name: str, principal: str | None = None) -> bool:
         """Make workspace `slot` (a warm interpreter's) into `name`, if `name` is new or
-        empty; whether it did. A kernel started in `slot` keeps its bind of the filesystem."""
+        empty and nothing uses it (no execution, interpreter, file operation, sandbox waiting
+        in it); whether it did. A kernel started in `slot` keeps its bind of the filesystem.
+
+        The check and the swap are one step for every other user of `name`: `name` is not
+        ready meanwhile, so a call that would start in it waits for its lock (ensure).
+        """
         self._check(slot)
         self._check(name)
         async with self._lock(name):
-            for hook in self.before_release:  # (an empty `name` is replaced)
-                await hook(name)
-            return await asyncio.to_thread(self._adopt_sync, slot, name)
+            if name in self._in_use() or name in self._standing_by():
+                return False
+            last_used = self._ready.pop(name, None)  # (from here, new users wait for the lock)
+            adopted = False
+            try:
+                if name not in self._principals:  # (a mount more for `principal`)
+                    try:
+                        await self._make_room(principal, host=False)
+                    except LimitExceededError:
+                        return False
+                for hook in self.before_release:  # (an empty `name` is replaced)
+                    await hook(name)
+                if name in self._in_use() or name in self._standing_by():
+                    return False  # (whatever started meanwhile waits for this lock)
+                adopted = await asyncio.to_thread(self._adopt_sync, slot, name, principal)
+                return adopted
+            finally:
+                if not adopted and last_used is not None and name not in self._ready:
+                    self._ready[name] = last_used
 
-    def _adopt_sync(self, slot: str, name: str) -> bool:
+    def _standing_by(self) -> set[str]:
+        names: set[str] = set()
+        for waiting in self.standby:
+            names |= waiting()
+        return names
+
+    def _adopt_sync(self, slot: str, name: str, principal: str | None) -> bool:
         target = self.path(name)
         if self.exists(name):
-            if name in self._ready or not self.image(name).exists():
+            if name in self._mounted or not self.image(name).exists():
                 with contextlib.suppress(OSError):
                     if any(target.iterdir()):
                         return False
@@ -371,8 +533,10 @@ class WorkspaceStore:
         with contextlib.suppress(OSError):
             source.rmdir()
         self._mounted.discard(slot)
+        self._principals.pop(slot, None)
         self._ready.pop(slot, None)
         self._mounted.add(name)
+        self._principals[name] = principal
         self._ready[name] = time.monotonic()
         self._touch(name)
         return True
@@ -390,6 +554,7 @@ class WorkspaceStore:
         if name in self._mounted or point in mounts_under(self.root):
             _umount(point)
         self._mounted.discard(name)
+        self._principals.pop(name, None)
         self._ready.pop(name, None)
         self._touched.pop(name, None)
         with contextlib.suppress(FileNotFoundError):
@@ -440,15 +605,33 @@ class WorkspaceStore:
         for name in list(self._mounted):
             if self._ready.get(name, 0) > cutoff or name in busy:
                 continue
-            async with self._lock(name):
-                if self._ready.get(name, 0) > cutoff or name in self._in_use():
-                    continue
+            if await self._unmount(name, used_after=cutoff):
+                unmounted += 1
+        return removed, unmounted
+
+    async def _unmount(self, name: str, used_after: float | None = None) -> bool:
+        """Unmount the image of `name` if nothing uses it (nor did after `used_after`); its
+        image stays, and its next use mounts it again. Whether it did."""
+        async with self._lock(name):
+            last_used = self._ready.get(name)
+            if name not in self._mounted or last_used is None or name in self._in_use():
+                return False
+            if used_after is not None and last_used > used_after:
+                return False
+            del self._ready[name]  # (from here, new users wait for the lock: ensure)
+            unmounted = False
+            try:
                 for hook in self.before_release:
                     await hook(name)
+                if name in self._in_use():  # (started during the hooks, before `del`)
+                    return False
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread(_umount, self.path(name))
                     self._mounted.discard(name)
-                    self._ready.pop(name, None)
+                    self._principals.pop(name, None)
                     os.chmod(self.path(name), 0)
-                    unmounted += 1
-        return removed, unmounted
+                    unmounted = True
+                return unmounted
+            finally:
+                if not unmounted and name in self._mounted:
+                    self._ready.setdefault(name, last_used)

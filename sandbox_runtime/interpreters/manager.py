@@ -113,6 +113,9 @@ class InterpreterManager:
         self.kernels_root = settings.state_dir / "kernels"
         self._interpreters: dict[Key, Interpreter] = {}
         self._starting: dict[Key, asyncio.Task[Interpreter]] = {}
+        # Starts handing a warm kernel their workspace, with the kernel's slot (out of the
+        # pool meanwhile, still the kernel's: in use).
+        self._adopting: dict[Key, str] = {}
         self._ended: OrderedDict[Key, str] = OrderedDict()
         self._warm: dict[str, list[tuple[SandboxedKernel, Path]]] = {}
         self._refills: set[asyncio.Task[None]] = set()
@@ -140,8 +143,11 @@ class InterpreterManager:
     def _busy_workspaces(self) -> set[str]:
         """Workspaces an interpreter (or a pooled one) runs in: not to unmount or remove."""
         names = {workspace_name(owner) for owner, _ in self._interpreters}
-        names |= {workspace_name(owner) for owner, _ in self._starting}
+        # (A start adopting a warm kernel is not a user of its own workspace: adopt checks that
+        # nothing else uses it. Another language's start for the same session is one.)
+        names |= {workspace_name(key[0]) for key in self._starting if key not in self._adopting}
         names |= {slot.name for pool in self._warm.values() for _, slot in pool}
+        names |= set(self._adopting.values())
         return names
 
     async def aclose(self) -> None:
@@ -289,14 +295,14 @@ class InterpreterManager:
         backend = self.manager.backend
         name = workspace_name(owner)
         # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel.
-        kernel = await self._adopt_warm(spec, name) if limits == self.manager.limits else None
+        kernel = await self._adopt_warm(spec, owner) if limits == self.manager.limits else None
         warm = kernel is not None
         if kernel is not None:
             self.metrics.interpreter_events.labels(language, "warm_hit").inc()
         else:
             if self.settings.warm_interpreters().get(language):
                 self.metrics.interpreter_events.labels(language, "warm_miss").inc()
-            workspace, _ = await self.manager.workspaces.ensure(name)
+            workspace, _ = await self.manager.workspaces.ensure(name, owner.principal)
             kernel = SandboxedKernel(
                 backend, spec, workspace, limits, self.kernels_root,
                 egress=self.manager.egress_of(limits), on_dropped=self._dropped,
@@ -323,22 +329,28 @@ class InterpreterManager:
             logger.info("network denied host={} port={} reason={} (between calls)", host, port,
                         reason)  # fmt: skip
 
-    async def _adopt_warm(self, spec: KernelSpec, name: str) -> SandboxedKernel | None:
+    async def _adopt_warm(self, spec: KernelSpec, owner: Owner) -> SandboxedKernel | None:
         """A pooled kernel, made this owner's by turning its slot workspace into the owner's:
-        only for a session whose workspace is empty (a new session)."""
+        only for a session whose workspace is empty (a new session) and that nothing uses
+        (no execution, other interpreter, file operation or sandbox waiting in it)."""
         pool = self._warm.get(spec.language)
         workspaces = self.manager.workspaces
+        name = workspace_name(owner)
+        key = (owner, spec.language)
         while pool:
             kernel, slot = pool.pop()
             self._refill(spec.language)
             if not kernel.alive or kernel.egress_lost:  # (dead, or its proxy socket died)
                 asyncio.get_running_loop().create_task(kernel.stop())
                 continue
+            self._adopting[key] = slot.name
             try:
-                adopted = await workspaces.adopt(slot.name, name)
+                adopted = await workspaces.adopt(slot.name, name, owner.principal)
             except (OSError, SandboxRuntimeError) as exc:
                 logger.warning("could not hand a warm interpreter its workspace: {}", exc)
                 adopted = False
+            finally:
+                self._adopting.pop(key, None)
             if not adopted:
                 pool.append((kernel, slot))
                 return None

@@ -371,7 +371,7 @@ class Router:
         if self.manager.backend.unavailable_reason is not None:
             return self.manager.workspaces.exists(name)
         try:
-            return (await self.manager.workspaces.ensure(name))[1]
+            return (await self.manager.workspaces.ensure(name, owner.principal))[1]
         except SandboxRuntimeError:  # the operation itself says why
             return self.manager.workspaces.exists(name)
 
