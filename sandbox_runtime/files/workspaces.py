@@ -242,10 +242,13 @@ class WorkspaceStore:
             lock = self._locks[name] = asyncio.Lock()
         return lock
 
-    async def ensure(self, name: str, principal: str | None = None) -> tuple[Path, bool]:
+    async def ensure(
+        self, name: str, principal: str | None = None, *, ahead: bool = False
+    ) -> tuple[Path, bool]:
         """The workspace, made and mounted if needed, and whether it existed before; marks
         it used. A mount counts against the caps of the replica and of `principal` (None: a
-        warm interpreter's slot, the replica's cap only).
+        warm interpreter's slot, the replica's cap only). `ahead`: made ready ahead of an
+        operation, which reports (and counts) a refusal itself.
 
         Raises InvalidRequestError, SandboxSpawnError (it cannot be made), LimitExceededError
         (a mount cap is reached and every mounted workspace in its scope is in use).
@@ -262,7 +265,7 @@ class WorkspaceStore:
                 return self.path(name), True
             mounting = self._needs_mount(name)
             if mounting:
-                await self._make_room(principal, host=True)
+                await self._make_room(principal, host=True, count=not ahead)
                 self._principals[name] = principal  # (counted from now: no await since)
             try:
                 await asyncio.to_thread(self._ensure_sync, name)
@@ -294,7 +297,7 @@ class WorkspaceStore:
         slots = sum(1 for p in self._principals.values() if p is None)
         return {"session": len(self._principals) - slots, "slot": slots}
 
-    async def _make_room(self, principal: str | None, *, host: bool) -> None:
+    async def _make_room(self, principal: str | None, *, host: bool, count: bool = True) -> None:
         """Unmount least recently used idle workspaces until one more mount of `principal`
         fits under the caps (the replica's too if `host`). A warm slot (principal None) never
         unmounts a session's workspace. The caller holds the lock of the name it mounts.
@@ -314,7 +317,7 @@ class WorkspaceStore:
             if principal is not None:
                 victim = self._least_recently_used(principal if over_mine else None, tried)
             if victim is None:
-                self._refuse(principal, over_mine)
+                self._refuse(over_mine, count)
             assert victim is not None
             tried.add(victim)
             if await self._unmount(victim):
@@ -338,10 +341,10 @@ class WorkspaceStore:
             return None
         return min(candidates, key=lambda n: (n in standby, self._ready.get(n, 0.0)))
 
-    def _refuse(self, principal: str | None, mine: bool) -> None:
+    def _refuse(self, mine: bool, count: bool) -> None:
+        for hook in self.on_refused if count else ():
+            hook("principal_mounted_workspaces" if mine else "mounted_workspaces")
         if mine:
-            for hook in self.on_refused:
-                hook("principal_mounted_workspaces")
             raise LimitExceededError(
                 f"this token has its maximum of {self.max_mounted_per_principal} session "
                 "workspaces mounted on this replica (SANDBOX_MAX_MOUNTED_WORKSPACES_PER_PRINCIPAL)"
@@ -349,8 +352,6 @@ class WorkspaceStore:
                 "wait for one to finish, restart_interpreter or stop work in a session you no "
                 "longer need, or reuse a session; idle workspaces are unmounted to make room"
             )
-        for hook in self.on_refused:
-            hook("mounted_workspaces")
         raise LimitExceededError(
             f"this replica has its maximum of {self.max_mounted} workspaces mounted "
             "(SANDBOX_MAX_MOUNTED_WORKSPACES) and every one is in use: retry later (idle "
@@ -487,7 +488,7 @@ class WorkspaceStore:
             try:
                 if name not in self._principals:  # (a mount more for `principal`)
                     try:
-                        await self._make_room(principal, host=False)
+                        await self._make_room(principal, host=False, count=False)
                     except LimitExceededError:
                         return False
                 for hook in self.before_release:  # (an empty `name` is replaced)

@@ -96,6 +96,9 @@ class Router:
             * RECORD_LIFE_FACTOR
         )
         self._owed: dict[str, SessionReset] = {}  # resets not yet told to a caller
+        # Sessions claimed here whose workspace a mount cap kept from being made: its first
+        # making is no reset.
+        self._unmade: set[str] = set()
         self._peers_seen = False  # another replica's heartbeat was seen (with a store)
         self._background: set[asyncio.Task[None]] = set()
         # session key -> (home, owner) as last placed: for a Redis outage, and for publishing
@@ -283,7 +286,12 @@ class Router:
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the
         retention period, or this replica came back without its state directory)."""
-        if await self._ensure_workspace(owner):
+        existed = await self._ensure_workspace(owner)
+        key = session_key(owner.principal, owner.session_id)
+        if existed is None:
+            return None  # (not mounted now: no verdict yet)
+        if existed or key in self._unmade:
+            self._unmade.discard(key)
             return None
         self.metrics.sessions.labels("workspace_removed").inc()
         return SessionReset(reason="workspace_removed", previous_replica=self.replica_id)
@@ -346,7 +354,10 @@ class Router:
         if outcome != "claimed":
             return None
         if previous is None:
-            await self._ensure_workspace(owner)
+            if await self._ensure_workspace(owner) is None:
+                if len(self._unmade) > 100_000:  # (forgetting one costs a false reset)
+                    self._unmade.clear()
+                self._unmade.add(session_key(owner.principal, owner.session_id))
             self.metrics.sessions.labels("created").inc()
             return Placement(True, self.replica_id)
         # A fresh workspace: whatever this replica kept from an earlier stay is stale.
@@ -365,13 +376,16 @@ class Router:
             reset=SessionReset(reason=reason, previous_replica=previous.home),  # type: ignore[arg-type]
         )
 
-    async def _ensure_workspace(self, owner: Owner) -> bool:
-        """Whether the owner's workspace was already there (it is now, if it can be)."""
+    async def _ensure_workspace(self, owner: Owner) -> bool | None:
+        """Whether the owner's workspace was already there (it is now, if it can be); None
+        when a mount cap keeps it from being mounted now."""
         name = workspace_name(owner)
         if self.manager.backend.unavailable_reason is not None:
             return self.manager.workspaces.exists(name)
         try:
-            return (await self.manager.workspaces.ensure(name, owner.principal))[1]
+            return (await self.manager.workspaces.ensure(name, owner.principal, ahead=True))[1]
+        except LimitExceededError:  # (a mount cap: the operation itself says so)
+            return None
         except SandboxRuntimeError:  # the operation itself says why
             return self.manager.workspaces.exists(name)
 
