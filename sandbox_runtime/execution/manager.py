@@ -132,6 +132,7 @@ class ExecutionManager:
         self._running: dict[str, Execution] = {}
         self._reserved = 0
         self._per_owner: dict[Owner, int] = {}
+        self._spawning: dict[Owner, int] = {}  # executions between workspace and _running
         self._accepting = False
         self._evictor: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
@@ -184,9 +185,14 @@ class ExecutionManager:
             except SandboxUnavailableError as exc:
                 self.backend.unavailable_reason = str(exc)
                 logger.error("sandbox unavailable: {}", exc)
-        # An owner's workspace is in use from the moment one of its executions takes its slot
-        # (before its sandbox starts) until it has ended: nothing may replace or unmount it.
-        self.workspaces.busy.append(lambda: {workspace_name(o) for o in self._per_owner})
+        # An owner's workspace is in use from the moment an execution asks for it (before its
+        # sandbox starts) until the execution has ended: nothing may replace or unmount it.
+        self.workspaces.busy.append(
+            lambda: (
+                {workspace_name(e.owner) for e in self._running.values() if not e.finished.is_set()}
+                | {workspace_name(owner) for owner in self._spawning}
+            )
+        )
         # (A sandbox waiting in a workspace does not keep it: it is ended before the workspace
         # is unmounted or removed; but no warm interpreter takes it over.)
         self.workspaces.standby.append(self.pool.workspaces)
@@ -379,6 +385,7 @@ class ExecutionManager:
         execution = Execution(info, owner, limits.output_bytes)
         execution.listeners.extend(self.listeners)
         spawn_started = time.perf_counter()
+        self._spawning[owner] = self._spawning.get(owner, 0) + 1  # (no await since: see busy)
         try:
             workspace, _ = await self.workspaces.ensure(workspace_name(owner), owner.principal)
             process = await self.pool.spawn(
@@ -400,6 +407,12 @@ class ExecutionManager:
             for hook in self.on_finished:
                 hook(execution)
             raise
+        finally:  # (in _running below before any await)
+            left = self._spawning[owner] - 1
+            if left:
+                self._spawning[owner] = left
+            else:
+                del self._spawning[owner]
         self.metrics.spawn.observe(time.perf_counter() - spawn_started)
         self.metrics.started.inc()
         self._reserved -= 1

@@ -484,13 +484,15 @@ class WorkspaceStore:
             if name in self._in_use() or name in self._standing_by():
                 return False
             last_used = self._ready.pop(name, None)  # (from here, new users wait for the lock)
-            adopted = False
+            adopted = reserved = False
             try:
                 if name not in self._principals:  # (a mount more for `principal`)
                     try:
                         await self._make_room(principal, host=False, count=False)
                     except LimitExceededError:
                         return False
+                    self._principals[name] = principal  # (counted from now)
+                    reserved = True
                 for hook in self.before_release:  # (an empty `name` is replaced)
                     await hook(name)
                 if name in self._in_use() or name in self._standing_by():
@@ -500,6 +502,8 @@ class WorkspaceStore:
             finally:
                 if not adopted and last_used is not None and name not in self._ready:
                     self._ready[name] = last_used
+                if not adopted and reserved and name not in self._mounted:
+                    self._principals.pop(name, None)
 
     def _standing_by(self) -> set[str]:
         names: set[str] = set()

@@ -374,7 +374,9 @@ class InterpreterManager:
         started = time.monotonic()
         backend = self.manager.backend
         try:
-            slot, _ = await self.manager.workspaces.ensure(f"{SLOT_PREFIX}{secrets.token_hex(8)}")
+            slot, _ = await self.manager.workspaces.ensure(
+                f"{SLOT_PREFIX}{secrets.token_hex(8)}", ahead=True
+            )  # (at the replica's mount cap: no warm one, and no refusal counted)
         except SandboxRuntimeError as exc:
             logger.warning("no workspace for a warm {} interpreter: {}", language, exc)
             return
