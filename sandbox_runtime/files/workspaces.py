@@ -486,7 +486,7 @@ class WorkspaceStore:
             last_used = self._ready.pop(name, None)  # (from here, new users wait for the lock)
             adopted = reserved = False
             try:
-                if name not in self._principals:  # (a mount more for `principal`)
+                if self.mode == "image" and name not in self._principals:  # (a mount more)
                     try:
                         await self._make_room(principal, host=False, count=False)
                     except LimitExceededError:
@@ -628,7 +628,7 @@ class WorkspaceStore:
             try:
                 for hook in self.before_release:
                     await hook(name)
-                if name in self._in_use():  # (started during the hooks, before `del`)
+                if name in self._in_use():  # (a call came meanwhile: it waits for the lock)
                     return False
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread(_umount, self.path(name))
