@@ -116,6 +116,8 @@ class InterpreterManager:
         # Starts handing a warm kernel their workspace, with the kernel's slot (out of the
         # pool meanwhile, still the kernel's: in use).
         self._adopting: dict[Key, str] = {}
+        # Kernels being stopped, with their workspace: still holding it until they are gone.
+        self._stopping: dict[asyncio.Task[None], str] = {}
         self._ended: OrderedDict[Key, str] = OrderedDict()
         self._warm: dict[str, list[tuple[SandboxedKernel, Path]]] = {}
         self._refills: set[asyncio.Task[None]] = set()
@@ -148,6 +150,7 @@ class InterpreterManager:
         names |= {workspace_name(key[0]) for key in self._starting if key not in self._adopting}
         names |= {slot.name for pool in self._warm.values() for _, slot in pool}
         names |= set(self._adopting.values())
+        names |= set(self._stopping.values())
         return names
 
     async def aclose(self) -> None:
@@ -270,7 +273,9 @@ class InterpreterManager:
         while len(self._ended) > ENDED_REMEMBERED:
             self._ended.popitem(last=False)
         if interpreter is not None:
-            asyncio.get_running_loop().create_task(interpreter.kernel.stop())
+            task = asyncio.get_running_loop().create_task(interpreter.kernel.stop())
+            self._stopping[task] = workspace_name(key[0])
+            task.add_done_callback(lambda done: self._stopping.pop(done, None))
 
     async def _start(
         self, owner: Owner, language: str, limits: SandboxLimits | None = None
