@@ -180,6 +180,16 @@ class ServerProcess:
         body: dict[str, Any] = resp.json()
         return body
 
+    def metric(self, token: str, prefix: str, *labels: str) -> float:
+        """The first /metrics sample starting with `prefix` and holding every label text (0
+        when there is none)."""
+        auth = {"Authorization": f"Bearer {token}"}
+        text = httpx2.get(f"{self.base_url}/metrics", headers=auth, timeout=5).text
+        for line in text.splitlines():
+            if line.startswith(prefix) and all(label in line for label in labels):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
     def descendants(self) -> list[tuple[int, str]]:
         """Every live process below the server: (pid, start time) pairs, for later checks."""
         return [(pid, proc_start_time(pid) or "") for pid in process_tree(self.pid)]

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import pytest
 from mcp_harness import (
     Conn,
@@ -298,13 +297,7 @@ def proxy_pids(server: ServerProcess) -> list[int]:
 
 
 def metric(server: ServerProcess, prefix: str, *labels: str) -> float:
-    """The first /metrics sample starting with `prefix` and holding every label text."""
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    text = httpx2.get(f"{server.base_url}/metrics", headers=auth, timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(prefix) and all(label in line for label in labels):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return server.metric(TOKEN, prefix, *labels)
 
 
 def warm_kernels(server: ServerProcess) -> int:

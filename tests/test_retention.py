@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from mcp_harness import traversable_by_others
@@ -19,24 +21,30 @@ from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager, 
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-async def manager(tmp_path: Path) -> AsyncIterator[ExecutionManager]:
+@contextlib.asynccontextmanager
+async def started_manager(tmp_path: Path, **settings: Any) -> AsyncIterator[ExecutionManager]:
+    """A started manager of its own state dir (600 s retentions unless `settings` say)."""
     traversable_by_others(tmp_path)
-    settings = Settings(
-        state_dir=tmp_path / "state",
-        replica_id=f"ret-{uuid.uuid4().hex[:6]}",
-        max_retained=5,
-        retention_seconds=600,
-        workspace_retention_seconds=600,
-        _env_file=None,  # type: ignore[call-arg]
+    mgr = ExecutionManager(
+        Settings(
+            state_dir=tmp_path / "state",
+            replica_id=f"ret-{uuid.uuid4().hex[:6]}",
+            **{"retention_seconds": 600, "workspace_retention_seconds": 600, **settings},
+            _env_file=None,  # type: ignore[call-arg]
+        )
     )
-    mgr = ExecutionManager(settings)
     await mgr.start()
     assert mgr.backend.unavailable_reason is None, mgr.backend.unavailable_reason
     try:
         yield mgr
     finally:
         await mgr.shutdown()
+
+
+@pytest.fixture
+async def manager(tmp_path: Path) -> AsyncIterator[ExecutionManager]:
+    async with started_manager(tmp_path, max_retained=5) as mgr:
+        yield mgr
 
 
 async def run(mgr: ExecutionManager, owner: Owner, command: str) -> str:
@@ -84,17 +92,7 @@ async def test_idle_workspace_is_removed_only_after_the_retention(
 async def test_retained_output_is_bounded_in_bytes_and_per_principal(tmp_path: Path) -> None:
     """Finished executions that each keep their full output limit cannot add up past
     SANDBOX_RETAINED_OUTPUT_MB; a principal keeps at most half of it, oldest evicted first."""
-    traversable_by_others(tmp_path)
-    settings = Settings(
-        state_dir=tmp_path / "state",
-        replica_id=f"ret-{uuid.uuid4().hex[:6]}",
-        retained_output_mb=4,
-        retention_seconds=600,
-        _env_file=None,  # type: ignore[call-arg]
-    )
-    mgr = ExecutionManager(settings)
-    await mgr.start()
-    try:
+    async with started_manager(tmp_path, retained_output_mb=4) as mgr:
         bob, alice = Owner("bob", "default"), Owner("alice", "default")
         big = "head -c 1500000 /dev/zero | tr '\\0' x"
         kept = await run(mgr, bob, big)
@@ -107,5 +105,3 @@ async def test_retained_output_is_bounded_in_bytes_and_per_principal(tmp_path: P
                 await mgr.status(alice, old)
         held = sum(e.retained_bytes for e in mgr._executions.values())
         assert 3_000_000 <= held <= 4 * 1024 * 1024
-    finally:
-        await mgr.shutdown()

@@ -12,7 +12,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import httpx2
 import pytest
 from mcp_harness import Conn, ServerProcess, eventually, open_client, running_server
 
@@ -37,13 +36,7 @@ def session() -> str:
 
 
 def metric(server: ServerProcess, prefix: str, *labels: str) -> float:
-    """The first /metrics sample starting with `prefix` and holding every label text."""
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    text = httpx2.get(f"{server.base_url}/metrics", headers=auth, timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(prefix) and all(label in line for label in labels):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return server.metric(TOKEN, prefix, *labels)
 
 
 def warm_hits(server: ServerProcess, language: str = "python") -> float:
