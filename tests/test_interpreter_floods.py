@@ -212,11 +212,21 @@ async def test_big_messages_on_the_shell_and_stdin_channels_are_bounded(
     async with open_client(server.url, TOKEN, "auto") as conn:
         flood = asyncio.ensure_future(conn.call("run_code", code=code, session=s))
         await bounded_while_flooding(server, baseline, 5.0)
-        await asyncio.wait_for(flood, 60)  # it ends (how is the flood's business)
-        # The server read the flood (and dropped what it could not use)...
-        unsolicited = dropped(server, "unsolicited")
-        over = dropped(server, "over_bound")
-        assert unsolicited + over - dropped_before > 100 * 2**20
+        result = await asyncio.wait_for(flood, 60)  # it ends (how is the flood's business)
+        assert result.structured_content is not None
+        execution_id = result.structured_content["execution_id"]
+        # The server read the flood: what it did not drop became bounded input requests.
+        prompts: list[str] = []
+        after_seq, more = 0, True
+        while more:
+            page = await conn.ok(
+                "get_execution_output", execution_id=execution_id, after=after_seq, session=s
+            )
+            prompts += [e["prompt"] for e in page["events"] if e["type"] == "input_request"]
+            after_seq, more = page["next_cursor"], page["has_more"]
+        assert all(len(prompt) <= 8192 + 6 for prompt in prompts)
+        read = dropped(server, "unsolicited") + dropped(server, "over_bound") - dropped_before
+        assert read + len(prompts) * 4_000_000 > 100 * 2**20, (read, len(prompts))
         # ...and the session still has a working interpreter: the rest of a flood that
         # outlived its call may get the kernel stopped under the next call, which says so.
         after = await conn.call("run_code", code="print(3)", session=s)
