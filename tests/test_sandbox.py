@@ -170,10 +170,13 @@ def with_marker(marker: str, *, bwrap: bool = True) -> list[int]:
 
 def zombie_children(parent: int | None = None, mine: set[int | None] | None = None) -> list[int]:
     """Zombies of `parent` (default: this process). For this process, with `mine` (the pids of
-    the backend's spawners): orphans of other tests' servers re-parented here are reaped first
-    (a backend made this process a subreaper; a killed server's spawner ends up here)."""
+    the backend's spawners), only the sandbox user's count (everything a backend starts runs
+    as that user), and orphans of other tests' servers re-parented here are reaped first: a
+    backend made this process a subreaper, so a killed server's spawner, or the browser of a
+    console test, ends up here."""
+    uid = str(pwd.getpwnam("srt-sandbox").pw_uid)
     if parent is None and mine is not None:
-        reap_orphaned_zombies(str(pwd.getpwnam("srt-sandbox").pw_uid), mine)
+        reap_orphaned_zombies(uid, mine)
     me = str(os.getpid() if parent is None else parent)
     out = []
     for pid in host_pids():
@@ -181,7 +184,8 @@ def zombie_children(parent: int | None = None, mine: set[int | None] | None = No
         # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'
         fields = stat[stat.rfind(")") + 2 :].split()
         if len(fields) >= 2 and fields[0] == "Z" and fields[1] == me:
-            out.append(pid)
+            if mine is None or uid in (status_field(pid, "Uid") or "").split():
+                out.append(pid)
     return out
 
 
