@@ -199,6 +199,79 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
         doomed.kill()
 
 
+async def test_replica_killed_and_restarted_at_once_under_its_id_loses_its_executions(
+    tmp_path: Path, redis_server: RedisServer, pair: tuple[ServerProcess, ServerProcess]
+) -> None:
+    """SIGKILL, then the same replica id starts again before its heartbeat expires: the dead
+    process's running execution reads `lost`, with its output, on the restarted replica and on
+    another, within the heartbeat window; Redis says so without any read; cancel finds it."""
+    _, b = pair
+    replica_id = f"rfast-{uuid.uuid4().hex[:6]}"
+    fast = replica(tmp_path, redis_server, replica_id).start()
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    marker = f"marker-{uuid.uuid4().hex}"
+    try:
+        async with open_client(fast.url, TOKEN, "auto") as on_fast:
+            started = await on_fast.ok(
+                "execute_code_async",
+                command=f"for i in $(seq 1 20); do echo out$i; done; sh -c 'sleep 1000;:' {marker}",
+                session=session,
+            )
+            execution_id = started["execution_id"]
+            await eventually(
+                lambda: _count_stdout(redis_server, execution_id, 20), 10, "output mirrored"
+            )
+        fast.kill()
+        restarted_at = time.monotonic()
+        fast.start()  # same id, same state dir, same port; its heartbeat has not expired
+        window = 3 + 2  # SANDBOX_HEARTBEAT_TTL, and a margin for a loaded machine
+
+        def stored_status() -> str:
+            return str(
+                json.loads(redis_server.cli_raw("get", f"execution:{execution_id}"))["status"]
+            )
+
+        await eventually(lambda: stored_status() == "lost", window, "the store to say lost")
+        async with (
+            open_client(fast.url, TOKEN, "auto") as on_fast,
+            open_client(b.url, TOKEN, "auto") as on_b,
+        ):
+            for conn in (on_fast, on_b):
+                text, page = await all_output(conn, execution_id, session)
+                assert text == "".join(f"out{i}\n" for i in range(1, 21))
+                assert page["status"] == "lost", page
+                waited = await conn.ok(
+                    "get_execution_output",
+                    execution_id=execution_id,
+                    after=page["next_cursor"],
+                    wait=True,
+                    session=session,
+                )
+                assert waited["status"] == "lost"
+                cancelled = await conn.ok(
+                    "cancel_execution", execution_id=execution_id, session=session
+                )
+                assert cancelled["already_finished"] is True, cancelled
+            assert time.monotonic() - restarted_at < window + 10
+            # The restarted process's own executions are alive, and read so from B.
+            now = await on_fast.ok(
+                "execute_code_async", command="sleep 30", session=f"{session}-new"
+            )
+            await asyncio.sleep(0.5)
+            info = await on_b.ok(
+                "get_execution_status",
+                execution_id=now["execution_id"],
+                session=f"{session}-new",
+            )
+            assert info["status"] == "running", info
+            await on_fast.ok(
+                "cancel_execution", execution_id=now["execution_id"], session=f"{session}-new"
+            )
+        await eventually(lambda: not processes_with(marker), 10, "the dead process's sandbox gone")
+    finally:
+        fast.kill()
+
+
 def session_home(redis: RedisServer, session: str) -> str:
     """The home replica in a session's record in Redis (empty: no record)."""
     return redis.cli_raw("hget", f"session:default:s:{session}:home", "home").strip()

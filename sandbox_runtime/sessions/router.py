@@ -116,7 +116,33 @@ class Router:
     def start(self) -> None:
         if self.control is not None:
             self.control.start()
-        self._renewer = asyncio.get_running_loop().create_task(self._renew_forever())
+        loop = asyncio.get_running_loop()
+        self._renewer = loop.create_task(self._renew_forever())
+        if self.manager.mirror is not None:
+            task = loop.create_task(self._sweep_earlier_incarnations(self.manager.mirror.beaten))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _sweep_earlier_incarnations(self, beaten: asyncio.Event) -> None:
+        """Once this process's heartbeat has replaced an earlier one's (same replica id),
+        mark that process's running executions lost (retried until done)."""
+        await beaten.wait()
+        backoff = 0.2
+        while True:
+            try:
+                lost = await self.executions.mark_previous_incarnations_lost()
+            except Exception as exc:  # the store failed: retry shortly
+                logger.warning("marking an earlier process's executions lost: {}", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            if lost:
+                logger.warning(
+                    "{} executions of this replica's previous process were left running: "
+                    "marked lost",
+                    lost,
+                )
+            return
 
     async def aclose(self) -> None:
         for task in list(self._background):

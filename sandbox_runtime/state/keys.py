@@ -33,6 +33,11 @@ class Keys:
         """string: a replica's heartbeat JSON; short TTL."""
         return f"{self.prefix}replica:{replica_id}"
 
+    def replica_running(self, replica_id: str) -> str:
+        """set: ids of the executions a replica's processes have mirrored as not finished
+        (a restarted replica marks its previous incarnation's lost from it)."""
+        return f"{self.prefix}replica:{replica_id}:running"
+
     def control(self, replica_id: str) -> str:
         """list: control requests (stdin, cancel) for the replica that owns the execution."""
         return f"{self.prefix}replica:{replica_id}:control"

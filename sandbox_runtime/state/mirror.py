@@ -62,6 +62,8 @@ class Mirror:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._reached = False  # a heartbeat or write of ours reached the store once
+        # Set once this process's heartbeat is in the store (it replaced an earlier process's).
+        self.beaten = asyncio.Event()
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -242,6 +244,7 @@ class Mirror:
                     )
                 self._reached = True
                 self._set_connected(True)
+                self.beaten.set()
                 if self._dirty:
                     self._wake.set()
             except Exception as exc:  # Redis down: keep serving, retry next beat
