@@ -444,3 +444,108 @@ async def test_ttls_are_set_and_refreshed_by_reads(
         )
         assert heartbeat["replica_id"] == a.settings["SANDBOX_REPLICA_ID"]
         assert 0 < int(redis_server.cli_raw("ttl", f"replica:{heartbeat['replica_id']}")) <= 3
+
+
+class Ledger:
+    """The writes acknowledged for one session (a session_reset forgets the earlier ones)."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.files: dict[str, str] = {}
+        self.resets: list[dict[str, Any]] = []
+
+    async def write(self, conn: Conn, name: str) -> bool:
+        """Write `name`; whether it was acknowledged. A refusal must say to retry."""
+        content = f"{name} {uuid.uuid4().hex}\n"
+        result = await conn.call("write_file", path=name, content=content, session=self.session)
+        if result.is_error:
+            assert "retry" in error_text(result), error_text(result)
+            return False
+        body = result.structured_content or {}
+        if body.get("session_reset"):
+            self.resets.append(body["session_reset"])
+            self.files.clear()
+        self.files[name] = content
+        return True
+
+    async def write_until_acknowledged(self, conn: Conn, name: str, within: float) -> None:
+        await eventually(lambda: self.write(conn, name), within, f"{name} written", 0.2)
+
+    async def check(self, *conns: Conn) -> None:
+        """Every acknowledged write reads back, identical, through every replica."""
+        for conn in conns:
+            listed = await conn.ok("list_files", session=self.session)
+            names = {e["path"].rsplit("/", 1)[-1] for e in listed["entries"]}
+            assert set(self.files) <= names, (sorted(self.files), sorted(names))
+            for name, content in self.files.items():
+                got = await conn.ok("read_file", path=name, session=self.session)
+                assert got["content"] == content, name
+                assert got.get("session_reset") is None, got
+
+
+@pytest.fixture
+def restart_pair(tmp_path: Path) -> Iterator[tuple[RedisServer, ServerProcess, ServerProcess]]:
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    a = replica(tmp_path, redis, f"rea-{uuid.uuid4().hex[:6]}").start()
+    b = replica(tmp_path, redis, f"reb-{uuid.uuid4().hex[:6]}").start()
+    try:
+        yield redis, a, b
+    finally:
+        stop_all(stop_if_running(a), stop_if_running(b), redis.stop)
+
+
+async def test_redis_restarted_empty_never_starts_a_session_afresh_on_another_replica(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """A homes a session with a file; Redis restarts empty; a write through B at once waits
+    for A to publish the session's record again and lands on A: no second home, nothing
+    lost, no reset. A new session through B right after the restart starts once the
+    replicas have published what they hold."""
+    redis, a, b = restart_pair
+    a_id = a.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with (
+        open_client(a.url, TOKEN, "auto") as on_a,
+        open_client(b.url, TOKEN, "auto") as on_b,
+    ):
+        assert await ledger.write(on_a, "f.txt")
+        await asyncio.to_thread(redis.stop)
+        await asyncio.to_thread(redis.start)
+        await ledger.write_until_acknowledged(on_b, "g.txt", 3 + 5)
+        fresh = await on_b.ok("write_file", path="n.txt", content="new", session="brand-new")
+        assert fresh.get("session_reset") is None
+        await ledger.check(on_a, on_b)
+        assert ledger.resets == []
+        assert session_home(redis, ledger.session) == a_id
+
+
+async def test_redis_restarted_empty_twice_in_quick_succession_never_makes_two_homes(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """The second outage comes ~0.1 s after the first restart, while a write through B is on
+    its way: during it only the home (A) takes writes, B refuses with a retry; when Redis is
+    back (empty again) every acknowledged write reads back through both replicas, with no
+    reset, and the session is still A's."""
+    redis, a, b = restart_pair
+    a_id = a.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with (
+        open_client(a.url, TOKEN, "auto") as on_a,
+        open_client(b.url, TOKEN, "auto") as on_b,
+    ):
+        assert await ledger.write(on_a, "f.txt")
+        await asyncio.to_thread(redis.stop)
+        await asyncio.to_thread(redis.start)
+        in_the_gap = asyncio.create_task(ledger.write(on_b, "gap.txt"))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(redis.stop)
+        await in_the_gap  # acknowledged (through A) or refused: either way the truth
+        assert await ledger.write(on_a, "a-during.txt"), "the home keeps its session"
+        assert not await ledger.write(on_b, "b-during.txt"), "B is no home for it"
+        await asyncio.to_thread(redis.start)
+        await ledger.write_until_acknowledged(on_b, "b-after.txt", 3 + 5)
+        assert await ledger.write(on_a, "a-after.txt")
+        await ledger.check(on_a, on_b)
+        assert ledger.resets == []
+        assert session_home(redis, ledger.session) == a_id

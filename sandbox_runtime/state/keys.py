@@ -64,6 +64,12 @@ class Keys:
         expires (renewed by the replica running them; a dead replica's lapse)."""
         return f"{self.prefix}principal:{principal}:running"
 
+    def store_epoch(self) -> str:
+        """hash: this store's epoch (`id`, `created_at` in the store's clock, `restarted`),
+        made by the first replica that finds it missing: a new id means the store lost its
+        data (Redis restarted empty) and the session records with it. No TTL."""
+        return f"{self.prefix}store:epoch"
+
     def replicas(self) -> str:
         """sorted set: replica ids, scored by when their heartbeat expires."""
         return f"{self.prefix}replicas"
