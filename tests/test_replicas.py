@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -549,3 +551,39 @@ async def test_redis_restarted_empty_twice_in_quick_succession_never_makes_two_h
         await ledger.check(on_a, on_b)
         assert ledger.resets == []
         assert session_home(redis, ledger.session) == a_id
+
+
+async def test_a_home_that_could_not_publish_in_time_makes_its_sessions_next_call_say_so(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """A is frozen (SIGSTOP) across a Redis restart: after a heartbeat TTL B starts the session
+    afresh (nobody could tell it existed). When A comes back it finds the session homed on B
+    and does not take it back; the session's next call says session_reset store_lost, naming
+    A, and A forwards to B from then on: one home."""
+    redis, a, b = restart_pair
+    a_id, b_id = a.settings["SANDBOX_REPLICA_ID"], b.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with open_client(b.url, TOKEN, "auto") as on_b:
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            assert await ledger.write(on_a, "f.txt")
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            await asyncio.to_thread(redis.stop)
+            await asyncio.to_thread(redis.start)
+            await ledger.write_until_acknowledged(on_b, "g.txt", 3 + 5)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        assert session_home(redis, ledger.session) == b_id
+
+        async def told() -> dict[str, Any] | None:
+            listed = await on_b.ok("list_files", session=ledger.session)
+            return listed.get("session_reset")
+
+        reset = await eventually(told, 15, "the session's next call to say it started afresh")
+        assert reset == {"reason": "store_lost", "previous_replica": a_id}
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            listed = await on_a.ok("list_files", session=ledger.session)
+            names = {e["path"].rsplit("/", 1)[-1] for e in listed["entries"]}
+            assert "g.txt" in names and "f.txt" not in names, names
+            assert listed.get("session_reset") is None
+        assert session_home(redis, ledger.session) == b_id

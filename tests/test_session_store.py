@@ -430,3 +430,21 @@ async def test_redis_restarted_empty_begins_a_new_epoch_that_says_so(
         assert int(redis_server.cli_raw("ttl", "store:epoch")) == -1
     finally:
         await client.aclose()
+
+
+async def test_a_reset_owed_to_a_fresh_start_is_told_once_by_its_home(store: SessionStore) -> None:
+    """A replica that held a session's state finds it started afresh elsewhere (the store
+    lost its record): the new home's next lookup takes the reset, once; a session re-homed
+    from a record (generation 2) or homed elsewhere is not marked."""
+    record = make_record(home="r2")
+    assert await store.claim(record, None, 10, TTL) == "claimed"
+    assert not await store.owe_reset(record.key, "r3", "store_lost", "r1")
+    assert await store.owe_reset(record.key, "r2", "store_lost", "r1")
+    assert (await look(store, record, "r1")).record.reset_from == "r1"  # type: ignore[union-attr]
+    taken = (await look(store, record, "r2")).record
+    assert taken is not None and (taken.reset_reason, taken.reset_from) == ("store_lost", "r1")
+    again = (await look(store, record, "r2")).record
+    assert again is not None and again.reset_reason is None and again.reset_from is None
+    moved = make_record(home="r4", generation=2)
+    assert await store.claim(moved, 1, 10, TTL, previous_home="r2") == "claimed"
+    assert not await store.owe_reset(record.key, "r4", "store_lost", "r1")

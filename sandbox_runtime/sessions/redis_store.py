@@ -14,7 +14,8 @@ from sandbox_runtime.state.keys import Keys
 
 # KEYS: record, principal's sessions, this replica's sessions. ARGV: me, now, ttl, heartbeat
 # key prefix, session key. The active home refreshes the record (and the sets that find it)
-# in the same round trip; anyone else gets the home's heartbeat with it (nil: not alive).
+# in the same round trip, and takes a reset owed to the session's next call; anyone else
+# gets the home's heartbeat with it (nil: not alive).
 LOOKUP_SCRIPT = """
 local f = redis.call('HMGET', KEYS[1], 'home', 'state')
 if not f[1] then return false end
@@ -25,7 +26,9 @@ if f[1] == ARGV[1] and f[2] == 'active' then
   redis.call('EXPIRE', KEYS[2], ARGV[3])
   redis.call('SADD', KEYS[3], ARGV[5])
   redis.call('EXPIRE', KEYS[3], ARGV[3])
-  return {redis.call('HGETALL', KEYS[1]), 1, false}
+  local found = redis.call('HGETALL', KEYS[1])
+  redis.call('HDEL', KEYS[1], 'reset_reason', 'reset_from')
+  return {found, 1, false}
 end
 return {redis.call('HGETALL', KEYS[1]), 0, redis.call('GET', ARGV[4] .. f[1])}
 """
@@ -52,6 +55,16 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 return 'claimed'
+"""
+
+# KEYS: record. ARGV: home, reason, previous home. Only on a first generation (started afresh).
+OWE_RESET_SCRIPT = """
+local f = redis.call('HMGET', KEYS[1], 'home', 'generation', 'reset_reason')
+if f[1] ~= ARGV[1] or f[2] ~= '1' then return 0 end
+if not f[3] then
+  redis.call('HSET', KEYS[1], 'reset_reason', ARGV[2], 'reset_from', ARGV[3])
+end
+return 1
 """
 
 # KEYS: the epoch. ARGV: a new epoch id, the epoch the caller knew ('' = none). Times in the
@@ -110,6 +123,7 @@ class RedisSessionStore:
         self._release = redis.register_script(RELEASE_SCRIPT)
         self._reserve = redis.register_script(RESERVE_SCRIPT)
         self._epoch = redis.register_script(EPOCH_SCRIPT)
+        self._owe_reset = redis.register_script(OWE_RESET_SCRIPT)
         # The record key is "<prefix><session key><suffix>": RELEASE builds it from the set.
         self._record_prefix, _, self._record_suffix = self.keys.session_home("\0").partition("\0")
 
@@ -161,6 +175,12 @@ class RedisSessionStore:
             ],
         )
         return outcome
+
+    async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
+        noted = await self._owe_reset(
+            keys=[self.keys.session_home(key)], args=[home, reason, previous_home]
+        )
+        return bool(noted)
 
     async def epoch(self, known: str | None) -> StoreEpoch:
         epoch_id, age, restarted = await self._epoch(

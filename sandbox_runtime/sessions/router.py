@@ -242,7 +242,7 @@ class Router:
             if found.touched and record is not None:
                 self._remember(key, record.home, owner)
                 reset = await self._check_workspace(owner)
-                return Placement(True, self.replica_id, reset=reset)
+                return Placement(True, self.replica_id, reset=self._owed_by(record) or reset)
             if record is None and epoch is None:
                 # No record: a new session, or one the store forgot (restarted empty) whose
                 # home has not published it again yet. Wait until every replica has.
@@ -360,7 +360,6 @@ class Router:
                 logger.info("a session without a record waits for {}", ", ".join(waiting))
                 logged = True
             if time.monotonic() >= deadline:
-                self.metrics.rejections.labels("store_settling").inc()
                 raise OwnerUnavailableError(
                     "the shared store (Redis) lost its data moments ago and the replicas are "
                     "publishing again the sessions they hold; this session has no record yet "
@@ -405,7 +404,22 @@ class Router:
         found = await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
         if found.record is not None and found.record.home != self.replica_id:
             self._remember(key, found.record.home, owner)  # not ours any more
+            # It started afresh there (this replica could not publish its record in time):
+            # its next call must say so; the files here are the old session's.
+            if await self.sessions.owe_reset(key, found.record.home, "store_lost", self.replica_id):
+                logger.warning(
+                    "session {} started afresh on replica {} while its workspace was here "
+                    "(the shared store lost its record)",
+                    owner.session_id,
+                    found.record.home,
+                )
         return False
+
+    def _owed_by(self, record: SessionRecord) -> SessionReset | None:
+        """The reset a session's record says its next call is owed (None: none)."""
+        if record.reset_reason != "store_lost" or not record.reset_from:
+            return None
+        return SessionReset(reason="store_lost", previous_replica=record.reset_from)
 
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the
@@ -652,12 +666,14 @@ class Router:
             time.time(),
             self._record_ttl,
         )
-        if not found.touched:
+        if not found.touched or found.record is None:
             raise HomeMovedError(f"replica {self.replica_id} is not this session's home")
+        self._remember(session_key(principal, session_id), self.replica_id, owner)
         self.metrics.forwarded_served.labels(op).inc()
         self.metrics.forwarded_serving.inc()
         try:
             reset = await self._check_workspace(owner)
+            reset = self._owed_by(found.record) or reset
             return await self._run_here(owner, op, args, progress, reset)
         finally:
             self.metrics.forwarded_serving.dec()

@@ -67,6 +67,11 @@ class SessionStore(Protocol):
         otherwise: it lost its data since).
         """
 
+    async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
+        """Note on a session's record, if it is a first generation homed on `home` (started
+        afresh there, not re-homed from a record), that its next call must say it started
+        afresh (`reason`, `previous_home`). Whether it was noted."""
+
     async def epoch(self, known: str | None) -> StoreEpoch:
         """The store's epoch, begun now if it has none. `known`: the epoch the caller last
         saw (None: none); one that differs marks the current epoch `restarted`."""
@@ -111,9 +116,11 @@ class MemorySessionStore:
             return Lookup(None)
         if record.home == replica_id and record.state == "active":
             record.last_used_at = now
+            found = record.model_copy()
+            record.reset_reason = record.reset_from = None  # (taken)
             self._records[key] = (record, now + ttl)
             self._principal_sessions.setdefault(record.principal, {})[key] = now + ttl
-            return Lookup(record.model_copy(), None, touched=True)
+            return Lookup(found, None, touched=True)
         return Lookup(record.model_copy(), self.heartbeats.get(record.home))
 
     async def claim(
@@ -143,6 +150,14 @@ class MemorySessionStore:
         self._records[record.key] = (record.model_copy(), record.last_used_at + ttl)
         sessions[record.key] = record.last_used_at + ttl
         return "claimed"
+
+    async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
+        record = self._live(key)
+        if record is None or record.home != home or record.generation != 1:
+            return False
+        if record.reset_reason is None:
+            record.reset_reason, record.reset_from = reason, previous_home
+        return True
 
     async def epoch(self, known: str | None) -> StoreEpoch:
         epoch_id, created_at = self._epoch
