@@ -587,3 +587,44 @@ async def test_a_home_that_could_not_publish_in_time_makes_its_sessions_next_cal
             assert "g.txt" in names and "f.txt" not in names, names
             assert listed.get("session_reset") is None
         assert session_home(redis, ledger.session) == b_id
+
+
+async def test_a_home_back_after_its_session_moved_never_publishes_it_again(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """A is frozen past its heartbeat: B re-homes the session (home_lost). A comes back and
+    learns the session moved; when Redis then restarts empty, only B publishes the session
+    again, and calls through either replica reach B's files: A's stale workspace never comes
+    back as a second home, and during an outage A takes no write for it."""
+    redis, a, b = restart_pair
+    a_id, b_id = a.settings["SANDBOX_REPLICA_ID"], b.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with open_client(b.url, TOKEN, "auto") as on_b:
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            assert await ledger.write(on_a, "f.txt")
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            await eventually(
+                lambda: redis.cli_raw("exists", f"replica:{a_id}").strip() == "0",
+                3 + 5,
+                "A's heartbeat to expire",
+            )
+            await ledger.write_until_acknowledged(on_b, "g.txt", 5)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        assert [r["reason"] for r in ledger.resets] == ["home_lost"]
+        assert session_home(redis, ledger.session) == b_id
+        await eventually(lambda: a.health()["status"] == "ok", 10, "A back")
+        await asyncio.sleep(2)  # (A's heartbeat loop and its resync run meanwhile)
+        await asyncio.to_thread(redis.stop)
+        await asyncio.to_thread(redis.start)
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            await ledger.write_until_acknowledged(on_a, "h.txt", 3 + 5)
+            assert session_home(redis, ledger.session) == b_id
+            await asyncio.to_thread(redis.stop)
+            assert not await ledger.write(on_a, "a-during.txt"), "A is no home for it"
+            await asyncio.to_thread(redis.start)
+            await ledger.write_until_acknowledged(on_b, "b-after.txt", 3 + 5)
+            await ledger.check(on_a, on_b)
+        assert [r["reason"] for r in ledger.resets] == ["home_lost"]
+        assert session_home(redis, ledger.session) == b_id

@@ -435,7 +435,8 @@ async def test_redis_restarted_empty_begins_a_new_epoch_that_says_so(
 async def test_a_reset_owed_to_a_fresh_start_is_told_once_by_its_home(store: SessionStore) -> None:
     """A replica that held a session's state finds it started afresh elsewhere (the store
     lost its record): the new home's next lookup takes the reset, once; a session re-homed
-    from a record (generation 2) or homed elsewhere is not marked."""
+    from a record (generation 2), published again by its home, or homed elsewhere is not
+    marked."""
     record = make_record(home="r2")
     assert await store.claim(record, None, 10, TTL) == "claimed"
     assert not await store.owe_reset(record.key, "r3", "store_lost", "r1")
@@ -448,3 +449,7 @@ async def test_a_reset_owed_to_a_fresh_start_is_told_once_by_its_home(store: Ses
     moved = make_record(home="r4", generation=2)
     assert await store.claim(moved, 1, 10, TTL, previous_home="r2") == "claimed"
     assert not await store.owe_reset(record.key, "r4", "store_lost", "r1")
+    restored = make_record(session_id="s:two", home="r5")
+    restored.published_again_at = time.time()
+    assert await store.claim(restored, None, 10, TTL) == "claimed"
+    assert not await store.owe_reset(restored.key, "r5", "store_lost", "r1"), "it goes on"

@@ -40,6 +40,9 @@ class SessionRecord(BaseModel):
     state: Literal["active", "released"] = "active"
     released_reason: str | None = None
     holds: str = "workspace"  # comma-separated kinds of state kept on the home
+    # Set when the home published the record again after the store lost it (a session that
+    # goes on, not a fresh start).
+    published_again_at: float | None = None
     # A reset the home owes the session's next call (the session started afresh there while
     # another replica still held its state): taken by the home's next lookup.
     reset_reason: str | None = None

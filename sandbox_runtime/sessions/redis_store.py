@@ -57,10 +57,11 @@ redis.call('EXPIRE', KEYS[3], ARGV[3])
 return 'claimed'
 """
 
-# KEYS: record. ARGV: home, reason, previous home. Only on a first generation (started afresh).
+# KEYS: record. ARGV: home, reason, previous home. Only on a first generation not published
+# again (started afresh).
 OWE_RESET_SCRIPT = """
-local f = redis.call('HMGET', KEYS[1], 'home', 'generation', 'reset_reason')
-if f[1] ~= ARGV[1] or f[2] ~= '1' then return 0 end
+local f = redis.call('HMGET', KEYS[1], 'home', 'generation', 'reset_reason', 'published_again_at')
+if f[1] ~= ARGV[1] or f[2] ~= '1' or f[4] then return 0 end
 if not f[3] then
   redis.call('HSET', KEYS[1], 'reset_reason', ARGV[2], 'reset_from', ARGV[3])
 end

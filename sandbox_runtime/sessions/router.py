@@ -50,6 +50,7 @@ PLACEMENT_ATTEMPTS = 4  # lookups per operation (a home may move or stop meanwhi
 RENEW_INTERVAL_SECONDS = 5.0
 SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published again
 SETTLE_POLL_SECONDS = 0.1
+RECLAIM_SESSION_LIMIT = 2**31
 
 
 @dataclass(frozen=True)
@@ -279,21 +280,27 @@ class Router:
         """Publish again, where missing, the records of the sessions homed here whenever the
         store begins a new epoch (Redis restarted empty), so that their next calls, wherever
         they land, come here and find their workspaces; then say so in the heartbeat. Checked
-        every heartbeat interval, and at once when the mirror finds the store lost data."""
+        every heartbeat interval, and at once when the mirror finds the store lost data or is
+        back after an outage (then the sessions that moved away meanwhile are learnt of too:
+        this replica must not publish a stale home for them later)."""
         mirror = self.manager.mirror
         assert mirror is not None
         backoff = 0.2
+        resync = False  # the mirror found the store lost data, or came back after an outage
         while True:
+            resync = resync or self._store_changed.is_set()
             self._store_changed.clear()
             try:
                 epoch = await self.sessions.epoch(self._synced_epoch)
-                if epoch.epoch_id != self._synced_epoch and self.manager.accepting:
+                changed = epoch.epoch_id != self._synced_epoch
+                if (changed or resync) and self.manager.accepting:
                     # First this replica's heartbeat (a record whose home has none would be
                     # taken over), then the records, then the heartbeat that says so.
                     if not await mirror.beat():
                         raise ConnectionError(mirror.last_error or "the heartbeat failed")
                     restored = await self._reclaim_all()
-                    if self._synced_epoch is not None or restored:
+                    resync = False
+                    if changed and (self._synced_epoch is not None or restored):
                         logger.warning(
                             "the shared store began anew (epoch {}): published again the "
                             "records of {} sessions homed here",
@@ -396,9 +403,9 @@ class Router:
             return False  # placed elsewhere meanwhile, or its workspace is gone
         now = time.time()
         record = self._record_here(owner, None, now)
-        outcome = await self.sessions.claim(
-            record, None, self.settings.max_sessions_per_principal, self._record_ttl
-        )
+        record.published_again_at = now  # (no fresh start: the session goes on)
+        # (Not a new session: the per-principal limit does not refuse it.)
+        outcome = await self.sessions.claim(record, None, RECLAIM_SESSION_LIMIT, self._record_ttl)
         if outcome == "claimed":
             return True
         found = await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)

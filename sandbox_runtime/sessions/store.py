@@ -68,9 +68,10 @@ class SessionStore(Protocol):
         """
 
     async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
-        """Note on a session's record, if it is a first generation homed on `home` (started
-        afresh there, not re-homed from a record), that its next call must say it started
-        afresh (`reason`, `previous_home`). Whether it was noted."""
+        """Note on a session's record, if it is a first generation homed on `home` and not
+        published again (started afresh there, not re-homed from a record nor restored), that
+        its next call must say it started afresh (`reason`, `previous_home`). Whether it was
+        noted."""
 
     async def epoch(self, known: str | None) -> StoreEpoch:
         """The store's epoch, begun now if it has none. `known`: the epoch the caller last
@@ -154,6 +155,8 @@ class MemorySessionStore:
     async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
         record = self._live(key)
         if record is None or record.home != home or record.generation != 1:
+            return False
+        if record.published_again_at is not None:
             return False
         if record.reset_reason is None:
             record.reset_reason, record.reset_from = reason, previous_home
