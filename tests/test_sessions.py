@@ -623,9 +623,10 @@ async def test_session_endpoints_through_nginx_reach_their_home_without_forwardi
 async def test_redis_down_a_replica_runs_its_sessions_and_makes_no_home_it_cannot_record(
     tmp_path: Path,
 ) -> None:
-    """Without Redis a replica serves the sessions homed on it (while its last heartbeat
-    lives: nobody can take them before) and refuses, with a retry, a session it cannot record
-    as its own: another replica, unseen, could make itself that session's home too."""
+    """Without Redis a replica serves the sessions homed on it while its last heartbeat lives
+    (nobody can take them before; after that it refuses them too, with a retry) and refuses a
+    session it cannot record as its own: another replica, unseen, could make itself that
+    session's home too."""
     redis = RedisServer(tmp_path / "redis")
     redis.start()
     server = replica_server(tmp_path, redis, "alone").start()
@@ -637,6 +638,15 @@ async def test_redis_down_a_replica_runs_its_sessions_and_makes_no_home_it_canno
             assert "shared store is unavailable" in refused and "retry" in refused, refused
             known = await conn.ok("execute_code", command="true", session="known")
             assert known["exit_code"] == 0
+
+            async def unsure() -> str:
+                result = await conn.call("execute_code", command="true", session="known")
+                return error_text(result) if result.is_error else ""
+
+            # Past its last heartbeat's life (SANDBOX_HEARTBEAT_TTL=3) another replica could
+            # have taken the session: it is refused, with a retry, until Redis is back.
+            refused = await eventually(unsure, 3 + 3, "the known session refused", 0.5)
+            assert "no longer be sure" in refused and "retry" in refused, refused
             redis.start()
 
             async def started() -> bool:

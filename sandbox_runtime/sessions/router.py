@@ -385,6 +385,7 @@ class Router:
             waiting.append(f"replicas not heard from since ({grace:.1f} s more)")
         if self._synced_epoch != epoch.epoch_id:
             waiting.append(f"replica {self.replica_id}")
+            self._store_changed.set()  # (publish now, not at the next heartbeat interval)
         peers = await self.store.live_replicas()
         peers.pop(self.replica_id, None)
         # (A heartbeat without the field is an older version's, which never waits.)
