@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -199,6 +201,79 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
         doomed.kill()
 
 
+async def test_replica_killed_and_restarted_at_once_under_its_id_loses_its_executions(
+    tmp_path: Path, redis_server: RedisServer, pair: tuple[ServerProcess, ServerProcess]
+) -> None:
+    """SIGKILL, then the same replica id starts again before its heartbeat expires: the dead
+    process's running execution reads `lost`, with its output, on the restarted replica and on
+    another, within the heartbeat window; Redis says so without any read; cancel finds it."""
+    _, b = pair
+    replica_id = f"rfast-{uuid.uuid4().hex[:6]}"
+    fast = replica(tmp_path, redis_server, replica_id).start()
+    session = f"s-{uuid.uuid4().hex[:8]}"
+    marker = f"marker-{uuid.uuid4().hex}"
+    try:
+        async with open_client(fast.url, TOKEN, "auto") as on_fast:
+            started = await on_fast.ok(
+                "execute_code_async",
+                command=f"for i in $(seq 1 20); do echo out$i; done; sh -c 'sleep 1000;:' {marker}",
+                session=session,
+            )
+            execution_id = started["execution_id"]
+            await eventually(
+                lambda: _count_stdout(redis_server, execution_id, 20), 10, "output mirrored"
+            )
+        fast.kill()
+        restarted_at = time.monotonic()
+        fast.start()  # same id, same state dir, same port; its heartbeat has not expired
+        window = 3 + 2  # SANDBOX_HEARTBEAT_TTL, and a margin for a loaded machine
+
+        def stored_status() -> str:
+            return str(
+                json.loads(redis_server.cli_raw("get", f"execution:{execution_id}"))["status"]
+            )
+
+        await eventually(lambda: stored_status() == "lost", window, "the store to say lost")
+        async with (
+            open_client(fast.url, TOKEN, "auto") as on_fast,
+            open_client(b.url, TOKEN, "auto") as on_b,
+        ):
+            for conn in (on_fast, on_b):
+                text, page = await all_output(conn, execution_id, session)
+                assert text == "".join(f"out{i}\n" for i in range(1, 21))
+                assert page["status"] == "lost", page
+                waited = await conn.ok(
+                    "get_execution_output",
+                    execution_id=execution_id,
+                    after=page["next_cursor"],
+                    wait=True,
+                    session=session,
+                )
+                assert waited["status"] == "lost"
+                cancelled = await conn.ok(
+                    "cancel_execution", execution_id=execution_id, session=session
+                )
+                assert cancelled["already_finished"] is True, cancelled
+            assert time.monotonic() - restarted_at < window + 10
+            # The restarted process's own executions are alive, and read so from B.
+            now = await on_fast.ok(
+                "execute_code_async", command="sleep 30", session=f"{session}-new"
+            )
+            await asyncio.sleep(0.5)
+            info = await on_b.ok(
+                "get_execution_status",
+                execution_id=now["execution_id"],
+                session=f"{session}-new",
+            )
+            assert info["status"] == "running", info
+            await on_fast.ok(
+                "cancel_execution", execution_id=now["execution_id"], session=f"{session}-new"
+            )
+        await eventually(lambda: not processes_with(marker), 10, "the dead process's sandbox gone")
+    finally:
+        fast.kill()
+
+
 def session_home(redis: RedisServer, session: str) -> str:
     """The home replica in a session's record in Redis (empty: no record)."""
     return redis.cli_raw("hget", f"session:default:s:{session}:home", "home").strip()
@@ -371,3 +446,185 @@ async def test_ttls_are_set_and_refreshed_by_reads(
         )
         assert heartbeat["replica_id"] == a.settings["SANDBOX_REPLICA_ID"]
         assert 0 < int(redis_server.cli_raw("ttl", f"replica:{heartbeat['replica_id']}")) <= 3
+
+
+class Ledger:
+    """The writes acknowledged for one session (a session_reset forgets the earlier ones)."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+        self.files: dict[str, str] = {}
+        self.resets: list[dict[str, Any]] = []
+
+    async def write(self, conn: Conn, name: str) -> bool:
+        """Write `name`; whether it was acknowledged. A refusal must say to retry."""
+        content = f"{name} {uuid.uuid4().hex}\n"
+        result = await conn.call("write_file", path=name, content=content, session=self.session)
+        if result.is_error:
+            assert "retry" in error_text(result), error_text(result)
+            return False
+        body = result.structured_content or {}
+        if body.get("session_reset"):
+            self.resets.append(body["session_reset"])
+            self.files.clear()
+        self.files[name] = content
+        return True
+
+    async def write_until_acknowledged(self, conn: Conn, name: str, within: float) -> None:
+        await eventually(lambda: self.write(conn, name), within, f"{name} written", 0.2)
+
+    async def check(self, *conns: Conn) -> None:
+        """Every acknowledged write reads back, identical, through every replica."""
+        for conn in conns:
+            listed = await conn.ok("list_files", session=self.session)
+            names = {e["path"].rsplit("/", 1)[-1] for e in listed["entries"]}
+            assert set(self.files) <= names, (sorted(self.files), sorted(names))
+            for name, content in self.files.items():
+                got = await conn.ok("read_file", path=name, session=self.session)
+                assert got["content"] == content, name
+                assert got.get("session_reset") is None, got
+
+
+@pytest.fixture
+def restart_pair(tmp_path: Path) -> Iterator[tuple[RedisServer, ServerProcess, ServerProcess]]:
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    a = replica(tmp_path, redis, f"rea-{uuid.uuid4().hex[:6]}").start()
+    b = replica(tmp_path, redis, f"reb-{uuid.uuid4().hex[:6]}").start()
+    try:
+        yield redis, a, b
+    finally:
+        stop_all(stop_if_running(a), stop_if_running(b), redis.stop)
+
+
+async def test_redis_restarted_empty_never_starts_a_session_afresh_on_another_replica(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """A homes a session with a file; Redis restarts empty; a write through B at once waits
+    for A to publish the session's record again and lands on A: no second home, nothing
+    lost, no reset. A new session through B right after the restart starts once the
+    replicas have published what they hold."""
+    redis, a, b = restart_pair
+    a_id = a.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with (
+        open_client(a.url, TOKEN, "auto") as on_a,
+        open_client(b.url, TOKEN, "auto") as on_b,
+    ):
+        assert await ledger.write(on_a, "f.txt")
+        await asyncio.to_thread(redis.stop)
+        await asyncio.to_thread(redis.start)
+        await ledger.write_until_acknowledged(on_b, "g.txt", 3 + 5)
+        fresh = await on_b.ok("write_file", path="n.txt", content="new", session="brand-new")
+        assert fresh.get("session_reset") is None
+        await ledger.check(on_a, on_b)
+        assert ledger.resets == []
+        assert session_home(redis, ledger.session) == a_id
+
+
+async def test_redis_restarted_empty_twice_in_quick_succession_never_makes_two_homes(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """The second outage comes ~0.1 s after the first restart, while a write through B is on
+    its way: during it only the home (A) takes writes, B refuses with a retry; when Redis is
+    back (empty again) every acknowledged write reads back through both replicas, with no
+    reset, and the session is still A's."""
+    redis, a, b = restart_pair
+    a_id = a.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with (
+        open_client(a.url, TOKEN, "auto") as on_a,
+        open_client(b.url, TOKEN, "auto") as on_b,
+    ):
+        assert await ledger.write(on_a, "f.txt")
+        await asyncio.to_thread(redis.stop)
+        await asyncio.to_thread(redis.start)
+        in_the_gap = asyncio.create_task(ledger.write(on_b, "gap.txt"))
+        await asyncio.sleep(0.1)
+        await asyncio.to_thread(redis.stop)
+        await in_the_gap  # acknowledged (through A) or refused: either way the truth
+        assert await ledger.write(on_a, "a-during.txt"), "the home keeps its session"
+        assert not await ledger.write(on_b, "b-during.txt"), "B is no home for it"
+        await asyncio.to_thread(redis.start)
+        await ledger.write_until_acknowledged(on_b, "b-after.txt", 3 + 5)
+        assert await ledger.write(on_a, "a-after.txt")
+        await ledger.check(on_a, on_b)
+        assert ledger.resets == []
+        assert session_home(redis, ledger.session) == a_id
+
+
+async def test_a_home_that_could_not_publish_in_time_makes_its_sessions_next_call_say_so(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """A is frozen (SIGSTOP) across a Redis restart: after a heartbeat TTL B starts the session
+    afresh (nobody could tell it existed). When A comes back it finds the session homed on B
+    and does not take it back; the session's next call says session_reset store_lost, naming
+    A, and A forwards to B from then on: one home."""
+    redis, a, b = restart_pair
+    a_id, b_id = a.settings["SANDBOX_REPLICA_ID"], b.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with open_client(b.url, TOKEN, "auto") as on_b:
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            assert await ledger.write(on_a, "f.txt")
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            await asyncio.to_thread(redis.stop)
+            await asyncio.to_thread(redis.start)
+            await ledger.write_until_acknowledged(on_b, "g.txt", 3 + 5)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        assert session_home(redis, ledger.session) == b_id
+
+        async def told() -> dict[str, Any] | None:
+            listed = await on_b.ok("list_files", session=ledger.session)
+            return listed.get("session_reset")
+
+        reset = await eventually(told, 15, "the session's next call to say it started afresh")
+        assert reset == {"reason": "store_lost", "previous_replica": a_id}
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            listed = await on_a.ok("list_files", session=ledger.session)
+            names = {e["path"].rsplit("/", 1)[-1] for e in listed["entries"]}
+            assert "g.txt" in names and "f.txt" not in names, names
+            assert listed.get("session_reset") is None
+        assert session_home(redis, ledger.session) == b_id
+
+
+async def test_a_home_back_after_its_session_moved_never_publishes_it_again(
+    restart_pair: tuple[RedisServer, ServerProcess, ServerProcess],
+) -> None:
+    """A is frozen past its heartbeat: B re-homes the session (home_lost). A comes back and
+    learns the session moved; when Redis then restarts empty, only B publishes the session
+    again, and calls through either replica reach B's files: A's stale workspace never comes
+    back as a second home, and during an outage A takes no write for it."""
+    redis, a, b = restart_pair
+    a_id, b_id = a.settings["SANDBOX_REPLICA_ID"], b.settings["SANDBOX_REPLICA_ID"]
+    ledger = Ledger(f"h-{uuid.uuid4().hex[:8]}")
+    async with open_client(b.url, TOKEN, "auto") as on_b:
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            assert await ledger.write(on_a, "f.txt")
+        os.kill(a.pid, signal.SIGSTOP)
+        try:
+            await eventually(
+                lambda: redis.cli_raw("exists", f"replica:{a_id}").strip() == "0",
+                3 + 5,
+                "A's heartbeat to expire",
+            )
+            await ledger.write_until_acknowledged(on_b, "g.txt", 5)
+        finally:
+            os.kill(a.pid, signal.SIGCONT)
+        assert [r["reason"] for r in ledger.resets] == ["home_lost"]
+        assert session_home(redis, ledger.session) == b_id
+        await eventually(lambda: a.health()["status"] == "ok", 10, "A back")
+        await asyncio.sleep(2)  # (A's heartbeat loop and its resync run meanwhile)
+        await asyncio.to_thread(redis.stop)
+        await asyncio.to_thread(redis.start)
+        async with open_client(a.url, TOKEN, "auto") as on_a:
+            await ledger.write_until_acknowledged(on_a, "h.txt", 3 + 5)
+            assert session_home(redis, ledger.session) == b_id
+            await asyncio.to_thread(redis.stop)
+            assert not await ledger.write(on_a, "a-during.txt"), "A is no home for it"
+            await asyncio.to_thread(redis.start)
+            await ledger.write_until_acknowledged(on_b, "b-after.txt", 3 + 5)
+            await ledger.check(on_a, on_b)
+        assert [r["reason"] for r in ledger.resets] == ["home_lost"]
+        assert session_home(redis, ledger.session) == b_id

@@ -385,3 +385,71 @@ async def test_redis_lookup_by_the_home_refreshes_the_ttl(redis_server: RedisSer
         assert 30 < int(redis_server.cli_raw("ttl", key)) <= 500
     finally:
         await client.aclose()
+
+
+# -- the store's epoch -------------------------------------------------------------------------
+
+
+async def test_the_epoch_holds_until_the_store_loses_its_data(store: SessionStore) -> None:
+    first = await store.epoch(None)
+    assert not first.restarted and first.age >= 0
+    again = await store.epoch(first.epoch_id)
+    assert again.epoch_id == first.epoch_id and not again.restarted
+    assert await store.claim(make_record(), None, 10, TTL, epoch=first.epoch_id) == "claimed"
+    other = make_record(session_id="s:two")
+    assert await store.claim(other, None, 10, TTL, epoch="an-earlier-epoch") == "moved"
+    assert (await look(store, other, "r1")).record is None
+
+
+async def test_redis_restarted_empty_begins_a_new_epoch_that_says_so(
+    redis_server: RedisServer,
+) -> None:
+    """A replica that knew the earlier epoch marks the new one restarted (sessions may have
+    lost their records); a claim made for the earlier epoch is refused after the loss."""
+    redis_server.cli("flushall")
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        store = RedisSessionStore(client)
+        before = await store.epoch(None)
+        assert not before.restarted
+        redis_server.cli("flushall")  # as a restart without persistence
+        fresh = await store.epoch(None)  # a replica that knew nothing: no evidence of a loss
+        assert fresh.epoch_id != before.epoch_id and not fresh.restarted and fresh.age < 1
+        seen = await store.epoch(before.epoch_id)  # one that knew the earlier epoch
+        assert seen.epoch_id == fresh.epoch_id and seen.restarted
+        assert (await store.epoch(None)).restarted, "it stays so"
+        assert await store.claim(make_record(), None, 10, TTL, epoch=before.epoch_id) == "moved"
+        assert await store.claim(make_record(), None, 10, TTL, epoch=fresh.epoch_id) == "claimed"
+        fields = dict(
+            zip(
+                *[iter(redis_server.cli_raw("hgetall", "store:epoch").splitlines())] * 2,
+                strict=True,
+            )
+        )
+        assert fields["id"] == fresh.epoch_id and fields["restarted"] == "1"
+        assert int(redis_server.cli_raw("ttl", "store:epoch")) == -1
+    finally:
+        await client.aclose()
+
+
+async def test_a_reset_owed_to_a_fresh_start_is_told_once_by_its_home(store: SessionStore) -> None:
+    """A replica that held a session's state finds it started afresh elsewhere (the store
+    lost its record): the new home's next lookup takes the reset, once; a session re-homed
+    from a record (generation 2), published again by its home, or homed elsewhere is not
+    marked."""
+    record = make_record(home="r2")
+    assert await store.claim(record, None, 10, TTL) == "claimed"
+    assert not await store.owe_reset(record.key, "r3", "store_lost", "r1")
+    assert await store.owe_reset(record.key, "r2", "store_lost", "r1")
+    assert (await look(store, record, "r1")).record.reset_from == "r1"  # type: ignore[union-attr]
+    taken = (await look(store, record, "r2")).record
+    assert taken is not None and (taken.reset_reason, taken.reset_from) == ("store_lost", "r1")
+    again = (await look(store, record, "r2")).record
+    assert again is not None and again.reset_reason is None and again.reset_from is None
+    moved = make_record(home="r4", generation=2)
+    assert await store.claim(moved, 1, 10, TTL, previous_home="r2") == "claimed"
+    assert not await store.owe_reset(record.key, "r4", "store_lost", "r1")
+    restored = make_record(session_id="s:two", home="r5")
+    restored.published_again_at = time.time()
+    assert await store.claim(restored, None, 10, TTL) == "claimed"
+    assert not await store.owe_reset(restored.key, "r5", "store_lost", "r1"), "it goes on"

@@ -620,7 +620,13 @@ async def test_session_endpoints_through_nginx_reach_their_home_without_forwardi
     assert len(homes) > 1, "every session hashed to one replica"
 
 
-async def test_one_replica_with_redis_down_still_runs_new_sessions(tmp_path: Path) -> None:
+async def test_redis_down_a_replica_runs_its_sessions_and_makes_no_home_it_cannot_record(
+    tmp_path: Path,
+) -> None:
+    """Without Redis a replica serves the sessions homed on it while its last heartbeat lives
+    (nobody can take them before; after that it refuses them too, with a retry) and refuses a
+    session it cannot record as its own: another replica, unseen, could make itself that
+    session's home too."""
     redis = RedisServer(tmp_path / "redis")
     redis.start()
     server = replica_server(tmp_path, redis, "alone").start()
@@ -628,10 +634,26 @@ async def test_one_replica_with_redis_down_still_runs_new_sessions(tmp_path: Pat
         async with open_client(server.url, TOKEN, "auto") as conn:
             await conn.ok("execute_code", command="true", session="known")
             redis.stop()
-            fresh = await conn.ok("execute_code", command="echo up", session="brand-new")
-            assert stdout_of(fresh) == "up\n"
+            refused = await conn.error("execute_code", command="echo up", session="brand-new")
+            assert "shared store is unavailable" in refused and "retry" in refused, refused
             known = await conn.ok("execute_code", command="true", session="known")
             assert known["exit_code"] == 0
+
+            async def unsure() -> str:
+                result = await conn.call("execute_code", command="true", session="known")
+                return error_text(result) if result.is_error else ""
+
+            # Past its last heartbeat's life (SANDBOX_HEARTBEAT_TTL=3) another replica could
+            # have taken the session: it is refused, with a retry, until Redis is back.
+            refused = await eventually(unsure, 3 + 3, "the known session refused", 0.5)
+            assert "no longer be sure" in refused and "retry" in refused, refused
+            redis.start()
+
+            async def started() -> bool:
+                result = await conn.call("execute_code", command="echo up", session="brand-new")
+                return not result.is_error and stdout_of(result.structured_content) == "up\n"
+
+            await eventually(started, 15, "the new session to start once Redis is back", 0.5)
     finally:
         server.stop()
         redis.stop()

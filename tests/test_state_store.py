@@ -131,6 +131,42 @@ async def test_execution_of_a_live_replica_is_not_marked_lost(store: StateStore)
     assert not await store.replica_alive("alive-replica")
 
 
+async def test_execution_of_an_earlier_process_under_the_same_replica_id_is_lost(
+    store: StateStore,
+) -> None:
+    """Liveness is per process: a heartbeat of the replica id from a process started after
+    the execution was created (a fast restart) does not keep it running; one from an earlier
+    process (the new one has not beaten yet) says nothing against a newer execution."""
+    replica = f"r-{uuid.uuid4().hex[:6]}"
+    old = make_info(replica=replica)
+    old.incarnation = "old-process"
+    await store.heartbeat(
+        replica, {"incarnation": "old-process", "started_at": time.time() - 60}, 30
+    )
+    await store.write([Snapshot(old, "alice:s:one", make_events(1, 1))])
+    assert [i.execution_id for i in await store.replica_running(replica)] == [old.execution_id]
+    got = await store.mark_lost(old.execution_id, time.time())
+    assert got is not None and got.status is ExecutionStatus.RUNNING, "its process still beats"
+    new = make_info(replica=replica)
+    new.incarnation = "new-process"
+    await store.write([Snapshot(new, "alice:s:one", [])])
+    got = await store.mark_lost(new.execution_id, time.time())
+    assert got is not None and got.status is ExecutionStatus.RUNNING, "not beaten yet"
+    await store.heartbeat(replica, {"incarnation": "new-process", "started_at": time.time()}, 30)
+    got = await store.mark_lost(old.execution_id, time.time())
+    assert got is not None and got.status is ExecutionStatus.LOST
+    assert [e.type for e in await store.get_events(old.execution_id, 0, 10)] == [
+        "stdout",
+        "error",
+    ]
+    got = await store.mark_lost(new.execution_id, time.time())
+    assert got is not None and got.status is ExecutionStatus.RUNNING
+    assert [i.execution_id for i in await store.replica_running(replica)] == [new.execution_id]
+    new.status = ExecutionStatus.COMPLETED
+    await store.write([Snapshot(new, "alice:s:one", [])])
+    assert await store.replica_running(replica) == []
+
+
 async def test_heartbeat_says_whether_the_store_still_had_it(store: StateStore) -> None:
     replica = f"r-{uuid.uuid4().hex[:6]}"
     assert await store.heartbeat(replica, {"replica_id": replica}, 30) is False

@@ -9,6 +9,7 @@ import ctypes
 import hashlib
 import math
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,6 +128,8 @@ class ExecutionManager:
         self.egress: EgressProxy | None = None
         self.replica_id = settings.replica_id
         self.started_at = time.time()
+        # This process among those that run (or ran) as `replica_id`: liveness is per process.
+        self.incarnation = uuid.uuid4().hex
         self._executions: dict[str, Execution] = {}
         self._evicted_at = 0.0  # (monotonic) the last eviction
         self._running: dict[str, Execution] = {}
@@ -375,6 +378,7 @@ class ExecutionManager:
             principal=owner.principal,
             session_id=owner.session_id,
             replica_id=self.replica_id,
+            incarnation=self.incarnation,
             command=command,
             interactive=request.interactive,
             working_directory=cwd,
@@ -479,6 +483,7 @@ class ExecutionManager:
             principal=owner.principal,
             session_id=owner.session_id,
             replica_id=self.replica_id,
+            incarnation=self.incarnation,
             command=code,
             language=language,
             timeout_seconds=timeout,
@@ -617,6 +622,7 @@ class ExecutionManager:
             "replica_id": self.replica_id,
             "address": f"{self.settings.host}:{self.settings.port}",
             "started_at": self.started_at,
+            "incarnation": self.incarnation,
             "running_executions": len(self._running),
             "last_seen": time.time(),
             **self.heartbeat_fields(),

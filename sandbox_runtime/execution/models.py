@@ -109,6 +109,9 @@ class ExecutionInfo(BaseModel):
     principal: str
     session_id: str
     replica_id: str
+    # The process of `replica_id` that runs it (a replica restarted under the same id is a
+    # new incarnation: the old one's executions are lost). None: written before there were any.
+    incarnation: str | None = None
     command: str | list[str]
     language: str | None = None  # set for run_code: the code is in `command`
     interactive: bool = False

@@ -32,6 +32,7 @@ from sandbox_runtime.execution.models import (
 )
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.state.keys import session_key
+from sandbox_runtime.state.store import incarnation_gone
 
 REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
 
@@ -81,21 +82,46 @@ class ExecutionAccess:
             ) from exc
 
     async def _check_alive(self, info: ExecutionInfo) -> ExecutionInfo:
-        """`info`, marked lost first if it runs on a replica that stopped heart-beating."""
+        """`info`, marked lost first if the process running it is gone: its replica stopped
+        heart-beating, or restarted (this one included) under the same id."""
         assert self.store is not None
-        if info.status.finished or info.replica_id == self.replica_id:
+        if info.status.finished:
             return info
-        if await self.store.replica_alive(info.replica_id):
+        if info.replica_id == self.replica_id:
+            if info.incarnation in (None, self.manager.incarnation):
+                return info  # (ours: not in memory only when it has just ended)
+        elif not incarnation_gone(info, await self.store.replica_beat(info.replica_id)):
             return info
-        info = await self.store.mark_lost(info.execution_id, time.time()) or info
-        self.metrics.lost_detected.inc()
-        logger.warning(
-            "execution {} of replica {} marked {}",
-            info.execution_id,
-            info.replica_id,
-            info.status.value,
-        )
+        return await self._mark_lost(info)
+
+    async def _mark_lost(self, info: ExecutionInfo) -> ExecutionInfo:
+        marked = await self.store.mark_lost(info.execution_id, time.time()) if self.store else None
+        info = marked or info
+        if info.status is ExecutionStatus.LOST:
+            self.metrics.lost_detected.inc()
+            logger.warning(
+                "execution {} of replica {} (incarnation {}) marked lost",
+                info.execution_id,
+                info.replica_id,
+                info.incarnation,
+            )
         return info
+
+    async def mark_previous_incarnations_lost(self) -> int:
+        """At start: mark lost the executions this replica id's earlier processes left
+        running (killed, restarted at once under the same id). Returns how many.
+
+        Raises what the store raises (the caller retries).
+        """
+        if self.store is None:
+            return 0
+        lost = 0
+        for info in await self.store.replica_running(self.replica_id):
+            if info.incarnation == self.manager.incarnation or info.status.finished:
+                continue
+            if (await self._mark_lost(info)).status is ExecutionStatus.LOST:
+                lost += 1
+        return lost
 
     async def status(self, owner: Owner, execution_id: str) -> ExecutionInfo:
         found = await self.find(owner, execution_id)

@@ -12,11 +12,13 @@ from sandbox_runtime.state.keys import session_key
 class SessionReset(BaseModel):
     """Told to the caller whose operation found the session's state gone and started afresh."""
 
-    reason: Literal["home_lost", "home_stopped", "workspace_removed"] = Field(
+    reason: Literal["home_lost", "home_stopped", "workspace_removed", "store_lost"] = Field(
         description="home_lost: the home replica stopped heart-beating (crashed, cut off); "
         "home_stopped: it was shut down and released its sessions; workspace_removed: the "
         "home kept the session but not its workspace (idle past the retention period, or "
-        "the replica restarted without its state directory)."
+        "the replica restarted without its state directory); store_lost: the shared store "
+        "(Redis) lost the session's record and its home could not publish it again in time, "
+        "so the session started afresh here (its files stay on previous_replica)."
     )
     previous_replica: str = Field(description="The replica that held the session's state.")
 
@@ -38,6 +40,13 @@ class SessionRecord(BaseModel):
     state: Literal["active", "released"] = "active"
     released_reason: str | None = None
     holds: str = "workspace"  # comma-separated kinds of state kept on the home
+    # Set when the home published the record again after the store lost it (a session that
+    # goes on, not a fresh start).
+    published_again_at: float | None = None
+    # A reset the home owes the session's next call (the session started afresh there while
+    # another replica still held its state): taken by the home's next lookup.
+    reset_reason: str | None = None
+    reset_from: str | None = None
 
     @property
     def key(self) -> str:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from sandbox_runtime.sessions.models import SessionRecord
-from sandbox_runtime.sessions.store import ClaimOutcome, Lookup
+from sandbox_runtime.sessions.store import ClaimOutcome, Lookup, StoreEpoch
 from sandbox_runtime.state.keys import Keys
 
 # KEYS: record, principal's sessions, this replica's sessions. ARGV: me, now, ttl, heartbeat
 # key prefix, session key. The active home refreshes the record (and the sets that find it)
-# in the same round trip; anyone else gets the home's heartbeat with it (nil: not alive).
+# in the same round trip, and takes a reset owed to the session's next call; anyone else
+# gets the home's heartbeat with it (nil: not alive).
 LOOKUP_SCRIPT = """
 local f = redis.call('HMGET', KEYS[1], 'home', 'state')
 if not f[1] then return false end
@@ -24,15 +26,18 @@ if f[1] == ARGV[1] and f[2] == 'active' then
   redis.call('EXPIRE', KEYS[2], ARGV[3])
   redis.call('SADD', KEYS[3], ARGV[5])
   redis.call('EXPIRE', KEYS[3], ARGV[3])
-  return {redis.call('HGETALL', KEYS[1]), 1, false}
+  local found = redis.call('HGETALL', KEYS[1])
+  redis.call('HDEL', KEYS[1], 'reset_reason', 'reset_from')
+  return {found, 1, false}
 end
 return {redis.call('HGETALL', KEYS[1]), 0, redis.call('GET', ARGV[4] .. f[1])}
 """
 
-# KEYS: record, principal's sessions, new home's sessions, previous home's sessions.
-# ARGV: expected generation ('' = new session), max sessions, ttl, now, session key, then the
-# record's field/value pairs.
+# KEYS: record, principal's sessions, new home's sessions, previous home's sessions, epoch.
+# ARGV: expected generation ('' = new session), max sessions, ttl, now, session key, the
+# store's expected epoch ('' = any), then the record's field/value pairs.
 CLAIM_SCRIPT = """
+if ARGV[6] ~= '' and redis.call('HGET', KEYS[5], 'id') ~= ARGV[6] then return 'moved' end
 local generation = redis.call('HGET', KEYS[1], 'generation')
 if ARGV[1] == '' then
   if generation then return 'exists' end
@@ -43,13 +48,41 @@ else
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[4], ARGV[5])
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 6))
+redis.call('HSET', KEYS[1], unpack(ARGV, 7))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[3])
 return 'claimed'
+"""
+
+# KEYS: record. ARGV: home, reason, previous home. Only on a first generation not published
+# again (started afresh).
+OWE_RESET_SCRIPT = """
+local f = redis.call('HMGET', KEYS[1], 'home', 'generation', 'reset_reason', 'published_again_at')
+if f[1] ~= ARGV[1] or f[2] ~= '1' or f[4] then return 0 end
+if not f[3] then
+  redis.call('HSET', KEYS[1], 'reset_reason', ARGV[2], 'reset_from', ARGV[3])
+end
+return 1
+"""
+
+# KEYS: the epoch. ARGV: a new epoch id, the epoch the caller knew ('' = none). Times in the
+# store's own clock (replicas' clocks may differ); numbers returned as strings.
+EPOCH_SCRIPT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local f = redis.call('HMGET', KEYS[1], 'id', 'created_at', 'restarted')
+if not f[1] then
+  local restarted = ARGV[2] ~= '' and '1' or '0'
+  redis.call('HSET', KEYS[1], 'id', ARGV[1], 'created_at', tostring(now), 'restarted', restarted)
+  f = {ARGV[1], tostring(now), restarted}
+elseif ARGV[2] ~= '' and ARGV[2] ~= f[1] and f[3] ~= '1' then
+  redis.call('HSET', KEYS[1], 'restarted', '1')
+  f[3] = '1'
+end
+return {f[1], tostring(now - tonumber(f[2])), f[3]}
 """
 
 # KEYS: the replica's sessions. ARGV: replica id, reason, now, record key prefix and suffix.
@@ -90,6 +123,8 @@ class RedisSessionStore:
         self._claim = redis.register_script(CLAIM_SCRIPT)
         self._release = redis.register_script(RELEASE_SCRIPT)
         self._reserve = redis.register_script(RESERVE_SCRIPT)
+        self._epoch = redis.register_script(EPOCH_SCRIPT)
+        self._owe_reset = redis.register_script(OWE_RESET_SCRIPT)
         # The record key is "<prefix><session key><suffix>": RELEASE builds it from the set.
         self._record_prefix, _, self._record_suffix = self.keys.session_home("\0").partition("\0")
 
@@ -117,6 +152,7 @@ class RedisSessionStore:
         max_sessions: int,
         ttl: int,
         previous_home: str | None = None,
+        epoch: str | None = None,
     ) -> ClaimOutcome:
         pairs: list[str] = []
         for name, value in record.fields().items():
@@ -127,6 +163,7 @@ class RedisSessionStore:
                 self.keys.principal_sessions(record.principal),
                 self.keys.replica_sessions(record.home),
                 self.keys.replica_sessions(previous_home or record.home),
+                self.keys.store_epoch(),
             ],
             args=[
                 "" if expected_generation is None else str(expected_generation),
@@ -134,10 +171,23 @@ class RedisSessionStore:
                 ttl,
                 repr(record.last_used_at),
                 record.key,
+                epoch or "",
                 *pairs,
             ],
         )
         return outcome
+
+    async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
+        noted = await self._owe_reset(
+            keys=[self.keys.session_home(key)], args=[home, reason, previous_home]
+        )
+        return bool(noted)
+
+    async def epoch(self, known: str | None) -> StoreEpoch:
+        epoch_id, age, restarted = await self._epoch(
+            keys=[self.keys.store_epoch()], args=[uuid.uuid4().hex, known or ""]
+        )
+        return StoreEpoch(str(epoch_id), max(0.0, float(age)), restarted == "1")
 
     async def release_replica(self, replica_id: str, reason: str, now: float) -> int:
         released = await self._release(

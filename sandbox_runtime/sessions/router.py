@@ -48,6 +48,9 @@ from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
 RECORD_LIFE_FACTOR = 2
 PLACEMENT_ATTEMPTS = 4  # lookups per operation (a home may move or stop meanwhile)
 RENEW_INTERVAL_SECONDS = 5.0
+SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published again
+SETTLE_POLL_SECONDS = 0.1
+RECLAIM_SESSION_LIMIT = 2**31
 
 
 @dataclass(frozen=True)
@@ -99,24 +102,55 @@ class Router:
         # Sessions claimed here whose workspace a mount cap kept from being made: its first
         # making is no reset.
         self._unmade: set[str] = set()
-        self._peers_seen = False  # another replica's heartbeat was seen (with a store)
         self._background: set[asyncio.Task[None]] = set()
         # session key -> (home, owner) as last placed: for a Redis outage, and for publishing
         # again the records of sessions homed here when Redis lost them.
         self._last_placement: dict[str, tuple[str, Owner]] = {}
-        self._restoring: asyncio.Task[None] | None = None
+        # The store's epoch under which this replica has published the records of the
+        # sessions it holds (in its heartbeat: a session with no record may start afresh only
+        # once every live replica has); set to check again now (the store lost data).
+        self._synced_epoch: str | None = None
+        self._store_changed = asyncio.Event()
         manager.admission = self._admit
         manager.on_finished.append(self._release_running)
         manager.before_shutdown.append(self.release_homes)
         manager.heartbeat_fields = self._heartbeat_fields
-        manager.on_store_lost.append(self._restore_homes)
+        manager.on_store_lost.append(self._store_changed.set)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         if self.control is not None:
             self.control.start()
-        self._renewer = asyncio.get_running_loop().create_task(self._renew_forever())
+        loop = asyncio.get_running_loop()
+        self._renewer = loop.create_task(self._renew_forever())
+        if self.manager.mirror is not None:
+            mirror = self.manager.mirror
+            for job in (self._sweep_earlier_incarnations(mirror.beaten), self._watch_store()):
+                task = loop.create_task(job)
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+
+    async def _sweep_earlier_incarnations(self, beaten: asyncio.Event) -> None:
+        """Once this process's heartbeat has replaced an earlier one's (same replica id),
+        mark that process's running executions lost (retried until done)."""
+        await beaten.wait()
+        backoff = 0.2
+        while True:
+            try:
+                lost = await self.executions.mark_previous_incarnations_lost()
+            except Exception as exc:  # the store failed: retry shortly
+                logger.warning("marking an earlier process's executions lost: {}", exc)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+                continue
+            if lost:
+                logger.warning(
+                    "{} executions of this replica's previous process were left running: "
+                    "marked lost",
+                    lost,
+                )
+            return
 
     async def aclose(self) -> None:
         for task in list(self._background):
@@ -143,7 +177,6 @@ class Router:
         except Exception:  # the store is down: health reports that already
             return self.cluster_problem
         peers.pop(self.replica_id, None)
-        self._peers_seen = self._peers_seen or bool(peers)
         mine = self.signer.key_id if self.signer is not None else None
         problem = None
         if peers and self.signer is None:
@@ -175,6 +208,7 @@ class Router:
         return {
             "cluster_address": self.cluster_address,
             "cluster_key_id": self.signer.key_id if self.signer else None,
+            "store_epoch": self._synced_epoch,
         }
 
     async def release_homes(self) -> None:
@@ -198,6 +232,7 @@ class Router:
         the home unknown), SandboxSpawnError (this replica is stopping).
         """
         key = session_key(owner.principal, owner.session_id)
+        epoch: str | None = None  # the store's epoch in which a fresh start may be claimed
         for _ in range(PLACEMENT_ATTEMPTS):
             now = time.time()
             try:
@@ -208,9 +243,16 @@ class Router:
             if found.touched and record is not None:
                 self._remember(key, record.home, owner)
                 reset = await self._check_workspace(owner)
-                return Placement(True, self.replica_id, reset=reset)
+                return Placement(True, self.replica_id, reset=self._owed_by(record) or reset)
+            if record is None and epoch is None:
+                # No record: a new session, or one the store forgot (restarted empty) whose
+                # home has not published it again yet. Wait until every replica has.
+                epoch = await self._await_records_published(key)
+                continue
             if record is None:
-                placement = await self._claim(owner, None)
+                placement = await self._claim(owner, None, epoch=epoch)
+                if placement is None:
+                    epoch = None  # (the store began anew meanwhile: wait again)
             elif record.state == "released":
                 reason = "home_stopped" if record.released_reason == "home_stopped" else "home_lost"
                 placement = await self._claim(owner, record, reason)
@@ -234,36 +276,125 @@ class Router:
             self._last_placement.clear()
         self._last_placement[key] = (home, owner)
 
-    def _restore_homes(self) -> None:
-        """The store may have lost its data (Redis restarted empty, or came back after an
-        outage): publish again, where missing, the records of the sessions homed here, so that
-        their next calls, wherever they land, come here and find their workspaces rather than
-        start afresh elsewhere. Retried until done (a restore already under way starts over)."""
-        if self._restoring is not None:
-            self._restoring.cancel()
-        self._restoring = asyncio.get_running_loop().create_task(self._reclaim_until_done())
-        self._background.add(self._restoring)
-        self._restoring.add_done_callback(self._background.discard)
-
-    async def _reclaim_until_done(self) -> None:
-        pending = {
-            key: owner
-            for key, (home, owner) in self._last_placement.items()
-            if home == self.replica_id
-        }
-        restored, backoff = 0, 0.2
-        while pending and self.manager.accepting:
-            key, owner = next(iter(pending.items()))
+    async def _watch_store(self) -> None:
+        """Publish again, where missing, the records of the sessions homed here whenever the
+        store begins a new epoch (Redis restarted empty), so that their next calls, wherever
+        they land, come here and find their workspaces; then say so in the heartbeat. Checked
+        every heartbeat interval, and at once when the mirror finds the store lost data or is
+        back after an outage (then the sessions that moved away meanwhile are learnt of too:
+        this replica must not publish a stale home for them later)."""
+        mirror = self.manager.mirror
+        assert mirror is not None
+        backoff = 0.2
+        resync = False  # the mirror found the store lost data, or came back after an outage
+        while True:
+            resync = resync or self._store_changed.is_set()
+            self._store_changed.clear()
             try:
-                restored += await self._reclaim(key, owner)
-            except Exception as exc:  # the store failed again: retry shortly
-                logger.warning("restoring the records of sessions homed here: {}", exc)
-                await asyncio.sleep(backoff)
+                epoch = await self.sessions.epoch(self._synced_epoch)
+                changed = epoch.epoch_id != self._synced_epoch
+                if (changed or resync) and self.manager.accepting:
+                    # First this replica's heartbeat (a record whose home has none would be
+                    # taken over), then the records, then the heartbeat that says so.
+                    if not await mirror.beat():
+                        raise ConnectionError(mirror.last_error or "the heartbeat failed")
+                    restored = await self._reclaim_all()
+                    resync = False
+                    if changed and (self._synced_epoch is not None or restored):
+                        logger.warning(
+                            "the shared store began anew (epoch {}): published again the "
+                            "records of {} sessions homed here",
+                            epoch.epoch_id,
+                            restored,
+                        )
+                    self._synced_epoch = epoch.epoch_id
+                    await mirror.beat()
+                backoff = 0.2
+                wait = mirror.heartbeat_interval
+            except Exception as exc:  # the store failed: retry with backoff
+                if mirror.connected:
+                    logger.warning("publishing again the records of sessions homed here: {}", exc)
+                wait = backoff
                 backoff = min(5.0, backoff * 2)
-                continue
-            del pending[key]
-        if restored:
-            logger.info("restored the records of {} sessions homed here", restored)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._store_changed.wait(), wait)
+
+    async def _reclaim_all(self) -> int:
+        """Claim again every session homed here that the store has no record of. Raises what
+        the store raises."""
+        pending = [
+            (key, owner)
+            for key, (home, owner) in list(self._last_placement.items())
+            if home == self.replica_id
+        ]
+        restored = 0
+        for key, owner in pending:
+            if not self.manager.accepting:
+                break  # (stopping: its sessions are being released)
+            restored += await self._reclaim(key, owner)
+        return restored
+
+    async def _await_records_published(self, key: str) -> str:
+        """Return once a session without a record may start afresh here: the store's epoch
+        is old enough that every replica alive before it began has heartbeat since (a
+        heartbeat TTL), and every live replica has published the records of the sessions it
+        holds under it; or at once if the session's record appears meanwhile. Returns that
+        epoch (a claim is made only in it; "": no store epoch to check).
+
+        Raises OwnerUnavailableError (the store is down, or the replicas did not publish in
+        time: retry).
+        """
+        if self.store is None:
+            return ""  # one replica without Redis: every session is homed here
+        ttl = self.settings.heartbeat_ttl
+        deadline = time.monotonic() + ttl + SETTLE_MARGIN_SECONDS
+        logged = False
+        while True:
+            try:
+                epoch, waiting = await self._unpublished()
+                if not waiting:
+                    return epoch
+                found = await self.sessions.lookup(
+                    key, self.replica_id, time.time(), self._record_ttl
+                )
+            except Exception as exc:
+                raise OwnerUnavailableError(
+                    f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
+                ) from exc
+            if found.record is not None:
+                return epoch
+            if not logged:
+                logger.info("a session without a record waits for {}", ", ".join(waiting))
+                logged = True
+            if time.monotonic() >= deadline:
+                raise OwnerUnavailableError(
+                    "the shared store (Redis) lost its data moments ago and the replicas are "
+                    "publishing again the sessions they hold; this session has no record yet "
+                    f"(waiting for {', '.join(waiting)}): retry in a few seconds"
+                )
+            await asyncio.sleep(SETTLE_POLL_SECONDS)
+
+    async def _unpublished(self) -> tuple[str, list[str]]:
+        """The store's epoch, and what a session without a record waits for in it before it
+        may start afresh (nothing: it may). Raises what the store raises."""
+        assert self.store is not None
+        epoch = await self.sessions.epoch(self._synced_epoch)
+        waiting: list[str] = []
+        grace = self.settings.heartbeat_ttl - epoch.age
+        if epoch.restarted and grace > 0:
+            waiting.append(f"replicas not heard from since ({grace:.1f} s more)")
+        if self._synced_epoch != epoch.epoch_id:
+            waiting.append(f"replica {self.replica_id}")
+            self._store_changed.set()  # (publish now, not at the next heartbeat interval)
+        peers = await self.store.live_replicas()
+        peers.pop(self.replica_id, None)
+        # (A heartbeat without the field is an older version's, which never waits.)
+        waiting += [
+            f"replica {peer}"
+            for peer, beat in sorted(peers.items())
+            if beat.get("store_epoch", epoch.epoch_id) != epoch.epoch_id
+        ]
+        return epoch.epoch_id, waiting
 
     async def _reclaim(self, key: str, owner: Owner) -> bool:
         """Claim `owner`'s session here if the store has no record of it; learn of a home
@@ -273,15 +404,30 @@ class Router:
             return False  # placed elsewhere meanwhile, or its workspace is gone
         now = time.time()
         record = self._record_here(owner, None, now)
-        outcome = await self.sessions.claim(
-            record, None, self.settings.max_sessions_per_principal, self._record_ttl
-        )
+        record.published_again_at = now  # (no fresh start: the session goes on)
+        # (Not a new session: the per-principal limit does not refuse it.)
+        outcome = await self.sessions.claim(record, None, RECLAIM_SESSION_LIMIT, self._record_ttl)
         if outcome == "claimed":
             return True
         found = await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
         if found.record is not None and found.record.home != self.replica_id:
             self._remember(key, found.record.home, owner)  # not ours any more
+            # It started afresh there (this replica could not publish its record in time):
+            # its next call must say so; the files here are the old session's.
+            if await self.sessions.owe_reset(key, found.record.home, "store_lost", self.replica_id):
+                logger.warning(
+                    "session {} started afresh on replica {} while its workspace was here "
+                    "(the shared store lost its record)",
+                    owner.session_id,
+                    found.record.home,
+                )
         return False
+
+    def _owed_by(self, record: SessionRecord) -> SessionReset | None:
+        """The reset a session's record says its next call is owed (None: none)."""
+        if record.reset_reason != "store_lost" or not record.reset_from:
+            return None
+        return SessionReset(reason="store_lost", previous_replica=record.reset_from)
 
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the
@@ -298,16 +444,22 @@ class Router:
 
     def _place_without_store(self, key: str, exc: Exception) -> Placement:
         # Without the store, this replica still serves the sessions it last saw homed here,
-        # and, when it has never seen another replica, every session (one replica: there is
-        # no other home it could have).
+        # while its last heartbeat lives: until then no other replica can take them (they
+        # wait for its heartbeat to expire, or for its records after the store restarted
+        # empty). Nothing else: a new home it cannot record could be another's too.
         last = self._last_placement.get(key)
-        if (last is not None and last[0] == self.replica_id) or (
-            not self._peers_seen and last is None
-        ):
-            return Placement(True, self.replica_id)
+        contact = self.manager.mirror.last_contact if self.manager.mirror else None
+        if last is not None and last[0] == self.replica_id:
+            if contact is not None and time.monotonic() - contact < self.settings.heartbeat_ttl:
+                return Placement(True, self.replica_id)
+            raise OwnerUnavailableError(
+                f"the shared store is unavailable ({type(exc).__name__}) for longer than a "
+                f"heartbeat ({self.settings.heartbeat_ttl} s): this replica can no longer be "
+                "sure it is still this session's home; retry shortly"
+            ) from exc
         raise OwnerUnavailableError(
-            f"the shared store is unavailable ({type(exc).__name__}) and this session's home "
-            "is not this replica; retry shortly"
+            f"the shared store is unavailable ({type(exc).__name__}) and this replica is not "
+            "known to be this session's home; retry shortly"
         ) from exc
 
     def _record_here(
@@ -325,9 +477,14 @@ class Router:
         )
 
     async def _claim(
-        self, owner: Owner, previous: SessionRecord | None, reason: str = ""
+        self,
+        owner: Owner,
+        previous: SessionRecord | None,
+        reason: str = "",
+        epoch: str | None = None,
     ) -> Placement | None:
-        """Make this replica the session's home (None: someone else changed it first)."""
+        """Make this replica the session's home (None: someone else changed it first, or the
+        store is no longer in `epoch`)."""
         if not self.manager.accepting:
             raise SandboxSpawnError("this replica is shutting down; retry on another replica")
         now = time.time()
@@ -339,6 +496,7 @@ class Router:
                 self.settings.max_sessions_per_principal,
                 self._record_ttl,
                 previous.home if previous else None,
+                epoch or None,
             )
         except Exception as exc:  # the store failed between lookup and claim
             raise OwnerUnavailableError(
@@ -516,12 +674,14 @@ class Router:
             time.time(),
             self._record_ttl,
         )
-        if not found.touched:
+        if not found.touched or found.record is None:
             raise HomeMovedError(f"replica {self.replica_id} is not this session's home")
+        self._remember(session_key(principal, session_id), self.replica_id, owner)
         self.metrics.forwarded_served.labels(op).inc()
         self.metrics.forwarded_serving.inc()
         try:
             reset = await self._check_workspace(owner)
+            reset = self._owed_by(found.record) or reset
             return await self._run_here(owner, op, args, progress, reset)
         finally:
             self.metrics.forwarded_serving.dec()

@@ -7,6 +7,7 @@ Redis store (sessions/redis_store.py) is shared by every replica of a deployment
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -27,6 +28,19 @@ class Lookup:
     touched: bool = False
 
 
+@dataclass(frozen=True)
+class StoreEpoch:
+    """The store's current epoch: a new one begins whenever the store has lost its data.
+
+    `restarted`: it began after an earlier one (a replica that knew an earlier epoch saw it),
+    so sessions may have lost their records; `age`: seconds since it began (store's clock).
+    """
+
+    epoch_id: str
+    age: float
+    restarted: bool
+
+
 class SessionStore(Protocol):
     """Session records and per-principal counts, atomically updated. Errors: OSError /
     ConnectionError subclasses (redis.exceptions.RedisError for Redis): unavailable now."""
@@ -42,14 +56,26 @@ class SessionStore(Protocol):
         max_sessions: int,
         ttl: int,
         previous_home: str | None = None,
+        epoch: str | None = None,
     ) -> ClaimOutcome:
         """Store `record` as the session's record.
 
         `expected_generation` None: only if the session has no record (a new session), and
         only while its principal has fewer than `max_sessions` live sessions. Otherwise only
         if the stored record still has that generation (re-homing; `previous_home` forgets
-        the session).
+        the session). With `epoch`, only while the store is in that epoch ("moved"
+        otherwise: it lost its data since).
         """
+
+    async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
+        """Note on a session's record, if it is a first generation homed on `home` and not
+        published again (started afresh there, not re-homed from a record nor restored), that
+        its next call must say it started afresh (`reason`, `previous_home`). Whether it was
+        noted."""
+
+    async def epoch(self, known: str | None) -> StoreEpoch:
+        """The store's epoch, begun now if it has none. `known`: the epoch the caller last
+        saw (None: none); one that differs marks the current epoch `restarted`."""
 
     async def release_replica(self, replica_id: str, reason: str, now: float) -> int:
         """Mark every session homed on `replica_id` released (it is stopping): the next
@@ -74,6 +100,7 @@ class MemorySessionStore:
         self._principal_sessions: dict[str, dict[str, float]] = {}
         self._running: dict[str, dict[str, float]] = {}
         self.heartbeats: dict[str, dict[str, Any]] = {}  # replica id -> payload (tests)
+        self._epoch = (uuid.uuid4().hex, time.time())  # (this store never loses its data)
 
     def _live(self, key: str) -> SessionRecord | None:
         entry = self._records.get(key)
@@ -90,9 +117,11 @@ class MemorySessionStore:
             return Lookup(None)
         if record.home == replica_id and record.state == "active":
             record.last_used_at = now
+            found = record.model_copy()
+            record.reset_reason = record.reset_from = None  # (taken)
             self._records[key] = (record, now + ttl)
             self._principal_sessions.setdefault(record.principal, {})[key] = now + ttl
-            return Lookup(record.model_copy(), None, touched=True)
+            return Lookup(found, None, touched=True)
         return Lookup(record.model_copy(), self.heartbeats.get(record.home))
 
     async def claim(
@@ -102,7 +131,10 @@ class MemorySessionStore:
         max_sessions: int,
         ttl: int,
         previous_home: str | None = None,
+        epoch: str | None = None,
     ) -> ClaimOutcome:
+        if epoch is not None and epoch != self._epoch[0]:
+            return "moved"
         current = self._live(record.key)
         sessions = self._principal_sessions.setdefault(record.principal, {})
         if expected_generation is None:
@@ -119,6 +151,20 @@ class MemorySessionStore:
         self._records[record.key] = (record.model_copy(), record.last_used_at + ttl)
         sessions[record.key] = record.last_used_at + ttl
         return "claimed"
+
+    async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
+        record = self._live(key)
+        if record is None or record.home != home or record.generation != 1:
+            return False
+        if record.published_again_at is not None:
+            return False
+        if record.reset_reason is None:
+            record.reset_reason, record.reset_from = reason, previous_home
+        return True
+
+    async def epoch(self, known: str | None) -> StoreEpoch:
+        epoch_id, created_at = self._epoch
+        return StoreEpoch(epoch_id, time.time() - created_at, restarted=False)
 
     async def release_replica(self, replica_id: str, reason: str, now: float) -> int:
         released = 0

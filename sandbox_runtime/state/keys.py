@@ -33,6 +33,11 @@ class Keys:
         """string: a replica's heartbeat JSON; short TTL."""
         return f"{self.prefix}replica:{replica_id}"
 
+    def replica_running(self, replica_id: str) -> str:
+        """set: ids of the executions a replica's processes have mirrored as not finished
+        (a restarted replica marks its previous incarnation's lost from it)."""
+        return f"{self.prefix}replica:{replica_id}:running"
+
     def control(self, replica_id: str) -> str:
         """list: control requests (stdin, cancel) for the replica that owns the execution."""
         return f"{self.prefix}replica:{replica_id}:control"
@@ -58,6 +63,12 @@ class Keys:
         """sorted set: a principal's running execution ids, scored by when their lease
         expires (renewed by the replica running them; a dead replica's lapse)."""
         return f"{self.prefix}principal:{principal}:running"
+
+    def store_epoch(self) -> str:
+        """hash: this store's epoch (`id`, `created_at` in the store's clock, `restarted`),
+        made by the first replica that finds it missing: a new id means the store lost its
+        data (Redis restarted empty) and the session records with it. No TTL."""
+        return f"{self.prefix}store:epoch"
 
     def replicas(self) -> str:
         """sorted set: replica ids, scored by when their heartbeat expires."""

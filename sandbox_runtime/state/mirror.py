@@ -62,6 +62,12 @@ class Mirror:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._reached = False  # a heartbeat or write of ours reached the store once
+        # Set once this process's heartbeat is in the store (it replaced an earlier process's).
+        self.beaten = asyncio.Event()
+        # (monotonic) when the last heartbeat that reached the store was sent: it lives at
+        # least a heartbeat TTL from then, and until then no other replica takes this one's
+        # sessions.
+        self.last_contact: float | None = None
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -230,20 +236,31 @@ class Mirror:
 
     # -- heartbeat ---------------------------------------------------------------
 
+    async def beat(self) -> bool:
+        """Publish the heartbeat once; whether it reached the store. Noticing that the store
+        lost it (restarted empty) or that this is the first beat after an outage runs the
+        loss hooks."""
+        sent = time.monotonic()
+        try:
+            existed = await self.store.heartbeat(
+                self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
+            )
+        except Exception as exc:  # Redis down: keep serving, retry next beat
+            self._set_connected(False, exc)
+            return False
+        self.last_contact = sent
+        if self._reached and (not existed or not self.connected):
+            self._store_lost_data(
+                "back after an outage" if existed else "this replica's heartbeat was gone"
+            )
+        self._reached = True
+        self._set_connected(True)
+        self.beaten.set()
+        if self._dirty:
+            self._wake.set()
+        return True
+
     async def _heartbeat_forever(self) -> None:
         while True:
-            try:
-                existed = await self.store.heartbeat(
-                    self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
-                )
-                if self._reached and (not existed or not self.connected):
-                    self._store_lost_data(
-                        "back after an outage" if existed else "this replica's heartbeat was gone"
-                    )
-                self._reached = True
-                self._set_connected(True)
-                if self._dirty:
-                    self._wake.set()
-            except Exception as exc:  # Redis down: keep serving, retry next beat
-                self._set_connected(False, exc)
+            await self.beat()
             await asyncio.sleep(self.heartbeat_interval)

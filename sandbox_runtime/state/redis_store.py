@@ -14,17 +14,25 @@ from redis.exceptions import WatchError
 
 from sandbox_runtime.execution.models import ExecutionInfo, OutputEvent
 from sandbox_runtime.state.keys import CONTROL_REPLY_TTL_SECONDS, Keys
-from sandbox_runtime.state.store import Beat, Snapshot, Written, lost_event, mark_info_lost
+from sandbox_runtime.state.store import (
+    Beat,
+    Snapshot,
+    Written,
+    incarnation_gone,
+    lost_event,
+    mark_info_lost,
+)
 
 # Appends only the events that continue the list (seq == LLEN + 1), so a retried flush never
-# duplicates and list index = seq - 1 always holds; the list stops growing at the cap.
+# duplicates and list index = seq - 1 always holds; the list stops growing at the cap. Keeps
+# the execution in its replica's set of running ones while it is not finished (ARGV[6]).
 WRITE_SCRIPT = """
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 local n = redis.call('LLEN', KEYS[2])
 local cap = tonumber(ARGV[3])
 local first = tonumber(ARGV[4])
-for i = 6, #ARGV do
-  local seq = first + i - 6
+for i = 7, #ARGV do
+  local seq = first + i - 7
   if seq == n + 1 and n < cap then
     redis.call('RPUSH', KEYS[2], ARGV[i])
     n = n + 1
@@ -33,8 +41,24 @@ end
 if n > 0 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
 redis.call('SADD', KEYS[3], ARGV[5])
 redis.call('EXPIRE', KEYS[3], ARGV[1])
+if ARGV[6] == '1' then
+  redis.call('SADD', KEYS[4], ARGV[5])
+  redis.call('EXPIRE', KEYS[4], ARGV[1])
+else
+  redis.call('SREM', KEYS[4], ARGV[5])
+end
 return n
 """
+
+
+def _beat(raw: bytes | str | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        beat = json.loads(raw)
+    except ValueError:
+        return {}  # (there, unreadable: alive, as any heartbeat)
+    return beat if isinstance(beat, dict) else {}
 
 
 def redis_client(url: str, **options: Any) -> aioredis.Redis:
@@ -92,6 +116,7 @@ class RedisStore:
                         self.keys.execution(execution_id),
                         self.keys.output(execution_id),
                         self.keys.session(snap.session_key),
+                        self.keys.replica_running(snap.info.replica_id),
                     ],
                     args=[
                         self.ttl_seconds,
@@ -99,6 +124,7 @@ class RedisStore:
                         self.max_events,
                         first,
                         execution_id,
+                        "0" if snap.info.status.finished else "1",
                         *(json.dumps(e.wire(), ensure_ascii=False) for e in snap.events),
                     ],
                     client=pipe,
@@ -160,6 +186,19 @@ class RedisStore:
     async def replica_alive(self, replica_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.replica(replica_id)))
 
+    async def replica_beat(self, replica_id: str) -> dict[str, Any] | None:
+        raw = await self.redis.get(self.keys.replica(replica_id))
+        return _beat(raw)
+
+    async def replica_running(self, replica_id: str) -> list[ExecutionInfo]:
+        ids = sorted(
+            str(i) for i in await self.redis.smembers(self.keys.replica_running(replica_id))
+        )
+        if not ids:
+            return []
+        raws = await self.redis.mget([self.keys.execution(i) for i in ids])
+        return [ExecutionInfo.model_validate_json(r) for r in raws if r]
+
     async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
         meta_key = self.keys.execution(execution_id)
         for _ in range(5):
@@ -170,14 +209,18 @@ class RedisStore:
                     if not raw:
                         return None
                     info = ExecutionInfo.model_validate_json(raw)
-                    if info.status.finished or await pipe.exists(
-                        self.keys.replica(info.replica_id)
-                    ):
+                    running = self.keys.replica_running(info.replica_id)
+                    if info.status.finished:
+                        await pipe.srem(running, execution_id)
+                        return info
+                    beat = _beat(await pipe.get(self.keys.replica(info.replica_id)))
+                    if not incarnation_gone(info, beat):
                         return info
                     length = await pipe.llen(self.keys.output(execution_id))
                     mark_info_lost(info, now)
                     info.last_seq = length + 1
                     pipe.multi()
+                    pipe.srem(running, execution_id)
                     pipe.set(meta_key, info.model_dump_json(), keepttl=True)
                     pipe.rpush(
                         self.keys.output(execution_id),

@@ -78,11 +78,18 @@ class StateStore(Protocol):
 
     async def replica_alive(self, replica_id: str) -> bool: ...
 
+    async def replica_beat(self, replica_id: str) -> dict[str, Any] | None:
+        """A replica's heartbeat payload (None: it has none, it is not alive)."""
+
+    async def replica_running(self, replica_id: str) -> list[ExecutionInfo]:
+        """The executions `replica_id`'s processes mirrored as not finished (yet)."""
+
     async def live_replicas(self) -> dict[str, dict[str, Any]]:
         """Every replica with a live heartbeat: id -> heartbeat payload."""
 
     async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
-        """Atomically mark a running execution whose owner has no heartbeat as lost.
+        """Atomically mark a running execution whose process is gone (`incarnation_gone`)
+        as lost.
 
         Returns the stored metadata afterwards (changed or not), None if unknown.
         """
@@ -104,6 +111,21 @@ class StateStore(Protocol):
 
 def lost_event(seq: int, now: float) -> OutputEvent:
     return OutputEvent(seq=seq, type=EventType.ERROR, timestamp=now, message=LOST_MESSAGE)
+
+
+def incarnation_gone(info: ExecutionInfo, beat: dict[str, Any] | None) -> bool:
+    """Whether the process that ran `info` is gone: its replica has no heartbeat, or the
+    heartbeat is another incarnation's that started after the execution was created (the
+    replica restarted under the same id). A heartbeat of an earlier incarnation (a new process
+    whose first beat has not replaced it yet) or without incarnations (an older version) says
+    nothing against it."""
+    if beat is None:
+        return True
+    theirs = beat.get("incarnation")
+    if not info.incarnation or not theirs or theirs == info.incarnation:
+        return False
+    started = beat.get("started_at")
+    return isinstance(started, int | float) and started >= info.created_at
 
 
 def mark_info_lost(info: ExecutionInfo, now: float) -> bool:
@@ -128,6 +150,7 @@ class MemoryStore:
         self._sessions: dict[str, set[str]] = {}
         self._replicas: dict[str, float] = {}
         self._payloads: dict[str, dict[str, Any]] = {}
+        self._replica_running: dict[str, set[str]] = {}
         self._control: dict[str, asyncio.Queue[dict[str, Any]]] = {}
         self._replies: dict[str, asyncio.Queue[dict[str, Any]]] = {}
 
@@ -156,6 +179,11 @@ class MemoryStore:
                 if len(events) < self.max_events and event.seq == len(events) + 1:
                     events.append(event)
             self._sessions.setdefault(snap.session_key, set()).add(execution_id)
+            running = self._replica_running.setdefault(snap.info.replica_id, set())
+            if snap.info.status.finished:
+                running.discard(execution_id)
+            else:
+                running.add(execution_id)
             stored[execution_id] = len(events)
         return Written(stored, restored)
 
@@ -194,13 +222,27 @@ class MemoryStore:
         self._expire()
         return replica_id in self._replicas
 
+    async def replica_beat(self, replica_id: str) -> dict[str, Any] | None:
+        self._expire()
+        if replica_id not in self._replicas:
+            return None
+        return dict(self._payloads.get(replica_id, {}))
+
+    async def replica_running(self, replica_id: str) -> list[ExecutionInfo]:
+        self._expire()
+        ids = self._replica_running.get(replica_id, set())
+        return [self._infos[i][0].model_copy(deep=True) for i in ids if i in self._infos]
+
     async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
         self._expire()
         entry = self._infos.get(execution_id)
         if entry is None:
             return None
         info = entry[0]
-        if not info.status.finished and info.replica_id not in self._replicas:
+        if info.status.finished:
+            self._replica_running.get(info.replica_id, set()).discard(execution_id)
+        elif incarnation_gone(info, await self.replica_beat(info.replica_id)):
+            self._replica_running.get(info.replica_id, set()).discard(execution_id)
             mark_info_lost(info, now)
             events = self._events.setdefault(execution_id, [])
             events.append(lost_event(len(events) + 1, now))
