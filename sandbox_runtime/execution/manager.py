@@ -115,6 +115,8 @@ class ExecutionManager:
             retention_seconds=settings.workspace_retention_seconds,
             max_mounted=settings.max_mounted_workspaces,
             max_mounted_per_principal=settings.max_mounted_workspaces_per_principal,
+            reserve=settings.workspace_reserve,
+            min_free_mb=settings.min_free_disk_mb,
         )
         self.pool = SandboxPool(
             self.backend,
@@ -200,6 +202,11 @@ class ExecutionManager:
             lambda name: self.pool.discard_workspace(self.workspaces.path(name))
         )
         self.workspaces.on_refused.append(lambda cap: self.metrics.rejections.labels(cap).inc())
+        self.workspaces.on_damage.append(lambda event: self.metrics.damage.labels(event).inc())
+        self.metrics.bind_disk(
+            lambda: self.workspaces.disk.status().free_bytes,
+            lambda: 1 if self.workspaces.disk.status().low else 0,
+        )
         self.metrics.bind_workspaces(
             self.workspaces.mounted_by_kind, lambda: loop_devices_under(self.workspaces.root)
         )
@@ -671,6 +678,7 @@ class ExecutionManager:
             await asyncio.sleep(min(60.0, max(1.0, self.settings.retention_seconds / 4)))
             try:
                 self.evict()
+                self.workspaces.disk.status()  # (logs a crossing of the free-space floor)
                 await self.workspaces.sweep()
             except (SandboxRuntimeError, OSError):
                 logger.exception("eviction failed")
