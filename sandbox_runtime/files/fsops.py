@@ -271,12 +271,19 @@ class WorkspaceFiles:
             raise
         return fd
 
-    def _fail(self, exc: OSError, parts: tuple[str, ...], doing: str) -> Exception:
-        """The domain error for `exc` met while `doing` `parts`."""
+    def _fail(
+        self, exc: OSError, parts: tuple[str, ...], doing: str, synced: bool = False
+    ) -> Exception:
+        """The domain error for `exc` met while `doing` `parts`; `synced`: met by an fsync,
+        whose every failure means the filesystem lost writes it had taken (a quota's ENOSPC
+        comes from write(): ext4 reserves the blocks then; at fsync it is the disk under the
+        image failing)."""
         where = display(parts)
         code = exc.errno
-        if code in DAMAGE_ERRNOS:
+        if code in DAMAGE_ERRNOS or synced:
             detail = f"{doing} {where}: {os.strerror(code or 0)}"
+            if synced:
+                detail += ", putting it on disk"
             if self.on_damage is not None:
                 self.on_damage(detail)
             return WorkspaceDamagedError(
@@ -583,7 +590,10 @@ class WorkspaceFiles:
                         os.close(dir_fd)
                 else:
                     os.rmdir(parts[-1], dir_fd=parent)
-                _sync_dir(parent)
+                try:
+                    _sync_dir(parent)
+                except OSError as exc:
+                    raise self._fail(exc, parts, "delete", synced=True) from None
             finally:
                 os.close(parent)
         except OSError as exc:
@@ -628,6 +638,9 @@ class Upload:
         name = self.parts[-1]
         try:
             os.fsync(self._fd)  # the data, before any name points at it
+        except OSError as exc:
+            raise self._files._fail(exc, self.parts, "write", synced=True) from None
+        try:
             os.close(self._fd)
             self._fd = -1
             if self._overwrite:
@@ -642,9 +655,12 @@ class Upload:
                 )
                 os.unlink(self._temp, dir_fd=self._parent)
             self._done = True  # (in place: an abort must not remove it)
-            _sync_dir(self._parent)  # the name
         except OSError as exc:
             raise self._files._fail(exc, self.parts, "write") from None
+        try:
+            _sync_dir(self._parent)  # the name
+        except OSError as exc:
+            raise self._files._fail(exc, self.parts, "write", synced=True) from None
         self._done = True
         self.abort()
         return self.size

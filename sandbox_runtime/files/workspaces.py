@@ -71,6 +71,8 @@ MNT_DETACH = 2
 COMMAND_TIMEOUT = 30.0
 DETACH_WAIT_STEPS = 40  # times 0.05 s: for the loop device of an unmounted image to go
 PROBE = ".probe"
+PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
+CHECK_ROOM = 16 * 1024 * 1024  # free space e2fsck is given to repair an image in
 DAMAGED_SUFFIX = ".damaged"
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -216,6 +218,14 @@ class WorkspaceStore:
             self._mount(image, point)
             _umount(point)
         except (OSError, subprocess.SubprocessError) as exc:
+            if self.disk.status().free_bytes < PROBE_ROOM:
+                # (A full disk must not turn the images it holds into empty directories.)
+                logger.warning(
+                    "no room to try a workspace image ({}); images are assumed to work (root, "
+                    "loop devices and mkfs.ext4 are there)",
+                    exc,
+                )
+                return None
             return f"a test image could not be made and mounted: {exc}"
         finally:
             with contextlib.suppress(OSError):
@@ -406,8 +416,8 @@ class WorkspaceStore:
             self._touch(name)
             return
         fresh = not image.exists()
-        if not fresh:
-            fresh = self._check_image(name)  # (fresh: set aside and replaced)
+        checked = None if fresh else self._check_image(name)
+        fresh = fresh or checked == "quarantined"  # (set aside: replaced by a new one)
         if fresh:
             self._make_image(image, self.size_mb, self.inodes)
         else:
@@ -415,7 +425,16 @@ class WorkspaceStore:
         with contextlib.suppress(FileExistsError):
             point.mkdir(mode=0)
         os.chmod(point, 0)  # never writable while nothing is mounted on it
-        self._mount(image, point)
+        try:
+            self._mount(image, point)
+        except OSError as exc:
+            if fresh or checked is not None:
+                raise
+            self.mark_damaged(name, f"it would not mount: {exc}")
+            if self._check_image(name) == "quarantined":
+                fresh = True
+                self._make_image(image, self.size_mb, self.inodes)
+            self._mount(image, point)
         if fresh:
             with contextlib.suppress(OSError):
                 os.rmdir(point / "lost+found")
@@ -522,10 +541,11 @@ class WorkspaceStore:
                 "idle timeout). Files written since the failure were not kept"
             )
 
-    def _check_image(self, name: str) -> bool:
+    def _check_image(self, name: str) -> str | None:
         """Before mounting an existing image: check it if it is marked damaged or records an
-        error, and repair it (e2fsck -p) or set it aside (.quarantine/). Whether it was set
-        aside (a fresh image is to be made). Raises OSError, SubprocessError."""
+        error, and repair it (e2fsck -p) or set it aside (.quarantine/, a fresh image is then
+        to be made). How the check ended (None: not needed). Raises OSError,
+        SubprocessError."""
         image, marker = self.image(name), self._marker(name)
         why = self._damaged.get(name)
         if why is None and marker.exists():
@@ -533,7 +553,13 @@ class WorkspaceStore:
         if why is None and has_recorded_error(image):
             why = "its filesystem records an error"
         if why is None:
-            return False
+            return None
+        if self.disk.status().free_bytes < CHECK_ROOM:  # (e2fsck writes into the image)
+            self.mark_damaged(name, why)
+            raise WorkspaceDamagedError(
+                f"the workspace's filesystem failed ({why}) and the state filesystem is too "
+                "full to check and repair it: it is checked once there is room again; retry"
+            )
         outcome = check_image(image, name)
         if outcome.result == "quarantined":
             self._resets[name] = "workspace_quarantined"
@@ -563,7 +589,7 @@ class WorkspaceStore:
             marker.unlink()
         for hook in self.on_damage:
             hook(outcome.result)
-        return outcome.result == "quarantined"
+        return outcome.result
 
     def _mount(self, image: Path, point: Path) -> None:
         options = self.disk.mount_options(MOUNT_OPTIONS)
