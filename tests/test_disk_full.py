@@ -202,8 +202,12 @@ async def test_a_full_state_disk_loses_no_acknowledged_write(workdir: Path) -> N
             assert output(ran) == "fresh\n"
         server.stop()
 
-        server = ServerProcess(workdir, dict(SETTINGS)).start()  # files survive a restart
+        # Files survive a restart, even one on a full disk (which must not turn the images
+        # into empty directories: the start's test image has no room either).
+        outside = fill_from_outside(state)
+        server = ServerProcess(workdir, dict(SETTINGS)).start()
         drop_caches()
+        assert server.health()["disk"]["status"] == "low"
         async with open_client(server.url, TOKEN, "auto") as conn:
             await check_all(conn, written)
         assert metric(server, "srt_workspace_damage_total", 'event="detected"') == 0

@@ -87,14 +87,14 @@ class StateDisk:
         if free - reserved < self.min_free_mb * MIB:
             raise DiskFullError(self._no_room(free, size))
 
-    def allocate(self, fd: int, size: int, image: Path) -> None:
-        """Give the image (open as `fd`) all its `size` bytes now, if reserving. Raises
-        DiskFullError, OSError."""
+    def allocate(self, fd: int, size: int, image: Path, existing: bool = False) -> None:
+        """Give the image (open as `fd`) all its `size` bytes now, if reserving; `existing`:
+        an image made sparse before. Raises DiskFullError, OSError."""
         if self.reserve != "allocate" or _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0:
             return
         err = ctypes.get_errno()
         if err == errno.ENOSPC:
-            raise DiskFullError(self._no_room(self.status().free_bytes, size))
+            raise DiskFullError(self._no_room(self.status().free_bytes, size, existing))
         if err == errno.EOPNOTSUPP:
             logger.warning(
                 "the state filesystem cannot allocate workspace images (fallocate): they stay "
@@ -115,11 +115,18 @@ class StateDisk:
             return
         fd = os.open(image, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            self.allocate(fd, st.st_size, image)
+            self.allocate(fd, st.st_size, image, existing=True)
         finally:
             os.close(fd)
 
-    def _no_room(self, free: int, size: int) -> str:
+    def _no_room(self, free: int, size: int, existing: bool = False) -> str:
+        if existing:
+            return (
+                f"this replica's state filesystem (SANDBOX_STATE_DIR) has {free // MIB} MiB "
+                f"free: no room to reserve the {size // MIB} MiB of this workspace, made sparse "
+                "before SANDBOX_WORKSPACE_RESERVE=allocate; its files are kept: retry once "
+                "there is room"
+            )
         return (
             f"this replica's state filesystem (SANDBOX_STATE_DIR) has {free // MIB} MiB free: no "
             f"room for a new workspace of {size // MIB} MiB (SANDBOX_WORKSPACE_MB; "

@@ -452,7 +452,8 @@ class WorkspaceStore:
         fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
-            self.disk.allocate(fd, size, image)
+            if not probe:  # (a full disk must not fail the start: see _probe)
+                self.disk.allocate(fd, size, image)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):
