@@ -203,6 +203,9 @@ class ExecutionManager:
         )
         self.workspaces.on_refused.append(lambda cap: self.metrics.rejections.labels(cap).inc())
         self.workspaces.on_damage.append(lambda event: self.metrics.damage.labels(event).inc())
+        # (A sandbox's own writes that met a failing filesystem turn its mount read-only: found
+        # when the execution ends, not at the session's next call.)
+        self.on_finished.append(self._check_workspace)
         self.metrics.bind_disk(
             lambda: self.workspaces.disk.status().free_bytes,
             lambda: 1 if self.workspaces.disk.status().low else 0,
@@ -507,6 +510,9 @@ class ExecutionManager:
             self._per_owner[owner] = left
         else:
             self._per_owner.pop(owner, None)
+
+    def _check_workspace(self, execution: Execution) -> None:
+        self.workspaces.check_damage(workspace_name(execution.owner))
 
     async def _release_when_done(self, execution: Execution) -> None:
         await execution.finished.wait()

@@ -3,7 +3,7 @@
 A sparse image promises the sandbox bytes the host may not have: when the state filesystem
 fills, writes an image already acknowledged fail in the loop device's writeback, the kernel
 aborts the workspace's journal and files are lost. So by default (`allocate`) an image gets
-all its blocks when it is made (fallocate: ~1 ms per GiB on ext4, nothing written) and is
+all its blocks when it is made (fallocate: a few ms per GiB on ext4, nothing written) and is
 mounted without `discard` (which would punch them back out): a workspace then never needs a
 block of the host's, whatever else fills the host filesystem, and a new workspace is refused
 (DiskFullError) when it does not fit above the floor. We chose allocation over counting what

@@ -297,7 +297,7 @@ class WorkspaceStore:
         (its filesystem failed and it cannot be checked now: something still runs in it).
         """
         self._check(name)
-        if name in self._ready and not self._check_damage(name):
+        if name in self._ready and not self.check_damage(name):
             self._ready[name] = time.monotonic()
             self._touch(name)
             return self.path(name), True
@@ -494,7 +494,7 @@ class WorkspaceStore:
     def _marker(self, name: str) -> Path:
         return self.root / f"{name}{DAMAGED_SUFFIX}"
 
-    def _check_damage(self, name: str) -> bool:
+    def check_damage(self, name: str) -> bool:
         """Whether a ready workspace must be checked before use: marked damaged, or its
         mount turned read-only (the kernel's answer to an error: errors=remount-ro)."""
         if name in self._damaged:
