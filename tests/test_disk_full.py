@@ -102,12 +102,7 @@ def ready(server: ServerProcess) -> tuple[int, dict[str, Any]]:
 
 
 def metric(server: ServerProcess, prefix: str, *labels: str) -> float:
-    auth = {"Authorization": f"Bearer {TOKEN}"}
-    text = httpx2.get(f"{server.base_url}/metrics", headers=auth, timeout=5).text
-    for line in text.splitlines():
-        if line.startswith(prefix) and all(label in line for label in labels):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return server.metric(TOKEN, prefix, *labels)
 
 
 def output(ran: dict[str, Any]) -> str:
