@@ -234,8 +234,26 @@ class Settings(BaseSettings):
         ge=16,
         le=16 * 1024 * 1024,
         description="Size of each workspace, MiB: writes past it fail with ENOSPC inside the "
-        "sandbox and uploads are refused (a sparse filesystem image per workspace: the host "
-        "spends only what is written).",
+        "sandbox and uploads are refused (a filesystem image per workspace: with "
+        "SANDBOX_WORKSPACE_RESERVE=allocate, the default, each one takes this much of the "
+        "state filesystem from its creation until it is removed).",
+    )
+    workspace_reserve: str = Field(
+        "allocate",
+        description="`allocate`: each workspace image is allocated in full when it is made "
+        "(fallocate), so a full state filesystem can never fail a write a workspace already "
+        "accepted; it costs SANDBOX_WORKSPACE_MB of disk per workspace (kept ones included) "
+        "and a new session is refused when the disk has no room for it. `sparse`: images take "
+        "only what is written; more sessions fit, but a state filesystem that fills up under "
+        "them aborts their journals (writes fail, files may be lost: the workspace is then "
+        "checked and repaired or set aside).",
+    )
+    min_free_disk_mb: int = Field(
+        1024,
+        ge=0,
+        description="Free space, MiB, kept on the state filesystem (SANDBOX_STATE_DIR): below "
+        "it /ready answers 503, /health says `disk: low`, and no new workspace is made (0: no "
+        "floor).",
     )
     workspace_inodes: int | None = Field(
         None,
@@ -337,6 +355,14 @@ class Settings(BaseSettings):
         value = value.lower()
         if value not in ("auto", "image", "none"):
             raise ValueError("workspace_quota must be `auto`, `image` or `none`")
+        return value
+
+    @field_validator("workspace_reserve")
+    @classmethod
+    def _reserve(cls, value: str) -> str:
+        value = value.lower()
+        if value not in ("allocate", "sparse"):
+            raise ValueError("workspace_reserve must be `allocate` or `sparse`")
         return value
 
     @field_validator("log_level")

@@ -47,3 +47,13 @@ class FileMissingError(FileAccessError):
 
 class WorkspaceFullError(SandboxRuntimeError):
     """The workspace's byte or file quota is spent: delete something first."""
+
+
+class DiskFullError(LimitExceededError):
+    """The replica's state filesystem has no room for another workspace: retry later or on
+    another replica."""
+
+
+class WorkspaceDamagedError(SandboxRuntimeError):
+    """The workspace's filesystem failed (an I/O error, a journal the kernel aborted): it is
+    checked, and repaired or set aside, before its next use; retry."""

@@ -226,6 +226,25 @@ class Metrics:
             "ones: detached mounts a sandbox still holds).",
             registry=r,
         )
+        self.damage = Counter(
+            "srt_workspace_damage_total",
+            "Workspaces whose filesystem failed (detected: an I/O error or a read-only mount "
+            "was found), and how their check before the next mount ended (clean, repaired, "
+            "quarantined: set aside for the operator, the session started afresh).",
+            ["event"],
+            registry=r,
+        )
+        self.disk_free = Gauge(
+            "srt_state_disk_free_bytes",
+            "Free bytes on the state filesystem (SANDBOX_STATE_DIR) for new workspaces.",
+            registry=r,
+        )
+        self.disk_low = Gauge(
+            "srt_state_disk_low",
+            "1 while the state filesystem is below SANDBOX_MIN_FREE_DISK_MB (not ready, no new "
+            "workspaces).",
+            registry=r,
+        )
         self._interpreter_gauges: Callable[[], dict[tuple[str, str], float]] | None = None
         self._workspace_gauges: Callable[[], dict[str, int]] | None = None
 
@@ -239,6 +258,11 @@ class Metrics:
         """Workspace gauges read at scrape time: mounted images by kind, loop devices."""
         self._workspace_gauges = mounted
         self.loop_devices.set_function(loop_devices)
+
+    def bind_disk(self, free: Callable[[], float], low: Callable[[], float]) -> None:
+        """State filesystem gauges read at scrape time."""
+        self.disk_free.set_function(free)
+        self.disk_low.set_function(low)
 
     def bind(
         self,

@@ -116,6 +116,8 @@ class ExecutionManager:
             retention_seconds=settings.workspace_retention_seconds,
             max_mounted=settings.max_mounted_workspaces,
             max_mounted_per_principal=settings.max_mounted_workspaces_per_principal,
+            reserve=settings.workspace_reserve,
+            min_free_mb=settings.min_free_disk_mb,
         )
         self.pool = SandboxPool(
             self.backend,
@@ -203,6 +205,14 @@ class ExecutionManager:
             lambda name: self.pool.discard_workspace(self.workspaces.path(name))
         )
         self.workspaces.on_refused.append(lambda cap: self.metrics.rejections.labels(cap).inc())
+        self.workspaces.on_damage.append(lambda event: self.metrics.damage.labels(event).inc())
+        # (A sandbox's own writes that met a failing filesystem turn its mount read-only: found
+        # when the execution ends, not at the session's next call.)
+        self.on_finished.append(self._check_workspace)
+        self.metrics.bind_disk(
+            lambda: self.workspaces.disk.status().free_bytes,
+            lambda: 1 if self.workspaces.disk.status().low else 0,
+        )
         self.metrics.bind_workspaces(
             self.workspaces.mounted_by_kind, lambda: loop_devices_under(self.workspaces.root)
         )
@@ -506,6 +516,9 @@ class ExecutionManager:
         else:
             self._per_owner.pop(owner, None)
 
+    def _check_workspace(self, execution: Execution) -> None:
+        self.workspaces.check_damage(workspace_name(execution.owner))
+
     async def _release_when_done(self, execution: Execution) -> None:
         await execution.finished.wait()
         self._running.pop(execution.execution_id, None)
@@ -677,6 +690,7 @@ class ExecutionManager:
             await asyncio.sleep(min(60.0, max(1.0, self.settings.retention_seconds / 4)))
             try:
                 self.evict()
+                self.workspaces.disk.status()  # (logs a crossing of the free-space floor)
                 await self.workspaces.sweep()
             except (SandboxRuntimeError, OSError):
                 logger.exception("eviction failed")

@@ -19,6 +19,11 @@ while the server walks them, leave FIFOs that would block an open, or fill a dir
 - writes go to a new file beside the target, owned by the sandbox user, renamed over it at
   the end (a failed upload leaves the old file); reads and writes go in chunks; listings,
   and the scan for files a call changed, are bounded.
+- nothing is acknowledged before it is on disk: a written file is fsynced before it is put
+  in place and its directory after (on ext4 a directory's fsync commits the journal, with
+  the parents a write made); a delete fsyncs the directory. An I/O error from the workspace's
+  filesystem (EIO; EROFS or EUCLEAN once the kernel aborted its journal) fails the call with
+  WorkspaceDamagedError and tells the owner of the workspace (`on_damage`), never a success.
 Paths are relative to /workspace or absolute inside it; `..` is refused outright.
 """
 
@@ -31,7 +36,7 @@ import os
 import secrets
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +44,7 @@ from sandbox_runtime.errors import (
     FileAccessError,
     FileMissingError,
     InvalidRequestError,
+    WorkspaceDamagedError,
     WorkspaceFullError,
 )
 
@@ -56,6 +62,9 @@ RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
 RESOLVE = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_NO_XDEV
 EAGAIN_RETRIES = 8
+# The filesystem under the workspace failed: an I/O error, a journal the kernel aborted
+# (EROFS), metadata that fails its checksum (EUCLEAN, ext4's EFSCORRUPTED).
+DAMAGE_ERRNOS = (errno.EIO, errno.EROFS, errno.EUCLEAN)
 
 
 class _OpenHow(ctypes.Structure):
@@ -190,14 +199,24 @@ class WorkspaceFiles:
     """Safe access to one workspace directory's contents (the server's side).
 
     Every method is synchronous (callers run them in a worker thread) and raises
-    InvalidRequestError (a bad path), FileAccessError (missing, wrong type, a link, exists)
-    or WorkspaceFullError (the quota).
+    InvalidRequestError (a bad path), FileAccessError (missing, wrong type, a link, exists),
+    WorkspaceFullError (the quota) or WorkspaceDamagedError (the filesystem failed; then
+    `on_damage` is called first with what failed).
     """
 
-    def __init__(self, root: Path, uid: int, gid: int, *, use_openat2: bool | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        uid: int,
+        gid: int,
+        *,
+        use_openat2: bool | None = None,
+        on_damage: Callable[[str], None] | None = None,
+    ) -> None:
         self.root = root
         self.uid, self.gid = uid, gid
         self.use_openat2 = openat2_available() if use_openat2 is None else use_openat2
+        self.on_damage = on_damage
 
     # -- resolution --------------------------------------------------------------------------
 
@@ -252,10 +271,26 @@ class WorkspaceFiles:
             raise
         return fd
 
-    def _fail(self, exc: OSError, parts: tuple[str, ...], doing: str) -> Exception:
-        """The domain error for `exc` met while `doing` `parts`."""
+    def _fail(
+        self, exc: OSError, parts: tuple[str, ...], doing: str, synced: bool = False
+    ) -> Exception:
+        """The domain error for `exc` met while `doing` `parts`; `synced`: met by an fsync,
+        whose every failure means the filesystem lost writes it had taken (a quota's ENOSPC
+        comes from write(): ext4 reserves the blocks then; at fsync it is the disk under the
+        image failing)."""
         where = display(parts)
         code = exc.errno
+        if code in DAMAGE_ERRNOS or synced:
+            detail = f"{doing} {where}: {os.strerror(code or 0)}"
+            if synced:
+                detail += ", putting it on disk"
+            if self.on_damage is not None:
+                self.on_damage(detail)
+            return WorkspaceDamagedError(
+                f"the workspace's filesystem failed ({detail}); this call did not complete. "
+                "The workspace is checked (and repaired, or set aside for the operator and "
+                "replaced) before its next use, which says so in `session_reset`: retry"
+            )
         if code in (errno.ENOSPC, errno.EDQUOT):
             return WorkspaceFullError(
                 f"the workspace is full ({doing} {where}): its quota of bytes or files is "
@@ -555,6 +590,10 @@ class WorkspaceFiles:
                         os.close(dir_fd)
                 else:
                     os.rmdir(parts[-1], dir_fd=parent)
+                try:
+                    _sync_dir(parent)
+                except OSError as exc:
+                    raise self._fail(exc, parts, "delete", synced=True) from None
             finally:
                 os.close(parent)
         except OSError as exc:
@@ -598,6 +637,10 @@ class Upload:
         """Put the file at its path (replacing a file or link there if allowed); its size."""
         name = self.parts[-1]
         try:
+            os.fsync(self._fd)  # the data, before any name points at it
+        except OSError as exc:
+            raise self._files._fail(exc, self.parts, "write", synced=True) from None
+        try:
             os.close(self._fd)
             self._fd = -1
             if self._overwrite:
@@ -611,8 +654,13 @@ class Upload:
                     follow_symlinks=False,
                 )
                 os.unlink(self._temp, dir_fd=self._parent)
+            self._done = True  # (in place: an abort must not remove it)
         except OSError as exc:
             raise self._files._fail(exc, self.parts, "write") from None
+        try:
+            _sync_dir(self._parent)  # the name
+        except OSError as exc:
+            raise self._files._fail(exc, self.parts, "write", synced=True) from None
         self._done = True
         self.abort()
         return self.size
@@ -628,6 +676,15 @@ class Upload:
                     os.unlink(self._temp, dir_fd=self._parent)
             os.close(self._parent)
             self._parent = -1
+
+
+def _sync_dir(dir_fd: int) -> None:
+    """fsync the directory `dir_fd` (an O_PATH fd cannot be synced: it is reopened). OSError."""
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:

@@ -29,6 +29,7 @@ from loguru import logger
 from starlette.types import Receive, Scope, Send
 
 from sandbox_runtime.errors import (
+    DiskFullError,
     FileAccessError,
     FileMissingError,
     InvalidRequestError,
@@ -388,7 +389,7 @@ def _content_length(scope: Scope) -> int | None:
 
 
 def _status(exc: SandboxRuntimeError) -> int:
-    if isinstance(exc, WorkspaceFullError):
+    if isinstance(exc, WorkspaceFullError | DiskFullError):
         return 507
     if isinstance(exc, FileMissingError):
         return 404

@@ -2,10 +2,9 @@
 
 Why an image: a byte and an inode quota the kernel enforces for writes from inside (ENOSPC)
 need either filesystem quotas (mount options on the host's filesystem, rarely there) or a
-filesystem of the workspace's own. A sparse image file formatted with `mkfs.ext4 -N` and
-loop-mounted costs ~3 ms to make and ~3 ms to mount, takes on the host only what is written
-into it (mounted with `discard`, deleted files give the space back), and makes a workspace
-one movable file. It also puts the workspace on a filesystem of its own: a hard link to a
+filesystem of the workspace's own. An image file formatted with `mkfs.ext4 -N` and
+loop-mounted costs a few ms to make and ~3 ms to mount, and makes a workspace one movable
+file. It also puts the workspace on a filesystem of its own: a hard link to a
 file outside cannot exist, and host-side file operations cannot cross into another mount.
 The sandbox only ever sees the mounted filesystem; the image file is root's, 0600, outside.
 
@@ -19,6 +18,18 @@ back on its next use), and is refused (LimitExceededError) when every one is in 
 killed server left are detached at start. Where images cannot be mounted (no root, no loop
 devices, no mkfs.ext4), `quota="auto"` falls back to plain directories without a quota, and
 says so (doctor, /health).
+
+Disk space is reserved, not promised: by default an image is allocated in full when made and
+a new one is refused when the state filesystem has no room for it (files/diskspace.py).
+
+A workspace whose filesystem fails (an I/O error, EROFS once the kernel aborted its journal,
+found by a file operation or by the mount turning read-only) is marked damaged (in memory and
+a `<name>.damaged` file beside the image): the call that found it fails, and its next use
+unmounts it, once nothing runs in it, and checks it (e2fsck -p), as does any mount of an image
+whose superblock records an error. Repaired, it is mounted again and the session is told
+(`workspace_repaired`: files may be missing); beyond automatic repair, the image is moved to
+`.quarantine/` for the operator and the session starts afresh (`workspace_quarantined`)
+(files/repair.py).
 """
 
 from __future__ import annotations
@@ -43,17 +54,26 @@ from sandbox_runtime.errors import (
     LimitExceededError,
     SandboxSpawnError,
     SandboxUnavailableError,
+    WorkspaceDamagedError,
 )
+from sandbox_runtime.files.diskspace import StateDisk
 from sandbox_runtime.files.fsops import WorkspaceFiles
+from sandbox_runtime.files.repair import check_image, has_recorded_error, loop_attached
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 IMAGE_SUFFIX = ".img"
 UNMOUNT_IDLE_SECONDS = 300.0
-MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,discard,noinit_itable"
+# errors=remount-ro: a filesystem error stops writes at once (and we see the mount turn
+# read-only) rather than letting them go on into a damaged filesystem.
+MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable,errors=remount-ro"
 MS_BIND = 4096
 MNT_DETACH = 2
 COMMAND_TIMEOUT = 30.0
+DETACH_WAIT_STEPS = 40  # times 0.05 s: for the loop device of an unmounted image to go
 PROBE = ".probe"
+PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
+CHECK_ROOM = 16 * 1024 * 1024  # free space e2fsck is given to repair an image in
+DAMAGED_SUFFIX = ".damaged"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -117,9 +137,12 @@ class WorkspaceStore:
         retention_seconds: float,
         max_mounted: int = 1024,
         max_mounted_per_principal: int = 64,
+        reserve: str = "allocate",
+        min_free_mb: int = 0,
     ) -> None:
         self.root = root
         self.size_mb = size_mb
+        self.disk = StateDisk(root, reserve=reserve, min_free_mb=min_free_mb)
         self.inodes = inodes
         self.wanted = quota  # auto, image, none
         self.uid = self.gid = -1  # the sandbox user's, set by start()
@@ -145,6 +168,10 @@ class WorkspaceStore:
         # sandbox started ahead of need holds a bind of it: it must end first; mounting the
         # image again while a detached mount of it lives on would corrupt it).
         self.before_release: list[Callable[[str], Awaitable[None]]] = []
+        self._damaged: dict[str, str] = {}  # name -> what failed, until checked
+        self._resets: dict[str, str] = {}  # name -> a session_reset reason not yet told
+        # Called with detected, clean, repaired or quarantined (a damaged workspace's course).
+        self.on_damage: list[Callable[[str], None]] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -186,11 +213,19 @@ class WorkspaceStore:
         image, point = self.root / f"{PROBE}{IMAGE_SUFFIX}", self.root / PROBE
         try:
             self._remove_sync(PROBE)
-            self._make_image(image, 16, 256)
+            self._make_image(image, 16, 256, probe=True)
             point.mkdir(mode=0)
-            self._run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(point)])
+            self._mount(image, point)
             _umount(point)
         except (OSError, subprocess.SubprocessError) as exc:
+            if self.disk.status().free_bytes < PROBE_ROOM:
+                # (A full disk must not turn the images it holds into empty directories.)
+                logger.warning(
+                    "no room to try a workspace image ({}); images are assumed to work (root, "
+                    "loop devices and mkfs.ext4 are there)",
+                    exc,
+                )
+                return None
             return f"a test image could not be made and mounted: {exc}"
         finally:
             with contextlib.suppress(OSError):
@@ -229,8 +264,14 @@ class WorkspaceStore:
         return self.image(name).is_file() or self.path(name).is_dir()
 
     def files(self, name: str) -> WorkspaceFiles:
-        """Safe access to the contents of an ensured workspace."""
-        return WorkspaceFiles(self.path(name), self.uid, self.gid)
+        """Safe access to the contents of an ensured workspace (an I/O error of its
+        filesystem marks it damaged)."""
+        return WorkspaceFiles(
+            self.path(name),
+            self.uid,
+            self.gid,
+            on_damage=lambda detail: self.mark_damaged(name, detail),
+        )
 
     # -- use ---------------------------------------------------------------------------------
 
@@ -251,15 +292,19 @@ class WorkspaceStore:
         operation, which reports (and counts) a refusal itself.
 
         Raises InvalidRequestError, SandboxSpawnError (it cannot be made), LimitExceededError
-        (a mount cap is reached and every mounted workspace in its scope is in use).
+        (a mount cap is reached and every mounted workspace in its scope is in use),
+        DiskFullError (no room on the state filesystem for a new one), WorkspaceDamagedError
+        (its filesystem failed and it cannot be checked now: something still runs in it).
         """
         self._check(name)
-        if name in self._ready:
+        if name in self._ready and not self.check_damage(name):
             self._ready[name] = time.monotonic()
             self._touch(name)
             return self.path(name), True
         async with self._lock(name):
             existed = self.exists(name)
+            if name in self._damaged and name in self._mounted:
+                await self._release_damaged(name)
             if name in self._ready:  # made ready by the call this one waited for
                 self._ready[name] = time.monotonic()
                 return self.path(name), True
@@ -361,7 +406,9 @@ class WorkspaceStore:
     def _ensure_sync(self, name: str) -> None:
         point, image = self.path(name), self.image(name)
         if self.mode != "image" or (point.is_dir() and not image.exists() and any(point.iterdir())):
-            # No images here, or a plain directory from before images (kept as it is).
+            # No images here, or a plain directory from before images (kept as it is; nothing
+            # can check or repair it: a failure found in it was reported, and it is served on).
+            self._damaged.pop(name, None)
             point.mkdir(mode=0o700, exist_ok=True)
             if os.geteuid() == 0:
                 os.chown(point, self.uid, self.gid)
@@ -369,12 +416,25 @@ class WorkspaceStore:
             self._touch(name)
             return
         fresh = not image.exists()
+        checked = None if fresh else self._check_image(name)
+        fresh = fresh or checked == "quarantined"  # (set aside: replaced by a new one)
         if fresh:
             self._make_image(image, self.size_mb, self.inodes)
+        else:
+            self.disk.allocate_existing(image)
         with contextlib.suppress(FileExistsError):
             point.mkdir(mode=0)
         os.chmod(point, 0)  # never writable while nothing is mounted on it
-        self._run(["mount", "-t", "ext4", "-o", MOUNT_OPTIONS, str(image), str(point)])
+        try:
+            self._mount(image, point)
+        except OSError as exc:
+            if fresh or checked is not None:
+                raise
+            self.mark_damaged(name, f"it would not mount: {exc}")
+            if self._check_image(name) == "quarantined":
+                fresh = True
+                self._make_image(image, self.size_mb, self.inodes)
+            self._mount(image, point)
         if fresh:
             with contextlib.suppress(OSError):
                 os.rmdir(point / "lost+found")
@@ -383,12 +443,23 @@ class WorkspaceStore:
         self._ready[name] = time.monotonic()
         self._touch(name)
 
-    def _make_image(self, image: Path, size_mb: int, inodes: int) -> None:
+    def _make_image(self, image: Path, size_mb: int, inodes: int, probe: bool = False) -> None:
+        """Make and format an image (allocated in full unless sparse). Raises OSError,
+        SubprocessError, DiskFullError."""
+        size = size_mb * 1024 * 1024
+        if not probe:
+            self.disk.check_room(size)
         fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(fd, size_mb * 1024 * 1024)
-        finally:
+            os.ftruncate(fd, size)
+            if not probe:  # (a full disk must not fail the start: see _probe)
+                self.disk.allocate(fd, size, image)
+        except BaseException:
             os.close(fd)
+            with contextlib.suppress(OSError):
+                image.unlink()
+            raise
+        os.close(fd)
         try:
             options = f"root_owner={self.uid}:{self.gid},lazy_itable_init=1,lazy_journal_init=1"
             mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes)]
@@ -397,6 +468,133 @@ class WorkspaceStore:
             with contextlib.suppress(OSError):
                 image.unlink()
             raise
+
+    # -- damage ------------------------------------------------------------------------------
+
+    def mark_damaged(self, name: str, detail: str) -> None:
+        """Record that the workspace's filesystem failed: its next use checks it (e2fsck)
+        before serving it again. Safe from a worker thread."""
+        if name in self._damaged:
+            return
+        self._damaged[name] = detail
+        logger.error("workspace {} is damaged ({}): checked before its next use", name, detail)
+        with contextlib.suppress(OSError):  # (the host may be full: the mark in memory holds)
+            os.close(os.open(self._marker(name), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        for hook in self.on_damage:
+            hook("detected")
+
+    def damaged(self) -> dict[str, str]:
+        """Workspaces marked damaged and not yet checked: name -> what failed."""
+        return dict(self._damaged)
+
+    def take_reset(self, name: str) -> str | None:
+        """A session_reset reason owed for the workspace (repaired, quarantined), once."""
+        return self._resets.pop(name, None)
+
+    def _marker(self, name: str) -> Path:
+        return self.root / f"{name}{DAMAGED_SUFFIX}"
+
+    def check_damage(self, name: str) -> bool:
+        """Whether a ready workspace must be checked before use: marked damaged, or its
+        mount turned read-only (the kernel's answer to an error: errors=remount-ro)."""
+        if name in self._damaged:
+            return True
+        if name in self._mounted:
+            try:
+                read_only = bool(os.statvfs(self.path(name)).f_flag & os.ST_RDONLY)
+            except OSError as exc:
+                read_only, detail = True, f"statfs failed: {exc}"
+            else:
+                detail = "the kernel made its filesystem read-only after an error"
+            if read_only:
+                self.mark_damaged(name, detail)
+                return True
+        return False
+
+    async def _release_damaged(self, name: str) -> None:
+        """Unmount a damaged workspace so that it can be checked (the caller holds its lock).
+
+        Raises WorkspaceDamagedError while something still runs in it.
+        """
+        busy = name in self._in_use()
+        if not busy:
+            self._ready.pop(name, None)  # (from here, new users wait for the lock)
+            for hook in self.before_release:
+                await hook(name)
+            busy = name in self._in_use()
+        if not busy:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(_umount, self.path(name))
+            self._mounted.discard(name)
+            self._principals.pop(name, None)
+            with contextlib.suppress(OSError):
+                os.chmod(self.path(name), 0)
+            for _ in range(DETACH_WAIT_STEPS):  # (the kernel lets a loop device go async)
+                if not loop_attached(self.image(name)):
+                    break
+                await asyncio.sleep(0.05)
+            busy = loop_attached(self.image(name))  # a sandbox still holds a bind of it
+        if busy:
+            raise WorkspaceDamagedError(
+                f"the workspace's filesystem failed ({self._damaged.get(name)}) and something "
+                "still runs in it (an execution, an interpreter): it is checked and repaired "
+                "once that ends (cancel_execution; an idle interpreter is stopped after its "
+                "idle timeout). Files written since the failure were not kept"
+            )
+
+    def _check_image(self, name: str) -> str | None:
+        """Before mounting an existing image: check it if it is marked damaged or records an
+        error, and repair it (e2fsck -p) or set it aside (.quarantine/, a fresh image is then
+        to be made). How the check ended (None: not needed). Raises OSError,
+        SubprocessError."""
+        image, marker = self.image(name), self._marker(name)
+        why = self._damaged.get(name)
+        if why is None and marker.exists():
+            why = "marked damaged by an earlier run"
+        if why is None and has_recorded_error(image):
+            why = "its filesystem records an error"
+        if why is None:
+            return None
+        if self.disk.status().free_bytes < CHECK_ROOM:  # (e2fsck writes into the image)
+            self.mark_damaged(name, why)
+            raise WorkspaceDamagedError(
+                f"the workspace's filesystem failed ({why}) and the state filesystem is too "
+                "full to check and repair it: it is checked once there is room again; retry"
+            )
+        outcome = check_image(image, name)
+        if outcome.result == "quarantined":
+            self._resets[name] = "workspace_quarantined"
+            logger.error(
+                "workspace {} ({}) could not be repaired (e2fsck -p exit {}: {}): its image is "
+                "kept at {} for the operator and the session starts afresh",
+                name,
+                why,
+                outcome.exit_code,
+                outcome.output,
+                outcome.kept,
+            )
+        elif outcome.result == "repaired":
+            self._resets[name] = "workspace_repaired"
+            logger.warning(
+                "workspace {} ({}) repaired by e2fsck in {:.2f} s (exit {}): {}",
+                name,
+                why,
+                outcome.seconds,
+                outcome.exit_code,
+                outcome.output,
+            )
+        else:
+            logger.info("workspace {} ({}) checked clean in {:.2f} s", name, why, outcome.seconds)
+        self._damaged.pop(name, None)
+        with contextlib.suppress(FileNotFoundError):
+            marker.unlink()
+        for hook in self.on_damage:
+            hook(outcome.result)
+        return outcome.result
+
+    def _mount(self, image: Path, point: Path) -> None:
+        options = self.disk.mount_options(MOUNT_OPTIONS)
+        self._run(["mount", "-t", "ext4", "-o", options, str(image), str(point)])
 
     @staticmethod
     def _run(argv: list[str]) -> None:
@@ -562,8 +760,11 @@ class WorkspaceStore:
         self._principals.pop(name, None)
         self._ready.pop(name, None)
         self._touched.pop(name, None)
+        self._damaged.pop(name, None)
         with contextlib.suppress(FileNotFoundError):
             self.image(name).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self._marker(name).unlink()
         shutil.rmtree(point, ignore_errors=True)
 
     def remove_all(self, prefix: str) -> int:

@@ -163,8 +163,11 @@ def create_app(
             egress = f"unavailable: {current.egress.problem if current.egress else 'not started'}"
         else:
             egress = "ok"  # (a proxy that died is restarted by the next sandbox that needs it)
+        disk = current.workspaces.disk.status()
+        damaged = current.workspaces.damaged()
         healthy = (
-            sandbox is None
+            not disk.low
+            and sandbox is None
             and redis in ("ok", "disabled")
             and cluster is None
             and egress in ("ok", "disabled")
@@ -179,6 +182,13 @@ def create_app(
             "mirror_backlog": mirror.backlog if mirror is not None else 0,
             "cluster": "disabled" if mirror is None else cluster or "ok",
             "egress": egress,
+            "disk": {
+                "status": "low" if disk.low else "ok",
+                "free_mb": disk.free_bytes // 2**20,
+                "min_free_mb": settings.min_free_disk_mb,
+                "reserve": current.workspaces.disk.reserve,
+                "damaged_workspaces": len(damaged),
+            },
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }
         return JSONResponse(body)
@@ -212,6 +222,12 @@ def create_app(
         reasons = []
         if current.backend.unavailable_reason is not None:
             reasons.append(f"sandbox: {current.backend.unavailable_reason}")
+        disk = current.workspaces.disk.status()
+        if disk.low:
+            reasons.append(
+                f"disk: the state filesystem has {disk.free_bytes // 2**20} MiB free, below "
+                f"SANDBOX_MIN_FREE_DISK_MB={settings.min_free_disk_mb}"
+            )
         if current.store is not None:
             try:
                 await asyncio.wait_for(current.store.ping(), 2)

@@ -179,6 +179,8 @@ ERROR_KINDS = {
     "FileAccessError": "file",
     "FileMissingError": "not_found",
     "WorkspaceFullError": "quota",
+    "DiskFullError": "disk_full",
+    "WorkspaceDamagedError": "workspace_damaged",
 }
 _owner: contextvars.ContextVar[Owner | None] = contextvars.ContextVar("srt_owner", default=None)
 

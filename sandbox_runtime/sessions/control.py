@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from sandbox_runtime.errors import (
+    DiskFullError,
     ExecutionFinishedError,
     ExecutionNotFoundError,
     FileAccessError,
@@ -28,6 +29,7 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
     SandboxSpawnError,
     SandboxUnavailableError,
+    WorkspaceDamagedError,
     WorkspaceFullError,
 )
 from sandbox_runtime.execution.execution import Owner
@@ -44,6 +46,7 @@ CONTROL_WAIT_SECONDS = 5.0  # how long a forwarded stdin/cancel waits for the ow
 ERRORS: dict[str, type[SandboxRuntimeError]] = {
     cls.__name__: cls
     for cls in (
+        DiskFullError,
         ExecutionFinishedError,
         ExecutionNotFoundError,
         FileAccessError,
@@ -55,6 +58,7 @@ ERRORS: dict[str, type[SandboxRuntimeError]] = {
         SandboxRuntimeError,
         SandboxSpawnError,
         SandboxUnavailableError,
+        WorkspaceDamagedError,
         WorkspaceFullError,
     )
 }

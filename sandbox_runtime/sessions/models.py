@@ -12,13 +12,24 @@ from sandbox_runtime.state.keys import session_key
 class SessionReset(BaseModel):
     """Told to the caller whose operation found the session's state gone and started afresh."""
 
-    reason: Literal["home_lost", "home_stopped", "workspace_removed", "store_lost"] = Field(
+    reason: Literal[
+        "home_lost",
+        "home_stopped",
+        "workspace_removed",
+        "store_lost",
+        "workspace_repaired",
+        "workspace_quarantined",
+    ] = Field(
         description="home_lost: the home replica stopped heart-beating (crashed, cut off); "
         "home_stopped: it was shut down and released its sessions; workspace_removed: the "
         "home kept the session but not its workspace (idle past the retention period, or "
         "the replica restarted without its state directory); store_lost: the shared store "
         "(Redis) lost the session's record and its home could not publish it again in time, "
-        "so the session started afresh here (its files stay on previous_replica)."
+        "so the session started afresh here (its files stay on previous_replica); "
+        "workspace_repaired: the workspace's filesystem failed (an I/O error, a full host "
+        "disk) and was repaired (e2fsck): files written around the failure may be missing or "
+        "in lost+found; workspace_quarantined: it could not be repaired, was set aside for "
+        "the operator, and the session starts with an empty workspace."
     )
     previous_replica: str = Field(description="The replica that held the session's state.")
 

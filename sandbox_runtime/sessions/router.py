@@ -610,6 +610,9 @@ class Router:
             self.owe(owner, reset)
         result = await OPERATIONS[op](self.manager, owner, args, progress)
         owed = self._owed.pop(key, None)
+        checked = self.manager.workspaces.take_reset(workspace_name(owner))
+        if checked is not None and owed is None:  # (repaired or set aside: see workspaces)
+            owed = SessionReset(reason=checked, previous_replica=self.replica_id)  # type: ignore[arg-type]
         if owed is not None:
             result["session_reset"] = owed.model_dump()
             if "state_reset" in result:  # the interpreter was lost with the session
