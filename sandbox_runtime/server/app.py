@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sandbox_runtime import __version__
+from sandbox_runtime import __version__, fds
 from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
@@ -163,8 +163,10 @@ def create_app(
             egress = f"unavailable: {current.egress.problem if current.egress else 'not started'}"
         else:
             egress = "ok"  # (a proxy that died is restarted by the next sandbox that needs it)
+        descriptors = fds.usage()
         healthy = (
-            sandbox is None
+            descriptors.problem is None
+            and sandbox is None
             and redis in ("ok", "disabled")
             and cluster is None
             and egress in ("ok", "disabled")
@@ -179,6 +181,7 @@ def create_app(
             "mirror_backlog": mirror.backlog if mirror is not None else 0,
             "cluster": "disabled" if mirror is None else cluster or "ok",
             "egress": egress,
+            "file_descriptors": descriptors.as_dict(),
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }
         return JSONResponse(body)
@@ -212,6 +215,8 @@ def create_app(
         reasons = []
         if current.backend.unavailable_reason is not None:
             reasons.append(f"sandbox: {current.backend.unavailable_reason}")
+        if (problem := fds.usage().problem) is not None:
+            reasons.append(problem)
         if current.store is not None:
             try:
                 await asyncio.wait_for(current.store.ping(), 2)
