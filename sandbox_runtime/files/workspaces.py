@@ -44,7 +44,7 @@ from sandbox_runtime.errors import (
     SandboxSpawnError,
     SandboxUnavailableError,
 )
-from sandbox_runtime.files.fsops import WorkspaceFiles
+from sandbox_runtime.files.fsops import WorkspaceFiles, remove_partial_uploads
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 IMAGE_SUFFIX = ".img"
@@ -130,6 +130,7 @@ class WorkspaceStore:
         self.problem: str | None = None  # why there is no quota
         self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
         self._mounted: set[str] = set()  # those of them that are mounted images
+        self._swept: set[str] = set()  # names whose partial uploads were removed this run
         # Mounted images, and those being mounted, with their principal (None: a warm slot):
         # what the mount caps count.
         self._principals: dict[str, str | None] = {}
@@ -365,6 +366,7 @@ class WorkspaceStore:
             point.mkdir(mode=0o700, exist_ok=True)
             if os.geteuid() == 0:
                 os.chown(point, self.uid, self.gid)
+            self._sweep_uploads(name)
             self._ready[name] = time.monotonic()
             self._touch(name)
             return
@@ -379,9 +381,26 @@ class WorkspaceStore:
             with contextlib.suppress(OSError):
                 os.rmdir(point / "lost+found")
         os.chmod(point, 0o700)  # the filesystem's root, owned by the sandbox user (mkfs)
+        self._sweep_uploads(name)
         self._mounted.add(name)
         self._ready[name] = time.monotonic()
         self._touch(name)
+
+    def _sweep_uploads(self, name: str) -> None:
+        """Remove what uploads cut off by an earlier server's death left (hidden from listings
+        but using space), once per workspace and process, before anything can use it."""
+        if name in self._swept:
+            return
+        self._swept.add(name)
+        try:
+            removed = remove_partial_uploads(self.path(name))
+        except OSError as exc:
+            logger.warning("workspace {}: partial uploads not removed: {}", name, exc)
+            return
+        if removed:
+            logger.info(
+                "workspace {}: removed {} partial uploads left by a cut-off upload", name, removed
+            )
 
     def _make_image(self, image: Path, size_mb: int, inodes: int) -> None:
         fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -562,6 +581,7 @@ class WorkspaceStore:
         self._principals.pop(name, None)
         self._ready.pop(name, None)
         self._touched.pop(name, None)
+        self._swept.discard(name)
         with contextlib.suppress(FileNotFoundError):
             self.image(name).unlink()
         shutil.rmtree(point, ignore_errors=True)
