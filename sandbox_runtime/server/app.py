@@ -34,6 +34,7 @@ from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
 from sandbox_runtime.sessions.channel import ClusterApp
+from sandbox_runtime.sessions.clock import ClockWatch
 from sandbox_runtime.sessions.router import Router, get_router, set_router
 
 INSTRUCTIONS = (
@@ -125,6 +126,12 @@ def create_app(
             await router.aclose()
             raise
         router.start()
+        clock: ClockWatch | None = None
+        clock_task: asyncio.Task[None] | None = None
+        if own.store is not None and own.mirror is not None:
+            clock = ClockWatch(own.store, own.replica_id, own.mirror.heartbeat_interval)
+            clock_task = asyncio.get_running_loop().create_task(clock.run_forever())
+        app.state.clock_watch = clock
         interpreters = InterpreterManager(settings, own)
         interpreters.start()
         set_manager(own)
@@ -135,6 +142,10 @@ def create_app(
             async with mcp_app.lifespan(app):
                 yield
         finally:
+            if clock_task is not None:
+                clock_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await clock_task
             await own.shutdown()  # stops the interpreters first (a shutdown hook)
             await router.aclose()
             await files.aclose()
@@ -157,6 +168,9 @@ def create_app(
         else:
             redis = f"unavailable: {mirror.last_error or 'not connected yet'}"
         cluster = get_router().cluster_problem if mirror is not None else None
+        clock: ClockWatch | None = getattr(request.app.state, "clock_watch", None)
+        if cluster is None and clock is not None:
+            cluster = clock.problem
         if not current.egress_policy.enabled:
             egress = "disabled"
         elif current.egress is None or current.egress.problem is not None:
@@ -180,6 +194,7 @@ def create_app(
             "redis": redis,
             "mirror_backlog": mirror.backlog if mirror is not None else 0,
             "cluster": "disabled" if mirror is None else cluster or "ok",
+            "cluster_clock_skew_seconds": clock.skews if clock is not None else {},
             "egress": egress,
             "file_descriptors": descriptors.as_dict(),
             "uptime_seconds": round(time.time() - current.started_at, 1),
