@@ -127,10 +127,9 @@ def create_app(
             raise
         router.start()
         clock: ClockWatch | None = None
-        clock_task: asyncio.Task[None] | None = None
         if own.store is not None and own.mirror is not None:
             clock = ClockWatch(own.store, own.replica_id, own.mirror.heartbeat_interval)
-            clock_task = asyncio.get_running_loop().create_task(clock.run_forever())
+            clock.start()
         app.state.clock_watch = clock
         interpreters = InterpreterManager(settings, own)
         interpreters.start()
@@ -142,10 +141,8 @@ def create_app(
             async with mcp_app.lifespan(app):
                 yield
         finally:
-            if clock_task is not None:
-                clock_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await clock_task
+            if clock is not None:
+                await clock.aclose()
             await own.shutdown()  # stops the interpreters first (a shutdown hook)
             await router.aclose()
             await files.aclose()

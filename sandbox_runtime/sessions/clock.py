@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections import deque
@@ -28,6 +29,8 @@ class ClockWatch:
         self.interval = interval
         self._samples: dict[str, deque[float]] = {}
         self._reported: str | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
 
     @property
     def skews(self) -> dict[str, float]:
@@ -70,11 +73,23 @@ class ClockWatch:
                 logger.info("cluster: the replicas' clocks agree again")
             self._reported = problem
 
-    async def run_forever(self) -> None:
-        """Sample twice per heartbeat interval until cancelled (the store down: skipped)."""
-        while True:
+    def start(self) -> None:
+        """Sample twice per heartbeat interval until `aclose` (the store down: skipped)."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def aclose(self) -> None:
+        """Stop sampling. Never cancels a store call midway: a redis call cancelled in flight
+        can keep its pooled connection, which the final flush of the mirror then waits for."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
             try:
                 await self.sample()
             except Exception as exc:  # the store is down: health reports that already
                 logger.debug("clock watch: no heartbeats read ({})", exc)
-            await asyncio.sleep(self.interval / 2)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.interval / 2)
