@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import os
 import pwd
+import resource
 import signal
 import socket
 import subprocess
@@ -111,6 +112,7 @@ class ServerProcess:
     settings: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    max_fds: int | None = None  # RLIMIT_NOFILE of the server process (None: the test's own)
 
     @property
     def base_url(self) -> str:
@@ -150,6 +152,7 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=err,
                 stderr=err,
+                preexec_fn=None if self.max_fds is None else self._limit_fds,
             )
         try:
             self._wait_answering(timeout)
@@ -157,6 +160,14 @@ class ServerProcess:
             self.kill()
             raise
         return self
+
+    def _limit_fds(self) -> None:
+        assert self.max_fds is not None
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_fds, self.max_fds))
+
+    def open_fds(self) -> int:
+        """How many file descriptors the server process holds open right now."""
+        return len(os.listdir(f"/proc/{self.pid}/fd"))
 
     def _wait_answering(self, timeout: float) -> None:
         assert self.proc is not None

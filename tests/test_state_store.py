@@ -175,6 +175,14 @@ async def test_heartbeat_says_whether_the_store_still_had_it(store: StateStore) 
     assert await store.heartbeat(replica, {"replica_id": replica}, 30) is False
 
 
+async def test_replica_beats_lists_heartbeats_until_they_are_dropped(store: StateStore) -> None:
+    replica = f"beats-{uuid.uuid4().hex[:6]}"
+    await store.heartbeat(replica, {"replica_id": replica, "last_seen": 1.5}, 30)
+    assert (await store.replica_beats())[replica]["last_seen"] == 1.5
+    await store.drop_replica(replica)
+    assert replica not in await store.replica_beats()
+
+
 async def test_a_write_publishes_its_replicas_heartbeat_only_where_missing(
     store: StateStore,
 ) -> None:

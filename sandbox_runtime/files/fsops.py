@@ -687,6 +687,31 @@ def _sync_dir(dir_fd: int) -> None:
         os.close(fd)
 
 
+def remove_partial_uploads(root: Path, max_dirs: int = 100_000) -> int:
+    """Remove the partial upload files (UPLOAD_PREFIX) an upload cut off by the server's death
+    left anywhere under the workspace `root`; returns how many went. For a workspace nothing
+    runs in yet (just mounted): the walk follows no symlink and stays on its filesystem, and
+    only regular files are unlinked, through their directory's fd. Raises OSError (root)."""
+    removed = 0
+    device = os.stat(root, follow_symlinks=False).st_dev
+    for _dirpath, dirnames, filenames, dir_fd in os.fwalk(root, follow_symlinks=False):
+        max_dirs -= 1
+        if max_dirs < 0:
+            break  # (bounded: a workspace of a hundred thousand directories is left as it is)
+        dirnames[:] = [
+            d for d in dirnames if (st := _lstat_at(dir_fd, d)) is not None and st.st_dev == device
+        ]
+        for name in filenames:
+            if not name.startswith(UPLOAD_PREFIX):
+                continue
+            st = _lstat_at(dir_fd, name)
+            if st is not None and stat.S_ISREG(st.st_mode):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dir_fd)
+                    removed += 1
+    return removed
+
+
 def _lstat_at(dir_fd: int, name: str) -> os.stat_result | None:
     try:
         return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)

@@ -57,7 +57,7 @@ from sandbox_runtime.errors import (
     WorkspaceDamagedError,
 )
 from sandbox_runtime.files.diskspace import StateDisk
-from sandbox_runtime.files.fsops import WorkspaceFiles
+from sandbox_runtime.files.fsops import WorkspaceFiles, remove_partial_uploads
 from sandbox_runtime.files.repair import check_image, has_recorded_error, loop_attached
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -153,6 +153,7 @@ class WorkspaceStore:
         self.problem: str | None = None  # why there is no quota
         self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
         self._mounted: set[str] = set()  # those of them that are mounted images
+        self._swept: set[str] = set()  # names whose partial uploads were removed this run
         # Mounted images, and those being mounted, with their principal (None: a warm slot):
         # what the mount caps count.
         self._principals: dict[str, str | None] = {}
@@ -412,6 +413,7 @@ class WorkspaceStore:
             point.mkdir(mode=0o700, exist_ok=True)
             if os.geteuid() == 0:
                 os.chown(point, self.uid, self.gid)
+            self._sweep_uploads(name)
             self._ready[name] = time.monotonic()
             self._touch(name)
             return
@@ -439,9 +441,26 @@ class WorkspaceStore:
             with contextlib.suppress(OSError):
                 os.rmdir(point / "lost+found")
         os.chmod(point, 0o700)  # the filesystem's root, owned by the sandbox user (mkfs)
+        self._sweep_uploads(name)
         self._mounted.add(name)
         self._ready[name] = time.monotonic()
         self._touch(name)
+
+    def _sweep_uploads(self, name: str) -> None:
+        """Remove what uploads cut off by an earlier server's death left (hidden from listings
+        but using space), once per workspace and process, before anything can use it."""
+        if name in self._swept:
+            return
+        self._swept.add(name)
+        try:
+            removed = remove_partial_uploads(self.path(name))
+        except OSError as exc:
+            logger.warning("workspace {}: partial uploads not removed: {}", name, exc)
+            return
+        if removed:
+            logger.info(
+                "workspace {}: removed {} partial uploads left by a cut-off upload", name, removed
+            )
 
     def _make_image(self, image: Path, size_mb: int, inodes: int, probe: bool = False) -> None:
         """Make and format an image (allocated in full unless sparse). Raises OSError,
@@ -761,6 +780,7 @@ class WorkspaceStore:
         self._ready.pop(name, None)
         self._touched.pop(name, None)
         self._damaged.pop(name, None)
+        self._swept.discard(name)
         with contextlib.suppress(FileNotFoundError):
             self.image(name).unlink()
         with contextlib.suppress(FileNotFoundError):

@@ -543,6 +543,11 @@ class InterpreterManager:
         try:
             reply = await call
         except KernelDiedError as exc:
+            if self._closed and run.stop_reason is None:  # stopped with the server (aclose)
+                execution.end_call(
+                    ExecutionStatus.CANCELLED, None, "shutdown", "server shutting down"
+                )
+                return
             key = (interpreter.owner, interpreter.language)
             if self._interpreters.get(key) is interpreter:
                 flooded = interpreter.kernel.end_reason == FLOODED

@@ -31,6 +31,7 @@ from sandbox_runtime.egress.supervisor import (
     Lease,
 )
 from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.fds import is_exhaustion
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.host import (
     DEFAULT_SANDBOX_USER,
@@ -53,9 +54,14 @@ from sandbox_runtime.sandbox.host import (
     stub_problem,
 )
 from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
-from sandbox_runtime.sandbox.process import SandboxProcess, kill_if_child, pidfd_of_child
+from sandbox_runtime.sandbox.process import (
+    SandboxProcess,
+    close_streams,
+    kill_if_child,
+    pidfd_of_child,
+)
 from sandbox_runtime.sandbox.seccomp import compile_filter
-from sandbox_runtime.sandbox.spawn_client import SpawnerManager
+from sandbox_runtime.sandbox.spawn_client import SpawnerManager, spawn_failure
 
 MAX_COMMAND_BYTES = 120 * 1024  # the kernel refuses one argument over 128 KiB
 MAX_ENV_BYTES = 64 * 1024
@@ -627,7 +633,10 @@ class BubblewrapBackend:
             limits=limits,
             interactive=True,  # stdin is a pipe; the stub opens /dev/null for the others
         )
-        command_r, command_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            command_r, command_w = os.pipe2(os.O_CLOEXEC)
+        except OSError as exc:
+            raise SandboxSpawnError(spawn_failure("could not make the command pipe", exc)) from exc
         try:
             proc = await self._spawn(template, None, command_r)
         except BaseException:
@@ -715,59 +724,61 @@ class BubblewrapBackend:
         blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in options)
         cgroup: ExecutionCgroup | None = None
         cgroup_procs: list[int] = []
-        if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
-            try:
-                cgroup = self.cgroups.acquire(spec.limits)
-                cgroup_procs = cgroup.procs_fds()
-            except OSError as exc:
-                if cgroup is not None:
-                    self._release_later(cgroup, "unstarted sandbox")
-                if command_r is not None:
-                    os.close(command_r)
-                raise SandboxSpawnError(f"could not create the execution's cgroup: {exc}") from exc
         ours: list[int] = []  # the server's ends: [stdin_w,] stdout_r, stderr_r, status_r
         theirs: list[int] = []  # bwrap's fds 0..5 and the options pipe's write end
+        # Until the spawner has the request, everything taken here is released on any error
+        # (EMFILE, ENOMEM, a cancellation): the fds, `command_r` and the cgroup.
         try:
-            if spec.interactive:
-                stdin_r, stdin_w = os.pipe()
-                ours.append(stdin_w)
-                self._give_pipe(stdin_r)
-            else:
-                stdin_r = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-            theirs.append(stdin_r)
-            for _ in range(2):  # stdout, stderr
-                r, w = os.pipe()
-                ours.append(r)
-                theirs.append(w)
-                self._give_pipe(w)
-            inet = spec.loopback_inet or lease is not None  # (TCP to the relay on loopback)
-            seccomp = self._seccomp_inet_path if inet else self._seccomp_path
-            assert seccomp is not None
-            theirs.append(os.open(seccomp, os.O_RDONLY | os.O_CLOEXEC))
-            status_r, status_w = os.pipe()
-            args_r, args_w = os.pipe()
-            ours.append(status_r)
-            theirs += [status_w, args_r]
-            if command_r is not None:
-                theirs.append(command_r)
-                command_r = None  # (closed with theirs from here)
-            theirs.append(args_w)
-            if len(blob) > 65536:  # all of it must fit: the spawner's write must not block
-                fcntl.fcntl(args_w, F_SETPIPE_SZ, len(blob))
-        except OSError as exc:
-            _close_all(ours + theirs + ([command_r] if command_r is not None else []))
-            if cgroup is not None:
-                self._release_later(cgroup, "unstarted sandbox")
-            raise SandboxSpawnError(f"could not prepare the sandbox's pipes: {exc}") from exc
-        bwrap_argv = [self._bwrap, "--args", str(ARGS_FD), "--", *command]
-        try:
+            if self.cgroups.version != "none" or self.cgroups.v2_base is not None:
+                try:
+                    cgroup = self.cgroups.acquire(spec.limits)
+                    cgroup_procs = cgroup.procs_fds()
+                except OSError as exc:
+                    raise SandboxSpawnError(
+                        spawn_failure("could not create the execution's cgroup", exc)
+                    ) from exc
+            try:
+                if spec.interactive:
+                    stdin_r, stdin_w = os.pipe()
+                    ours.append(stdin_w)
+                    theirs.append(stdin_r)
+                    self._give_pipe(stdin_r)
+                else:
+                    theirs.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+                for _ in range(2):  # stdout, stderr
+                    r, w = os.pipe()
+                    ours.append(r)
+                    theirs.append(w)
+                    self._give_pipe(w)
+                inet = spec.loopback_inet or lease is not None  # (TCP to the relay on loopback)
+                seccomp = self._seccomp_inet_path if inet else self._seccomp_path
+                assert seccomp is not None
+                theirs.append(os.open(seccomp, os.O_RDONLY | os.O_CLOEXEC))
+                status_r, status_w = os.pipe()
+                ours.append(status_r)
+                theirs.append(status_w)
+                args_r, args_w = os.pipe()
+                theirs.append(args_r)
+                if command_r is not None:
+                    theirs.append(command_r)
+                    command_r = None  # (closed with theirs from here)
+                theirs.append(args_w)
+                if len(blob) > 65536:  # all of it must fit: the spawner's write must not block
+                    fcntl.fcntl(args_w, F_SETPIPE_SZ, len(blob))
+            except OSError as exc:
+                raise SandboxSpawnError(
+                    spawn_failure("could not prepare the sandbox's pipes", exc)
+                ) from exc
+            bwrap_argv = [self._bwrap, "--args", str(ARGS_FD), "--", *command]
             spawning = spawner.request(
                 bwrap_argv, blob, self.rlimits(spec.limits), theirs, cgroup_procs
             )
-        except SandboxSpawnError:
-            _close_all(ours)
+        except BaseException as exc:
+            _close_all(ours + ([command_r] if command_r is not None else []))
             if cgroup is not None:
                 self._release_later(cgroup, "unstarted sandbox")
+            if is_exhaustion(exc.__cause__ or exc):
+                self.cgroups.trim_idle()  # pooled groups hold descriptors: give them back
             raise
         finally:
             _close_all(theirs)
@@ -812,11 +823,15 @@ class BubblewrapBackend:
                 if pidfd is not None:
                     os.close(pidfd)  # (_abandon_start kills bwrap)
                 if streams is not None:  # (_streams closes the fds itself when it fails)
-                    _close_streams(*streams)
+                    close_streams(*streams)
                 os.close(status_r)
                 self._track(self._abandon_start(spawner, spawning, cgroup))
             if isinstance(exc, OSError):
-                raise SandboxSpawnError(f"could not confine the sandbox: {exc}") from exc
+                if is_exhaustion(exc):
+                    self.cgroups.trim_idle()
+                raise SandboxSpawnError(
+                    spawn_failure("could not confine the sandbox", exc)
+                ) from exc
             raise
         return proc
 
@@ -939,7 +954,7 @@ async def _streams(stdout_r: int, stderr_r: int, stdin_w: int | None) -> Streams
         if stdin_w is not None:
             stdin = await _writer(loop, files[2])
     except BaseException:
-        _close_streams(*readers, stdin)
+        close_streams(*readers, stdin)
         if owns:
             for f in files:  # (a file object a transport closed already is left as it is)
                 f.close()
@@ -947,14 +962,6 @@ async def _streams(stdout_r: int, stderr_r: int, stdin_w: int | None) -> Streams
             _close_all(fds[len(readers) + (1 if stdin is not None else 0) :])  # no transport's
         raise
     return readers[0], readers[1], stdin
-
-
-def _close_streams(*streams: asyncio.StreamReader | asyncio.StreamWriter | None) -> None:
-    for stream in streams:
-        if isinstance(stream, asyncio.StreamWriter):
-            stream.close()
-        elif stream is not None and (transport := getattr(stream, "_transport", None)):
-            transport.close()
 
 
 async def _reader(loop: asyncio.AbstractEventLoop, pipe: object) -> asyncio.StreamReader:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.fds import limit as fd_limit
 from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
 
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
@@ -26,6 +27,7 @@ MS_REMOUNT = 32
 # one, and a group whose process is gone can be told from a live server's.
 INSTANCE_NAME = re.compile(r"srt[A-Za-z0-9_.-]*?\.(\d+)\.(\d+)\.(\d+)(?:-server)?")
 STALE_KILL_SECONDS = 2.0
+POOL_FD_SHARE = 4  # pooled groups hold at most 1/4 of the descriptor limit
 
 
 def _read(path: Path) -> str:
@@ -318,10 +320,26 @@ class CgroupLayout:
             return True
         if group.busy():
             return False
+        if group.removing:  # (partly removed already: finish that, never hand it out again)
+            return group.remove()
         if len(self._idle) < self.pool_size and group.make_reusable():
-            self._idle.append(group)
-            return True
+            # Pooled groups keep their files open: at most a share of the descriptor limit,
+            # else a burst leaves the server too few for anything else once it is over.
+            held = sum(g.fd_count for g in self._idle) + group.fd_count
+            if held <= fd_limit() // POOL_FD_SHARE:
+                self._idle.append(group)
+                return True
         return group.remove()
+
+    def trim_idle(self) -> int:
+        """Remove every pooled group (the process is out of descriptors, and each pooled
+        group holds a few); returns how many went."""
+        idle, self._idle = self._idle, []
+        for group in idle:
+            group.remove()
+        if idle:
+            logger.info("cgroups: {} pooled groups removed to free descriptors", len(idle))
+        return len(idle)
 
     def create(self, name: str) -> ExecutionCgroup:
         """A new, empty group in every hierarchy in use (no limits yet). Raises OSError."""
@@ -455,11 +473,17 @@ class ExecutionCgroup:
     # since it was last handed out.
     baseline: CgroupStats = field(default_factory=CgroupStats)
     _peak_fd: int | None = None  # v2: memory.peak, reset for this fd when handed out
+    removing: bool = False  # remove() was called: some of its directories may be gone
     _procs_fds: list[int] = field(default_factory=list)
     # Counter files stay open while the group lives (a pooled one is read twice per execution
     # and opening a cgroup file costs several times reading it); cgroup.procs cannot be
     # re-read this way: an open cgroup.procs keeps showing what it showed first.
     _stat_fds: dict[str, int] = field(default_factory=dict)  # by "ctl/file", as _file()
+
+    @property
+    def fd_count(self) -> int:
+        """Descriptors this group holds open."""
+        return len(self._procs_fds) + len(self._stat_fds) + (self._peak_fd is not None)
 
     def _file(self, key: str) -> Path:
         controller, _, name = key.rstrip("?").partition("/")
@@ -497,8 +521,15 @@ class ExecutionCgroup:
         group; the kernel checks such a write against the credentials of this opener, so
         whoever is handed these fds can join its own processes. Raises OSError."""
         if not self._procs_fds:
-            for procs in self.procs_files:
-                self._procs_fds.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
+            opened: list[int] = []
+            try:
+                for procs in self.procs_files:
+                    opened.append(os.open(procs, os.O_WRONLY | os.O_CLOEXEC))
+            except OSError:
+                for fd in opened:  # all or none: a group never joins only some hierarchies
+                    os.close(fd)
+                raise
+            self._procs_fds = opened
         return self._procs_fds
 
     def _procs(self) -> str:
@@ -642,6 +673,7 @@ class ExecutionCgroup:
 
     def remove(self) -> bool:
         """Remove the group's directories; False while processes are still in it."""
+        self.removing = True
         self._close_peak()
         fds, self._procs_fds = self._procs_fds, []
         fds += self._stat_fds.values()

@@ -220,8 +220,9 @@ class SandboxProcess:
             self.kill(self._reason or REASON_CANCELLED)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(self.wait())
-        if self.stdin is not None:
-            self.stdin.close()
+        # A read pipe's transport outlives its EOF under uvloop (the protocol asks to keep it
+        # open) until it is garbage collected: its descriptor would be held until then.
+        close_streams(self.stdin, self.stdout, self.stderr)
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -353,6 +354,15 @@ class SandboxProcess:
             cpu_seconds=stats.cpu_usage_ns / 1e9 if stats and stats.cpu_usage_ns else None,
             memory_peak_bytes=stats.memory_peak_bytes if stats else None,
         )
+
+
+def close_streams(*streams: asyncio.StreamReader | asyncio.StreamWriter | None) -> None:
+    """Close the transports under `streams` (and with them their pipes' descriptors)."""
+    for stream in streams:
+        if isinstance(stream, asyncio.StreamWriter):
+            stream.close()
+        elif stream is not None and (transport := getattr(stream, "_transport", None)):
+            transport.close()
 
 
 def pidfd_of_child(pid: int, parent: int | None) -> int | None:

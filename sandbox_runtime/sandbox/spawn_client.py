@@ -16,6 +16,7 @@ from pathlib import Path
 from loguru import logger
 
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.fds import exhaustion_message, is_exhaustion
 from sandbox_runtime.sandbox.process import kill_if_child
 
 SPAWNER_PROGRAM = Path(__file__).with_name("spawner.py")
@@ -25,6 +26,12 @@ STOP_SECONDS = 5.0
 RESTART_SECONDS = 1.0
 # The wait status reported for bwraps whose spawner died under them (as if SIGKILLed).
 KILLED_STATUS = signal.SIGKILL
+
+
+def spawn_failure(what: str, exc: OSError) -> str:
+    """The message for a sandbox start that failed with `exc` while doing `what`: out of file
+    descriptors is said plainly (the caller can only wait), anything else as it came."""
+    return f"{what}: {exhaustion_message(exc) if is_exhaustion(exc) else exc}"
 
 
 class SpawnerManager:
@@ -116,7 +123,12 @@ class SpawnerManager:
         assert self._sock is not None and self._loop is not None
         self._next += 1
         number = self._next
-        memfd = os.memfd_create("srt-argv", os.MFD_CLOEXEC)
+        try:
+            memfd = os.memfd_create("srt-argv", os.MFD_CLOEXEC)
+        except OSError as exc:  # (EMFILE, ENOMEM: nothing was sent, nothing is left open)
+            raise SandboxSpawnError(
+                spawn_failure("could not hand bwrap its arguments", exc)
+            ) from exc
         try:
             blob = b"".join(a.encode("utf-8", "surrogatepass") + b"\0" for a in argv)
             view = memoryview(blob + options)
@@ -124,12 +136,11 @@ class SpawnerManager:
                 view = view[os.write(memfd, view) :]
             header = {"spawn": number, "rlimits": rlimits, "argv_bytes": len(blob),
                       "child_fds": len(fds) - 1}  # fmt: skip
-            try:
-                socket.send_fds(
-                    self._sock, [json.dumps(header).encode()], [memfd, *fds, *cgroup_procs]
-                )
-            except OSError as exc:  # a full queue (BlockingIOError) or a dead spawner
-                raise SandboxSpawnError(f"could not reach the sandbox spawner: {exc}") from exc
+            socket.send_fds(self._sock, [json.dumps(header).encode()], [memfd, *fds, *cgroup_procs])
+        except OSError as exc:  # a full queue (BlockingIOError), a dead spawner, no memory
+            raise SandboxSpawnError(
+                spawn_failure("could not reach the sandbox spawner", exc)
+            ) from exc
         finally:
             os.close(memfd)
         future: asyncio.Future[int] = self._loop.create_future()

@@ -20,7 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from sandbox_runtime import __version__
+from sandbox_runtime import __version__, fds
 from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
@@ -34,6 +34,7 @@ from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
 from sandbox_runtime.sessions.channel import ClusterApp
+from sandbox_runtime.sessions.clock import ClockWatch
 from sandbox_runtime.sessions.router import Router, get_router, set_router
 
 INSTRUCTIONS = (
@@ -125,6 +126,11 @@ def create_app(
             await router.aclose()
             raise
         router.start()
+        clock: ClockWatch | None = None
+        if own.store is not None and own.mirror is not None:
+            clock = ClockWatch(own.store, own.replica_id, own.mirror.heartbeat_interval)
+            clock.start()
+        app.state.clock_watch = clock
         interpreters = InterpreterManager(settings, own)
         interpreters.start()
         set_manager(own)
@@ -135,6 +141,8 @@ def create_app(
             async with mcp_app.lifespan(app):
                 yield
         finally:
+            if clock is not None:
+                await clock.aclose()
             await own.shutdown()  # stops the interpreters first (a shutdown hook)
             await router.aclose()
             await files.aclose()
@@ -157,6 +165,9 @@ def create_app(
         else:
             redis = f"unavailable: {mirror.last_error or 'not connected yet'}"
         cluster = get_router().cluster_problem if mirror is not None else None
+        clock: ClockWatch | None = getattr(request.app.state, "clock_watch", None)
+        if cluster is None and clock is not None:
+            cluster = clock.problem
         if not current.egress_policy.enabled:
             egress = "disabled"
         elif current.egress is None or current.egress.problem is not None:
@@ -165,8 +176,10 @@ def create_app(
             egress = "ok"  # (a proxy that died is restarted by the next sandbox that needs it)
         disk = current.workspaces.disk.status()
         damaged = current.workspaces.damaged()
+        descriptors = fds.usage()
         healthy = (
             not disk.low
+            and descriptors.problem is None
             and sandbox is None
             and redis in ("ok", "disabled")
             and cluster is None
@@ -181,6 +194,7 @@ def create_app(
             "redis": redis,
             "mirror_backlog": mirror.backlog if mirror is not None else 0,
             "cluster": "disabled" if mirror is None else cluster or "ok",
+            "cluster_clock_skew_seconds": clock.skews if clock is not None else {},
             "egress": egress,
             "disk": {
                 "status": "low" if disk.low else "ok",
@@ -189,6 +203,7 @@ def create_app(
                 "reserve": current.workspaces.disk.reserve,
                 "damaged_workspaces": len(damaged),
             },
+            "file_descriptors": descriptors.as_dict(),
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }
         return JSONResponse(body)
@@ -228,6 +243,8 @@ def create_app(
                 f"disk: the state filesystem has {disk.free_bytes // 2**20} MiB free, below "
                 f"SANDBOX_MIN_FREE_DISK_MB={settings.min_free_disk_mb}"
             )
+        if (problem := fds.usage().problem) is not None:
+            reasons.append(problem)
         if current.store is not None:
             try:
                 await asyncio.wait_for(current.store.ping(), 2)

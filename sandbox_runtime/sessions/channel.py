@@ -27,10 +27,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sandbox_runtime.errors import OwnerUnavailableError, SandboxRuntimeError
 from sandbox_runtime.sessions.control import raise_error_reply
 from sandbox_runtime.sessions.operations import Progress
-from sandbox_runtime.sessions.signing import ClusterSigner, SignatureError, nonce_of
+from sandbox_runtime.sessions.signing import (
+    ClockSkewError,
+    ClusterSigner,
+    SignatureError,
+    describe_skew,
+    nonce_of,
+)
 
 CALL_PATH = "/cluster/v1/call"
 SIGNATURE_HEADER = "x-srt-cluster-signature"
+SKEW_REFUSAL = "clock-skew"  # a 403's body: `clock-skew <seconds the caller's clock is ahead>`
 MAX_CALL_BYTES = 16 * 1024 * 1024  # a forwarded call carries one tool call's arguments
 CONNECT_TIMEOUT = 2.0
 BODY_TIMEOUT = 10.0
@@ -94,6 +101,10 @@ class ClusterApp:
         try:
             length = int(headers.get(b"content-length", b"-1"))
             served.signer.check_call_header(header)  # before reading anything more
+        except ClockSkewError as exc:  # (told to the caller: it is not a wrong secret)
+            logger.warning("cluster call refused: {}", exc)
+            await _plain(send, 403, f"{SKEW_REFUSAL} {exc.skew:.3f}\n".encode())
+            return
         except (SignatureError, ValueError) as exc:
             logger.warning("cluster call refused: {}", exc)
             await _plain(send, 403, b"forbidden\n")
@@ -219,6 +230,11 @@ class ChannelClient:
         try:
             async with asyncio.timeout(wait_seconds + WAIT_SLACK_SECONDS):
                 async with self.http.stream("POST", url, content=body, headers=headers) as resp:
+                    if resp.status_code == 403 and (skew := await _refused_skew(resp)):
+                        raise OwnerUnavailableError(
+                            f"replica {target} refused a forwarded call: "
+                            + describe_skew(skew, "this replica's", f"{target}'s")
+                        )
                     if resp.status_code != 200:
                         raise OwnerUnavailableError(
                             f"replica {target} refused a forwarded call (HTTP "
@@ -306,6 +322,17 @@ async def _read_body(receive: Receive, length: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body"):
             return b"".join(chunks) if size == length else None
+
+
+async def _refused_skew(resp: httpx2.Response) -> float | None:
+    """The clock skew a home gave as its reason to refuse a call (None: another reason)."""
+    try:
+        words = (await resp.aread())[:200].decode("ascii").split()
+        if len(words) == 2 and words[0] == SKEW_REFUSAL:
+            return float(words[1])
+    except (UnicodeDecodeError, ValueError):
+        pass
+    return None
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import secrets
 import time
 from typing import Any
@@ -21,6 +22,25 @@ SIGNATURE_FIELD = "signature"
 
 class SignatureError(Exception):
     """A message without a valid, fresh, first-seen proof."""
+
+
+class ClockSkewError(SignatureError):
+    """A proof dated too far from this replica's clock: the signer's clock differs from ours
+    by `skew` seconds (positive: the signer's is ahead). Not a wrong secret."""
+
+    def __init__(self, skew: float) -> None:
+        self.skew = skew
+        super().__init__(describe_skew(skew, "the signer's"))
+
+
+def describe_skew(skew: float, whose: str, than: str = "this replica's") -> str:
+    """'clocks differ by N s (...)': `whose` clock is `skew` seconds ahead of `than`."""
+    direction = "ahead of" if skew > 0 else "behind"
+    return (
+        f"clocks differ by {abs(skew):.0f} s ({whose} clock is {abs(skew):.1f} s {direction} "
+        f"{than}; signed calls allow {MAX_SKEW_SECONDS:g} s): synchronise the replicas' "
+        "clocks (NTP)"
+    )
 
 
 def key_id(secret: bytes) -> str:
@@ -51,8 +71,10 @@ class ClusterSigner:
 
     def _check_fresh(self, issued_at: float, nonce: str, now: float | None = None) -> None:
         now = time.time() if now is None else now
+        if not math.isfinite(issued_at):
+            raise SignatureError("a proof with a non-finite time")
         if not abs(now - issued_at) <= MAX_SKEW_SECONDS:
-            raise SignatureError("stale or future-dated proof")
+            raise ClockSkewError(issued_at - now)
         if not 16 <= len(nonce) <= 64:
             raise SignatureError("bad nonce")
         if nonce in self._seen:

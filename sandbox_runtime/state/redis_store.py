@@ -183,6 +183,13 @@ class RedisStore:
         raws = await self.redis.mget([self.keys.replica(i) for i in ids])
         return {i: json.loads(raw) for i, raw in zip(ids, raws, strict=True) if raw}
 
+    async def replica_beats(self) -> dict[str, dict[str, Any]]:
+        ids = [str(i) for i in await self.redis.zrange(self.keys.replicas(), 0, -1)]
+        if not ids:
+            return {}
+        raws = await self.redis.mget([self.keys.replica(i) for i in ids])  # (expired: None)
+        return {i: json.loads(raw) for i, raw in zip(ids, raws, strict=True) if raw}
+
     async def replica_alive(self, replica_id: str) -> bool:
         return bool(await self.redis.exists(self.keys.replica(replica_id)))
 

@@ -87,6 +87,10 @@ class StateStore(Protocol):
     async def live_replicas(self) -> dict[str, dict[str, Any]]:
         """Every replica with a live heartbeat: id -> heartbeat payload."""
 
+    async def replica_beats(self) -> dict[str, dict[str, Any]]:
+        """Every replica whose heartbeat has not expired by the store's own clock (none of the
+        replicas' clocks, which may be skewed): id -> heartbeat payload."""
+
     async def mark_lost(self, execution_id: str, now: float) -> ExecutionInfo | None:
         """Atomically mark a running execution whose process is gone (`incarnation_gone`)
         as lost.
@@ -214,6 +218,9 @@ class MemoryStore:
     async def live_replicas(self) -> dict[str, dict[str, Any]]:
         self._expire()
         return {r: self._payloads.get(r, {}) for r in self._replicas}
+
+    async def replica_beats(self) -> dict[str, dict[str, Any]]:
+        return await self.live_replicas()  # (one process, one clock)
 
     async def drop_replica(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)

@@ -1,0 +1,95 @@
+"""Clock skew between replicas, read off the times in their heartbeats: /health reports it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections import deque
+
+from loguru import logger
+
+from sandbox_runtime.sessions.signing import MAX_SKEW_SECONDS
+from sandbox_runtime.state.store import StateStore
+
+SAMPLES = 6  # readings kept per replica (three heartbeat intervals)
+
+
+class ClockWatch:
+    """Samples the other replicas' heartbeats; `skews` is each one's clock minus this one's.
+
+    A heartbeat is read up to one interval after it was written, so a reading falls short of
+    the true skew by up to that much; the largest recent reading is the closest.
+    """
+
+    def __init__(self, store: StateStore, replica_id: str, interval: float) -> None:
+        self.store = store
+        self.replica_id = replica_id
+        self.interval = interval
+        self._samples: dict[str, deque[float]] = {}
+        self._reported: str | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def skews(self) -> dict[str, float]:
+        """replica id -> seconds its clock is ahead of this replica's (negative: behind)."""
+        return {rid: round(max(q), 1) for rid, q in sorted(self._samples.items())}
+
+    @property
+    def problem(self) -> str | None:
+        """The worst skew past what signed calls allow, said plainly; None if none is."""
+        skews = self.skews
+        if not skews:
+            return None
+        rid, skew = max(skews.items(), key=lambda item: abs(item[1]))
+        if abs(skew) <= MAX_SKEW_SECONDS:
+            return None
+        direction = "ahead of" if skew > 0 else "behind"
+        return (
+            f"clocks differ by about {abs(skew):.0f} s: replica {rid}'s clock is {direction} "
+            f"this replica's (signed calls allow {MAX_SKEW_SECONDS:g} s, so calls between them "
+            "are refused); synchronise the replicas' clocks (NTP)"
+        )
+
+    async def sample(self) -> None:
+        """Read every replica's heartbeat once. Raises what the store raises."""
+        beats = await self.store.replica_beats()
+        now = time.time()
+        for rid in [r for r in self._samples if r not in beats]:
+            del self._samples[rid]  # (stopped, or its heartbeat expired)
+        for rid, beat in beats.items():
+            stamp = beat.get("last_seen")
+            if rid == self.replica_id or isinstance(stamp, bool):
+                continue
+            if isinstance(stamp, int | float) and math.isfinite(stamp):
+                self._samples.setdefault(rid, deque(maxlen=SAMPLES)).append(stamp - now)
+        problem = self.problem
+        if problem != self._reported:
+            if problem:
+                logger.error("cluster: {}", problem)
+            else:
+                logger.info("cluster: the replicas' clocks agree again")
+            self._reported = problem
+
+    def start(self) -> None:
+        """Sample twice per heartbeat interval until `aclose` (the store down: skipped)."""
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def aclose(self) -> None:
+        """Stop sampling. Never cancels a store call midway: a redis call cancelled in flight
+        can keep its pooled connection, which the final flush of the mirror then waits for."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                await self.sample()
+            except Exception as exc:  # the store is down: health reports that already
+                logger.debug("clock watch: no heartbeats read ({})", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.interval / 2)
