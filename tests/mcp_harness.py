@@ -232,6 +232,24 @@ class ServerProcess:
             self.proc.wait(10)
 
 
+def replica_process(
+    workdir: Path, redis_url: str, name: str, token: str, **settings: str
+) -> ServerProcess:
+    """A replica (not started) of a cluster on `redis_url`: its own state dir under
+    `workdir/name`, replica id `name`, a 3 s heartbeat and the tests' cluster secret."""
+    return ServerProcess(
+        workdir / name,
+        {
+            "SANDBOX_AUTH_TOKEN": token,
+            "REDIS_URL": redis_url,
+            "SANDBOX_REPLICA_ID": name,
+            "SANDBOX_HEARTBEAT_TTL": "3",
+            "SANDBOX_CLUSTER_SECRET": CLUSTER_SECRET,
+            **settings,
+        },
+    )
+
+
 @contextlib.contextmanager
 def running_server(workdir: Path, **settings: str) -> Iterator[ServerProcess]:
     """A started server, stopped with SIGTERM (exit asserted) at the end."""

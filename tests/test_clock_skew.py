@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 from mcp_harness import (
-    CLUSTER_SECRET,
     ServerProcess,
     eventually,
     open_client,
+    replica_process,
     stop_all,
     stop_if_running,
 )
@@ -33,18 +33,7 @@ def libfaketime_installed() -> None:
 
 
 def replica(workdir: Path, redis: RedisServer, name: str, **env: str) -> ServerProcess:
-    return ServerProcess(
-        workdir / name,
-        {
-            "SANDBOX_AUTH_TOKEN": TOKEN,
-            "REDIS_URL": redis.url,
-            "SANDBOX_REPLICA_ID": name,
-            "SANDBOX_HEARTBEAT_TTL": "3",
-            "SANDBOX_CLUSTER_SECRET": CLUSTER_SECRET,
-            "SANDBOX_INTERPRETER_WARM": "",
-            **env,
-        },
-    )
+    return replica_process(workdir, redis.url, name, TOKEN, SANDBOX_INTERPRETER_WARM="", **env)
 
 
 async def test_a_replica_with_a_skewed_clock_is_reported_as_such(

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 from mcp_harness import (
-    CLUSTER_SECRET,
     Conn,
     ServerProcess,
     error_text,
     eventually,
     open_client,
     processes_with,
+    replica_process,
     stop_all,
     stop_if_running,
 )
@@ -32,17 +32,7 @@ TOKEN = "replica-test-token-123"
 
 
 def replica(workdir: Path, redis: RedisServer, name: str, **settings: str) -> ServerProcess:
-    return ServerProcess(
-        workdir / name,
-        {
-            "SANDBOX_AUTH_TOKEN": TOKEN,
-            "REDIS_URL": redis.url,
-            "SANDBOX_REPLICA_ID": name,
-            "SANDBOX_HEARTBEAT_TTL": "3",
-            "SANDBOX_CLUSTER_SECRET": CLUSTER_SECRET,
-            **settings,
-        },
-    )
+    return replica_process(workdir, redis.url, name, TOKEN, **settings)
 
 
 @pytest.fixture(scope="module")
@@ -164,16 +154,7 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
     session = f"s-{uuid.uuid4().hex[:8]}"
     marker = f"marker-{uuid.uuid4().hex}"
     try:
-        async with open_client(doomed.url, TOKEN, "auto") as on_doomed:
-            started = await on_doomed.ok(
-                "execute_code_async",
-                command=f"for i in $(seq 1 50); do echo out$i; done; sh -c 'sleep 1000;:' {marker}",
-                session=session,
-            )
-            execution_id = started["execution_id"]
-            await eventually(
-                lambda: _count_stdout(redis_server, execution_id, 50), 10, "output mirrored"
-            )
+        execution_id = await start_sleeper(doomed, redis_server, session, marker, 50)
         doomed.kill()  # SIGKILL: no goodbye, no final state
         async with open_client(b.url, TOKEN, "auto") as on_b:
             killed_at = time.monotonic()
@@ -213,16 +194,7 @@ async def test_replica_killed_and_restarted_at_once_under_its_id_loses_its_execu
     session = f"s-{uuid.uuid4().hex[:8]}"
     marker = f"marker-{uuid.uuid4().hex}"
     try:
-        async with open_client(fast.url, TOKEN, "auto") as on_fast:
-            started = await on_fast.ok(
-                "execute_code_async",
-                command=f"for i in $(seq 1 20); do echo out$i; done; sh -c 'sleep 1000;:' {marker}",
-                session=session,
-            )
-            execution_id = started["execution_id"]
-            await eventually(
-                lambda: _count_stdout(redis_server, execution_id, 20), 10, "output mirrored"
-            )
+        execution_id = await start_sleeper(fast, redis_server, session, marker, 20)
         fast.kill()
         restarted_at = time.monotonic()
         fast.start()  # same id, same state dir, same port; its heartbeat has not expired
@@ -277,6 +249,19 @@ async def test_replica_killed_and_restarted_at_once_under_its_id_loses_its_execu
 def session_home(redis: RedisServer, session: str) -> str:
     """The home replica in a session's record in Redis (empty: no record)."""
     return redis.cli_raw("hget", f"session:default:s:{session}:home", "home").strip()
+
+
+async def start_sleeper(
+    server: ServerProcess, redis: RedisServer, session: str, marker: str, lines: int
+) -> str:
+    """An execution on `server` that prints `lines` lines, then sleeps (its sleeper marked);
+    its id, once Redis has all its output."""
+    command = f"for i in $(seq 1 {lines}); do echo out$i; done; sh -c 'sleep 1000;:' {marker}"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        started = await conn.ok("execute_code_async", command=command, session=session)
+    execution_id: str = started["execution_id"]
+    await eventually(lambda: _count_stdout(redis, execution_id, lines), 10, "output mirrored")
+    return execution_id
 
 
 async def _count_stdout(redis_server: RedisServer, execution_id: str, want: int) -> bool:
