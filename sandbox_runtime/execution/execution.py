@@ -61,12 +61,14 @@ class Execution:
         self.runner: CallRunner | None = None
         self.finished = asyncio.Event()
         self.events: deque[OutputEvent] = deque()
+        self._sizes: deque[int] = deque()  # each event's bytes held (retention's measure)
         self.first_seq = 1  # oldest seq still held in memory
         self.listeners: list[Callable[[Execution, list[OutputEvent]], None]] = []
         self._wakeup = asyncio.Event()  # set and replaced on every change
         self._retained_bytes = 0
         self._other_bytes = 0  # an interpreter call's results, errors, prompts and drops
         self._truncated = False
+        self._drops_noted = False  # an interpreter call's dropped messages were said
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -84,7 +86,8 @@ class Execution:
 
     # -- events ------------------------------------------------------------------------------
 
-    def emit(self, event_type: EventType, **fields: object) -> OutputEvent:
+    def emit(self, event_type: EventType, size: int | None = None, **fields: object) -> OutputEvent:
+        """Append an event; `size`: about how many bytes it holds (default: its data's)."""
         self.info.last_seq += 1
         event = OutputEvent(
             seq=self.info.last_seq,
@@ -92,14 +95,14 @@ class Execution:
             timestamp=time.time(),
             **fields,  # type: ignore[arg-type]
         )
+        cost = size if size is not None else len(event.data) if event.data else 0
         self.events.append(event)
-        if event.data:
-            self._retained_bytes += len(event.data)
+        self._sizes.append(cost)
+        self._retained_bytes += cost
         while len(self.events) > MAX_EVENTS_IN_MEMORY:
             old = self.events.popleft()
             self.first_seq = old.seq + 1
-            if old.data:
-                self._retained_bytes -= len(old.data)
+            self._retained_bytes -= self._sizes.popleft()
         for listener in self.listeners:
             listener(self, [event])
         self._notify()
@@ -165,13 +168,15 @@ class Execution:
         self._other_bytes += size
         if not self._admit(size):
             return
-        self.emit(kind, **fields)
+        self.emit(kind, size, **fields)
 
     def record_dropped(self, size: int, why: str) -> None:
         """Output of an interpreter call that was dropped before it reached the call."""
         self._other_bytes += size
         self.info.dropped_bytes += size
-        self.emit(EventType.TRUNCATED, message=why, dropped_bytes=self.info.dropped_bytes)
+        if not self._drops_noted:  # (once: the call's end sums up what was dropped in all)
+            self._drops_noted = True
+            self.emit(EventType.TRUNCATED, message=why, dropped_bytes=self.info.dropped_bytes)
 
     def _admit(self, size: int) -> bool:
         """Whether `size` more bytes (already counted) fit the output limit; the first time
@@ -207,7 +212,7 @@ class Execution:
         info.duration_ms = int((info.finished_at - started) * 1000)
         info.status, info.exit_code, info.reason, info.error = status, exit_code, reason, error
         info.stdin_open = False
-        if self._truncated:
+        if self._truncated or self._drops_noted:
             self.emit(
                 EventType.TRUNCATED,
                 message=f"{info.dropped_bytes} bytes of output were dropped in all",

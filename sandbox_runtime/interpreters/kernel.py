@@ -49,6 +49,11 @@ MAX_PARTS = 64  # parts of one message (a Jupyter message has 6 and its buffers)
 # is read at once, for the kernel's whole life; what answers no request that is waiting
 # (output of a cell that has returned, messages with a made-up parent) is dropped unparsed.
 MESSAGE_MAX_BYTES = 8 * 1024 * 1024  # one message; a larger one is dropped (the relay says so)
+NOTE_MAX_BYTES = 1024  # the relay's note of a dropped message
+RECORD_COST = 256  # bytes each record is charged at least (empty records are no free lunch)
+WRITE_MAX_BYTES = 4 * 1024 * 1024  # requests the relay has not read yet
+DELIM = b"<IDS|MSG>"
+SIZE = "srt_size"  # (a taken message's cost, in the dict _next returns)
 QUEUED_MAX_BYTES = 16 * 1024 * 1024  # messages of waiting requests not yet taken, all channels
 # A kernel that sends more than this outside its calls within the window is stopped: reading
 # and dropping it costs the server CPU, and no program needs it.
@@ -69,6 +74,7 @@ KERNEL_ENV = {
 
 OnMessage = Callable[[str, dict[str, Any]], None]  # (msg_type, content)
 OnDropped = Callable[[str, int], None]  # (unsolicited | over_bound, bytes)
+Queued = tuple[list[bytes], int, str]  # a waiting message: its frames, its cost, its parent
 
 
 class KernelDiedError(Exception):
@@ -109,7 +115,7 @@ class SandboxedKernel:
         self._drains: list[asyncio.Task[None]] = []
         self._died = asyncio.Event()
         # Messages (with their size) answering requests in `_wanted`, per channel.
-        self._queues: dict[str, asyncio.Queue[tuple[dict[str, Any], int]]] = {
+        self._queues: dict[str, asyncio.Queue[Queued]] = {
             name: asyncio.Queue() for name in ("iopub", "shell", "stdin")
         }
         self._wanted: set[str] = set()  # ids of the requests whose answers are awaited
@@ -230,39 +236,74 @@ class SandboxedKernel:
                 return msg
 
     async def _next(self, channel: str, wait: float | None) -> dict[str, Any]:
-        """The next message from a channel's queue. Raises TimeoutError, KernelDiedError."""
+        """The next message from a channel's queue, decoded now (a queue holds raw frames:
+        bounded in bytes, where decoded JSON may be twenty times larger). Raises
+        TimeoutError, KernelDiedError."""
         queue = self._queues[channel]
-        if not queue.empty():  # (most messages: no futures, no wait)
-            msg, size = queue.get_nowait()
+        while True:
+            if not queue.empty():  # (most messages: no futures, no wait)
+                item = queue.get_nowait()
+            else:
+                if not self.alive:
+                    raise KernelDiedError(self.end_reason or self.stderr_tail())
+                item = await self._wait_item(queue, wait)
+            frames, size, _ = item
             self._queued_bytes -= size
-            return msg
-        if not self.alive:
-            raise KernelDiedError(self.end_reason or self.stderr_tail())
+            msg = self._decode(frames, size)
+            if msg is not None:
+                msg[SIZE] = size  # (what it cost: a message its taker drops is counted so)
+                return msg
+
+    async def _wait_item(self, queue: asyncio.Queue[Queued], wait: float | None) -> Queued:
         get = asyncio.ensure_future(queue.get())
         died = asyncio.ensure_future(self._died.wait())
         try:
             done, _ = await asyncio.wait(
                 {get, died}, timeout=wait, return_when=asyncio.FIRST_COMPLETED
             )
-        finally:
+        except BaseException:  # (cancelled: a message the get took already is dropped)
             died.cancel()
-            if not get.done():
-                get.cancel()  # a queue get: cancelling it loses nothing
+            if get.done() and not get.cancelled() and get.exception() is None:
+                self._queued_bytes -= get.result()[1]
+            get.cancel()
+            raise
+        died.cancel()
+        if not get.done():
+            get.cancel()  # a queue get: cancelling it loses nothing
         if get in done:
-            msg, size = get.result()
-            self._queued_bytes -= size
-            return msg
+            return get.result()
         if died in done:
             raise KernelDiedError(self.end_reason or self.stderr_tail())
         raise TimeoutError
 
+    def _decode(self, frames: list[bytes], size: int) -> dict[str, Any] | None:
+        """A queued message checked and decoded; None (and counted) when it is not a
+        well-formed message: its signature, its header, parent header and content dicts.
+        Raises KernelDiedError (stopped meanwhile)."""
+        session = self.session
+        if session is None:
+            raise KernelDiedError(self.end_reason or self.stderr_tail())
+        try:
+            msg = session.deserialize(frames)
+        except Exception:  # a message it could not check (bad signature) or decode
+            msg = None
+        if msg is None or not all(
+            isinstance(msg.get(k), dict) for k in ("header", "parent_header", "content")
+        ):
+            self._unsolicited(size)
+            return None
+        return msg
+
     def _send(self, channel: str, msg_type: str, content: dict[str, Any]) -> str:
         """Sign and send a request to the kernel through the relay; its msg_id.
 
-        Raises KernelDiedError when the kernel is gone."""
+        Raises KernelDiedError when the kernel is gone (or its relay stopped reading)."""
         process, session = self.process, self.session
         if process is None or process.stdin is None or session is None or not self.alive:
             raise KernelDiedError(self.end_reason or self.stderr_tail())
+        if process.stdin.transport.get_write_buffer_size() > WRITE_MAX_BYTES:
+            self._end("the interpreter was stopped: its relay stopped reading requests")
+            raise KernelDiedError(self.end_reason or "")
         msg = session.msg(msg_type, content)
         parts = session.serialize(msg)
         record = [struct.pack(">BI", CHANNELS.index(channel), len(parts))]
@@ -273,73 +314,75 @@ class SandboxedKernel:
 
     async def _read(self, stream: asyncio.StreamReader) -> None:
         """Take the relay's records as they come, for the kernel's whole life: answers to
-        awaited requests are queued (within QUEUED_MAX_BYTES); the rest is dropped unparsed.
-        The relay is as untrusted as the kernel: nothing it says is held past the bounds."""
+        awaited requests are queued raw (within QUEUED_MAX_BYTES); the rest is dropped
+        unparsed. The relay is as untrusted as the kernel: every record is charged at least
+        RECORD_COST bytes, nothing it says is held past the bounds, and a record that is not
+        what the relay sends ends the kernel."""
         session = self.session
         assert session is not None
         try:
             while True:
                 channel, count = struct.unpack(">BI", await stream.readexactly(5))
                 if channel == DROPPED:  # (the relay's note of a message too big to copy)
-                    note = _note(await self._parts(stream, count))
-                    parent, size = note.get("parent"), int(note.get("bytes") or 0)
-                    if parent in self._wanted:
+                    if count != 1:
+                        raise ValueError(f"a drop note of {count} parts")
+                    part = (await self._parts(stream, 1, NOTE_MAX_BYTES))[0]
+                    parent, size = _note(part)
+                    self._unsolicited(RECORD_COST + len(part))  # (the note itself)
+                    if parent is not None and parent in self._wanted:
                         self._over_bound(size)
                     else:
                         self._unsolicited(size)
                     continue
-                if channel >= len(CHANNELS) or count > MAX_PARTS:
-                    raise ValueError(f"record of channel {channel} with {count} parts")
-                parts = await self._parts(stream, count)
-                size = sum(map(len, parts))
+                if channel >= len(CHANNELS) or not 5 <= count <= MAX_PARTS:
+                    raise ValueError(f"a record of channel {channel} with {count} parts")
+                parts = await self._parts(stream, count, MESSAGE_MAX_BYTES)
+                size = RECORD_COST + sum(map(len, parts))
+                if DELIM not in parts or len(parts) - parts.index(DELIM) < 6:
+                    raise ValueError("a record that is no message")
+                frames = parts[parts.index(DELIM) + 1 :]
                 queue = self._queues.get(CHANNELS[channel])
-                try:
-                    frames = parts[parts.index(b"<IDS|MSG>") + 1 :]
-                    parent = session.unpack(frames[2]).get("msg_id") if size else None
-                except Exception:  # not a message: the relay is not ours
-                    parent = None
+                parent = _msg_id(session, frames[2])
                 if queue is None or parent is None or parent not in self._wanted:
                     self._unsolicited(size)
                     continue
                 if self._queued_bytes + size > QUEUED_MAX_BYTES:
                     self._over_bound(size)
                     continue
-                try:
-                    msg = session.deserialize(frames)
-                except Exception:  # a message it could not check (bad signature) or decode
-                    self._unsolicited(size)
-                    continue
                 self._queued_bytes += size
-                queue.put_nowait((msg, size))
+                queue.put_nowait((frames, size, parent))
         except asyncio.IncompleteReadError:  # the relay ended: so did the kernel
             pass
-        except (ValueError, struct.error) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # (whatever it was: the kernel is not heard any more)
             self._end(f"the interpreter was stopped: its relay broke the protocol ({exc})")
 
     def _release(self, *msg_ids: str | None) -> None:
         """Requests no longer awaited: their answers still queued are dropped (they would
         hold the queue bound against the next request's)."""
         self._wanted.difference_update(msg_ids)
+        queued = 0
         for queue in self._queues.values():
             kept = []
             while not queue.empty():
-                msg, size = queue.get_nowait()
-                if msg["parent_header"].get("msg_id") in self._wanted:
-                    kept.append((msg, size))
-                else:
-                    self._queued_bytes -= size
+                item = queue.get_nowait()
+                if item[2] in self._wanted:
+                    kept.append(item)
+                    queued += item[1]
             for item in kept:
                 queue.put_nowait(item)
+        self._queued_bytes = queued
 
-    async def _parts(self, stream: asyncio.StreamReader, count: int) -> list[bytes]:
-        """The `count` parts of one record, at most MESSAGE_MAX_BYTES in all (ValueError)."""
+    async def _parts(self, stream: asyncio.StreamReader, count: int, most: int) -> list[bytes]:
+        """The `count` parts of one record, at most `most` bytes in all (ValueError)."""
         parts: list[bytes] = []
         total = 0
         for _ in range(count):
             (length,) = struct.unpack(">I", await stream.readexactly(4))
             total += length
-            if total > MESSAGE_MAX_BYTES:
-                raise ValueError(f"a message over {MESSAGE_MAX_BYTES} bytes")
+            if total > most:
+                raise ValueError(f"a message over {most} bytes")
             parts.append(await stream.readexactly(length))
         return parts
 
@@ -390,6 +433,10 @@ class SandboxedKernel:
         """Kill the sandbox and everything in it; remove the kernel's directory. Idempotent."""
         self._died.set()
         self.session = None
+        for queue in self._queues.values():  # (what waited for a call is not held on)
+            while not queue.empty():
+                queue.get_nowait()
+        self._queued_bytes = 0
         if self.process is not None:
             process, self.process = self.process, None
             process.kill("cancelled")
@@ -470,18 +517,22 @@ class SandboxedKernel:
                             flushed = flushed or msg["content"].get("execution_state") == "idle"
                         if parent != msg_id:
                             continue
+                        if reply is not None:  # (its output goes on: wait on for its idle)
+                            replied_at = time.monotonic()
                         kind = msg["msg_type"]
                         if kind == "status":
                             idle = idle or msg["content"].get("execution_state") == "idle"
                         elif kind != "execute_input":
                             on_message(kind, msg["content"])
                     elif task is shell:
-                        if msg["parent_header"].get("msg_id") == msg_id:
+                        # (read on after the reply too: what follows it is dropped, not held)
+                        shell = asyncio.ensure_future(self._next("shell", None))
+                        pending.add(shell)
+                        if reply is None and msg["parent_header"].get("msg_id") == msg_id:
                             reply = dict(msg["content"])
                             replied_at = time.monotonic()
-                        else:
-                            shell = asyncio.ensure_future(self._next("shell", None))
-                            pending.add(shell)
+                        else:  # (a second "reply", or an answer to nothing of this call's)
+                            self._unsolicited(msg[SIZE])
                     elif task is stdin:
                         stdin = asyncio.ensure_future(self._next("stdin", None))
                         pending.add(stdin)
@@ -498,8 +549,8 @@ class SandboxedKernel:
         return reply
 
     def input_reply(self, value: str) -> None:
-        with contextlib.suppress(KernelDiedError):
-            self._send("stdin", "input_reply", {"value": value})
+        """Raises KernelDiedError."""
+        self._send("stdin", "input_reply", {"value": value})
 
     @property
     def egress_lost(self) -> bool:
@@ -523,10 +574,25 @@ def _left(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
-def _note(parts: list[bytes]) -> dict[str, Any]:
-    """The relay's note of a dropped message: {"bytes": N, "parent": msg_id}."""
+def _note(part: bytes) -> tuple[str | None, int]:
+    """The relay's note of a dropped message: (its parent's msg_id, its size); the size is
+    taken for at least MESSAGE_MAX_BYTES (what the relay drops) and at most 2**40."""
     try:
-        note = json.loads(parts[0])
-    except (ValueError, IndexError):
-        return {}
-    return note if isinstance(note, dict) else {}
+        note = json.loads(part)
+    except ValueError:
+        return None, MESSAGE_MAX_BYTES
+    if not isinstance(note, dict):
+        return None, MESSAGE_MAX_BYTES
+    parent, size = note.get("parent"), note.get("bytes")
+    size = size if isinstance(size, int) else 0
+    return (parent if isinstance(parent, str) else None), min(max(size, MESSAGE_MAX_BYTES), 2**40)
+
+
+def _msg_id(session: Session, frame: bytes) -> str | None:
+    """The msg_id in a message's serialized parent header (None: none, or not a string)."""
+    try:
+        parent = session.unpack(frame)
+    except Exception:  # not JSON: not a message of the kernel's
+        return None
+    msg_id = parent.get("msg_id") if isinstance(parent, dict) else None
+    return msg_id if isinstance(msg_id, str) else None

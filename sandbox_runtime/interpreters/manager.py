@@ -47,6 +47,7 @@ QUEUE_LIMIT = 16  # calls waiting for one interpreter
 # One MIME value kept in an execution's events. A reply carries it about twice, and the
 # official MCP client refuses a message over 1 MiB: a plot is tens of KB.
 MAX_BUNDLE_BYTES = 256 * 1024
+MAX_BUNDLE_ENTRIES = 32  # MIME types of one result
 MAX_TEXT_CHARS = 8192  # an exception's name, value and each traceback line; a prompt
 REAP_INTERVAL = 10.0
 ENDED_REMEMBERED = 10_000
@@ -94,7 +95,12 @@ class CallRun:
                 "(an input_request event says when it is)"
             )
         self.awaiting_input = False
-        self.interpreter.kernel.input_reply(data[:-1] if data.endswith("\n") else data)
+        try:
+            self.interpreter.kernel.input_reply(data[:-1] if data.endswith("\n") else data)
+        except KernelDiedError as exc:
+            raise InvalidRequestError(
+                f"execution {self.execution.execution_id}'s interpreter is gone: {exc}"
+            ) from exc
         return len(data.encode("utf-8", "surrogatepass"))
 
     async def cancel(self, force: bool, grace: float) -> None:
@@ -497,22 +503,21 @@ class InterpreterManager:
                 execution.record_output(stream, str(content.get("text", "")))
             elif kind in ("display_data", "execute_result", "update_display_data"):
                 data = content.get("data")
-                bundle = _bounded_bundle(data if isinstance(data, dict) else {})
+                bundle, size = _bounded_bundle(data if isinstance(data, dict) else {})
                 count = content.get("execution_count")
                 execution.record_event(
                     EventType.RESULT,
-                    sum(len(str(v)) for v in bundle.values()),
+                    size,
                     bundle=bundle,
                     execution_count=count if isinstance(count, int) else None,
                 )
             elif kind == "error":
                 trace = content.get("traceback")
+                lines = trace[-100:] if isinstance(trace, list) else []
                 error = {
                     "name": _text(content.get("ename")),
                     "value": _text(content.get("evalue")),
-                    "traceback": [
-                        ANSI.sub("", _text(t)) for t in (trace if isinstance(trace, list) else [])
-                    ][-100:],
+                    "traceback": [ANSI.sub("", _text(t)) for t in lines],
                 }
                 if not errors:
                     errors.append(True)
@@ -625,7 +630,8 @@ class InterpreterManager:
             if not i.busy and i.waiting == 0 and i.last_used + idle <= now
         ]
         for key in doomed:
-            self._forget(key, "idle")
+            ended = self._interpreters[key].kernel.end_reason == FLOODED
+            self._forget(key, "flooded" if ended else "idle")
             self.metrics.interpreter_events.labels(key[1], "reaped").inc()
         return len(doomed)
 
@@ -635,17 +641,24 @@ def _text(value: object) -> str:
     return text if len(text) <= MAX_TEXT_CHARS else text[:MAX_TEXT_CHARS] + " [...]"
 
 
-def _bounded_bundle(data: dict[str, Any]) -> dict[str, Any]:
+def _bounded_bundle(data: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    """A result's MIME bundle within bounds (MAX_BUNDLE_ENTRIES types, each value at most
+    MAX_BUNDLE_BYTES, types' names at most 255 characters), and about how many bytes it holds."""
     out: dict[str, Any] = {}
-    for mime, value in data.items():
+    size = 0
+    for mime, value in list(data.items())[:MAX_BUNDLE_ENTRIES]:
+        mime = str(mime)[:255]
         text = value if isinstance(value, str) else json.dumps(value)
         if len(text) > MAX_BUNDLE_BYTES:
-            out["text/plain"] = (
-                f"[{mime} output of {len(text)} bytes dropped: over {MAX_BUNDLE_BYTES} bytes]"
-            )
+            note = f"[{mime} output of {len(text)} bytes dropped: over {MAX_BUNDLE_BYTES} bytes]"
+            out["text/plain"] = note
+            size += len(note)
             continue
-        out[str(mime)] = value
-    return out
+        out[mime] = value
+        size += len(mime) + len(text)
+    if len(data) > MAX_BUNDLE_ENTRIES:
+        out["text/plain"] = f"[{len(data) - MAX_BUNDLE_ENTRIES} more MIME types dropped]"
+    return out, size + 64 * len(out)
 
 
 def _env_prelude(spec: KernelSpec, env: dict[str, str]) -> str:

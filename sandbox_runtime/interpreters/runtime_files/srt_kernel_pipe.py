@@ -8,8 +8,11 @@ whatever ZeroMQ buffers, it buffers here, inside the sandbox's memory limit.
 
 A record: one byte (the channel's index in CHANNELS, or DROPPED), a u32 count of parts, then
 each part as a u32 length and its bytes (big-endian). A message over MAX_BYTES is not
-copied: a DROPPED record says how big it was and whose answer it was. The host trusts
-nothing of this (code in the sandbox can write to the same pipe); it bounds what it reads.
+copied: a DROPPED record says how big it was and whose answer it was; but a stream message
+(a large print) is split into messages of at most MAX_BYTES / 8 characters each, signed anew
+with the kernel's key, so a program's output is cut by the host's output limit, not lost
+whole. The host trusts nothing of this (code in the sandbox can write to the same pipe); it
+bounds what it reads.
 
     python srt_kernel_pipe.py CONNECTION_FILE MAX_BYTES ipc|tcp -- KERNEL_ARGV...
 
@@ -20,6 +23,8 @@ The kernel's end ends this process; this process's end (or EOF on stdin) ends th
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import signal
@@ -27,6 +32,8 @@ import socket
 import struct
 import subprocess
 import sys
+import time
+import uuid
 
 import zmq
 
@@ -71,6 +78,37 @@ def _parent_id(parts: list[bytes]) -> str:
         return ""
 
 
+def _split_stream(parts: list[bytes], key: bytes, max_chars: int) -> list[list[bytes]] | None:
+    """A stream message as several, each with at most `max_chars` characters of its text and
+    a signature of its own; None for any other message (or one it cannot read)."""
+    try:
+        at = parts.index(DELIM)
+        header, parent, metadata, content = (json.loads(p) for p in parts[at + 2 : at + 6])
+        if header.get("msg_type") != "stream" or not isinstance(content.get("text"), str):
+            return None
+    except (ValueError, AttributeError):
+        return None
+    text = content["text"]
+    out = []
+    for start in range(0, len(text), max_chars):
+        frames = [
+            json.dumps(dict(header, msg_id=uuid.uuid4().hex)).encode(),
+            json.dumps(parent).encode(),
+            json.dumps(metadata).encode(),
+            json.dumps(dict(content, text=text[start : start + max_chars])).encode(),
+        ]
+        signer = hmac.new(key, digestmod=hashlib.sha256)
+        for frame in frames:
+            signer.update(frame)
+        out.append([*parts[:at], DELIM, signer.hexdigest().encode(), *frames])
+    return out
+
+
+def _record(channel: int, parts: list[bytes]) -> bytes:
+    head = struct.pack(">BI", channel, len(parts))
+    return head + b"".join(struct.pack(">I", len(p)) + p for p in parts)
+
+
 def _write(out: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -83,6 +121,7 @@ def main(argv: list[str]) -> int:
         return 2
     host_file, max_bytes, transport, kernel_argv = argv[0], int(argv[1]), argv[2], argv[4:]
     kernel_file, info = _kernel_file(host_file, transport)
+    key = str(info["key"]).encode()
     out = os.dup(1)  # the records; the kernel's own stdout goes to stderr with ours
     os.dup2(2, 1)
     kernel = subprocess.Popen(
@@ -101,6 +140,7 @@ def main(argv: list[str]) -> int:
         if KINDS[channel] == zmq.DEALER:
             sock.identity = identity
         if channel == "iopub":
+            sock.rcvhwm = 0  # (what the host has not taken yet waits here, in the sandbox)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(_url(info, channel))
         sockets[channel] = sock
@@ -111,8 +151,11 @@ def main(argv: list[str]) -> int:
     index = {sock: i for i, sock in enumerate(sockets.values())}
     pending = bytearray()  # what the host wrote that is not yet a whole record
     try:
-        while kernel.poll() is None:
-            for item, _ in poller.poll(100):
+        ended_at = None  # the kernel's end: what it sent before is still passed on (0.1 s)
+        while ended_at is None or time.monotonic() - ended_at < 0.1:
+            if ended_at is None and kernel.poll() is not None:
+                ended_at = time.monotonic()
+            for item, _ in poller.poll(100 if ended_at is None else 10):
                 if item == 0:
                     chunk = os.read(0, 1 << 20)
                     if not chunk:
@@ -120,18 +163,28 @@ def main(argv: list[str]) -> int:
                     pending += chunk
                     _forward(pending, sockets)
                     continue
-                parts = item.recv_multipart()
-                size = sum(map(len, parts))
-                if size > max_bytes:
-                    note = json.dumps({"bytes": size, "parent": _parent_id(parts)}).encode()
-                    _write(out, struct.pack(">BII", DROPPED, 1, len(note)) + note)
-                    continue
-                head = struct.pack(">BI", index[item], len(parts))
-                _write(out, head + b"".join(struct.pack(">I", len(p)) + p for p in parts))
+                _pass_on(out, index[item], item.recv_multipart(), max_bytes, key)
         return kernel.returncode or 0
     finally:
         if kernel.poll() is None:
             kernel.send_signal(signal.SIGKILL)
+
+
+def _pass_on(out: int, channel: int, parts: list[bytes], max_bytes: int, key: bytes) -> None:
+    """One message of the kernel's to the host: whole, in pieces (a large stream message)
+    or as a note that it was dropped."""
+    size = sum(map(len, parts))
+    if size <= max_bytes:
+        _write(out, _record(channel, parts))
+        return
+    # (JSON may spell a character in 6 bytes: max_bytes / 8 characters fit)
+    pieces = _split_stream(parts, key, max_bytes // 8)
+    if pieces is not None:
+        for piece in pieces:
+            _write(out, _record(channel, piece))
+        return
+    note = json.dumps({"bytes": size, "parent": _parent_id(parts)}).encode()
+    _write(out, _record(DROPPED, [note]))
 
 
 def _forward(pending: bytearray, sockets: dict) -> None:
@@ -148,7 +201,10 @@ def _forward(pending: bytearray, sockets: dict) -> None:
             parts.append(bytes(pending[at + 4 : at + 4 + length]))
             at += 4 + length
         del pending[:at]
-        sockets[CHANNELS[channel]].send_multipart(parts)
+        try:  # (a kernel that reads no requests does not stop this relay: they are dropped)
+            sockets[CHANNELS[channel]].send_multipart(parts, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            print("srt_kernel_pipe: the kernel takes no requests; one dropped", file=sys.stderr)
 
 
 if __name__ == "__main__":
