@@ -67,7 +67,7 @@ def make_record(
 
 
 async def look(store: SessionStore, record: SessionRecord, replica_id: str) -> Lookup:
-    return await store.lookup(record.key, replica_id, time.time(), TTL)
+    return await store.lookup(record.key, replica_id, time.time(), TTL, take=True)
 
 
 # -- lookup and claim --------------------------------------------------------------------------
@@ -442,6 +442,11 @@ async def test_a_reset_owed_to_a_fresh_start_is_told_once_by_its_home(store: Ses
     assert not await store.owe_reset(record.key, "r3", "store_lost", "r1")
     assert await store.owe_reset(record.key, "r2", "store_lost", "r1")
     assert (await look(store, record, "r1")).record.reset_from == "r1"  # type: ignore[union-attr]
+    # The home's background lookups (renewing a running session's record, publishing again)
+    # do not take it: only an operation of the session's does.
+    for _ in range(2):
+        kept = (await store.lookup(record.key, "r2", time.time(), TTL)).record
+        assert kept is not None and kept.reset_reason == "store_lost"
     taken = (await look(store, record, "r2")).record
     assert taken is not None and (taken.reset_reason, taken.reset_from) == ("store_lost", "r1")
     again = (await look(store, record, "r2")).record

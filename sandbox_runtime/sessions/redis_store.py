@@ -27,7 +27,7 @@ if f[1] == ARGV[1] and f[2] == 'active' then
   redis.call('SADD', KEYS[3], ARGV[5])
   redis.call('EXPIRE', KEYS[3], ARGV[3])
   local found = redis.call('HGETALL', KEYS[1])
-  redis.call('HDEL', KEYS[1], 'reset_reason', 'reset_from')
+  if ARGV[6] == '1' then redis.call('HDEL', KEYS[1], 'reset_reason', 'reset_from') end
   return {found, 1, false}
 end
 return {redis.call('HGETALL', KEYS[1]), 0, redis.call('GET', ARGV[4] .. f[1])}
@@ -128,7 +128,9 @@ class RedisSessionStore:
         # The record key is "<prefix><session key><suffix>": RELEASE builds it from the set.
         self._record_prefix, _, self._record_suffix = self.keys.session_home("\0").partition("\0")
 
-    async def lookup(self, key: str, replica_id: str, now: float, ttl: int) -> Lookup:
+    async def lookup(
+        self, key: str, replica_id: str, now: float, ttl: int, take: bool = False
+    ) -> Lookup:
         principal = key.partition(":")[0]
         reply = await self._lookup(
             keys=[
@@ -136,7 +138,7 @@ class RedisSessionStore:
                 self.keys.principal_sessions(principal),
                 self.keys.replica_sessions(replica_id),
             ],
-            args=[replica_id, repr(now), ttl, self.keys.replica(""), key],
+            args=[replica_id, repr(now), ttl, self.keys.replica(""), key, "1" if take else "0"],
         )
         if not reply:
             return Lookup(None)

@@ -110,6 +110,14 @@ class Router:
         # sessions it holds (in its heartbeat: a session with no record may start afresh only
         # once every live replica has); set to check again now (the store lost data).
         self._synced_epoch: str | None = None
+        # The last epoch this replica published under, kept in its state dir: a process that
+        # starts after the store restarted empty says it knew another (the new epoch is then
+        # marked restarted, and no session without a record starts afresh until every replica
+        # had its heartbeat's time to publish again), even when it is the first to look.
+        self._epoch_file = settings.state_dir / "store-epoch"
+        self._known_epoch: str | None = None
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            self._known_epoch = self._epoch_file.read_text().strip()[:128] or None
         self._store_changed = asyncio.Event()
         manager.admission = self._admit
         manager.on_finished.append(self._release_running)
@@ -173,7 +181,7 @@ class Router:
         if self.store is None:
             return None
         try:
-            peers = await self.store.live_replicas()
+            peers = await self.store.replica_beats()
         except Exception:  # the store is down: health reports that already
             return self.cluster_problem
         peers.pop(self.replica_id, None)
@@ -236,7 +244,9 @@ class Router:
         for _ in range(PLACEMENT_ATTEMPTS):
             now = time.time()
             try:
-                found = await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
+                found = await self.sessions.lookup(
+                    key, self.replica_id, now, self._record_ttl, take=True
+                )
             except Exception as exc:  # the store is down: fall back to the last known home
                 return self._place_without_store(key, exc)
             record = found.record
@@ -291,7 +301,7 @@ class Router:
             resync = resync or self._store_changed.is_set()
             self._store_changed.clear()
             try:
-                epoch = await self.sessions.epoch(self._synced_epoch)
+                epoch = await self.sessions.epoch(self._synced_epoch or self._known_epoch)
                 changed = epoch.epoch_id != self._synced_epoch
                 if (changed or resync) and self.manager.accepting:
                     # First this replica's heartbeat (a record whose home has none would be
@@ -308,6 +318,7 @@ class Router:
                             restored,
                         )
                     self._synced_epoch = epoch.epoch_id
+                    self._remember_epoch(epoch.epoch_id)
                     await mirror.beat()
                 backoff = 0.2
                 wait = mirror.heartbeat_interval
@@ -318,6 +329,15 @@ class Router:
                 backoff = min(5.0, backoff * 2)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._store_changed.wait(), wait)
+
+    def _remember_epoch(self, epoch_id: str) -> None:
+        if epoch_id == self._known_epoch:
+            return
+        self._known_epoch = epoch_id
+        try:
+            self._epoch_file.write_text(epoch_id)
+        except OSError as exc:  # (then a restart after a store restart may not wait)
+            logger.warning("could not keep the store's epoch in {}: {}", self._epoch_file, exc)
 
     async def _reclaim_all(self) -> int:
         """Claim again every session homed here that the store has no record of. Raises what
@@ -378,7 +398,7 @@ class Router:
         """The store's epoch, and what a session without a record waits for in it before it
         may start afresh (nothing: it may). Raises what the store raises."""
         assert self.store is not None
-        epoch = await self.sessions.epoch(self._synced_epoch)
+        epoch = await self.sessions.epoch(self._synced_epoch or self._known_epoch)
         waiting: list[str] = []
         grace = self.settings.heartbeat_ttl - epoch.age
         if epoch.restarted and grace > 0:
@@ -386,7 +406,9 @@ class Router:
         if self._synced_epoch != epoch.epoch_id:
             waiting.append(f"replica {self.replica_id}")
             self._store_changed.set()  # (publish now, not at the next heartbeat interval)
-        peers = await self.store.live_replicas()
+        # (Alive by the store's clock: its heartbeat key exists. The set's scores are each
+        # writer's own clock, and a replica whose clock is behind would drop out of them.)
+        peers = await self.store.replica_beats()
         peers.pop(self.replica_id, None)
         # (A heartbeat without the field is an older version's, which never waits.)
         waiting += [
@@ -676,6 +698,7 @@ class Router:
             self.replica_id,
             time.time(),
             self._record_ttl,
+            take=True,
         )
         if not found.touched or found.record is None:
             raise HomeMovedError(f"replica {self.replica_id} is not this session's home")

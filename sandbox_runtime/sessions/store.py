@@ -45,9 +45,13 @@ class SessionStore(Protocol):
     """Session records and per-principal counts, atomically updated. Errors: OSError /
     ConnectionError subclasses (redis.exceptions.RedisError for Redis): unavailable now."""
 
-    async def lookup(self, key: str, replica_id: str, now: float, ttl: int) -> Lookup:
+    async def lookup(
+        self, key: str, replica_id: str, now: float, ttl: int, take: bool = False
+    ) -> Lookup:
         """The session's record and its home's heartbeat. When `replica_id` is the active
-        home, refresh last use and the record's life (`ttl` seconds) in the same step."""
+        home, refresh last use and the record's life (`ttl` seconds) in the same step, and
+        with `take` (an operation of the session's, not a background check) take the reset
+        its record says the next call is owed."""
 
     async def claim(
         self,
@@ -111,14 +115,17 @@ class MemorySessionStore:
             return None
         return entry[0]
 
-    async def lookup(self, key: str, replica_id: str, now: float, ttl: int) -> Lookup:
+    async def lookup(
+        self, key: str, replica_id: str, now: float, ttl: int, take: bool = False
+    ) -> Lookup:
         record = self._live(key)
         if record is None:
             return Lookup(None)
         if record.home == replica_id and record.state == "active":
             record.last_used_at = now
             found = record.model_copy()
-            record.reset_reason = record.reset_from = None  # (taken)
+            if take:
+                record.reset_reason = record.reset_from = None  # (taken)
             self._records[key] = (record, now + ttl)
             self._principal_sessions.setdefault(record.principal, {})[key] = now + ttl
             return Lookup(found, None, touched=True)
