@@ -181,22 +181,28 @@ class Execution:
     def _admit(self, size: int) -> bool:
         """Whether `size` more bytes (already counted) fit the output limit; the first time
         they do not, a truncated event says so."""
-        info = self.info
         if self._truncated:
-            info.dropped_bytes += size
+            self.info.dropped_bytes += size
             return False
-        kept = info.stdout_bytes + info.stderr_bytes + self._other_bytes - info.dropped_bytes
-        if kept <= self.output_limit:
+        if self._kept() <= self.output_limit:
             return True
-        info.dropped_bytes += size
+        self.info.dropped_bytes += size
+        self._limit_reached()
+        return False
+
+    def _kept(self) -> int:
+        """Bytes of output counted and not dropped."""
+        info = self.info
+        return info.stdout_bytes + info.stderr_bytes + self._other_bytes - info.dropped_bytes
+
+    def _limit_reached(self) -> None:
         self._truncated = True
         self.emit(
             EventType.TRUNCATED,
             message=f"output limit of {self.output_limit} bytes reached; "
             "further output is dropped (the process keeps running)",
-            dropped_bytes=info.dropped_bytes,
+            dropped_bytes=self.info.dropped_bytes,
         )
-        return False
 
     def end_call(
         self,
@@ -284,26 +290,17 @@ class Execution:
             self.info.stdout_bytes += raw_bytes
         else:
             self.info.stderr_bytes += raw_bytes
-        kept = (
-            self.info.stdout_bytes + self.info.stderr_bytes + self._other_bytes
-            - self.info.dropped_bytes
-        )  # fmt: skip
         if self._truncated:
             self.info.dropped_bytes += raw_bytes
             return
+        kept = self._kept()
         if kept > self.output_limit:
             over = kept - self.output_limit
             keep_chars = max(0, len(text) - over)
             if keep_chars:
                 self.emit(kind, data=text[:keep_chars])
             self.info.dropped_bytes += over
-            self._truncated = True
-            self.emit(
-                EventType.TRUNCATED,
-                message=f"output limit of {self.output_limit} bytes reached; "
-                "further output is dropped (the process keeps running)",
-                dropped_bytes=self.info.dropped_bytes,
-            )
+            self._limit_reached()
             return
         self.emit(kind, data=text)
 

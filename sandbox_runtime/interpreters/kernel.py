@@ -121,7 +121,6 @@ class SandboxedKernel:
         self._wanted: set[str] = set()  # ids of the requests whose answers are awaited
         self._queued_bytes = 0
         self.dropped_bytes = 0  # answers dropped because the queues were full (QUEUED_MAX_BYTES)
-        self.unsolicited_bytes = 0  # messages answering nothing awaited, dropped unread
         self._window_start = 0.0
         self._window_bytes = 0
         # Why the server stopped this kernel itself (None: it did not); says so to the caller.
@@ -393,7 +392,6 @@ class SandboxedKernel:
 
     def _unsolicited(self, size: int) -> None:
         """Count a dropped message that answered nothing awaited; stop a kernel that floods."""
-        self.unsolicited_bytes += size
         if self.on_dropped is not None:
             self.on_dropped("unsolicited", size)
         now = time.monotonic()
@@ -465,6 +463,13 @@ class SandboxedKernel:
         msg_id = self._send("shell", "execute_request", content)
         self._wanted.add(msg_id)
         reported = self.dropped_bytes
+
+        def report_drops() -> None:  # (messages of this call dropped since last said)
+            nonlocal reported
+            if self.dropped_bytes > reported:
+                on_message("dropped", {"bytes": self.dropped_bytes - reported})
+                reported = self.dropped_bytes
+
         reply: dict[str, Any] | None = None
         replied_at = 0.0
         idle = False
@@ -480,9 +485,7 @@ class SandboxedKernel:
         linger_until = deadline = 0.0
         try:
             while True:
-                if self.dropped_bytes > reported:
-                    on_message("dropped", {"bytes": self.dropped_bytes - reported})
-                    reported = self.dropped_bytes
+                report_drops()
                 if reply is not None and not idle:
                     # (the idle status may have been dropped with output past the bounds)
                     if time.monotonic() - replied_at >= IDLE_AFTER_REPLY:
@@ -543,8 +546,7 @@ class SandboxedKernel:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        if self.dropped_bytes > reported:
-            on_message("dropped", {"bytes": self.dropped_bytes - reported})
+        report_drops()
         assert reply is not None
         return reply
 
