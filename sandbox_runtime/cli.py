@@ -61,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="runtime install: do nothing (quietly) when a runtime is installed",
     )
     parser.add_argument("--host", help="address to listen on (SANDBOX_HOST, default 127.0.0.1)")
-    parser.add_argument("--port", type=int, help="port (SANDBOX_PORT, default 8080)")
+    parser.add_argument("--port", "-p", type=int, help="port (SANDBOX_PORT, default 8080)")
     parser.add_argument(
         "--token",
+        "-t",
         help="bearer token clients must send (SANDBOX_AUTH_TOKEN; prefer the variable: "
         "command lines are visible to other local users)",
     )

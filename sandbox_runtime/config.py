@@ -147,6 +147,13 @@ class Settings(BaseSettings):
     max_wait: float = Field(
         60, gt=0, le=600, description="Longest a long-poll or a waiting execute_code call blocks."
     )
+    progress_interval: float = Field(
+        3,
+        gt=0,
+        le=10,
+        description="While a call waits for an execution, a progress notification at least "
+        "this often (seconds), output or not, for callers that sent a progressToken.",
+    )
     retention_seconds: int = Field(
         3600, ge=1, description="How long finished executions are kept (also the Redis TTL)."
     )

@@ -92,7 +92,7 @@ class Execution:
         event = OutputEvent(
             seq=self.info.last_seq,
             type=event_type,
-            timestamp=time.time(),
+            ts=time.time(),
             **fields,  # type: ignore[arg-type]
         )
         cost = size if size is not None else len(event.data) if event.data else 0

@@ -7,7 +7,7 @@ import uuid
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 
 # An execution id is exactly what new_execution_id makes: ids from callers are checked against
 # it before any lookup, so that a key-shaped id ("ID:output", "ID*") never reaches the store.
@@ -71,7 +71,8 @@ class OutputEvent(BaseModel):
     seq: int
     event_id: str = ""
     type: EventType
-    timestamp: float
+    # Seconds since the epoch. (Stored as `timestamp` before 0.3: still read.)
+    ts: float = Field(validation_alias=AliasChoices("ts", "timestamp"))
     data: str | None = None
     code: int | None = None
     signal: str | None = None
@@ -94,7 +95,12 @@ class OutputEvent(BaseModel):
             self.event_id = str(self.seq)
 
     def wire(self) -> dict[str, Any]:
+        """As stored (in Redis) and sent between replicas: every field."""
         return self.model_dump(mode="json", exclude_none=True)
+
+    def public(self) -> dict[str, Any]:
+        """As clients see it (srt-mcp-server 0.2's events): `event_id` is the cursor, no `seq`."""
+        return self.model_dump(mode="json", exclude_none=True, exclude={"seq"})
 
     def wire_size(self) -> int:
         """Bytes of this event as JSON, escapes included (what a page of output budgets)."""

@@ -283,6 +283,28 @@ class InterpreterManager:
             self._stopping[task] = workspace_name(key[0])
             task.add_done_callback(lambda done: self._stopping.pop(done, None))
 
+    def _make_room(self, owner: Owner) -> None:
+        """At the token's limit of interpreters, stop its least recently used idle one (that
+        session's next call says `state_reset: evicted`); refuse only when all are busy."""
+        limit = self.settings.max_interpreters_per_principal
+        mine = [i for (o, _), i in self._interpreters.items() if o.principal == owner.principal]
+        if len(mine) < limit:
+            return
+        idle = [i for i in mine if not i.busy and i.waiting == 0]
+        if idle:
+            victim = min(idle, key=lambda i: i.last_used)
+            self._forget((victim.owner, victim.language), "evicted")
+            self.metrics.interpreter_events.labels(victim.language, "evicted").inc()
+            logger.info("interpreter evicted for room language={}", victim.language)
+            return
+        self.metrics.rejections.labels("principal_interpreters").inc()
+        held = ", ".join(sorted(f"{_session_of(i.owner)} ({i.language})" for i in mine)[:MAX_NAMED])
+        raise LimitExceededError(
+            f"this token runs its maximum of {limit} interpreters and all are running code: "
+            f"{held}; wait for one to finish, cancel_execution one of their calls, or "
+            "restart_interpreter / a named session's idle timeout frees a slot"
+        )
+
     async def _start(
         self, owner: Owner, language: str, limits: SandboxLimits | None = None
     ) -> Interpreter:
@@ -296,13 +318,7 @@ class InterpreterManager:
                 f"this replica runs its maximum of {self.settings.max_interpreters} "
                 "interpreters; restart_interpreter one you no longer need, or retry later"
             )
-        mine = sum(1 for (o, _) in self._interpreters if o.principal == owner.principal)
-        if mine >= self.settings.max_interpreters_per_principal:
-            self.metrics.rejections.labels("principal_interpreters").inc()
-            raise LimitExceededError(
-                f"this token runs its maximum of {self.settings.max_interpreters_per_principal} "
-                "interpreters; restart_interpreter one you no longer need"
-            )
+        self._make_room(owner)
         backend = self.manager.backend
         name = workspace_name(owner)
         # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel.
@@ -634,6 +650,15 @@ class InterpreterManager:
             self._forget(key, "flooded" if ended else "idle")
             self.metrics.interpreter_events.labels(key[1], "reaped").inc()
         return len(doomed)
+
+
+MAX_NAMED = 16
+
+
+def _session_of(owner: Owner) -> str:
+    """A session as callers name it, for messages."""
+    session = owner.session_id
+    return f"session {session[2:] if session.startswith('s:') else session!r}"
 
 
 def _text(value: object) -> str:

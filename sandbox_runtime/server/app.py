@@ -27,9 +27,11 @@ from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set
 from sandbox_runtime.files.http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.files.urls import FileUrlSigner, set_url_signer, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager, set_interpreters
-from sandbox_runtime.server.auth import PrincipalTokenVerifier
+from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
+from sandbox_runtime.server.replies import ErrorResults
+from sandbox_runtime.server.schemas import make_portable
 from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
@@ -41,7 +43,7 @@ INSTRUCTIONS = (
     "Runs commands in an isolated Linux sandbox (no network, unprivileged, limited memory, "
     "processes and time) with a persistent /workspace per session. execute_code runs and waits; "
     "execute_code_async starts and returns an execution_id to poll with get_execution_output "
-    "(cursor: next_cursor), feed with send_stdin (interactive=true) and stop with "
+    "(pass next_cursor as last_event_id), feed with send_stdin (interactive=true) and stop with "
     "cancel_execution. run_code runs Python, JavaScript, TypeScript or bash in a persistent "
     "interpreter per session (state kept between calls; plots returned as images)."
 )
@@ -57,8 +59,10 @@ def build_mcp(settings: Settings) -> FastMCP:
         auth=auth,
         mask_error_details=True,
         # Modern (2026-07-28) requests re-list the tools to check arguments: dereferencing
-        # every schema each time cost ~60% of the CPU of a call. $refs are valid JSON Schema.
+        # every schema each time cost ~60% of the CPU of a call. make_portable inlines them
+        # once, at startup.
         dereference_schemas=False,
+        middleware=[ErrorResults()],
     )
     register_tools(mcp)
     register_interpreter_tools(mcp)
@@ -136,6 +140,7 @@ def create_app(
         set_manager(own)
         set_router(router)
         set_interpreters(interpreters)
+        await make_portable(mcp)
         await _cache_input_schemas(mcp)
         try:
             async with mcp_app.lifespan(app):
@@ -272,6 +277,7 @@ def create_app(
             Mount("/", app=mcp_app),
         ],
         middleware=[
+            Middleware(PlainAuthErrors),
             Middleware(SessionTagMiddleware, replica_id=settings.replica_id),
             Middleware(SessionPathMiddleware),
         ],

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 
 from fastmcp.server.auth import AccessToken, TokenVerifier
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
 class PrincipalTokenVerifier(TokenVerifier):
@@ -29,3 +31,58 @@ class PrincipalTokenVerifier(TokenVerifier):
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+
+
+INVALID = (
+    "invalid token: this server does not accept the bearer token sent; check the token in "
+    "the Authorization header (Authorization: Bearer <token>)"
+)
+MISSING = "missing token: send the server's token as Authorization: Bearer <token>"
+
+
+class PlainAuthErrors:
+    """A refused token answered in plain words: `invalid token` (or `missing token`) in the
+    401's body and WWW-Authenticate, and no OAuth hints (this server has no OAuth: the
+    library's text tells clients to re-register, which sends mcp-remote and the SDKs into a
+    client-registration attempt that hides the real problem)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = False
+
+        async def answer(message: Message) -> None:
+            nonlocal refused
+            if message["type"] == "http.response.start" and message["status"] == 401:
+                refused = True
+                offered = any(
+                    k.lower() == b"authorization" and v[:7].lower() == b"bearer "
+                    for k, v in scope.get("headers", [])
+                )
+                text = INVALID if offered else MISSING
+                short = text.split(":")[0]
+                body = json.dumps({"error": short, "error_description": text})
+                challenge = 'Bearer realm="sandbox_runtime"'
+                if offered:  # RFC 6750 3.1: no error code when no credentials came
+                    challenge += f', error="invalid_token", error_description="{short}"'
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"www-authenticate", challenge.encode()),
+                        ],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body.encode()})
+                return
+            if not refused:
+                await send(message)
+
+        await self.app(scope, receive, answer)

@@ -15,7 +15,8 @@ from mcp.types import ImageContent
 from pydantic import BaseModel, Field
 
 from sandbox_runtime.execution.manager import get_manager
-from sandbox_runtime.server.resources import RESOURCE_TEMPLATE, THIS_SESSION, json_text
+from sandbox_runtime.server.replies import reply
+from sandbox_runtime.server.resources import RESOURCE_TEMPLATE, THIS_SESSION
 from sandbox_runtime.server.tools import SessionArg, call, owner_of
 from sandbox_runtime.sessions.models import SessionReset
 from sandbox_runtime.sessions.router import get_router
@@ -156,8 +157,7 @@ def register_file_tools(mcp: FastMCP) -> None:
             if result["encoding"] != "base64":
                 data = base64.b64encode(data.encode()).decode()
             content.append(ImageContent(type="image", data=data, mime_type=result["mime_type"]))
-        content.insert(0, json_text(structured))
-        return ToolResult(content=content, structured_content=structured)
+        return reply(structured, content)
 
     @mcp.tool
     async def list_files(

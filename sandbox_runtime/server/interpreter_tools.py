@@ -9,16 +9,18 @@ from fastmcp.tools.base import ToolResult
 from mcp.types import ImageContent, TextContent
 from pydantic import BaseModel, Field
 
+from sandbox_runtime.server.replies import reply
 from sandbox_runtime.server.resources import resource_links
+from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
 from sandbox_runtime.server.tools import (
-    EnvironmentArg,
     ExecutionResult,
-    SandboxConfigArg,
     SessionArg,
     TimeoutArg,
-    _progress_sink,
+    WaitArg,
     call,
+    execution_result,
     owner_of,
+    progress_of,
 )
 from sandbox_runtime.sessions.router import get_router
 
@@ -37,7 +39,8 @@ class StateReset(BaseModel):
         description="Why this call did not find the interpreter it expected: first_call, "
         "idle (stopped after SANDBOX_INTERPRETER_IDLE_SECONDS), crashed, killed (did not stop "
         "when interrupted), flooded (stopped for sending more than 64 MiB outside its calls within "
-        "10 s), restarted, rehomed (the session moved to another replica)."
+        "10 s), restarted, rehomed (the session moved to another replica), evicted (stopped, "
+        "idle, to make room for another session's interpreter at the token's limit)."
     )
 
 
@@ -77,9 +80,10 @@ class RestartResult(BaseModel):
 
 
 def _content(result: dict[str, Any]) -> list[Any]:
-    """MCP content for a run_code result: the text output and error, text results, images."""
+    """MCP content for a run_code result: the text output and error, text results, images, and
+    for a call that has not ended, its execution_id and what to do next."""
     text = "".join(
-        e.get("data", "") for e in result.get("events", []) if e["type"] in ("stdout", "stderr")
+        e.get("data", "") for e in result.get("output", []) if e["type"] in ("stdout", "stderr")
     )
     blocks: list[Any] = []
     images: list[Any] = []
@@ -104,6 +108,8 @@ def _content(result: dict[str, Any]) -> list[Any]:
     summary = "\n".join(p for p in parts if p) or f"[{result.get('status')}]"
     if len(summary) > TEXT_PREVIEW_CHARS:
         summary = summary[:TEXT_PREVIEW_CHARS] + f"… [{len(summary) - TEXT_PREVIEW_CHARS} more]"
+    if result.get("message"):
+        summary = f"{summary}\n[{result['message']}]" if parts else f"[{result['message']}]"
     blocks.append(TextContent(type="text", text=summary))
     return blocks + images
 
@@ -113,11 +119,13 @@ async def _run_code(
 ) -> ToolResult:
     """run_code(_async): the session-bound `run_code` operation, on the session's home."""
     owner = owner_of(ctx, session)
-    progress = _progress_sink(ctx) if args["wait"] else None
-    result = await call(lambda: get_router().run(owner, "run_code", args, progress), tool)
-    structured = RunCodeResult.model_validate(result).model_dump(mode="json")
-    content = [*_content(result), *resource_links(owner, result.get("files"))]
-    return ToolResult(content=content, structured_content=structured)
+    async with progress_of(ctx, args["wait"]) as progress:
+        sink = progress.report if progress is not None else None
+        result = await call(lambda: get_router().run(owner, "run_code", args, sink), tool)
+    structured = execution_result(owner, result, RunCodeResult)
+    blocks = _content(structured)
+    links = resource_links(owner, result.get("files"))
+    return reply(structured, [*blocks[1:], *links], text=blocks[0].text)
 
 
 def register_interpreter_tools(mcp: FastMCP) -> None:
@@ -130,9 +138,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
         code: CodeArg,
         language: LanguageArg = "python",
         timeout_seconds: TimeoutArg = None,
-        wait_for_completion: Annotated[
-            bool, Field(description="Wait for the end (up to the timeout) and return the output.")
-        ] = True,
+        wait_for_completion: WaitArg = True,
         environment: EnvironmentArg = None,
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 from urllib.parse import quote
 
-from mcp.types import ResourceLink, TextContent
+from mcp.types import ResourceLink
 
 from sandbox_runtime.execution.execution import Owner
 from sandbox_runtime.files.operations import mime_type_of
@@ -35,9 +34,3 @@ def resource_links(owner: Owner, files: list[dict[str, Any]] | None) -> list[Res
         )
         for f in files or []
     ]
-
-
-def json_text(structured: dict[str, Any]) -> TextContent:
-    """A tool's structured result as its text content (what clients without structured
-    content show)."""
-    return TextContent(type="text", text=json.dumps(structured, ensure_ascii=False))

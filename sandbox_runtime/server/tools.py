@@ -1,29 +1,36 @@
-"""The MCP tools: thin: validate, call the ExecutionManager, shape a structured result."""
+"""The MCP tools: thin: validate, call the ExecutionManager, shape a structured result.
+
+The seven execution tools keep srt-mcp-server 0.2's wire contract (names, parameters, `output`
+events with string `event_id` and `ts`, `success` / `was_running`, its status fields, JSON error
+bodies); what this server adds are added fields.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import re
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any, TypeVar
 
 from fastmcp import Context, FastMCP
-from fastmcp.exceptions import ToolError
 from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
 from fastmcp.tools.base import ToolResult
 from loguru import logger
-from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import BaseModel, Field
 
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.execution import Owner
 from sandbox_runtime.execution.manager import get_manager
-from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus
-from sandbox_runtime.server.resources import json_text, resource_links
+from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, shown_id
+from sandbox_runtime.server.replies import ToolFailure, reply
+from sandbox_runtime.server.resources import resource_links
+from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
 from sandbox_runtime.server.session_path import SCOPE_KEY
 from sandbox_runtime.sessions.models import SessionReset
-from sandbox_runtime.sessions.operations import Progress, result_fields
+from sandbox_runtime.sessions.operations import result_fields
 from sandbox_runtime.sessions.router import get_router
 
 # Used with fullmatch: `$` would also accept a trailing newline ("evil\n").
@@ -40,31 +47,26 @@ T = TypeVar("T")
 SessionArg = Annotated[
     str | None,
     Field(
-        description="Explicit session name. Executions belong to (token, session); name one to "
-        "keep executions across reconnects. Default: the MCP transport session, else 'default'."
+        description="Session to run in (its workspace, interpreters, executions); omitted: "
+        "'default'. Name one to keep work apart from other agents of the same token."
     ),
 ]
-
-
 CommandArg = Annotated[
     str | list[str], Field(description="Shell command (run by /bin/sh -c) or an argv list.")
 ]
 TimeoutArg = Annotated[
     float | None,
-    Field(description="Wall-clock limit, s; the server sets the default and maximum."),
+    Field(description="Wall-clock limit in seconds; the server sets the default and maximum."),
 ]
 InteractiveArg = Annotated[bool, Field(description="Keep stdin open for send_stdin.")]
 WorkdirArg = Annotated[
     str | None, Field(description="Directory inside the sandbox, under /workspace or /tmp.")
 ]
-EnvironmentArg = Annotated[dict[str, str] | None, Field(description="Extra environment variables.")]
-SandboxConfigArg = Annotated[
-    dict[str, Any] | None,
-    Field(
-        description="Tighter limits: memory_mb, pids, cpu_cores, cpu_time_seconds, "
-        "file_size_mb, tmp_size_mb, open_files, output_bytes; pseudo_terminals: false. "
-        "Never looser."
-    ),
+WaitArg = Annotated[
+    bool, Field(description="Wait for the end (up to the timeout) and return the output.")
+]
+ExecutionIdArg = Annotated[
+    str, Field(description="The execution_id that execute_code or run_code returned.")
 ]
 
 
@@ -77,13 +79,23 @@ class ExecutionResult(BaseModel):
     execution_id: str
     status: ExecutionStatus
     exit_code: int | None = None
+    output: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Events in order: each has event_id, type, ts and its type's fields "
+        "(stdout/stderr: data; exit: code, duration_ms; error: message; ...).",
+    )
+    next_cursor: str = Field(
+        "0", description="The event_id to pass as last_event_id to read what follows."
+    )
+    has_more: bool = Field(False, description="More events exist past this reply's.")
+    session: str = Field("default", description="The session the call ran in.")
     signal: str | None = None
     reason: str | None = None
     error: str | None = None
     duration_ms: int | None = None
-    events: list[dict[str, Any]] = Field(default_factory=list)
-    next_cursor: int = 0
-    has_more: bool = False
+    message: str | None = Field(
+        None, description="What to do next, when the call returned before the end."
+    )
     session_reset: SessionReset | None = Field(
         None,
         description="Set when this call found the session's state gone (its home replica "
@@ -97,12 +109,14 @@ class ExecutionResult(BaseModel):
 
 
 class OutputResult(ExecutionResult):
-    next_event_id: str = "0"
-    first_available_seq: int = 1
+    first_event_id: str = Field(
+        "1", description="The oldest event still kept (older ones were dropped by retention)."
+    )
     dropped_bytes: int = 0
 
 
 class StdinResult(BaseModel):
+    success: bool = True
     execution_id: str
     status: ExecutionStatus
     bytes_written: int
@@ -110,54 +124,77 @@ class StdinResult(BaseModel):
 
 
 class CancelResult(BaseModel):
+    success: bool = True
+    was_running: bool = Field(description="False: it had already ended.")
     execution_id: str
     status: ExecutionStatus
     exit_code: int | None = None
     signal: str | None = None
-    already_finished: bool = False
+
+
+class StatusResult(BaseModel):
+    """An execution's metadata (0.2's fields first)."""
+
+    id: str
+    status: ExecutionStatus
+    command: str | list[str]
+    interactive: bool
+    started_at: float = Field(description="When it was created (seconds since the epoch).")
+    completed_at: float | None = None
+    exit_code: int | None = None
+    error_message: str | None = None
+    session: str
+    language: str | None = None
+    working_directory: str
+    timeout_seconds: float
+    limits: dict[str, Any] = Field(default_factory=dict)
+    signal: str | None = None
+    reason: str | None = None
+    duration_ms: int | None = None
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    dropped_bytes: int = 0
+    last_event_id: str = Field("0", description="The newest event's id.")
+    stdin_open: bool = False
+    execution_count: int | None = None
+    replica_id: str
 
 
 class ExecutionList(BaseModel):
-    executions: list[ExecutionInfo]
-    count: int
+    result: list[StatusResult] = Field(description="The executions, newest first.")
     truncated: bool = Field(
         False, description="The list was cut short to keep the reply small: lower `limit`."
     )
 
 
+def session_name(owner: Owner) -> str:
+    """The session as callers name it."""
+    session = owner.session_id
+    return session[2:] if session.startswith("s:") else session
+
+
 def _owner_of(ctx: Context, session: str | None) -> Owner:
-    """The caller's owner key: the token's principal and the session it names or is in."""
+    """The caller's owner key: the token's principal and the session it names, else `default`
+    (in both protocol eras: a client that opens a transport session per call keeps its state)."""
     token = get_access_token()
     principal = token.client_id if token is not None else ANONYMOUS
     if session is not None:
         if not isinstance(session, str) or not SESSION_RE.fullmatch(session):
-            raise ToolError(
+            raise ToolFailure(
                 "session must be 1-128 characters of letters, digits and ._:@- (not only dots)"
             )
-    transport_session: str | None = None
     with contextlib.suppress(RuntimeError):
-        request = get_http_request()
-        bound = request.scope.get(SCOPE_KEY)
+        bound = get_http_request().scope.get(SCOPE_KEY)
         if bound is not None:  # /s/{session}/mcp
             if session is not None and session != bound:
-                raise ToolError(
+                raise ToolFailure(
                     f"this endpoint is bound to session {bound!r}; the session argument "
                     f"{session!r} disagrees (drop it, or use /s/{session}/mcp)"
                 )
-            return Owner(principal, f"s:{bound}")
-        if session is not None:
-            return Owner(principal, f"s:{session}")
-        headers = request.headers
-        # Only the legacy era has transport sessions. Decide the era as the SDK routes requests,
-        # so that a 2026-07-28 request cannot borrow a legacy session's id.
-        version = headers.get("mcp-protocol-version")
-        if version is None or version in HANDSHAKE_PROTOCOL_VERSIONS:
-            transport_session = headers.get("mcp-session-id")
-    if session is not None:
-        return Owner(principal, f"s:{session}")
-    if transport_session:
-        return Owner(principal, f"t:{transport_session}")
-    return Owner(principal, DEFAULT_SESSION)
+            session = bound
+    if session is None or session == DEFAULT_SESSION:
+        return Owner(principal, DEFAULT_SESSION)
+    return Owner(principal, f"s:{session}")
 
 
 def owner_of(ctx: Context, session: str | None) -> Owner:
@@ -206,22 +243,74 @@ async def call(op: Callable[[], Awaitable[T]], tool: str, count: bool = True) ->
             kind = ERROR_KINDS.get(type(exc).__name__, "error")
             metrics.tool_errors.labels(tool, kind).inc()
             logger.info("tool {} refused: {}: {}", tool, type(exc).__name__, exc)
-            raise ToolError(str(exc)) from None
+            raise ToolFailure(str(exc), kind) from None
 
 
-def _progress_sink(ctx: Context) -> Progress | None:
-    """Where a waiting call's output goes: MCP progress notifications, if the caller asked
-    for them (sent a progressToken). Without one, report_progress would send nothing: None
-    spares the streaming altogether."""
+class CallProgress:
+    """MCP progress notifications for one waiting call: its output as it comes, and a beat
+    every `interval` seconds when there is none, so that a client that resets its request
+    timeout on progress survives a program that prints nothing. The progress value counts the
+    notifications (the protocol wants it to increase)."""
+
+    def __init__(self, ctx: Context, interval: float) -> None:
+        self.ctx = ctx
+        self.interval = interval
+        self.sent = 0
+        self.last = time.monotonic()
+        self.began = self.last
+
+    async def report(self, _seq: int, text: str) -> None:
+        await self._send(text)
+
+    async def _send(self, text: str) -> None:
+        self.sent += 1
+        self.last = time.monotonic()
+        with contextlib.suppress(Exception):  # a caller that went away must not stop the wait
+            await self.ctx.report_progress(self.sent, None, text)
+
+    async def beat(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self.last + self.interval - time.monotonic()))
+            if time.monotonic() - self.last >= self.interval:
+                await self._send(f"waiting: {time.monotonic() - self.began:.0f} s")
+
+
+@contextlib.asynccontextmanager
+async def progress_of(ctx: Context, waits: bool) -> AsyncIterator[CallProgress | None]:
+    """The progress sink of a call that `waits`, if the caller asked for progress (sent a
+    progressToken); None otherwise (report_progress would send nothing: spare the work)."""
     rc = ctx.request_context
     meta = rc.meta if rc is not None else None
-    if meta is None or meta.get("progressToken") is None:
+    if not waits or meta is None or meta.get("progressToken") is None:
+        yield None
+        return
+    progress = CallProgress(ctx, get_manager().settings.progress_interval)
+    beat = asyncio.get_running_loop().create_task(progress.beat())
+    try:
+        yield progress
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+
+
+def unfinished_message(result: dict[str, Any]) -> str | None:
+    """What a caller does with a result that came back before its execution ended."""
+    if ExecutionStatus(result["status"]).finished:
         return None
+    return (
+        f"Execution {result['execution_id']} is {result['status']}. Read its output with "
+        f"get_execution_output(execution_id={result['execution_id']!r}, "
+        f"last_event_id={result.get('next_cursor', '0')!r}, wait=true)."
+    )
 
-    async def report(seq: int, text: str) -> None:
-        await ctx.report_progress(seq, None, text)
 
-    return report
+def execution_result(owner: Owner, result: dict[str, Any], model: type[ExecutionResult]) -> dict:
+    """A session operation's result as the tool's structured result."""
+    shaped = model.model_validate(
+        {**result, "session": session_name(owner), "message": unfinished_message(result)}
+    )
+    return shaped.model_dump(mode="json")
 
 
 async def execute(
@@ -229,12 +318,12 @@ async def execute(
 ) -> ToolResult:
     """execute_code(_async): the session-bound `execute` operation, on the session's home."""
     owner = owner_of(ctx, session)
-    progress = _progress_sink(ctx) if wait else None
     args = {"request": request, "wait": wait}
-    result = await call(lambda: get_router().run(owner, "execute", args, progress), tool)
-    structured = ExecutionResult.model_validate(result).model_dump(mode="json")
-    content = [json_text(structured), *resource_links(owner, result.get("files"))]
-    return ToolResult(content=content, structured_content=structured)
+    async with progress_of(ctx, wait) as progress:
+        sink = progress.report if progress is not None else None
+        result = await call(lambda: get_router().run(owner, "execute", args, sink), tool)
+    structured = execution_result(owner, result, ExecutionResult)
+    return reply(structured, resource_links(owner, result.get("files")))
 
 
 def register_tools(mcp: FastMCP) -> None:
@@ -251,9 +340,7 @@ def register_tools(mcp: FastMCP) -> None:
         working_directory: WorkdirArg = None,
         environment: EnvironmentArg = None,
         sandbox_config: SandboxConfigArg = None,
-        wait_for_completion: Annotated[
-            bool, Field(description="Wait for the end (up to the timeout) and return the output.")
-        ] = True,
+        wait_for_completion: WaitArg = True,
         session: SessionArg = None,
     ) -> ToolResult:
         """Run a command in a fresh sandbox; by default wait for it and return its output."""
@@ -289,131 +376,180 @@ def register_tools(mcp: FastMCP) -> None:
         }
         return await execute(ctx, session, request, False, "execute_code_async")
 
-    @mcp.tool
+    @mcp.tool(output_schema=OutputResult.model_json_schema())
     async def get_execution_output(
         ctx: Context,
-        execution_id: str,
+        execution_id: ExecutionIdArg,
         wait: Annotated[
             bool, Field(description="Long-poll: block until new output or the end (bounded).")
         ] = False,
         last_event_id: Annotated[
-            str | int | None, Field(description="Return events after this event id (cursor).")
+            str | None,
+            Field(description="Only events after this event_id (a previous next_cursor)."),
         ] = None,
-        after: Annotated[int | None, Field(description="Same as last_event_id, as a seq.")] = None,
-        limit: Annotated[int, Field(description="Most events to return (<= 1000).")] = 1000,
+        limit: Annotated[int, Field(description="Most events to return (at most 1000).")] = 1000,
         wait_seconds: Annotated[
             float | None, Field(description="How long `wait` may block; capped by the server.")
         ] = None,
         session: SessionArg = None,
-    ) -> OutputResult:
+    ) -> ToolResult:
         """Output events after a cursor. Reading never consumes: any number of readers."""
         manager = get_manager()
         owner = owner_of(ctx, session)
-        cursor = _cursor(last_event_id, after)
+        cursor = _cursor(last_event_id)
+        if cursor is None:  # names no event: but an unknown execution is the first problem
+            await call(
+                lambda: get_router().executions.status(owner, execution_id), "get_execution_output"
+            )
+            raise _event_not_found(last_event_id)
         wait_for = 0.0
         if wait:
             wait_for = manager.settings.max_wait if wait_seconds is None else wait_seconds
             if wait_for < 0:
-                raise ToolError("wait_seconds must not be negative")
-        page = await call(
-            lambda: get_router().executions.read_output(
-                owner, execution_id, cursor, limit, wait_for
-            ),
-            "get_execution_output",
-        )
-        events = [e.wire() for e in page.events]
+                raise ToolFailure("wait_seconds must not be negative")
+        async with progress_of(ctx, wait_for > 0):
+            page = await call(
+                lambda: get_router().executions.read_output(
+                    owner, execution_id, cursor, limit, wait_for
+                ),
+                "get_execution_output",
+            )
+        if cursor > page.info.last_seq or 0 < cursor < page.first_available - 1:
+            raise _event_not_found(last_event_id)
+        events = [e.public() for e in page.events]
         base = result_fields(page.info, events, page.next_cursor, page.has_more)
-        return OutputResult(
-            **base,
-            next_event_id=str(page.next_cursor),
-            first_available_seq=page.first_available,
-            dropped_bytes=page.info.dropped_bytes,
+        structured = execution_result(
+            owner,
+            {
+                **base,
+                "first_event_id": str(page.first_available),
+                "dropped_bytes": page.info.dropped_bytes,
+            },
+            OutputResult,
         )
+        return reply(structured)
 
     @mcp.tool
     async def send_stdin(
         ctx: Context,
-        execution_id: str,
-        input_data: str,
-        close_stdin: bool = False,
+        execution_id: ExecutionIdArg,
+        input_data: Annotated[
+            str,
+            Field(description="Text to write; a newline is added if it does not end in one."),
+        ],
+        close_stdin: Annotated[
+            bool, Field(description="Close stdin after writing (the program sees EOF).")
+        ] = False,
+        append_newline: Annotated[
+            bool, Field(description="false: write input_data exactly as given.")
+        ] = True,
         session: SessionArg = None,
-    ) -> StdinResult:
-        """Write to the stdin of an interactive execution; optionally close it afterwards."""
+    ) -> ToolResult:
+        """Write to the stdin of an interactive execution (or answer input() in run_code)."""
         owner = owner_of(ctx, session)
+        data = input_data
+        if append_newline and isinstance(data, str) and data and not data.endswith("\n"):
+            data += "\n"
         written, info = await call(
-            lambda: get_router().executions.send_stdin(
-                owner, execution_id, input_data, close_stdin
-            ),
+            lambda: get_router().executions.send_stdin(owner, execution_id, data, close_stdin),
             "send_stdin",
         )
-        return StdinResult(
+        result = StdinResult(
             execution_id=execution_id,
             status=info.status,
             bytes_written=written,
             stdin_open=info.stdin_open,
         )
+        return reply(result.model_dump(mode="json"))
 
     @mcp.tool
     async def cancel_execution(
         ctx: Context,
-        execution_id: str,
+        execution_id: ExecutionIdArg,
         force: Annotated[
             bool, Field(description="SIGKILL at once, without SIGTERM first.")
         ] = False,
         session: SessionArg = None,
-    ) -> CancelResult:
+    ) -> ToolResult:
         """Stop an execution and its whole process tree. Idempotent."""
         owner = owner_of(ctx, session)
         was_finished, info = await call(
             lambda: get_router().executions.cancel(owner, execution_id, force), "cancel_execution"
         )
-        return CancelResult(
+        result = CancelResult(
+            was_running=not was_finished,
             execution_id=execution_id,
             status=info.status,
             exit_code=info.exit_code,
             signal=info.signal,
-            already_finished=was_finished,
         )
+        return reply(result.model_dump(mode="json"))
 
     @mcp.tool
     async def get_execution_status(
-        ctx: Context, execution_id: str, session: SessionArg = None
-    ) -> ExecutionInfo:
+        ctx: Context, execution_id: ExecutionIdArg, session: SessionArg = None
+    ) -> ToolResult:
         """An execution's metadata: status, exit code, limits, timestamps, output counters."""
         owner = owner_of(ctx, session)
         info = await call(
             lambda: get_router().executions.status(owner, execution_id), "get_execution_status"
         )
-        return _brief(info)
+        return reply(status_of(info).model_dump(mode="json"))
 
-    @mcp.tool
+    @mcp.tool(output_schema={**ExecutionList.model_json_schema(), "x-fastmcp-wrap-result": True})
     async def list_executions(
         ctx: Context,
         status: Annotated[
             str | None, Field(description="Only executions with this status.")
         ] = None,
-        limit: Annotated[int, Field(description="Most executions to return (<= 1000).")] = 100,
+        limit: Annotated[int, Field(description="Most executions to return (at most 1000).")] = 100,
         session: SessionArg = None,
-    ) -> ExecutionList:
+    ) -> ToolResult:
         """The caller's executions in this session, newest first."""
         owner = owner_of(ctx, session)
         infos = await call(
             lambda: get_router().executions.list(owner, status, limit), "list_executions"
         )
-        shown: list[ExecutionInfo] = []
+        shown: list[dict[str, Any]] = []
         size = 0
-        for info in map(_brief, infos):
-            size += len(info.model_dump_json())
+        for info in infos:
+            item = status_of(info).model_dump(mode="json")
+            size += len(str(item))
             if shown and size > LIST_MAX_BYTES:
                 break
-            shown.append(info)
-        return ExecutionList(executions=shown, count=len(shown), truncated=len(shown) < len(infos))
+            shown.append(item)
+        structured = {"result": shown, "truncated": len(shown) < len(infos)}
+        return reply(structured, items=shown)
 
 
-def _brief(info: ExecutionInfo) -> ExecutionInfo:
-    """`info` with a long command shortened to a preview."""
-    command = _preview(info.command, COMMAND_PREVIEW_CHARS)
-    return info if command is info.command else info.model_copy(update={"command": command})
+def status_of(info: ExecutionInfo) -> StatusResult:
+    """An execution's metadata as get_execution_status shows it (long commands shortened)."""
+    session = info.session_id
+    return StatusResult(
+        id=info.execution_id,
+        status=info.status,
+        command=_preview(info.command, COMMAND_PREVIEW_CHARS),
+        interactive=info.interactive,
+        started_at=info.started_at or info.created_at,
+        completed_at=info.finished_at,
+        exit_code=info.exit_code,
+        error_message=info.error,
+        session=session[2:] if session.startswith("s:") else session,
+        language=info.language,
+        working_directory=info.working_directory,
+        timeout_seconds=info.timeout_seconds,
+        limits=info.limits,
+        signal=info.signal,
+        reason=info.reason,
+        duration_ms=info.duration_ms,
+        stdout_bytes=info.stdout_bytes,
+        stderr_bytes=info.stderr_bytes,
+        dropped_bytes=info.dropped_bytes,
+        last_event_id=str(info.last_seq),
+        stdin_open=info.stdin_open,
+        execution_count=info.execution_count,
+        replica_id=info.replica_id,
+    )
 
 
 def _preview(command: str | list[str], budget: int) -> str | list[str]:
@@ -438,18 +574,18 @@ def _clip(text: str, budget: int) -> str:
     return f"{text[:budget]}… [{len(text) - budget} more characters]"
 
 
-def _cursor(last_event_id: str | int | None, after: int | None) -> int:
-    values = []
-    for name, value in (("last_event_id", last_event_id), ("after", after)):
-        if value is None or value == "":
-            continue
-        try:
-            number = int(value)
-        except (TypeError, ValueError):
-            raise ToolError(f"{name} must be an event id (an integer), got {value!r}") from None
-        if number < 0:
-            raise ToolError(f"{name} must be >= 0")
-        values.append(number)
-    if len(values) == 2 and values[0] != values[1]:
-        raise ToolError("last_event_id and after disagree; send one of them")
-    return values[0] if values else 0
+def _cursor(last_event_id: str | None) -> int | None:
+    """The seq after which to read: an event id is its seq's decimal form; None or "" is the
+    start. None: the id names no event (0.2 answered "not found" for ids it did not have)."""
+    if last_event_id is None or last_event_id == "":
+        return 0
+    text = last_event_id.strip() if isinstance(last_event_id, str) else ""
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        return None
+    return int(text)
+
+
+def _event_not_found(last_event_id: str | None) -> ToolFailure:
+    return ToolFailure(
+        f"Event ID {shown_id(last_event_id)} not found (may have been evicted)", "not_found"
+    )

@@ -51,8 +51,8 @@ def result_fields(
         "reason": info.reason,
         "error": info.error,
         "duration_ms": info.duration_ms,
-        "events": events,
-        "next_cursor": cursor,
+        "output": events,
+        "next_cursor": str(cursor),
         "has_more": more,
     }
 
@@ -75,7 +75,7 @@ async def execute(
         return result_fields(execution.info, [], 0, execution.info.last_seq > 0)
     await wait_for_end(execution, progress)
     page = await manager.read_output(owner, execution.execution_id, 0)
-    events = [e.wire() for e in page.events]
+    events = [e.public() for e in page.events]
     result = result_fields(page.info, events, page.next_cursor, page.has_more)
     result["files"] = await changed_files(manager, owner, since)
     return result
@@ -157,7 +157,7 @@ def call_result(execution: Execution) -> dict[str, Any]:
     size = 0
     more = False
     for event in execution.events:
-        wire = event.wire()
+        wire = event.public()
         if event.type == "result":
             bundle = wire.pop("bundle", {}) or {}
             cost = sum(len(v) if isinstance(v, str) else 256 for v in bundle.values())
@@ -178,7 +178,7 @@ def call_result(execution: Execution) -> dict[str, Any]:
             break
         events.append(wire)
     info = execution.info
-    next_cursor = events[-1]["seq"] if events else 0
+    next_cursor = int(events[-1]["event_id"]) if events else 0
     return {
         **result_fields(info, events, next_cursor, more),
         "results": results,

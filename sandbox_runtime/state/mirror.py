@@ -172,7 +172,7 @@ class Mirror:
             if snap.events:
                 self._written_seq[execution_id] = snap.events[-1].seq
                 for event in snap.events:
-                    lag = now - event.timestamp
+                    lag = now - event.ts
                     self.lag_samples.append(lag)
                     if self.observe_lag is not None:
                         self.observe_lag(lag)

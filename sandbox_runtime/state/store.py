@@ -114,7 +114,7 @@ class StateStore(Protocol):
 
 
 def lost_event(seq: int, now: float) -> OutputEvent:
-    return OutputEvent(seq=seq, type=EventType.ERROR, timestamp=now, message=LOST_MESSAGE)
+    return OutputEvent(seq=seq, type=EventType.ERROR, ts=now, message=LOST_MESSAGE)
 
 
 def incarnation_gone(info: ExecutionInfo, beat: dict[str, Any] | None) -> bool:

@@ -110,14 +110,14 @@ async function run() {
 // Stream an execution's events into the output until it ends (long-polls get_execution_output).
 async function follow(executionId, shell = false) {
   const serial = ++followSerial;
-  current = { id: executionId, cursor: 0, awaitingInput: false, shell };
+  current = { id: executionId, cursor: "0", awaitingInput: false, shell };
   setRunning(true);
   for (;;) {
     let page;
     try {
       page = await client.call("get_execution_output", {
         execution_id: executionId,
-        after: current.cursor,
+        last_event_id: current.cursor,
         wait: true,
         wait_seconds: 15,
         session,
@@ -128,7 +128,7 @@ async function follow(executionId, shell = false) {
       break;
     }
     if (serial !== followSerial) return; // another run or a reopened execution took over
-    for (const event of page.events || []) render(event);
+    for (const event of page.output || []) render(event);
     current.cursor = page.next_cursor ?? current.cursor;
     if (FINISHED.has(page.status) && !page.has_more) {
       finish(page);
@@ -276,7 +276,7 @@ $("close-stdin").addEventListener("click", async () => {
   const text = $("stdin").value;
   $("stdin").value = "";
   try {
-    await client.call("send_stdin", { execution_id: current.id, input_data: text, close_stdin: true, session });
+    await client.call("send_stdin", { execution_id: current.id, input_data: text, close_stdin: true, append_newline: false, session });
     $("close-stdin").disabled = true;
   } catch (error) {
     appendText("out-error", `${error.message}\n`);
@@ -288,12 +288,12 @@ $("close-stdin").addEventListener("click", async () => {
 async function refreshExecutions() {
   if (!client) return;
   const listed = await client.call("list_executions", { limit: 30, session });
-  const items = listed.executions || [];
+  const items = listed.result || [];
   const list = $("executions");
   list.replaceChildren(
     ...items.map((info) => {
       const li = document.createElement("li");
-      li.dataset.executionId = info.execution_id;
+      li.dataset.executionId = info.id;
       li.dataset.status = info.status;
       const badge = document.createElement("span");
       badge.className = "badge";
@@ -311,7 +311,7 @@ async function refreshExecutions() {
       reopen.type = "button";
       reopen.className = "reopen";
       reopen.textContent = "Open";
-      reopen.setAttribute("aria-label", `Open the output of ${info.execution_id}`);
+      reopen.setAttribute("aria-label", `Open the output of ${info.id}`);
       reopen.addEventListener("click", (event) => {
         event.stopPropagation();
         reopenExecution(info);
@@ -325,7 +325,7 @@ async function refreshExecutions() {
 
 async function reopenExecution(info) {
   clearOutput();
-  await follow(info.execution_id, !info.language && info.interactive);
+  await follow(info.id, !info.language && info.interactive);
 }
 
 // -- files --------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ export class McpClient {
   async call(tool, args) {
     const result = await this.request("tools/call", { name: tool, arguments: args }, tool);
     const text = (result.content || []).filter((c) => c.type === "text").map((c) => c.text).join("\n");
-    if (result.isError) throw new ToolError(text || `${tool} failed`);
+    if (result.isError) throw new ToolError(result.structuredContent?.error || text || `${tool} failed`);
     if (result.structuredContent) return result.structuredContent;
     try {
       return JSON.parse(text);

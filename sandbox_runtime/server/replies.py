@@ -1,0 +1,161 @@
+"""How tool results look on the wire, in both protocol eras, successes and errors alike.
+
+srt-mcp-server 0.2's clients read the JSON of every text block of a result (the legacy era is the
+one they speak), so there every text block is the result's JSON. A 2026-07-28 client gets the
+structured result and one text block a model can act on. A failure is a result with `isError`
+and a JSON body whose `error` is one line, in both eras: never an exception's dump.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+from fastmcp.exceptions import ToolError, ValidationError
+from fastmcp.server.dependencies import get_http_request
+from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
+from fastmcp.tools.base import ToolResult
+from loguru import logger
+from mcp import types as mt
+from mcp.types import TextContent
+from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
+from pydantic import ValidationError as PydanticValidationError
+
+
+class ToolFailure(ToolError):
+    """A refused call: `message` is one line for the caller; `kind` its error_type."""
+
+    def __init__(self, message: str, kind: str = "invalid", **fields: Any) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.fields = fields
+
+
+# What 0.2's answers to a failed call carried besides `error` (its clients read them).
+ERROR_FIELDS: dict[str, dict[str, Any]] = {
+    "execute_code": {"status": "failed"},
+    "execute_code_async": {"status": "failed"},
+    "get_execution_output": {"output": []},
+    "send_stdin": {"success": False},
+    "cancel_execution": {"success": False},
+}
+
+
+def legacy_era() -> bool:
+    """Whether this request speaks the 2025 (session) era: no protocol header (before
+    2025-06-18) or a version negotiated by `initialize`. Outside a request: False."""
+    with contextlib.suppress(RuntimeError):
+        version = get_http_request().headers.get("mcp-protocol-version")
+        return version is None or version in HANDSHAKE_PROTOCOL_VERSIONS
+    return False
+
+
+def as_json(value: Any) -> TextContent:
+    return TextContent(type="text", text=json.dumps(value, ensure_ascii=False))
+
+
+def reply(
+    structured: dict[str, Any],
+    extra: list[Any] | None = None,
+    text: str | None = None,
+    items: list[Any] | None = None,
+) -> ToolResult:
+    """A successful result: `structured`, plus content for clients that read only content.
+
+    Legacy era: the JSON of the result (of each of `items`, when the result is a list, as 0.2
+    sent lists), then `extra` blocks that are not text (images, resource links). 2026 era: one
+    text block (`text`, else the JSON), then `extra`.
+    """
+    blocks = [b for b in extra or [] if not isinstance(b, TextContent)]
+    if legacy_era():
+        head = [as_json(i) for i in items] if items is not None else [as_json(structured)]
+    elif text is not None:
+        head = [TextContent(type="text", text=text)]
+    else:
+        head = [as_json(items if items is not None else structured)]
+    return ToolResult(content=[*head, *blocks], structured_content=structured)
+
+
+def error_reply(tool: str, message: str, kind: str, **fields: Any) -> ToolResult:
+    """A failed call as a result: `isError`, JSON `{"error": message, "error_type": kind, ...}`."""
+    body = {"error": message, "error_type": kind, **ERROR_FIELDS.get(tool, {}), **fields}
+    return ToolResult(content=[as_json(body)], structured_content=body, is_error=True)
+
+
+class ErrorResults(Middleware):
+    """Every refused tool call becomes an error result with a JSON body (see error_reply)."""
+
+    async def on_call_tool(
+        self,
+        context: MiddlewareContext[mt.CallToolRequestParams],
+        call_next: CallNext[mt.CallToolRequestParams, ToolResult],
+    ) -> ToolResult:
+        tool = context.message.name
+        try:
+            return await call_next(context)
+        except ValidationError as exc:
+            cause = exc.__cause__
+            if not isinstance(cause, PydanticValidationError):
+                return error_reply(tool, _line(str(exc)), "invalid_arguments")
+            known: list[str] = []
+            with contextlib.suppress(Exception):  # the names are a courtesy
+                server = context.fastmcp_context.fastmcp  # type: ignore[union-attr]
+                found = await server.get_tool(tool)
+                known = list(found.parameters.get("properties", {})) if found else []
+            return error_reply(tool, argument_problems(cause, tool, known), "invalid_arguments")
+        except ToolFailure as exc:
+            return error_reply(tool, _line(str(exc)), exc.kind, **exc.fields)
+        except ToolError as exc:
+            return error_reply(tool, _line(str(exc)), "error")
+
+
+def _line(text: str) -> str:
+    return " ".join(text.split())
+
+
+# What a type error says a value must be, by pydantic's error type (the rest: its own words).
+_MUST_BE = {
+    "string_type": "a string",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "a whole number",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "dict_type": "an object",
+    "list_type": "a list",
+    "model_type": "an object",
+}
+MAX_SHOWN = 60
+
+
+def argument_problems(error: PydanticValidationError, tool: str, known: list[str]) -> str:
+    """One line per bad argument, naming it and what it must be (no library dump, no URLs)."""
+    problems: dict[str, str] = {}
+    for item in error.errors(include_url=False):
+        loc = [str(p) for p in item.get("loc", ()) if not isinstance(p, int) or p >= 0]
+        name = ".".join(loc) or "arguments"
+        if name in problems or (loc and loc[0] in problems):
+            continue
+        kind = item.get("type", "")
+        if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+            takes = f" ({tool} takes {', '.join(known)})" if known else ""
+            problems[name] = f"unknown argument {name!r}{takes}"
+        elif kind == "missing":
+            problems[name] = f"{name} is required"
+        elif kind in _MUST_BE:
+            problems[name] = f"{name} must be {_MUST_BE[kind]}, got {_shown(item.get('input'))}"
+        else:
+            msg = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
+            problems[name] = f"{name}: {msg}"
+    if not problems:
+        logger.debug("validation error without details: {}", error)
+        return "invalid arguments"
+    return "; ".join(problems.values())
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} characters)"

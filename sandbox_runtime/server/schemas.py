@@ -1,0 +1,130 @@
+"""Tool schemas that every agent framework's converter takes.
+
+What the converters refuse (checked against their code): google-genai crashes on a root
+`additionalProperties: false`; OpenAI strict mode (openai-agents' convert_schemas_to_strict)
+needs every object closed with named properties, so an open dict (`{KEY: value}`) cannot be
+expressed and the tool falls back to non-strict or the field to `{}`; several converters drop
+`$ref`/`$defs`. So the schemas are self-contained, the root is left open, the sandbox config is
+an object with its fields named, and the environment is a list of `{name, value}` (an object of
+names to values is still accepted: 0.2's clients send one).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Annotated, Any
+
+from fastmcp import FastMCP
+from pydantic import BeforeValidator, Field, WithJsonSchema
+
+
+def _nullable(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    choices = schema["anyOf"] if set(schema) == {"anyOf"} else [schema]
+    return {"anyOf": [*choices, {"type": "null"}], "description": description}
+
+
+# The caller's limits, each at most the server's (sandbox.policy.SandboxLimits says what each is).
+SANDBOX_FIELDS: dict[str, dict[str, Any]] = {
+    "memory_mb": _nullable({"type": "integer"}, "Memory of the whole process tree, MiB."),
+    "pids": _nullable({"type": "integer"}, "Processes and threads alive at once."),
+    "cpu_cores": _nullable({"type": "number"}, "CPU bandwidth, in cores."),
+    "cpu_time_seconds": _nullable({"type": "integer"}, "CPU seconds per process."),
+    "file_size_mb": _nullable({"type": "integer"}, "Largest file a process may write, MiB."),
+    "tmp_size_mb": _nullable({"type": "integer"}, "Size of the private /tmp, MiB."),
+    "open_files": _nullable({"type": "integer"}, "Open file descriptors per process."),
+    "output_bytes": _nullable({"type": "integer"}, "stdout+stderr kept; the rest is dropped."),
+    "network": _nullable(
+        {"anyOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "string"}}]},
+        "false: no network; a list: only these names (within the server's allowlist).",
+    ),
+    "pseudo_terminals": _nullable({"type": "boolean"}, "false: no /dev/pts."),
+}
+SANDBOX_CONFIG_SCHEMA = _nullable(
+    {"type": "object", "properties": SANDBOX_FIELDS},
+    "Tighter limits than the server's (never looser); null or omitted fields keep the server's.",
+)
+
+
+ENVIRONMENT_SCHEMA = _nullable(
+    {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "value": {"type": "string"}},
+            "required": ["name", "value"],
+        },
+    },
+    "Extra environment variables as [{name, value}] (an object {NAME: value} works too).",
+)
+MAX_ENVIRONMENT = 1000
+
+
+def _environment(value: Any) -> Any:
+    """The environment as a dict, from either form (the dict is checked as such after this)."""
+    if not isinstance(value, list):
+        return value
+    if len(value) > MAX_ENVIRONMENT:
+        raise ValueError(f"more than {MAX_ENVIRONMENT} variables")
+    out: dict[str, str] = {}
+    for item in value:
+        if (
+            not isinstance(item, dict)
+            or set(item) != {"name", "value"}
+            or not all(isinstance(v, str) for v in item.values())
+        ):
+            raise ValueError('each variable must be {"name": string, "value": string}')
+        out[item["name"]] = item["value"]
+    return out
+
+
+def _sandbox_config(value: Any) -> dict[str, Any] | None:
+    """The caller's sandbox config without the fields it left null (strict-mode callers send
+    every field)."""
+    if not isinstance(value, dict):
+        return value
+    return {k: v for k, v in value.items() if v is not None}
+
+
+EnvironmentArg = Annotated[
+    dict[str, str] | None,
+    BeforeValidator(_environment),
+    WithJsonSchema(ENVIRONMENT_SCHEMA),
+    Field(description=ENVIRONMENT_SCHEMA["description"]),
+]
+SandboxConfigArg = Annotated[
+    dict[str, Any] | None,
+    BeforeValidator(_sandbox_config),
+    WithJsonSchema(SANDBOX_CONFIG_SCHEMA),
+    Field(description=SANDBOX_CONFIG_SCHEMA["description"]),
+]
+
+
+def portable(schema: dict[str, Any], root: bool = True) -> dict[str, Any]:
+    """`schema` self-contained (every `$ref` inlined, no `$defs`) and, at the root, open (no
+    `additionalProperties: false`). Our models are not recursive, so inlining ends."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/$defs/"):
+                target = walk(copy.deepcopy(defs[ref.removeprefix("#/$defs/")]))
+                rest = {k: walk(v) for k, v in node.items() if k != "$ref"}
+                return {**target, **rest}
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    out = walk(schema)
+    if root and out.get("additionalProperties") is False:
+        del out["additionalProperties"]
+    return out
+
+
+async def make_portable(mcp: FastMCP) -> None:
+    """Rewrite every tool's input and output schema with `portable` (once, at startup)."""
+    for tool in await mcp.list_tools(run_middleware=False):
+        tool.parameters = portable(tool.parameters)
+        if tool.output_schema is not None:
+            tool.output_schema = portable(tool.output_schema)

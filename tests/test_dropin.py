@@ -1,0 +1,229 @@
+"""What a client written for another server, or an agent framework, meets on its first calls:
+portable schemas, progress while a silent program runs, a cancelled wait that leaves the program
+running, sessions that survive a transport session per call, interpreters that make room at the
+token's limit, and a plain "invalid token".
+
+A real server and the official MCP client in both protocol eras.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+import pytest
+from mcp_harness import Mode, ServerProcess, open_client, running_server
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "dropin-token-1"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    with running_server(
+        tmp_path_factory.mktemp("dropin"),
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_MAX_INTERPRETERS_PER_PRINCIPAL="2",
+        SANDBOX_PROGRESS_INTERVAL="1",
+    ) as server:
+        yield server
+
+
+def _walk(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+    if isinstance(node, dict):
+        yield path, node
+        for key, value in node.items():
+            yield from _walk(value, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk(value, f"{path}/{i}")
+
+
+async def test_every_schema_is_self_contained_open_at_the_root_and_strict_convertible(
+    server: ServerProcess,
+) -> None:
+    async with open_client(server.url, TOKEN, "legacy") as conn:
+        tools = (await conn.client.list_tools()).tools
+    assert len(tools) >= 16
+    for tool in tools:
+        schema = tool.input_schema
+        assert tool.description, tool.name
+        assert "additionalProperties" not in schema, tool.name  # google-genai crashes on it
+        for path, node in _walk([schema, tool.output_schema or {}]):
+            assert "$ref" not in node and "$defs" not in node, (tool.name, path)
+        for name, prop in schema["properties"].items():
+            assert prop.get("description"), (tool.name, name)
+        # OpenAI strict mode: every object below the root names its properties and leaves no
+        # room for others (an open dict would be collapsed or refused).
+        for path, node in _walk(schema):
+            if node.get("type") == "object" and path:
+                assert node.get("properties"), (tool.name, path)
+                assert node.get("additionalProperties", False) is False, (tool.name, path)
+    execute = next(t for t in tools if t.name == "execute_code").input_schema["properties"]
+    config = next(c for c in execute["sandbox_config"]["anyOf"] if c.get("type") == "object")
+    assert {"memory_mb", "pids", "network"} <= set(config["properties"])
+    env = next(c for c in execute["environment"]["anyOf"] if c.get("type") == "array")
+    assert env["items"]["required"] == ["name", "value"]
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_strict_mode_arguments_reach_the_program(server: ServerProcess, mode: Mode) -> None:
+    """What a strict-mode model sends: every field, null where it means "unset"."""
+    config = {key: None for key in ("memory_mb", "pids", "cpu_cores", "network")}
+    async with open_client(server.url, TOKEN, mode) as conn:
+        result = await conn.ok(
+            "execute_code",
+            command="echo $GREETING $OTHER",
+            environment=[{"name": "GREETING", "value": "hi"}, {"name": "OTHER", "value": "x"}],
+            sandbox_config={**config, "memory_mb": 128},
+            timeout_seconds=None,
+            working_directory=None,
+            session=None,
+        )
+        assert _stdout(result) == "hi x\n"
+        status = await conn.ok("get_execution_status", execution_id=result["execution_id"])
+        assert status["limits"]["memory_mb"] == 128
+        # 0.2's form of the environment still works.
+        result = await conn.ok("execute_code", command="echo $A", environment={"A": "b"})
+        assert _stdout(result) == "b\n"
+        bad = await conn.error("execute_code", command="true", environment=[{"name": "A"}])
+        assert bad.startswith("environment"), bad
+
+
+def _stdout(result: dict[str, Any]) -> str:
+    return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_a_silent_wait_sends_progress_and_a_cancelled_wait_leaves_it_running(
+    server: ServerProcess, mode: Mode
+) -> None:
+    seen: list[tuple[float, float, str | None]] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        seen.append((time.monotonic(), value, message))
+
+    async with open_client(server.url, TOKEN, mode) as conn:
+        began = time.monotonic()
+        result = await conn.call("execute_code", progress, command="sleep 4; echo done")
+        assert not result.is_error and result.structured_content is not None
+        assert result.structured_content["status"] == "completed"
+        beats = [s for s in seen if s[0] - began < 3.9]
+        assert len(beats) >= 2, seen  # every second (SANDBOX_PROGRESS_INTERVAL=1) with no output
+        values = [s[1] for s in seen]
+        assert values == sorted(set(values)), values  # strictly increasing
+
+        seen.clear()
+        started = await conn.ok("run_code_async", code="import time; time.sleep(3)")
+        began = time.monotonic()
+        page = await conn.call(
+            "get_execution_output",
+            progress,
+            execution_id=started["execution_id"],
+            last_event_id="1",
+            wait=True,
+            wait_seconds=2.5,
+        )
+        assert not page.is_error
+        assert len([s for s in seen if s[0] - began < 2.5]) >= 1, seen
+
+        # The client gives up on a waiting call: the program runs on and can be read later.
+        apart = f"cancelled-wait-{uuid.uuid4().hex[:6]}"
+        waiting = asyncio.create_task(
+            conn.call("execute_code", command="sleep 2; echo survived", session=apart)
+        )
+        await asyncio.sleep(0.8)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        listed = await conn.ok("list_executions", session=apart)
+        (info,) = listed["result"]
+        assert info["status"] == "running"
+        page = await conn.ok(
+            "get_execution_output",
+            execution_id=info["id"],
+            session=apart,
+            wait=True,
+            last_event_id="1",
+        )
+        deadline = time.monotonic() + 10
+        while page["status"] == "running" and time.monotonic() < deadline:
+            page = await conn.ok(
+                "get_execution_output", execution_id=info["id"], session=apart, wait=True
+            )
+        assert page["status"] == "completed"
+        assert "survived\n" in _stdout(page)
+
+
+async def test_a_transport_session_per_call_keeps_state_and_holds_one_interpreter(
+    server: ServerProcess,
+) -> None:
+    """As langchain-mcp-adapters does by default: a new MCP session for every call."""
+    session = f"per-call-{uuid.uuid4().hex[:6]}"
+    for i, mode in enumerate(["legacy", "auto", "legacy", "legacy", "auto", "legacy"]):
+        async with open_client(server.url, TOKEN, mode) as conn:  # type: ignore[arg-type]
+            result = await conn.ok("run_code", code=f"n = {i} if {i} == 0 else n + 1; print(n)")
+            assert result["session"] == "default"
+            assert result["output"][-1]["type"] != "error"
+            assert _stdout(result) == f"{i}\n", result
+            if i == 0:
+                named = await conn.ok("run_code", code="n = 'mine'", session=session)
+                assert named["session"] == session
+    # Naming "default" is the same as naming none.
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        result = await conn.ok("run_code", code="print(n)", session="default")
+        assert _stdout(result) == "5\n"
+
+
+async def test_at_the_token_limit_the_least_recently_used_idle_interpreter_makes_room(
+    server: ServerProcess,
+) -> None:
+    tag = uuid.uuid4().hex[:6]
+    a, b, c = (f"{name}-{tag}" for name in "abc")
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        # The module's other tests may hold the default session's interpreter: start clean.
+        await conn.ok("restart_interpreter", session="default")
+        for session in (a, b):
+            await conn.ok("run_code", code="x = 1", session=session)
+        await conn.ok("run_code", code="x", session=a)  # b is now the least recently used
+        result = await conn.ok("run_code", code="x = 3", session=c)  # limit 2: b makes room
+        assert result["status"] == "completed"
+        again = await conn.ok("run_code", code="print('x' in dir())", session=b)
+        assert again["state_reset"] == {"reason": "evicted"}
+        assert _stdout(again) == "False\n"
+        # Both slots busy: the refusal names what holds them and how to free them.
+        busy = [
+            await conn.ok("run_code_async", code="import time; time.sleep(4)", session=s)
+            for s in (a, b)
+        ]
+        refused = await conn.error("run_code", code="1", session=c)
+        assert "maximum of 2 interpreters" in refused and a in refused and b in refused, refused
+        assert "cancel_execution" in refused
+        for started, session in zip(busy, (a, b), strict=True):
+            await conn.ok(
+                "cancel_execution",
+                execution_id=started["execution_id"],
+                force=True,
+                session=session,
+            )
+
+
+async def test_a_wrong_or_missing_token_says_so_in_plain_words(server: ServerProcess) -> None:
+    hello = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    headers = {"Accept": "application/json, text/event-stream"}
+    for token, word in (("Bearer nope", "invalid token"), (None, "missing token")):
+        sent = {**headers, **({"Authorization": token} if token else {})}
+        response = httpx2.post(server.url, json=hello, headers=sent, timeout=10)
+        assert response.status_code == 401
+        body = response.json()
+        assert body["error"] == word and word in body["error_description"]
+        challenge = response.headers["www-authenticate"]
+        assert challenge.startswith("Bearer ") and "resource_metadata" not in challenge
+        assert ("invalid_token" in challenge) == (token is not None)
+        assert "re-register" not in json.dumps(body)
