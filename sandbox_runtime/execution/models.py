@@ -71,7 +71,7 @@ class OutputEvent(BaseModel):
     seq: int
     event_id: str = ""
     type: EventType
-    # Seconds since the epoch. (Stored as `timestamp` before 0.3: still read.)
+    # Seconds since the epoch. (Earlier versions stored it as `timestamp`: still read.)
     ts: float = Field(validation_alias=AliasChoices("ts", "timestamp"))
     data: str | None = None
     code: int | None = None

@@ -13,7 +13,7 @@ import contextvars
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from fastmcp import Context, FastMCP
 from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.execution import Owner
-from sandbox_runtime.execution.manager import get_manager
+from sandbox_runtime.execution.manager import OutputPage, get_manager
 from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, shown_id
 from sandbox_runtime.server.replies import ToolFailure, reply
 from sandbox_runtime.server.resources import resource_links
@@ -381,7 +381,8 @@ def register_tools(mcp: FastMCP) -> None:
         ctx: Context,
         execution_id: ExecutionIdArg,
         wait: Annotated[
-            bool, Field(description="Long-poll: block until new output or the end (bounded).")
+            bool,
+            Field(description="Block until the execution ends (bounded by wait_seconds)."),
         ] = False,
         last_event_id: Annotated[
             str | None,
@@ -389,8 +390,13 @@ def register_tools(mcp: FastMCP) -> None:
         ] = None,
         limit: Annotated[int, Field(description="Most events to return (at most 1000).")] = 1000,
         wait_seconds: Annotated[
-            float | None, Field(description="How long `wait` may block; capped by the server.")
+            float | None,
+            Field(description="How long `wait` may block (default and cap: the server's)."),
         ] = None,
+        wait_for: Annotated[
+            Literal["end", "output"],
+            Field(description="With wait: 'end' (as 0.2), or 'output': return at new events."),
+        ] = "end",
         session: SessionArg = None,
     ) -> ToolResult:
         """Output events after a cursor. Reading never consumes: any number of readers."""
@@ -402,18 +408,30 @@ def register_tools(mcp: FastMCP) -> None:
                 lambda: get_router().executions.status(owner, execution_id), "get_execution_output"
             )
             raise _event_not_found(last_event_id)
-        wait_for = 0.0
+        wait_for_s = 0.0
         if wait:
-            wait_for = manager.settings.max_wait if wait_seconds is None else wait_seconds
-            if wait_for < 0:
+            wait_for_s = manager.settings.max_wait if wait_seconds is None else wait_seconds
+            if wait_for_s < 0:
                 raise ToolFailure("wait_seconds must not be negative")
-        async with progress_of(ctx, wait_for > 0):
-            page = await call(
-                lambda: get_router().executions.read_output(
-                    owner, execution_id, cursor, limit, wait_for
-                ),
-                "get_execution_output",
-            )
+
+        async def read() -> OutputPage:
+            executions = get_router().executions
+            if wait_for != "end" or wait_for_s <= 0:
+                return await executions.read_output(owner, execution_id, cursor, limit, wait_for_s)
+            # Until the end: follow the events as they come (each read returns at new ones),
+            # then answer from the caller's cursor.
+            deadline = time.monotonic() + wait_for_s
+            seen = cursor
+            while True:
+                left = deadline - time.monotonic()
+                page = await executions.read_output(owner, execution_id, seen, 1000, max(0, left))
+                if page.info.status.finished or left <= 0 or seen > page.info.last_seq:
+                    break
+                seen = page.next_cursor
+            return await executions.read_output(owner, execution_id, cursor, limit, 0)
+
+        async with progress_of(ctx, wait_for_s > 0):
+            page = await call(read, "get_execution_output")
         if cursor > page.info.last_seq or 0 < cursor < page.first_available - 1:
             raise _event_not_found(last_event_id)
         events = [e.public() for e in page.events]

@@ -119,6 +119,7 @@ async function follow(executionId, shell = false) {
         execution_id: executionId,
         last_event_id: current.cursor,
         wait: true,
+        wait_for: "output",
         wait_seconds: 15,
         session,
       });
