@@ -60,3 +60,43 @@ ensure_venv() {
     fi
     PY="$VENV/bin/python"
 }
+
+# The agent-framework clients tests/test_frameworks.py drives, pinned in tests/clients/: a venv
+# on mcp 1.x (.clients/py: LangChain, OpenAI Agents, Pydantic AI, google-genai; the 2025 era),
+# one on mcp 2.x (.clients/py2: those that can negotiate 2026-07-28) and the TypeScript SDKs
+# (.clients/node, npm ci of tests/clients/node). Each is rebuilt only when its lock file changed.
+CLIENTS="${SRT_CLIENTS_DIR:-$ROOT/.clients}"
+
+ensure_clients() {
+    local python spec dir lock
+    python="$(find_python)" || { log "Python >= 3.11 is required"; return 1; }
+    for spec in py:requirements-legacy.txt py2:requirements-modern.txt; do
+        dir="$CLIENTS/${spec%%:*}"
+        lock="$ROOT/tests/clients/${spec##*:}"
+        cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null && continue
+        log "installing the framework clients of tests/clients/${spec##*:} into $dir"
+        rm -rf "$dir"
+        if ! "$python" -m venv "$dir" 2>/dev/null; then
+            ensure_packages ensurepip-missing:python3-venv || true
+            rm -rf "$dir"
+            "$python" -m venv "$dir"
+        fi
+        "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+        "$dir/bin/python" -m pip install -q -r "$lock"
+        cp "$lock" "$dir/.srt-installed"
+    done
+    ensure_packages node:nodejs npm:npm
+    dir="$CLIENTS/node"
+    lock="$ROOT/tests/clients/node/package-lock.json"
+    if ! cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null; then
+        log "installing the TypeScript MCP SDKs of tests/clients/node into $dir"
+        rm -rf "$dir"
+        mkdir -p "$dir"
+        cp "$ROOT/tests/clients/node/package.json" "$lock" "$dir/"
+        npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error >/dev/null
+        cp "$lock" "$dir/.srt-installed"
+    fi
+    export SRT_CLIENTS_PY="$CLIENTS/py/bin/python"
+    export SRT_CLIENTS_PY2="$CLIENTS/py2/bin/python"
+    export SRT_CLIENTS_NODE="$dir"
+}
