@@ -14,6 +14,7 @@ what it saw; the tests here judge it.
 | pydantic-ai MCPToolset | 2025 (FastMCP 3), 2026 (FastMCP 4, mode "auto") |
 | google-genai (ClientSession in tools=[...]) | 2025 (mcp 1.x), 2026 (mcp 2.x Client.session) |
 | TypeScript SDK | 2025 (@modelcontextprotocol/sdk 1.x), 2026 (@modelcontextprotocol/client 2.x) |
+| mcp-remote (the stdio bridge desktop clients run) | 2025 |
 
 Without the clients the tests skip, except under CI=true, where they fail.
 """
@@ -311,3 +312,74 @@ def test_typescript_sdk_wrong_token_says_invalid_token(
     assert wrong["status"] == 401, brief(wrong)
     shown = wrong["message"] if sdk == "v1" else wrong["body"] or ""
     assert "invalid token" in shown.lower(), brief(wrong)
+
+
+# -- mcp-remote (a stdio bridge that desktop clients run) ---------------------------------------
+
+
+def mcp_remote(server: ServerProcess, home: Path, token: str, lines: list[dict[str, Any]]) -> Any:
+    """Run mcp-remote against `server` with `token`, feed it `lines` on stdin (as a desktop
+    client would over stdio), and return (its JSON-RPC answers, its stderr)."""
+    node, modules = clients_node()
+    home.mkdir(exist_ok=True)
+    env = {**os.environ, "HOME": str(home)}  # it keeps its OAuth state under ~/.mcp-auth
+    proc = subprocess.Popen(
+        [node, str(modules / "mcp-remote/dist/proxy.js"), server.url, "--transport",
+         "http-only", "--header", f"Authorization: Bearer {token}"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None
+    answers: list[Any] = []
+    try:
+        for line in lines:
+            proc.stdin.write((json.dumps(line) + "\n").encode())
+            proc.stdin.flush()
+            if "id" not in line:
+                continue
+            answer = proc.stdout.readline()
+            if not answer:
+                break
+            answers.append(json.loads(answer))
+    finally:
+        try:  # (closes its stdin: mcp-remote then ends)
+            _, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, stderr = proc.communicate()
+    return answers, stderr.decode(errors="replace")
+
+
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "desktop", "version": "1"},
+    },
+}
+
+
+def test_mcp_remote_bridges_calls_and_says_invalid_token(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    call = {
+        "jsonrpc": "2.0",
+        "id": 2,
+        "method": "tools/call",
+        "params": {"name": "execute_code", "arguments": {"command": "echo bridged"}},
+    }
+    initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    answers, stderr = mcp_remote(server, tmp_path / "home", TOKEN, [INITIALIZE, initialized, call])
+    assert [a.get("id") for a in answers] == [1, 2], f"{answers}\n{stderr[-2000:]}"
+    result = answers[1]["result"]
+    assert not result.get("isError"), result
+    data = json.loads(result["content"][0]["text"])  # the legacy era: the text is the JSON
+    assert data["status"] == "completed" and data["exit_code"] == 0, data
+    assert "bridged\n" in [e.get("data") for e in data["output"]], data
+
+    # A wrong token: mcp-remote tries to register as an OAuth client; what it shows is ours.
+    answers, stderr = mcp_remote(server, tmp_path / "home2", "wrong-token", [INITIALIZE])
+    assert not any("result" in a for a in answers), answers
+    assert "invalid token" in stderr, stderr[-2000:]

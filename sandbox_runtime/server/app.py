@@ -27,7 +27,7 @@ from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set
 from sandbox_runtime.files.http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.files.urls import FileUrlSigner, set_url_signer, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager, set_interpreters
-from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier
+from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
 from sandbox_runtime.server.replies import ErrorResults
@@ -273,6 +273,7 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
+            Route("/register", no_registration, methods=["GET", "POST"]),
             *console,
             Mount("/", app=mcp_app),
         ],

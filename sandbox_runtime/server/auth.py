@@ -7,6 +7,8 @@ import hmac
 import json
 
 from fastmcp.server.auth import AccessToken, TokenVerifier
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
@@ -86,3 +88,17 @@ class PlainAuthErrors:
                 await send(message)
 
         await self.app(scope, receive, answer)
+
+
+NO_OAUTH = (
+    "invalid token: this server has no OAuth sign-in (no client registration); it takes the "
+    "bearer token it was started with, and the one sent is invalid or missing: pass it as "
+    "Authorization: Bearer <token>"
+)
+
+
+async def no_registration(request: Request) -> Response:
+    """`/register`: where OAuth clients (mcp-remote, the SDKs' auth flows) go after a 401 to
+    register themselves. There is no OAuth here; the answer says what the 401 meant, and those
+    clients show it."""
+    return JSONResponse({"error": "invalid token", "error_description": NO_OAUTH}, 404)
