@@ -100,12 +100,12 @@ def proxy_pid(server: ServerProcess) -> int:
 
 def stdout_of(result: dict) -> str:
     if result.get("status") != "completed" or result.get("exit_code") != 0:
-        events = "".join(e.get("data") or "" for e in result["events"])
+        events = "".join(e.get("data") or "" for e in result["output"])
         raise BenchFailure(
             f"execution {result.get('status')} exit {result.get('exit_code')} "
             f"({result.get('reason') or result.get('error')}): {events[-1500:]}"
         )
-    return "".join(e.get("data") or "" for e in result["events"] if e["type"] == "stdout")
+    return "".join(e.get("data") or "" for e in result["output"] if e["type"] == "stdout")
 
 
 async def run_in_sandbox(conn: Conn, command: str, session: str) -> str:

@@ -216,7 +216,7 @@ async def transfers(server: ServerProcess, tmp: Path, rounds: int) -> dict[str, 
             out["get"].append(size / seconds / 1e6)
             out["get_rss"].append(rss.growth_mb)
         run = await ok(client, "execute_code", command="sha256sum big.bin", session=session)
-        stdout = "".join(e.get("data") or "" for e in run["events"] if e["type"] == "stdout")
+        stdout = "".join(e.get("data") or "" for e in run["output"] if e["type"] == "stdout")
         if stdout.split()[:1] != [digest]:
             raise BenchFailure(f"the uploaded file's sha256 differs: {stdout!r}")
     return out
@@ -291,7 +291,11 @@ def row(name: str, values: list[float], unit: str = "ms") -> str:
 async def run(args: argparse.Namespace, tmp: Path) -> None:
     defaults = Settings.model_fields
     default_mb = int(defaults["workspace_mb"].default)
-    inodes = int(defaults["workspace_inodes"].default)
+
+    def inodes(size_mb: int) -> int:
+        """The server's inode count for a workspace of `size_mb` (by default none is set)."""
+        return Settings.model_construct(workspace_mb=size_mb).workspace_inode_count()
+
     with running_server(tmp / "server", SANDBOX_AUTH_TOKEN=TOKEN, **SETTINGS) as server:
         print(f"  a) 1 MiB inline, {args.calls} calls each way per era ...", flush=True)
         inline_rows = {mode: await inline(server, mode, args.calls) for mode in ("auto", "legacy")}
@@ -300,7 +304,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
         print(f"  c) {args.workspaces} fresh workspaces ...", flush=True)
         writes = await first_writes(server, args.workspaces)
     ensured = {
-        size: await ensure_costs(tmp, size, inodes, args.workspaces)
+        size: await ensure_costs(tmp, size, inodes(size), args.workspaces)
         for size in dict.fromkeys((default_mb, SERVER_WORKSPACE_MB))
     }
 
@@ -328,7 +332,7 @@ async def run(args: argparse.Namespace, tmp: Path) -> None:
     print(f"{'c) a fresh workspace (ext4 image = its quota)':<52}{'n':>4}{'p50':>10}{'p95':>10}")
     print("-" * 80)
     for size, times in ensured.items():
-        print(row(f"ensure() new name, {size} MiB / {inodes} inodes", times["new"]))
+        print(row(f"ensure() new name, {size} MiB / {inodes(size)} inodes", times["new"]))
         print(row(f"ensure() existing image (mount only), {size} MiB", times["mount"]))
     first, warm = statistics.median(writes["first"]), statistics.median(writes["warm"])
     print(row(f"first write_file of a new session ({SERVER_WORKSPACE_MB} MiB)", writes["first"]))

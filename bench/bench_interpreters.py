@@ -42,7 +42,7 @@ async def warm_calls(server: ServerProcess, calls: int, mode: str) -> list[float
             started = time.perf_counter()
             result = await conn.ok("run_code", code="print(1)", session=session)
             out.append((time.perf_counter() - started) * 1000)
-            text = "".join(e.get("data", "") for e in result["events"] if e["type"] == "stdout")
+            text = "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
             assert text == "1\n", result
     return out
 

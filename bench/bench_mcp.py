@@ -231,14 +231,14 @@ async def bench_seq(url: str) -> tuple[float, int]:
         t = time.perf_counter()
         out = await call(c, "execute_code_async", {"command": "seq 1 1000000"})
         execution_id = out["execution_id"]
-        cursor, size = 0, 0
+        cursor, size = "0", 0
         while True:
             page = await call(
                 c,
                 "get_execution_output",
-                {"execution_id": execution_id, "after": cursor, "wait": True},
+                {"execution_id": execution_id, "last_event_id": cursor, "wait": True},
             )
-            for event in page["events"]:
+            for event in page["output"]:
                 if event["type"] == "stdout":
                     size += len(event["data"])
             cursor = page["next_cursor"]

@@ -50,7 +50,7 @@ def pct(values: list[float], q: float) -> float:
 async def echo(conn: Conn, session: str) -> str:
     """`echo hi` in `session`; its execution id."""
     out = await conn.ok("execute_code", command="echo hi", session=session)
-    stdout = "".join(e.get("data", "") for e in out["events"] if e.get("type") == "stdout")
+    stdout = "".join(e.get("data", "") for e in out["output"] if e.get("type") == "stdout")
     if out.get("exit_code") != 0 or stdout != "hi\n":
         raise BenchFailure(f"echo in session {session!r} returned {out}")
     return str(out["execution_id"])

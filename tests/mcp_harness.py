@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import os
 import pwd
 import resource
@@ -23,7 +24,7 @@ import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
-from mcp.types import CallToolResult
+from mcp.types import CallToolResult, TextContent
 
 Mode = Literal["legacy", "auto"]
 MODERN_PROTOCOL = "2026-07-28"
@@ -379,7 +380,20 @@ class Conn:
 
 
 def error_text(result: CallToolResult) -> str:
-    return "\n".join(getattr(block, "text", "") for block in result.content)
+    """The `error` of a refused call: its one text block is the JSON body {"error": ...,
+    "error_type": ...} (the structured content is the same body). For a call that succeeded
+    (a failed assertion's message): its text, as it is."""
+    texts = [block.text for block in result.content if isinstance(block, TextContent)]
+    if not result.is_error:
+        return "\n".join(texts)
+    assert len(texts) == 1, f"an error result has one text block: {result.content}"
+    body = json.loads(texts[0])
+    assert isinstance(body, dict) and isinstance(body.get("error"), str), body
+    assert "error_type" in body, body
+    assert "\n" not in body["error"], body
+    if result.structured_content is not None:
+        assert result.structured_content == body, (result.structured_content, body)
+    return str(body["error"])
 
 
 @contextlib.asynccontextmanager

@@ -143,10 +143,8 @@ async def test_two_servers_with_one_replica_id_never_touch_each_others_cgroups(
                 assert parent_groups(pid_c) == groups_b
                 page = await on_b.ok("execute_code", command="echo still-limited")
                 assert page["status"] == "completed"
-                for execution in (await on_b.ok("list_executions", status="running"))["executions"]:
-                    await on_b.ok(
-                        "cancel_execution", execution_id=execution["execution_id"], force=True
-                    )
+                for execution in (await on_b.ok("list_executions", status="running"))["result"]:
+                    await on_b.ok("cancel_execution", execution_id=execution["id"], force=True)
                 assert alive(pid_b, start_b) is False
     finally:
         stop_all(stop_if_running(a), stop_if_running(b))

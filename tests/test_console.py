@@ -510,7 +510,7 @@ async def test_console_can_be_turned_off(
         assert status == 404, f"GET / answered {status} with SANDBOX_CONSOLE=false"
         async with open_client(off.url, TOKEN) as conn:
             result = await conn.ok("execute_code", command="echo still-here")
-            out = "".join(e.get("data", "") for e in result["events"] if e["type"] == "stdout")
+            out = "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
             assert out.strip() == "still-here"
         fresh_browser.driver.get(off.base_url + "/")
         assert not fresh_browser.driver.find_elements(By.ID, "signin")

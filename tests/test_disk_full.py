@@ -106,7 +106,7 @@ def metric(server: ServerProcess, prefix: str, *labels: str) -> float:
 
 
 def output(ran: dict[str, Any]) -> str:
-    return "".join(e.get("data") or "" for e in ran["events"] if e.get("type") != "stderr")
+    return "".join(e.get("data") or "" for e in ran["output"] if e.get("type") != "stderr")
 
 
 async def dd(conn: Conn, s: str, path: str, mb: int) -> Any:

@@ -81,9 +81,9 @@ async def test_execution_ids_shaped_like_other_keys_answer_as_unknown_ids_do(
         status = await conn.ok("get_execution_status", execution_id=real, session=session)
         assert status["status"] == "completed"
         page = await conn.ok("get_execution_output", execution_id=real, session=session)
-        assert "".join(e.get("data", "") for e in page["events"]) == "hi\n"
+        assert "".join(e.get("data", "") for e in page["output"]) == "hi\n"
         listed = await conn.ok("list_executions", session=session)
-        assert [e["execution_id"] for e in listed["executions"]] == [real]
+        assert [e["id"] for e in listed["result"]] == [real]
         again = await conn.ok("execute_code", command="echo again", session=session)
         assert again["status"] == "completed"
     assert server.health()["status"] == "ok"
@@ -121,7 +121,7 @@ async def test_session_names_with_control_characters_are_refused(server: ServerP
             done = await conn.ok("execute_code", command="echo yes", session=session)
             assert done["status"] == "completed", session
             listed = await conn.ok("list_executions", session=session)
-            assert done["execution_id"] in [e["execution_id"] for e in listed["executions"]]
+            assert done["execution_id"] in [e["id"] for e in listed["result"]]
 
 
 async def test_a_session_path_ending_in_a_newline_is_no_endpoint(server: ServerProcess) -> None:
@@ -159,7 +159,7 @@ async def test_environment_names_ending_in_a_newline_are_refused(server: ServerP
         done = await conn.ok(
             "execute_code", command="echo $FOO_1", environment={"FOO_1": "ok"}, session="env"
         )
-        assert "".join(e.get("data", "") for e in done["events"]) == "ok\n"
+        assert "".join(e.get("data", "") for e in done["output"]) == "ok\n"
 
 
 @pytest.mark.parametrize("replica_id", ["r1\n", "r\u0661", "caf\u00e9", "r 1"])

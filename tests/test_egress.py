@@ -236,11 +236,11 @@ def session(prefix: str) -> str:
 
 
 def stream(result: dict[str, Any], kind: str = "stdout") -> str:
-    return "".join(e.get("data") or "" for e in result["events"] if e["type"] == kind)
+    return "".join(e.get("data") or "" for e in result["output"] if e["type"] == kind)
 
 
 def denials(result: dict[str, Any]) -> list[dict[str, Any]]:
-    return [e for e in result["events"] if e["type"] == "network_denied"]
+    return [e for e in result["output"] if e["type"] == "network_denied"]
 
 
 def denied_set(result: dict[str, Any]) -> set[tuple[str, int, str]]:
@@ -320,24 +320,24 @@ async def output_until(
     conn: Conn, sid: str, execution_id: str, done: Any, within: float
 ) -> dict[str, Any]:
     """Long-poll an execution's output until done(all events so far) or the deadline; returns
-    {"events": [...], "status": ...} with every event read."""
+    {"output": [...], "status": ...} with every event read."""
     events: list[dict[str, Any]] = []
-    cursor = 0
+    cursor = "0"
     status = None
     deadline = time.monotonic() + within
     while True:
         page = await conn.ok(
             "get_execution_output",
             execution_id=execution_id,
-            after=cursor,
+            last_event_id=cursor,
             wait=True,
             wait_seconds=1,
             session=sid,
         )
-        events += page["events"]
+        events += page["output"]
         cursor = page["next_cursor"]
         status = page["status"]
-        result = {"events": events, "status": status, "exit_code": page.get("exit_code")}
+        result = {"output": events, "status": status, "exit_code": page.get("exit_code")}
         if done(result):
             return result
         assert time.monotonic() < deadline, f"timed out waiting:\n{describe(result)}"

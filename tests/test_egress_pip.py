@@ -141,8 +141,8 @@ async def test_pip_install_user_then_import_in_next_run_code(
             environment=env,
             timeout_seconds=240,
         )
-        output = "".join(e.get("data", "") for e in installed["events"])
-        denied = [e for e in installed["events"] if e["type"] == "network_denied"]
+        output = "".join(e.get("data", "") for e in installed["output"])
+        denied = [e for e in installed["output"] if e["type"] == "network_denied"]
         assert installed["exit_code"] == 0, f"pip install failed ({denied}):\n{output[-3000:]}"
         assert "Successfully installed" in output, output[-2000:]
         used = await conn.ok(
@@ -150,6 +150,6 @@ async def test_pip_install_user_then_import_in_next_run_code(
             language="python",
             code=f"import {module}; print({module}.__file__)",
         )
-        printed = "".join(e.get("data", "") for e in used["events"] if e["type"] == "stdout")
+        printed = "".join(e.get("data", "") for e in used["output"] if e["type"] == "stdout")
         assert used["status"] == "completed", used
         assert printed.startswith("/workspace/.local/lib/python"), str(used)[:3000]

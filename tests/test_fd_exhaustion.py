@@ -77,6 +77,15 @@ def ready(server: ServerProcess) -> tuple[int, dict[str, Any]]:
     return resp.status_code, body
 
 
+def ready_now(server: ServerProcess) -> bool:
+    """/ready answers 200; a connection cut while the burst's descriptors are being let go
+    (the server refuses what it cannot take) is "not yet"."""
+    try:
+        return ready(server)[0] == 200
+    except httpx2.TransportError:
+        return False
+
+
 async def test_running_out_of_descriptors_leaks_nothing_and_the_server_recovers(
     tmp_path: Path,
 ) -> None:
@@ -95,7 +104,7 @@ async def test_running_out_of_descriptors_leaks_nothing_and_the_server_recovers(
     try:
         server.start()
         await burst(server)  # fills what is bounded and kept (pooled cgroups)
-        await eventually(lambda: ready(server)[0] == 200, 10, "/ready before the bursts")
+        await eventually(lambda: ready_now(server), 10, "/ready before the bursts")
         idle, before = server.open_fds(), fd_targets(server)
         assert server_groups(server, parents), "the server has cgroups of its own"
 
@@ -123,7 +132,7 @@ async def test_running_out_of_descriptors_leaks_nothing_and_the_server_recovers(
         async with open_client(server.url, TOKEN, "auto") as conn:
             after = await conn.ok("execute_code", command="echo again")
             assert after["status"] == "completed", after
-            assert "".join(e.get("data", "") for e in after["events"]) == "again\n", after
+            assert "".join(e.get("data", "") for e in after["output"]) == "again\n", after
         status, body = ready(server)
         assert status == 200, body
         health = server.health()

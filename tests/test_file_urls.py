@@ -82,7 +82,7 @@ async def sandbox(conn: Conn, session: str, command: str) -> str:
     """Run `command` in the session's sandbox; its stdout (exit code 0 asserted)."""
     result = await conn.ok("execute_code", command=command, session=session)
     assert result["exit_code"] == 0, result
-    return "".join(e.get("data") or "" for e in result["events"] if e["type"] == "stdout")
+    return "".join(e.get("data") or "" for e in result["output"] if e["type"] == "stdout")
 
 
 async def only(conn: Conn, session: str, names: list[str]) -> bool:

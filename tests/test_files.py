@@ -67,7 +67,7 @@ async def test_text_and_binary_round_trip_through_the_tools(server: ServerProces
             command="cat data/notes.txt; sha256sum bin/blob; echo made > out.txt",
             session=session,
         )
-        stdout = "".join(e.get("data") or "" for e in run["events"] if e["type"] == "stdout")
+        stdout = "".join(e.get("data") or "" for e in run["output"] if e["type"] == "stdout")
         assert "héllo" in stdout
         assert hashlib.sha256(blob).hexdigest() in stdout
         assert (await conn.ok("read_file", path="out.txt", session=session))["content"] == "made\n"

@@ -108,7 +108,7 @@ async def sh(
     assert not body["has_more"]
 
     def text(kind: str) -> str:
-        return "".join(e.get("data") or "" for e in body["events"] if e["type"] == kind)
+        return "".join(e.get("data") or "" for e in body["output"] if e["type"] == kind)
 
     return body["exit_code"], text("stdout"), text("stderr")
 

@@ -86,7 +86,7 @@ def session() -> str:
 
 
 def stdout_of(result: dict[str, Any]) -> str:
-    return "".join(e.get("data", "") for e in result["events"] if e["type"] == "stdout")
+    return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
 
 
 async def others_keep_answering(server: ServerProcess, seconds: float) -> list[float]:
@@ -187,8 +187,8 @@ async def test_a_message_over_the_size_bound_is_dropped_and_the_call_says_so(
         result = await conn.ok("run_code", code=code, session=s)
         assert result["status"] == "completed", result
         assert stdout_of(result) == "after\n"
-        truncated = [e for e in result["events"] if e["type"] == "truncated"]
-        assert truncated and truncated[0]["dropped_bytes"] > 20_000_000, result["events"]
+        truncated = [e for e in result["output"] if e["type"] == "truncated"]
+        assert truncated and truncated[0]["dropped_bytes"] > 20_000_000, result["output"]
         assert "over 8388608 bytes" in truncated[0]["message"]
         again = await conn.ok("run_code", code="print(2)", session=s)
         assert again["state_reset"] is None and stdout_of(again) == "2\n"
@@ -211,9 +211,12 @@ async def test_a_print_over_the_size_bound_arrives_in_pieces_up_to_the_output_li
         assert status["stdout_bytes"] == 9_000_000 + 12_000_000 + 4, status
         assert status["dropped_bytes"] == status["stdout_bytes"] - 10 * 2**20, status
         page = await conn.ok(  # (the first event after `ready`)
-            "get_execution_output", execution_id=result["execution_id"], after=1, session=s
+            "get_execution_output",
+            execution_id=result["execution_id"],
+            last_event_id="1",
+            session=s,
         )
-        first = page["events"][0]
+        first = page["output"][0]
         assert first["type"] == "stdout" and set(first["data"]) == {"x"}, first["type"]
 
 
@@ -240,13 +243,13 @@ async def test_big_messages_on_the_shell_and_stdin_channels_are_bounded(
         execution_id = result.structured_content["execution_id"]
         # The server read the flood: what it did not drop became bounded input requests.
         prompts: list[str] = []
-        after_seq, more = 0, True
+        cursor, more = "0", True
         while more:
             page = await conn.ok(
-                "get_execution_output", execution_id=execution_id, after=after_seq, session=s
+                "get_execution_output", execution_id=execution_id, last_event_id=cursor, session=s
             )
-            prompts += [e["prompt"] for e in page["events"] if e["type"] == "input_request"]
-            after_seq, more = page["next_cursor"], page["has_more"]
+            prompts += [e["prompt"] for e in page["output"] if e["type"] == "input_request"]
+            cursor, more = page["next_cursor"], page["has_more"]
         assert all(len(prompt) <= 8192 + 6 for prompt in prompts)
         read = dropped(server, "unsolicited") + dropped(server, "over_bound") - dropped_before
         # (at least until the kernel was stopped for flooding: 64 MiB outside its calls)

@@ -57,7 +57,7 @@ def session() -> str:
 
 
 def stdout_of(result: dict[str, Any]) -> str:
-    return "".join(e.get("data", "") for e in result["events"] if e["type"] == "stdout")
+    return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
 
 
 async def run(conn: Conn, code: str, **args: Any) -> dict[str, Any]:
@@ -124,7 +124,7 @@ async def test_a_plot_comes_back_as_a_png_image_and_a_dataframe_as_html(
         assert "<table" in frame["results"][0]["text/html"]
         # The same outputs, polled: events carry the bundles.
         page = await conn.ok("get_execution_output", execution_id=frame["execution_id"], session=s)
-        bundles = [e["bundle"] for e in page["events"] if e["type"] == "result"]
+        bundles = [e["bundle"] for e in page["output"] if e["type"] == "result"]
         assert "text/html" in bundles[0]
 
 
@@ -221,7 +221,7 @@ async def test_input_is_answered_through_send_stdin(server: ServerProcess) -> No
 
         async def prompt() -> dict[str, Any] | None:
             page = await conn.ok("get_execution_output", execution_id=execution_id, session=s)
-            return next((e for e in page["events"] if e["type"] == "input_request"), None)
+            return next((e for e in page["output"] if e["type"] == "input_request"), None)
 
         request = await eventually(prompt, 20, "an input_request event")
         assert request["prompt"] == "who? "
@@ -240,7 +240,7 @@ async def test_input_is_answered_through_send_stdin(server: ServerProcess) -> No
 
         await eventually(finished, 10, "the call to end")
         page = await conn.ok("get_execution_output", execution_id=execution_id, session=s)
-        assert "hello ada\n" in "".join(e.get("data", "") for e in page["events"])
+        assert "hello ada\n" in "".join(e.get("data", "") for e in page["output"])
         refused = await conn.error(
             "send_stdin", execution_id=execution_id, input_data="more\n", session=s
         )
@@ -451,5 +451,5 @@ async def test_deno_output_and_results_arrive_with_every_call(server: ServerProc
         for i in range(30):
             language = "typescript" if i % 2 else "javascript"
             result = await run(conn, f"console.log('n{i}'); {i} * 2", language=language, session=s)
-            assert stdout_of(result) == f"n{i}\n", (i, result["events"])
+            assert stdout_of(result) == f"n{i}\n", (i, result["output"])
             assert result["results"][0]["text/plain"] == str(i * 2), (i, result)

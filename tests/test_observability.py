@@ -206,7 +206,7 @@ async def test_sandboxes_started_ahead_serve_each_session_and_end_with_the_serve
                         "ls -A /tmp | wc -l; touch /tmp/mine; echo $$",
                         session=f"pool-{mode}",
                     )
-                    out = "".join(e.get("data", "") for e in result["events"])
+                    out = "".join(e.get("data", "") for e in result["output"])
                     files, _ = out.split()
                     assert files == "0", out  # a fresh /tmp each call: no sandbox used twice
                     await asyncio.sleep(0.3)  # (an agent's pause: the next one is ready)

@@ -49,12 +49,12 @@ def pair(
 
 
 async def all_output(conn: Conn, execution_id: str, session: str) -> tuple[str, dict[str, Any]]:
-    text, cursor = "", 0
+    text, cursor = "", "0"
     while True:
         page = await conn.ok(
-            "get_execution_output", execution_id=execution_id, after=cursor, session=session
+            "get_execution_output", execution_id=execution_id, last_event_id=cursor, session=session
         )
-        text += "".join(e.get("data", "") for e in page["events"] if e["type"] == "stdout")
+        text += "".join(e.get("data", "") for e in page["output"] if e["type"] == "stdout")
         cursor = page["next_cursor"]
         if not page["has_more"]:
             return text, page
@@ -83,13 +83,13 @@ async def test_execution_started_on_one_replica_is_read_and_listed_on_another(
         assert status["replica_id"] == a.settings["SANDBOX_REPLICA_ID"]
         text, _ = await all_output(on_b, execution_id, session)
         assert text == "line1\nline2\nline3\n"
-        seqs = [e["seq"] for e in started["events"]]
+        ids = [e["event_id"] for e in started["output"]]
         cursor_page = await on_b.ok(
-            "get_execution_output", execution_id=execution_id, after=seqs[1], session=session
+            "get_execution_output", execution_id=execution_id, last_event_id=ids[1], session=session
         )
-        assert [e["seq"] for e in cursor_page["events"]] == seqs[2:], "same cursors on B"
+        assert [e["event_id"] for e in cursor_page["output"]] == ids[2:], "same cursors on B"
         listed = await on_b.ok("list_executions", session=session)
-        assert execution_id in [e["execution_id"] for e in listed["executions"]]
+        assert execution_id in [e["id"] for e in listed["result"]]
         # Another principal's or session's view of the same id is "not found" on B too.
         missing = await on_b.error(
             "get_execution_status", execution_id=execution_id, session="someone-else"
@@ -124,7 +124,7 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
         page = await on_a.ok(
             "get_execution_output", execution_id=execution_id, wait=True, session=session
         )
-        assert "hello via B" in "".join(e.get("data", "") for e in page["events"])
+        assert "hello via B" in "".join(e.get("data", "") for e in page["output"])
         closed = await on_b.ok(
             "send_stdin",
             execution_id=execution_id,
@@ -136,10 +136,10 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
         await eventually(lambda: processes_with(marker), 5, "sleep to run on A after cat ended")
         cancelled = await on_b.ok("cancel_execution", execution_id=execution_id, session=session)
         assert cancelled["status"] == "cancelled"
-        assert cancelled["already_finished"] is False
+        assert cancelled["was_running"] is True
         assert not processes_with(marker), "the whole tree on A is gone"
         again = await on_b.ok("cancel_execution", execution_id=execution_id, session=session)
-        assert again["already_finished"] is True
+        assert again["was_running"] is False
         refused = await on_b.error(
             "send_stdin", execution_id=execution_id, input_data="late\n", session=session
         )
@@ -170,7 +170,7 @@ async def test_killed_replica_execution_becomes_lost_with_its_output_readable(
             text, page = await all_output(on_b, execution_id, session)
             assert text == "".join(f"out{i}\n" for i in range(1, 51))
             assert page["status"] == "lost"
-            assert any(e["type"] == "error" for e in page["events"]) or "lost" in json.dumps(page)
+            assert any(e["type"] == "error" for e in page["output"]) or "lost" in json.dumps(page)
             refused = await on_b.error(
                 "send_stdin", execution_id=execution_id, input_data="x", session=session
             )
@@ -217,7 +217,7 @@ async def test_replica_killed_and_restarted_at_once_under_its_id_loses_its_execu
                 waited = await conn.ok(
                     "get_execution_output",
                     execution_id=execution_id,
-                    after=page["next_cursor"],
+                    last_event_id=page["next_cursor"],
                     wait=True,
                     session=session,
                 )
@@ -225,7 +225,7 @@ async def test_replica_killed_and_restarted_at_once_under_its_id_loses_its_execu
                 cancelled = await conn.ok(
                     "cancel_execution", execution_id=execution_id, session=session
                 )
-                assert cancelled["already_finished"] is True, cancelled
+                assert cancelled["was_running"] is False, cancelled
             assert time.monotonic() - restarted_at < window + 10
             # The restarted process's own executions are alive, and read so from B.
             now = await on_fast.ok(
@@ -290,7 +290,7 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
             health = server.health()
             # Tools keep answering from local state while Redis is down.
             listed = await conn.ok("list_executions", session=session)
-            assert execution_id in [e["execution_id"] for e in listed["executions"]]
+            assert execution_id in [e["id"] for e in listed["result"]]
             await eventually(lambda: server.health()["status"] == "degraded", 10, "degraded health")
             health = server.health()
             assert health["redis"].startswith("unavailable")
@@ -303,7 +303,7 @@ async def test_redis_outage_mid_run_loses_nothing(tmp_path: Path) -> None:
                 page = await conn.ok(
                     "get_execution_output",
                     execution_id=execution_id,
-                    after=page["next_cursor"],
+                    last_event_id=page["next_cursor"],
                     wait=True,
                     session=session,
                 )
@@ -397,7 +397,7 @@ async def test_redis_restarted_empty_in_an_instant_gets_everything_back(tmp_path
                 "the session's record back, homed on A",
             )
             kept = await on_b.ok("execute_code", command="cat kept.txt", session=session)
-            stdout = "".join(e.get("data", "") for e in kept["events"] if e["type"] == "stdout")
+            stdout = "".join(e.get("data", "") for e in kept["output"] if e["type"] == "stdout")
             assert stdout == "finished-before\n", kept
             assert kept.get("session_reset") is None, kept
             ran = await on_b.ok(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from mcp.types import TextContent
 from mcp_harness import (
     Conn,
     Mode,
@@ -82,8 +84,8 @@ async def alice(server: ServerProcess, mode: Mode) -> AsyncIterator[Conn]:
     async with client_in_task(server.url, ALICE, mode) as conn:
         yield conn
         listed = await conn.ok("list_executions", status="running")
-        for info in listed["executions"]:
-            await conn.call("cancel_execution", execution_id=info["execution_id"], force=True)
+        for info in listed["result"]:
+            await conn.call("cancel_execution", execution_id=info["id"], force=True)
     assert server.health()["status"] == "ok"
 
 
@@ -102,11 +104,20 @@ def types_of(events: list[Event]) -> list[str]:
     return [e["type"] for e in events]
 
 
+def event_id(event: Event) -> int:
+    """An event's position: its event_id (a string of digits) as a number."""
+    text = event["event_id"]
+    assert isinstance(text, str) and text == str(int(text)), event
+    return int(text)
+
+
 def assert_well_formed(events: list[Event]) -> None:
-    """seq strictly increases by one, `ready` comes first and `exit` last."""
-    seqs = [e["seq"] for e in events]
+    """Event ids strictly increase by one, `ready` comes first and `exit` last; events carry
+    0.2's fields (`event_id`, `ts`), not the stored ones (`seq`, `timestamp`)."""
+    seqs = [event_id(e) for e in events]
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
-    assert all(e["event_id"] == str(e["seq"]) for e in events)
+    assert all("seq" not in e and "timestamp" not in e for e in events), events[:3]
+    assert all(isinstance(e["ts"], float) for e in events)
     assert events[0]["type"] == "ready"
     assert events[-1]["type"] == "exit"
     assert types_of(events).count("exit") == 1
@@ -116,6 +127,8 @@ async def start(conn: Conn, command: str | list[str], **options: Any) -> str:
     """execute_code_async; returns the execution id."""
     result = await conn.ok("execute_code_async", command=command, **options)
     assert result["status"] == "running", result
+    assert result["session"] == options.get("session", "default")
+    assert "get_execution_output" in result["message"], result  # what to do next
     execution_id: str = result["execution_id"]
     return execution_id
 
@@ -130,19 +143,19 @@ async def follow(
     """Long-poll output from the start until `until(events)` holds (default: the exit event)."""
     until = until or (lambda events: bool(events) and events[-1]["type"] == "exit")
     events: list[Event] = []
-    cursor = 0
+    cursor = "0"
     deadline = time.monotonic() + patience
     while not until(events):
         assert time.monotonic() < deadline, f"gave up after {patience:g}s; saw {events[-5:]}"
         page = await conn.ok(
             "get_execution_output",
             execution_id=execution_id,
-            after=cursor,
+            last_event_id=cursor,
             wait=True,
             wait_seconds=1.0,
             **options,
         )
-        events += page["events"]
+        events += page["output"]
         cursor = page["next_cursor"]
     return events
 
@@ -150,17 +163,21 @@ async def follow(
 async def read_all(conn: Conn, execution_id: str, limit: int = 1000, **options: Any) -> list[Event]:
     """Every event of an execution, page by page through next_cursor/has_more (no waiting)."""
     events: list[Event] = []
-    cursor = 0
+    cursor = "0"
     while True:
         page = await conn.ok(
-            "get_execution_output", execution_id=execution_id, after=cursor, limit=limit, **options
+            "get_execution_output",
+            execution_id=execution_id,
+            last_event_id=cursor,
+            limit=limit,
+            **options,
         )
-        assert len(page["events"]) <= limit
-        events += page["events"]
+        assert len(page["output"]) <= limit
+        events += page["output"]
         cursor = page["next_cursor"]
         if not page["has_more"]:
             return events
-        assert page["events"], "has_more with an empty page"
+        assert page["output"], "has_more with an empty page"
 
 
 async def wait_for_health_ok(server: ServerProcess) -> None:
@@ -179,19 +196,19 @@ async def test_execute_code_waits_and_returns_exit_code_and_ordered_events(alice
     assert result["status"] == "completed"
     assert result["exit_code"] == 3
     assert result["duration_ms"] >= 0
-    events = result["events"]
+    events = result["output"]
     assert_well_formed(events)
     assert stdout_of(events) == "out1\nout2\n"
     assert stdout_of(events, "stderr") == "err1\nerr2\n"
     assert events[-1]["code"] == 3
-    assert result["next_cursor"] == events[-1]["seq"]
+    assert result["next_cursor"] == events[-1]["event_id"]
     assert result["has_more"] is False
 
 
 async def test_execute_code_of_an_argv_list_runs_without_a_shell(alice: Conn) -> None:
     result = await alice.ok("execute_code", command=["/bin/echo", "$HOME", "a  b"])
     assert result["exit_code"] == 0
-    assert stdout_of(result["events"]) == "$HOME a  b\n"
+    assert stdout_of(result["output"]) == "$HOME a  b\n"
 
 
 async def test_execute_code_reports_output_as_progress_while_it_waits(alice: Conn) -> None:
@@ -222,7 +239,7 @@ async def test_timeout_ends_an_execution_with_status_timeout_and_an_exit_code(al
     assert result["status"] == "timeout"
     assert result["exit_code"] is not None
     assert result["reason"] == "timeout"
-    events = result["events"]
+    events = result["output"]
     assert_well_formed(events)
     assert "timeout" in types_of(events)
     assert stdout_of(events) == "begun\n"
@@ -244,23 +261,21 @@ async def test_async_execution_is_polled_with_cursors_until_exit(alice: Conn) ->
     assert stdout_of(events) == "tick1\ntick2\ntick3\ntick4\n"
     assert events[-1]["code"] == 0
 
-    # The cursor works as `after`, as `last_event_id` (string or int), and reading never consumes.
-    middle = events[2]["seq"]
-    by_after = await alice.ok("get_execution_output", execution_id=execution_id, after=middle)
-    by_id = await alice.ok(
-        "get_execution_output", execution_id=execution_id, last_event_id=str(middle)
-    )
-    assert by_after["events"] == by_id["events"] == events[middle:]
-    assert by_after["next_cursor"] == events[-1]["seq"]
-    assert by_after["next_event_id"] == str(events[-1]["seq"])
+    # The cursor is `last_event_id` (an event's id, a string), and reading never consumes.
+    middle = events[2]["event_id"]
+    by_id = await alice.ok("get_execution_output", execution_id=execution_id, last_event_id=middle)
+    assert by_id["output"] == events[int(middle) :]
+    assert by_id["next_cursor"] == events[-1]["event_id"]
+    assert by_id["first_event_id"] == "1"
     at_end = await alice.ok(
-        "get_execution_output", execution_id=execution_id, after=events[-1]["seq"]
+        "get_execution_output", execution_id=execution_id, last_event_id=events[-1]["event_id"]
     )
-    assert at_end["events"] == []
-    assert at_end["next_cursor"] == events[-1]["seq"]
+    assert at_end["output"] == []
+    assert at_end["next_cursor"] == events[-1]["event_id"]
     assert at_end["status"] == "completed"
+    assert at_end["message"] is None
     again = await alice.ok("get_execution_output", execution_id=execution_id)
-    assert again["events"] == events
+    assert again["output"] == events
 
 
 async def test_output_pages_honour_limit_and_has_more(alice: Conn) -> None:
@@ -270,29 +285,33 @@ async def test_output_pages_honour_limit_and_has_more(alice: Conn) -> None:
     assert total >= 12
 
     first = await alice.ok("get_execution_output", execution_id=execution_id, limit=5)
-    assert [e["seq"] for e in first["events"]] == [1, 2, 3, 4, 5]
+    assert [event_id(e) for e in first["output"]] == [1, 2, 3, 4, 5]
     assert first["has_more"] is True
-    assert first["next_cursor"] == 5
+    assert first["next_cursor"] == "5"
     paged = await read_all(alice, execution_id, limit=5)
     assert paged == events
     last = await alice.ok(
-        "get_execution_output", execution_id=execution_id, after=total - 2, limit=5
+        "get_execution_output", execution_id=execution_id, last_event_id=str(total - 2), limit=5
     )
-    assert len(last["events"]) == 2
+    assert len(last["output"]) == 2
     assert last["has_more"] is False
 
 
 async def test_long_poll_wait_is_bounded_when_nothing_happens(alice: Conn) -> None:
     execution_id = await start(alice, "sleep 30")
     ready = await follow(alice, execution_id, until=lambda ev: "ready" in types_of(ev))
-    cursor = ready[-1]["seq"]
+    cursor = ready[-1]["event_id"]
 
     started = time.monotonic()
     page = await alice.ok(
-        "get_execution_output", execution_id=execution_id, after=cursor, wait=True, wait_seconds=1
+        "get_execution_output",
+        execution_id=execution_id,
+        last_event_id=cursor,
+        wait=True,
+        wait_seconds=1,
     )
     took = time.monotonic() - started
-    assert page["events"] == []
+    assert page["output"] == []
     assert page["status"] == "running"
     assert page["next_cursor"] == cursor
     assert 0.8 <= took < 5, took
@@ -300,14 +319,19 @@ async def test_long_poll_wait_is_bounded_when_nothing_happens(alice: Conn) -> No
     # Asking for longer than the server's maximum waits only the maximum.
     started = time.monotonic()
     page = await alice.ok(
-        "get_execution_output", execution_id=execution_id, after=cursor, wait=True, wait_seconds=500
+        "get_execution_output",
+        execution_id=execution_id,
+        last_event_id=cursor,
+        wait=True,
+        wait_seconds=500,
     )
     took = time.monotonic() - started
-    assert page["events"] == []
+    assert page["output"] == []
     assert MAX_WAIT - 0.3 <= took < MAX_WAIT + 3, took
 
 
 async def test_long_poll_returns_as_soon_as_output_arrives(alice: Conn) -> None:
+    """wait_for=\"output\": the long-poll (plain wait=true waits for the end, as 0.2 did)."""
     execution_id = await start(alice, "cat", interactive=True)
     ready = await follow(alice, execution_id, until=lambda ev: "ready" in types_of(ev))
     started = time.monotonic()
@@ -315,15 +339,16 @@ async def test_long_poll_returns_as_soon_as_output_arrives(alice: Conn) -> None:
         alice.ok(
             "get_execution_output",
             execution_id=execution_id,
-            after=ready[-1]["seq"],
+            last_event_id=ready[-1]["event_id"],
             wait=True,
+            wait_for="output",
             wait_seconds=MAX_WAIT,
         )
     )
     await alice.ok("send_stdin", execution_id=execution_id, input_data="late\n")
     page = await poll
     took = time.monotonic() - started
-    assert stdout_of(page["events"]) == "late\n"
+    assert stdout_of(page["output"]) == "late\n"
     assert took < MAX_WAIT - 1, took
 
 
@@ -334,6 +359,7 @@ async def test_send_stdin_feeds_an_interactive_cat_and_close_stdin_ends_it(alice
     execution_id = await start(alice, "cat", interactive=True)
     sent = await alice.ok("send_stdin", execution_id=execution_id, input_data="hello\n")
     assert sent == {
+        "success": True,
         "execution_id": execution_id,
         "status": "running",
         "bytes_written": 6,
@@ -389,8 +415,9 @@ async def test_graceful_cancel_sends_sigterm_before_killing(alice: Conn) -> None
     execution_id = await start(alice, [PYTHON, "-c", program])
     await follow(alice, execution_id, until=lambda ev: "waiting" in stdout_of(ev))
     result = await alice.ok("cancel_execution", execution_id=execution_id)
+    assert result["success"] is True
     assert result["status"] == "cancelled"
-    assert result["already_finished"] is False
+    assert result["was_running"] is True
     assert result["exit_code"] == 7
     events = await read_all(alice, execution_id)
     assert_well_formed(events)
@@ -446,15 +473,16 @@ async def test_cancel_kills_the_whole_tree_including_a_grandchild_ignoring_sigte
 async def test_cancel_after_the_end_and_a_second_cancel_change_nothing(alice: Conn) -> None:
     done = await alice.ok("execute_code", command="exit 4")
     answer = await alice.ok("cancel_execution", execution_id=done["execution_id"])
-    assert answer["already_finished"] is True
+    assert answer["success"] is True
+    assert answer["was_running"] is False
     assert answer["status"] == "completed"
     assert answer["exit_code"] == 4
 
     execution_id = await start(alice, "sleep 30")
     first = await alice.ok("cancel_execution", execution_id=execution_id, force=True)
     second = await alice.ok("cancel_execution", execution_id=execution_id)
-    assert first["already_finished"] is False
-    assert second["already_finished"] is True
+    assert first["was_running"] is True
+    assert second["was_running"] is False
     assert first["status"] == second["status"] == "cancelled"
     assert first["exit_code"] == second["exit_code"] is not None
     events = await read_all(alice, execution_id)
@@ -471,11 +499,38 @@ async def test_a_cancel_racing_the_sandbox_start_reports_cancelled_not_failed(
         assert result["status"] == "cancelled"
         assert result["exit_code"] is not None
         status = await alice.ok("get_execution_status", execution_id=execution_id)
-        assert status["error"] is None
+        assert status["error_message"] is None
         assert types_of(await read_all(alice, execution_id))[-2:] == ["cancelled", "exit"]
 
 
 # -- status and listing -----------------------------------------------------------------------
+
+
+STATUS_FIELDS = {
+    "id",
+    "status",
+    "command",
+    "interactive",
+    "started_at",
+    "completed_at",
+    "exit_code",
+    "error_message",
+    "session",
+    "language",
+    "working_directory",
+    "timeout_seconds",
+    "limits",
+    "signal",
+    "reason",
+    "duration_ms",
+    "stdout_bytes",
+    "stderr_bytes",
+    "dropped_bytes",
+    "last_event_id",
+    "stdin_open",
+    "execution_count",
+    "replica_id",
+}
 
 
 async def test_get_execution_status_reports_the_execution_record(alice: Conn) -> None:
@@ -487,18 +542,19 @@ async def test_get_execution_status_reports_the_execution_record(alice: Conn) ->
         sandbox_config={"memory_mb": 128},
     )
     status = await alice.ok("get_execution_status", execution_id=result["execution_id"])
-    assert status["execution_id"] == result["execution_id"]
+    assert status["id"] == result["execution_id"]
     assert status["status"] == "completed"
     assert status["exit_code"] == 0
-    assert status["principal"] == "alice"
+    assert status["session"] == "default"
     assert status["command"] == "printf abc; printf de >&2"
     assert status["timeout_seconds"] == 30
     assert status["limits"]["memory_mb"] == 128
     assert status["stdout_bytes"] == 3
     assert status["stderr_bytes"] == 2
-    assert status["last_seq"] == result["events"][-1]["seq"]
-    assert status["created_at"] <= status["started_at"] <= status["finished_at"]
+    assert status["last_event_id"] == result["output"][-1]["event_id"]
+    assert status["started_at"] <= status["completed_at"]
     assert status["duration_ms"] == result["duration_ms"]
+    assert set(status) == STATUS_FIELDS
 
 
 async def test_list_executions_filters_by_status(alice: Conn) -> None:
@@ -507,23 +563,37 @@ async def test_list_executions_filters_by_status(alice: Conn) -> None:
     running = await start(alice, "sleep 30", session=session)
     try:
         everything = await alice.ok("list_executions", session=session)
-        assert [i["execution_id"] for i in everything["executions"]] == [
+        assert [i["id"] for i in everything["result"]] == [
             running,
             finished["execution_id"],
         ]
-        assert everything["count"] == 2
+        assert len(everything["result"]) == 2
+        assert all(set(i) == STATUS_FIELDS for i in everything["result"])
+        assert all(i["session"] == session for i in everything["result"])
         only_running = await alice.ok("list_executions", status="running", session=session)
-        assert [i["execution_id"] for i in only_running["executions"]] == [running]
+        assert [i["id"] for i in only_running["result"]] == [running]
         only_done = await alice.ok("list_executions", status="completed", session=session)
-        assert [i["execution_id"] for i in only_done["executions"]] == [finished["execution_id"]]
+        assert [i["id"] for i in only_done["result"]] == [finished["execution_id"]]
         none = await alice.ok("list_executions", status="timeout", session=session)
-        assert none == {"executions": [], "count": 0, "truncated": False}
+        assert none == {"result": [], "truncated": False}
         one = await alice.ok("list_executions", limit=1, session=session)
-        assert one["count"] == 1
+        assert len(one["result"]) == 1
+        # The text content: in the legacy era one JSON block per execution (none for an empty
+        # list), as 0.2 sent lists; in the 2026 era one block with the JSON list.
+        raw = await alice.call("list_executions", session=session)
+        texts = [json.loads(b.text) for b in raw.content if isinstance(b, TextContent)]
+        empty = await alice.call("list_executions", status="timeout", session=session)
+        empty_texts = [json.loads(b.text) for b in empty.content if isinstance(b, TextContent)]
+        if alice.mode == "legacy":
+            assert texts == everything["result"]
+            assert empty_texts == []
+        else:
+            assert texts == [everything["result"]]
+            assert empty_texts == [[]]
     finally:
         await alice.ok("cancel_execution", execution_id=running, force=True, session=session)
     cancelled = await alice.ok("list_executions", status="cancelled", session=session)
-    assert [i["execution_id"] for i in cancelled["executions"]] == [running]
+    assert [i["id"] for i in cancelled["result"]] == [running]
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -540,13 +610,13 @@ BAD_INPUT: list[tuple[str, str, dict[str, Any], str]] = [
         "command-of-wrong-type",
         "execute_code",
         {"command": 42},
-        "validation errors for call[execute_code]\ncommand.str\n  Input should be a valid string",
+        "command must be a string or a list, got 42",
     ),
     (
         "timeout-not-a-number",
         "execute_code",
         {"command": "true", "timeout_seconds": "soon"},
-        "timeout_seconds\n  Input should be a valid number",
+        'timeout_seconds must be a number, got "soon"',
     ),
     (
         "timeout-above-maximum",
@@ -612,7 +682,7 @@ BAD_INPUT: list[tuple[str, str, dict[str, Any], str]] = [
         "environment-value-of-wrong-type",
         "execute_code",
         {"command": "true", "environment": {"X": 1}},
-        "environment.X\n  Input should be a valid string",
+        "environment.X must be a string, got 1",
     ),
     (
         "bad-session-name",
@@ -630,20 +700,20 @@ BAD_INPUT: list[tuple[str, str, dict[str, Any], str]] = [
         "limit-of-wrong-type",
         "list_executions",
         {"limit": "many"},
-        "limit\n  Input should be a valid integer",
+        'limit must be an integer, got "many"',
     ),
     ("zero-limit", "list_executions", {"limit": 0}, "limit must be a positive integer"),
     (
         "missing-argument",
         "send_stdin",
         {"execution_id": "x"},
-        "input_data\n  Missing required argument",
+        "input_data is required",
     ),
     (
         "execution-id-of-wrong-type",
         "get_execution_output",
         {"execution_id": ["x"]},
-        "execution_id\n  Input should be a valid string",
+        'execution_id must be a string, got ["x"]',
     ),
 ]
 
@@ -656,28 +726,27 @@ BAD_INPUT: list[tuple[str, str, dict[str, Any], str]] = [
 async def test_bad_input_gets_a_clear_tool_error_and_the_server_stays_healthy(
     server: ServerProcess, tool: str, arguments: dict[str, Any], message: str
 ) -> None:
+    session = unique("refused")  # (a session of its own: "default" is every test's)
     async with open_client(server.url, ALICE, "legacy") as conn:
-        text = await conn.error(tool, **arguments)
+        text = await conn.error(tool, **{"session": session, **arguments})
         assert message in text
         assert "Traceback" not in text
-        listed = await conn.ok("list_executions")
-        assert listed["count"] == 0, "a refused request left an execution behind"
+        listed = await conn.ok("list_executions", session=session)
+        assert len(listed["result"]) == 0, "a refused request left an execution behind"
     await wait_for_health_ok(server)
 
 
 async def test_bad_cursors_get_clear_tool_errors(alice: Conn) -> None:
     done = await alice.ok("execute_code", command="true")
     execution_id = done["execution_id"]
-    text = await alice.error("get_execution_output", execution_id=execution_id, after=-1)
-    assert "after must be >= 0" in text
-    text = await alice.error(
-        "get_execution_output", execution_id=execution_id, last_event_id="latest"
-    )
-    assert "last_event_id must be an event id (an integer), got 'latest'" in text
-    text = await alice.error(
-        "get_execution_output", execution_id=execution_id, last_event_id="2", after=3
-    )
-    assert "last_event_id and after disagree" in text
+    last = int((await alice.ok("get_execution_status", execution_id=execution_id))["last_event_id"])
+    for bad in ("-1", "latest", str(last + 1), "99999999999999999999"):
+        text = await alice.error(
+            "get_execution_output", execution_id=execution_id, last_event_id=bad
+        )
+        assert text == f"Event ID {bad!r} not found (may have been evicted)"
+    text = await alice.error("get_execution_output", execution_id=execution_id, after=3)
+    assert "unknown argument 'after'" in text
     text = await alice.error("get_execution_output", execution_id=execution_id, limit=0)
     assert "limit must be a positive integer" in text
     text = await alice.error(
@@ -732,7 +801,10 @@ async def test_stdin_to_a_finished_or_non_interactive_execution_is_refused(alice
 
     execution_id = await start(alice, "sleep 30", interactive=True)
     text = await alice.error(
-        "send_stdin", execution_id=execution_id, input_data="x" * (1024 * 1024 + 1)
+        "send_stdin",
+        execution_id=execution_id,
+        input_data="x" * (1024 * 1024 + 1),
+        append_newline=False,
     )
     assert text == "input_data is 1048577 bytes; at most 1048576 per call"
     await alice.ok("send_stdin", execution_id=execution_id, input_data="", close_stdin=True)
@@ -879,37 +951,48 @@ async def test_status_and_list_replies_stay_readable_for_huge_commands(
         assert len("".join(status["command"])) < 5000
         listed = await conn.ok("list_executions", session=session)
         assert listed["truncated"] is True
-        assert 1 <= listed["count"] < 25
-        assert [i["execution_id"] for i in listed["executions"]] == ids[::-1][: listed["count"]]
+        count = len(listed["result"])
+        assert 1 <= count < 25
+        assert [i["id"] for i in listed["result"]] == ids[::-1][:count]
         few = await conn.ok("list_executions", session=session, limit=3)
         assert few["truncated"] is False
-        assert [i["execution_id"] for i in few["executions"]] == ids[::-1][:3]
+        assert [i["id"] for i in few["result"]] == ids[::-1][:3]
 
 
 # -- owners -----------------------------------------------------------------------------------
 
 
-async def test_two_legacy_sessions_do_not_see_each_others_executions(
+async def test_two_legacy_connections_share_default_and_named_sessions_keep_apart(
     server: ServerProcess,
 ) -> None:
+    """Unnamed, two transport sessions of a token are both in "default" (as in 0.2: a client
+    that opens a transport session per call keeps its state); named sessions keep apart."""
     async with (
         open_client(server.url, ALICE, "legacy") as one,
         open_client(server.url, ALICE, "legacy") as two,
     ):
         assert one.session_id and two.session_id and one.session_id != two.session_id
-        mine = await start(one, "sleep 30")
-        theirs = await start(two, "sleep 30")
-        assert [i["execution_id"] for i in (await one.ok("list_executions"))["executions"]] == [
-            mine
-        ]
-        assert [i["execution_id"] for i in (await two.ok("list_executions"))["executions"]] == [
-            theirs
-        ]
+        shared = await start(one, "sleep 30")
+        seen = await two.ok("get_execution_status", execution_id=shared)
+        assert seen["status"] == "running"
+        assert seen["session"] == "default"
+        listed = await two.ok("list_executions", status="running")
+        assert shared in [i["id"] for i in listed["result"]]
+        await two.ok("cancel_execution", execution_id=shared, force=True)
+
+        a, b = unique("a"), unique("b")
+        mine = await start(one, "sleep 30", session=a)
+        theirs = await start(two, "sleep 30", session=b)
+        assert [i["id"] for i in (await one.ok("list_executions", session=a))["result"]] == [mine]
+        assert [i["id"] for i in (await two.ok("list_executions", session=b))["result"]] == [theirs]
+        text = await two.error("cancel_execution", execution_id=mine, session=b)
+        assert text == f"execution {mine!r} not found"
         text = await two.error("cancel_execution", execution_id=mine)
         assert text == f"execution {mine!r} not found"
-        assert (await one.ok("get_execution_status", execution_id=mine))["status"] == "running"
-        await one.ok("cancel_execution", execution_id=mine, force=True)
-        await two.ok("cancel_execution", execution_id=theirs, force=True)
+        status = await one.ok("get_execution_status", execution_id=mine, session=a)
+        assert status["status"] == "running"
+        await one.ok("cancel_execution", execution_id=mine, force=True, session=a)
+        await two.ok("cancel_execution", execution_id=theirs, force=True, session=b)
 
 
 async def test_an_explicit_session_is_shared_by_connections_of_the_same_token(
@@ -918,10 +1001,11 @@ async def test_an_explicit_session_is_shared_by_connections_of_the_same_token(
     session = unique("shared")
     async with open_client(server.url, ALICE, mode) as first:
         execution_id = await start(first, "cat", interactive=True, session=session)
-        assert (await first.ok("list_executions"))["count"] == 0 or mode == "auto"
+        unnamed = await first.ok("list_executions")  # "default": not the named session
+        assert execution_id not in [i["id"] for i in unnamed["result"]]
     async with open_client(server.url, ALICE, mode) as again:
         listed = await again.ok("list_executions", session=session)
-        assert [i["execution_id"] for i in listed["executions"]] == [execution_id]
+        assert [i["id"] for i in listed["result"]] == [execution_id]
         await again.ok(
             "send_stdin",
             execution_id=execution_id,
@@ -946,30 +1030,39 @@ async def test_tokens_do_not_see_each_others_executions_in_the_same_named_sessio
         alices = await start(alice, "sleep 30", session=session)
         bobs = await start(bob, "sleep 30", session=session)
         listed = await bob.ok("list_executions", session=session)
-        assert [i["execution_id"] for i in listed["executions"]] == [bobs]
-        assert listed["executions"][0]["principal"] == "bob"
+        assert [i["id"] for i in listed["result"]] == [bobs]
         for tool in ("get_execution_status", "get_execution_output", "cancel_execution"):
             text = await bob.error(tool, execution_id=alices, session=session)
             assert text == f"execution {alices!r} not found"
         status = await alice.ok("get_execution_status", execution_id=alices, session=session)
         assert status["status"] == "running"
-        assert status["principal"] == "alice"
         await alice.ok("cancel_execution", execution_id=alices, force=True, session=session)
         await bob.ok("cancel_execution", execution_id=bobs, force=True, session=session)
 
 
-async def test_a_modern_request_cannot_borrow_a_legacy_session_id(server: ServerProcess) -> None:
+async def test_a_legacy_session_id_borrowed_by_a_modern_request_names_no_session(
+    server: ServerProcess,
+) -> None:
+    """Executions belong to (token, session name): a transport session id is no owner, so a
+    modern request carrying a legacy one reaches what any request of the token reaches (the
+    session it names, else "default") and nothing more."""
+    session = unique("named")
     async with open_client(server.url, ALICE, "legacy") as legacy:
-        execution_id = await start(legacy, "sleep 30")
+        unnamed = await start(legacy, "sleep 30")
+        named = await start(legacy, "sleep 30", session=session)
         assert legacy.session_id
         async with open_client(
             server.url, ALICE, "auto", headers={"Mcp-Session-Id": legacy.session_id}
         ) as modern:
-            text = await modern.error("get_execution_status", execution_id=execution_id)
-            assert text == f"execution {execution_id!r} not found"
+            status = await modern.ok("get_execution_status", execution_id=unnamed)
+            assert status["session"] == "default"
+            text = await modern.error("get_execution_status", execution_id=named)
+            assert text == f"execution {named!r} not found"
             listed = await modern.ok("list_executions", status="running")
-            assert execution_id not in [i["execution_id"] for i in listed["executions"]]
-        await legacy.ok("cancel_execution", execution_id=execution_id, force=True)
+            ids = [i["id"] for i in listed["result"]]
+            assert unnamed in ids and named not in ids
+        await legacy.ok("cancel_execution", execution_id=unnamed, force=True)
+        await legacy.ok("cancel_execution", execution_id=named, force=True, session=session)
 
 
 # -- concurrency limits -----------------------------------------------------------------------
@@ -991,12 +1084,12 @@ async def test_a_third_concurrent_execution_in_a_session_is_refused_until_one_is
         assert "maximum of 2 executions" in text
         # Another session is not affected.
         other = await conn.ok("execute_code", command="echo free", session=unique("other"))
-        assert stdout_of(other["events"]) == "free\n"
+        assert stdout_of(other["output"]) == "free\n"
 
         await conn.ok("cancel_execution", execution_id=first, session=session)
         third = await start(conn, "sleep 30", session=session)
         listed = await conn.ok("list_executions", status="running", session=session)
-        assert {i["execution_id"] for i in listed["executions"]} == {second, third}
+        assert {i["id"] for i in listed["result"]} == {second, third}
         for execution_id in (second, third):
             await conn.ok(
                 "cancel_execution", execution_id=execution_id, force=True, session=session
@@ -1026,6 +1119,9 @@ async def test_the_mcp_endpoint_without_a_token_is_401_with_www_authenticate(
         resp = await http.post(server.url, json=INITIALIZE, headers=MCP_HEADERS)
     assert resp.status_code == 401
     assert resp.headers["www-authenticate"].startswith("Bearer")
+    body = resp.json()
+    assert body["error"] == "missing token"
+    assert body["error_description"].startswith("missing token: ")
 
 
 @pytest.mark.parametrize("token", ["tok-nobody-0123456789", ALICE + "x", ALICE[:-1]])
@@ -1040,6 +1136,9 @@ async def test_the_mcp_endpoint_with_a_wrong_token_is_401(
         )
     assert resp.status_code == 401
     assert 'error="invalid_token"' in resp.headers["www-authenticate"]
+    body = resp.json()
+    assert body["error"] == "invalid token"
+    assert body["error_description"].startswith("invalid token: ")
     assert ALICE not in resp.text
 
 
@@ -1129,7 +1228,7 @@ async def test_sigterm_with_running_executions_leaves_no_process_behind(tmp_path
     assert answer.structured_content is not None
     assert answer.structured_content["status"] == "cancelled"
     assert answer.structured_content["exit_code"] is not None
-    assert types_of(answer.structured_content["events"])[-2:] == ["cancelled", "exit"]
+    assert types_of(answer.structured_content["output"])[-2:] == ["cancelled", "exit"]
     log = server.stderr_text()
     assert "stopping executions" in log
     assert "Traceback" not in log

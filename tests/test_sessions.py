@@ -55,16 +55,16 @@ def unique(prefix: str) -> str:
 
 
 def stdout_of(result: dict[str, Any]) -> str:
-    return "".join(e.get("data", "") for e in result["events"] if e["type"] == "stdout")
+    return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
 
 
 async def all_output(conn: Conn, execution_id: str, session: str) -> str:
-    text, cursor = "", 0
+    text, cursor = "", "0"
     while True:
         page = await conn.ok(
-            "get_execution_output", execution_id=execution_id, after=cursor, session=session
+            "get_execution_output", execution_id=execution_id, last_event_id=cursor, session=session
         )
-        text += "".join(e.get("data", "") for e in page["events"] if e["type"] == "stdout")
+        text += "".join(e.get("data", "") for e in page["output"] if e["type"] == "stdout")
         cursor = page["next_cursor"]
         if not page["has_more"]:
             return text
@@ -166,10 +166,10 @@ async def test_caller_that_gives_up_ends_the_forwarded_wait_not_the_execution(
     assert processes_with(marker), "the execution itself should run on"
     async with open_client(topology.replicas[home].url, TOKEN, "auto") as on_home:
         running = await on_home.ok("list_executions", status="running", session=session)
-        assert running["count"] == 1
+        assert len(running["result"]) == 1
         await on_home.ok(
             "cancel_execution",
-            execution_id=running["executions"][0]["execution_id"],
+            execution_id=running["result"][0]["id"],
             session=session,
         )
     assert not processes_with(marker)
@@ -219,7 +219,7 @@ async def test_killed_home_rehomes_the_session_with_session_reset_and_old_runs_r
         again = await conn.ok("execute_code", command="echo once more", session=session)
         assert again.get("session_reset") is None
         listed = await conn.ok("list_executions", session=session)
-        statuses = {e["execution_id"]: e["status"] for e in listed["executions"]}
+        statuses = {e["id"]: e["status"] for e in listed["result"]}
         assert statuses[execution_id] == "lost"
         assert len(statuses) == 4
         assert await all_output(conn, execution_id, session) == "".join(
@@ -424,7 +424,8 @@ async def test_session_in_the_url_binds_the_endpoint_and_a_disagreeing_argument_
         message = await conn.error("execute_code", command="true", session="another")
         assert "bound to session" in message
         listed = await conn.ok("list_executions")
-        assert listed["count"] == 2
+        assert len(listed["result"]) == 2
+        assert all(e["session"] == session for e in listed["result"])
     async with httpx2.AsyncClient(timeout=5) as http:
         bad = await http.post(
             f"{topology.replicas[next(iter(topology.replicas))].base_url}/s/bad%20name/mcp",

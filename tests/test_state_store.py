@@ -52,7 +52,7 @@ def make_info(
 
 def make_events(first: int, count: int) -> list[OutputEvent]:
     return [
-        OutputEvent(seq=s, type=EventType.STDOUT, timestamp=time.time(), data=f"line {s}\n")
+        OutputEvent(seq=s, type=EventType.STDOUT, ts=time.time(), data=f"line {s}\n")
         for s in range(first, first + count)
     ]
 

@@ -91,18 +91,18 @@ async def test_execution_is_polled_fed_and_cancelled_through_nginx_from_a_new_se
             )
     async with open_client(topology.nginx.url, TOKEN, "auto") as last:
         text = ""
-        cursor = 0
+        cursor = "0"
         deadline = time.monotonic() + 10
         while "via auto" not in text and time.monotonic() < deadline:
             page = await last.ok(
                 "get_execution_output",
                 execution_id=execution_id,
-                after=cursor,
+                last_event_id=cursor,
                 wait=True,
                 wait_seconds=2,
                 session=session,
             )
-            text += "".join(e.get("data", "") for e in page["events"])
+            text += "".join(e.get("data", "") for e in page["output"])
             cursor = page["next_cursor"]
         assert "via legacy\nvia auto\n" in text
         cancelled = await last.ok("cancel_execution", execution_id=execution_id, session=session)
@@ -144,12 +144,15 @@ async def test_killed_replica_client_reinitializes_sees_lost_and_reads_mirrored_
             return info["status"] == "lost"
 
         await eventually(lost, 15, "lost status")
-        text, cursor = "", 0
+        text, cursor = "", "0"
         while True:
             page = await fresh.ok(
-                "get_execution_output", execution_id=execution_id, after=cursor, session=session
+                "get_execution_output",
+                execution_id=execution_id,
+                last_event_id=cursor,
+                session=session,
             )
-            text += "".join(e.get("data", "") for e in page["events"] if e["type"] == "stdout")
+            text += "".join(e.get("data", "") for e in page["output"] if e["type"] == "stdout")
             cursor = page["next_cursor"]
             if not page["has_more"]:
                 break

@@ -55,7 +55,7 @@ async def warm_ready(server: ServerProcess, language: str = "python") -> None:
 
 
 def stdout_of(result: dict[str, Any]) -> str:
-    return "".join(e.get("data") or "" for e in result["events"] if e["type"] == "stdout")
+    return "".join(e.get("data") or "" for e in result["output"] if e["type"] == "stdout")
 
 
 async def finished(conn: Conn, execution_id: str, s: str) -> dict[str, Any]:
@@ -147,7 +147,7 @@ async def test_a_running_interpreter_call_keeps_its_file_when_another_language_s
 
         async def running() -> bool:
             listed = await conn.ok("list_executions", session=s)
-            return any(e["status"] == "running" for e in listed["executions"])
+            return any(e["status"] == "running" for e in listed["result"])
 
         await eventually(running, 10, "the python call to run", interval=0.05)
         shell = await conn.ok("run_code", code="echo hi", language="bash", session=s)

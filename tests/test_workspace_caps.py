@@ -73,7 +73,7 @@ async def test_past_a_tokens_cap_the_least_recently_used_idle_workspace_makes_ro
             assert await read(alice, a1) == "one", "an unmounted workspace keeps its files"
             assert await read(alice, a2) == "two"
             ran = await alice.ok("execute_code", command="cat f.txt", session=a3)
-            assert "".join(e.get("data") or "" for e in ran["events"]) == "three"
+            assert "".join(e.get("data") or "" for e in ran["output"]) == "three"
             assert mounted(server) == 2
             async with open_client(server.url, BOB, "auto") as bob:
                 await write(bob, b1, "b-one")

@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.execution.manager import get_manager
 from sandbox_runtime.server.replies import reply
 from sandbox_runtime.server.resources import RESOURCE_TEMPLATE, THIS_SESSION
-from sandbox_runtime.server.tools import SessionArg, call, owner_of
+from sandbox_runtime.server.tools import SessionArg, call, owner_of, session_name
 from sandbox_runtime.sessions.models import SessionReset
 from sandbox_runtime.sessions.router import get_router
 
@@ -35,14 +35,18 @@ class Usage(BaseModel):
     files_limit: int | None = None
 
 
-class WriteResult(BaseModel):
-    path: str
-    size: int
-    usage: Usage
+class InSession(BaseModel):
+    session: str = Field("default", description="The session the call ran in.")
     session_reset: SessionReset | None = None
 
 
-class ReadResult(BaseModel):
+class WriteResult(InSession):
+    path: str
+    size: int
+    usage: Usage
+
+
+class ReadResult(InSession):
     path: str
     size: int = Field(description="The whole file's size.")
     offset: int
@@ -51,7 +55,6 @@ class ReadResult(BaseModel):
     encoding: str = Field(description="utf-8 (content is the text) or base64.")
     content: str
     mime_type: str
-    session_reset: SessionReset | None = None
 
 
 class FileEntry(BaseModel):
@@ -62,29 +65,26 @@ class FileEntry(BaseModel):
     target: str | None = Field(None, description="A symlink's target (never followed).")
 
 
-class ListResult(BaseModel):
+class ListResult(InSession):
     path: str
     entries: list[FileEntry]
     count: int
     truncated: bool = Field(description="More entries exist: raise limit or list deeper paths.")
     usage: Usage
-    session_reset: SessionReset | None = None
 
 
-class DeleteResult(BaseModel):
+class DeleteResult(InSession):
     path: str
     deleted: str = Field(description="What it was: file, directory, symlink, ...")
     usage: Usage
-    session_reset: SessionReset | None = None
 
 
-class FileUrl(BaseModel):
+class FileUrl(InSession):
     url: str = Field(description="Plain HTTP, no token needed: GET (Range allowed) or PUT.")
     method: str
     path: str
     expires_at: int = Field(description="Unix time after which the URL is refused.")
     size: int | None = None
-    session_reset: SessionReset | None = None
 
 
 def public_base(settings_url: str | None) -> str:
@@ -114,7 +114,8 @@ def register_file_tools(mcp: FastMCP) -> None:
 
     async def run(ctx: Context, session: str | None, op: str, args: dict[str, Any]) -> dict:
         owner = owner_of(ctx, session)
-        return await call(lambda: get_router().run(owner, op, args, None), op)
+        result = await call(lambda: get_router().run(owner, op, args, None), op)
+        return {**result, "session": session_name(owner)}
 
     @mcp.tool
     async def write_file(

@@ -21,6 +21,7 @@ from sandbox_runtime.server.tools import (
     execution_result,
     owner_of,
     progress_of,
+    session_name,
 )
 from sandbox_runtime.sessions.router import get_router
 
@@ -71,9 +72,11 @@ class Language(BaseModel):
 
 class LanguageList(BaseModel):
     languages: list[Language]
+    session: str = Field("default", description="The session asked about.")
 
 
 class RestartResult(BaseModel):
+    session: str = Field("default", description="The session the call ran in.")
     language: str
     restarted: bool = Field(description="False: there was no interpreter to restart.")
     running: bool
@@ -125,7 +128,17 @@ async def _run_code(
     structured = execution_result(owner, result, RunCodeResult)
     blocks = _content(structured)
     links = resource_links(owner, result.get("files"))
-    return reply(structured, [*blocks[1:], *links], text=blocks[0].text)
+    # The images go once as image content: the JSON text does not carry them a third time.
+    shown = {**structured, "results": [_without_images(b) for b in structured["results"]]}
+    return reply(structured, [*blocks[1:], *links], text=blocks[0].text, shown=shown)
+
+
+def _without_images(bundle: dict[str, Any]) -> dict[str, Any]:
+    """A MIME bundle as the JSON text shows it: an image sent as image content is named."""
+    image = next((m for m in IMAGE_TYPES if isinstance(bundle.get(m), str)), None)
+    if image is None:
+        return bundle
+    return {**bundle, image: f"[{len(bundle[image])} characters of base64: the image content]"}
 
 
 def register_interpreter_tools(mcp: FastMCP) -> None:
@@ -185,7 +198,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
         result = await call(
             lambda: get_router().run(owner, "list_languages", {}, None), "list_languages"
         )
-        return LanguageList.model_validate(result)
+        return LanguageList.model_validate({**result, "session": session_name(owner)})
 
     @mcp.tool
     async def restart_interpreter(
@@ -202,4 +215,4 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             lambda: get_router().run(owner, "restart_interpreter", args, None),
             "restart_interpreter",
         )
-        return RestartResult.model_validate(result)
+        return RestartResult.model_validate({**result, "session": session_name(owner)})

@@ -60,16 +60,19 @@ def reply(
     extra: list[Any] | None = None,
     text: str | None = None,
     items: list[Any] | None = None,
+    shown: dict[str, Any] | None = None,
 ) -> ToolResult:
     """A successful result: `structured`, plus content for clients that read only content.
 
-    Legacy era: the JSON of the result (of each of `items`, when the result is a list, as 0.2
-    sent lists), then `extra` blocks that are not text (images, resource links). 2026 era: one
-    text block (`text`, else the JSON), then `extra`.
+    Legacy era: the JSON of the result (`shown`, when what the text shows of it leaves out
+    what `extra` carries, such as images; of each of `items`, when the result is a list, as
+    0.2 sent lists), then `extra` blocks that are not text (images, resource links). 2026 era:
+    one text block (`text`, else the JSON), then `extra`.
     """
     blocks = [b for b in extra or [] if not isinstance(b, TextContent)]
     if legacy_era():
-        head = [as_json(i) for i in items] if items is not None else [as_json(structured)]
+        whole = shown if shown is not None else structured
+        head = [as_json(i) for i in items] if items is not None else [as_json(whole)]
     elif text is not None:
         head = [TextContent(type="text", text=text)]
     else:
@@ -133,27 +136,44 @@ MAX_SHOWN = 60
 
 def argument_problems(error: PydanticValidationError, tool: str, known: list[str]) -> str:
     """One line per bad argument, naming it and what it must be (no library dump, no URLs)."""
+    # pydantic reports a union's every member (loc: name, "str"; name, "list[str]"): gather
+    # what each argument must be, named by its path without those member tags.
+    wants: dict[str, list[str]] = {}
+    given: dict[str, Any] = {}
     problems: dict[str, str] = {}
     for item in error.errors(include_url=False):
-        loc = [str(p) for p in item.get("loc", ()) if not isinstance(p, int) or p >= 0]
+        loc = [str(p) for p in item.get("loc", ()) if not _member_tag(p)]
         name = ".".join(loc) or "arguments"
-        if name in problems or (loc and loc[0] in problems):
-            continue
         kind = item.get("type", "")
         if kind in ("extra_forbidden", "unexpected_keyword_argument"):
             takes = f" ({tool} takes {', '.join(known)})" if known else ""
             problems[name] = f"unknown argument {name!r}{takes}"
-        elif kind == "missing":
+        elif kind in ("missing", "missing_argument"):
             problems[name] = f"{name} is required"
         elif kind in _MUST_BE:
-            problems[name] = f"{name} must be {_MUST_BE[kind]}, got {_shown(item.get('input'))}"
-        else:
+            want = _MUST_BE[kind]
+            if want not in wants.setdefault(name, []):
+                wants[name].append(want)
+            given[name] = item.get("input")
+        elif name not in problems:
             msg = str(item.get("msg", "invalid value")).removeprefix("Value error, ")
             problems[name] = f"{name}: {msg}"
+    for name, choices in wants.items():
+        if name not in problems:
+            problems[name] = f"{name} must be {' or '.join(choices)}, got {_shown(given[name])}"
     if not problems:
         logger.debug("validation error without details: {}", error)
         return "invalid arguments"
     return "; ".join(problems.values())
+
+
+def _member_tag(part: object) -> bool:
+    """Whether a location part names a union member or a validator, not an argument."""
+    if not isinstance(part, str):
+        return isinstance(part, int) and part < 0
+    return part in {"str", "int", "float", "bool", "dict", "list", "none"} or any(
+        c in part for c in "[-"
+    )
 
 
 def _shown(value: Any) -> str:

@@ -61,8 +61,10 @@ MAX_ENVIRONMENT = 1000
 
 def _environment(value: Any) -> Any:
     """The environment as a dict, from either form (the dict is checked as such after this)."""
-    if not isinstance(value, list):
+    if value is None or isinstance(value, dict):
         return value
+    if not isinstance(value, list):
+        raise ValueError('must be a list of {"name": ..., "value": ...} (or an object)')
     if len(value) > MAX_ENVIRONMENT:
         raise ValueError(f"more than {MAX_ENVIRONMENT} variables")
     out: dict[str, str] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import json
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -413,6 +414,7 @@ def register_tools(mcp: FastMCP) -> None:
             wait_for_s = manager.settings.max_wait if wait_seconds is None else wait_seconds
             if wait_for_s < 0:
                 raise ToolFailure("wait_seconds must not be negative")
+            wait_for_s = min(wait_for_s, manager.settings.max_wait)
 
         async def read() -> OutputPage:
             executions = get_router().executions
@@ -532,7 +534,7 @@ def register_tools(mcp: FastMCP) -> None:
         size = 0
         for info in infos:
             item = status_of(info).model_dump(mode="json")
-            size += len(str(item))
+            size += len(json.dumps(item, ensure_ascii=False).encode())
             if shown and size > LIST_MAX_BYTES:
                 break
             shown.append(item)
