@@ -226,3 +226,25 @@ async def test_a_wrong_or_missing_token_says_so_in_plain_words(server: ServerPro
         assert challenge.startswith("Bearer ") and "resource_metadata" not in challenge
         assert ("invalid_token" in challenge) == (token is not None)
         assert "re-register" not in json.dumps(body)
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_a_plot_comes_once_as_an_image_and_the_text_says_what_it_is(
+    server: ServerProcess, mode: Mode
+) -> None:
+    code = "from IPython.display import Image, display\nimport base64\n" + (
+        "display(Image(data=base64.b64decode('iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUl"
+        "EQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==')))"
+    )
+    async with open_client(server.url, TOKEN, mode) as conn:
+        result = await conn.call("run_code", code=code, session=f"plot-{mode}")
+    assert not result.is_error and result.structured_content is not None
+    png = result.structured_content["results"][0]["image/png"]
+    images = [b for b in result.content if b.type == "image"]
+    assert [i.data for i in images] == [png]
+    (text,) = [b.text for b in result.content if b.type == "text"]
+    assert png not in text
+    if mode == "legacy":  # 0.2's era: the text is the result's JSON, the image named in it
+        shown = json.loads(text)
+        assert shown["execution_id"] == result.structured_content["execution_id"]
+        assert "the image content" in shown["results"][0]["image/png"]
