@@ -248,3 +248,86 @@ async def test_a_plot_comes_once_as_an_image_and_the_text_says_what_it_is(
         shown = json.loads(text)
         assert shown["execution_id"] == result.structured_content["execution_id"]
         assert "the image content" in shown["results"][0]["image/png"]
+
+
+async def test_what_a_hostile_or_sloppy_caller_sends_gets_one_line_and_nothing_hangs(
+    server: ServerProcess,
+) -> None:
+    async with open_client(server.url, TOKEN, "legacy") as conn:
+        apart = f"sloppy-{uuid.uuid4().hex[:6]}"
+        started = await conn.ok("execute_code_async", command="sleep 3", session=apart)
+        eid = started["execution_id"]
+        began = time.monotonic()
+        # NaN as a wait once spun the event loop; a bad limit is refused before any wait.
+        for args in ({"wait_seconds": "NaN"}, {"wait_seconds": "inf"}, {"limit": 0}):
+            text = await conn.error(
+                "get_execution_output", execution_id=eid, session=apart, wait=True, **args
+            )
+            assert "must be" in text, text
+        assert time.monotonic() - began < 2
+        health = await asyncio.to_thread(httpx2.get, f"{server.base_url}/health", timeout=3)
+        assert health.status_code == 200
+        # An argument named as the caller spelt it, clipped; an unknown tool in JSON too.
+        text = await conn.error("get_execution_output", execution_id=eid, **{"last-event-id": 3})
+        assert "unknown argument 'last-event-id'" in text, text
+        text = await conn.error("execute_code", command="true", **{"x" * 5000: 1})
+        assert len(text) < 1000, len(text)
+        text = await conn.error("no_such_tool")
+        assert text.startswith("unknown tool 'no_such_tool'"), text
+        # An event id sent as a number (as models do) reads as its text.
+        page = await conn.ok(
+            "get_execution_output", execution_id=eid, session=apart, last_event_id=1
+        )
+        assert page["next_cursor"] >= "1"
+        # A variable named twice in the list form is refused, not silently overwritten.
+        env = [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]
+        text = await conn.error("execute_code", command="true", environment=env)
+        assert "given twice" in text, text
+
+
+async def test_a_large_run_code_reply_fits_the_official_clients_limit_in_the_legacy_era(
+    server: ServerProcess,
+) -> None:
+    """The client refuses an SSE event over 1 MiB; a legacy reply carries its result twice."""
+    async with open_client(server.url, TOKEN, "legacy") as conn:
+        result = await conn.call(
+            "run_code", code='print("\\"" * 250000); print("中" * 100000)', session="big-reply"
+        )
+    assert not result.is_error, result.content
+    assert result.structured_content is not None
+    (text,) = [b.text for b in result.content if b.type == "text"]
+    shown = json.loads(text)
+    assert shown["status"] == "completed"
+    assert shown["execution_id"] == result.structured_content["execution_id"]
+    # The output read in full, in pages: every byte printed comes back.
+    printed = 250000 + 1 + 3 * 100000 + 1
+    cursor, got = "0", 0
+    async with open_client(server.url, TOKEN, "legacy") as conn:
+        while True:
+            page = await conn.ok(
+                "get_execution_output",
+                execution_id=shown["execution_id"],
+                session="big-reply",
+                last_event_id=cursor,
+            )
+            got += sum(len(e.get("data", "").encode()) for e in page["output"])
+            cursor = page["next_cursor"]
+            if not page["has_more"]:
+                break
+    assert got == printed
+
+
+async def test_a_large_file_read_fits_too_and_its_text_says_what_it_left_out(
+    server: ServerProcess,
+) -> None:
+    body = '"quoted" ' * 70_000  # 630 KB, quotes escaped twice in a legacy text block
+    async with open_client(server.url, TOKEN, "legacy") as conn:
+        await conn.ok("write_file", path="big.txt", content=body, session="big-file")
+        result = await conn.call("read_file", path="big.txt", length=700_000, session="big-file")
+    assert not result.is_error, result.content
+    assert result.structured_content is not None
+    assert result.structured_content["content"] == body
+    (text,) = [b.text for b in result.content if b.type == "text"]
+    shown = json.loads(text)
+    assert shown["size"] == len(body) and "content" not in shown
+    assert shown["text_left_out"].startswith("content:"), shown

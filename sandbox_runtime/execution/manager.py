@@ -458,9 +458,15 @@ class ExecutionManager:
             )
         if self._per_owner.get(owner, 0) >= self.settings.max_per_session:
             self.metrics.rejections.labels("session").inc()
+            shared = (
+                " (the default session, shared by every connection of this token that names "
+                "none: pass `session` to work apart)"
+                if owner.session_id == "default"
+                else ""
+            )
             raise LimitExceededError(
                 f"this session is running its maximum of {self.settings.max_per_session} "
-                "executions; wait for one to finish or cancel one"
+                f"executions{shared}; wait for one to finish or cancel one"
             )
         self._reserved += 1
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1

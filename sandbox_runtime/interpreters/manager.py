@@ -283,15 +283,21 @@ class InterpreterManager:
             self._stopping[task] = workspace_name(key[0])
             task.add_done_callback(lambda done: self._stopping.pop(done, None))
 
-    def _make_room(self, owner: Owner) -> None:
+    def _make_room(self, owner: Owner, language: str) -> None:
         """At the token's limit of interpreters, stop its least recently used idle one (that
         session's next call says `state_reset: evicted`); refuse only when all are busy."""
         limit = self.settings.max_interpreters_per_principal
         mine = [i for (o, _), i in self._interpreters.items() if o.principal == owner.principal]
-        if len(mine) < limit:
+        # Other starts in flight hold a slot too.
+        starting = sum(
+            1
+            for key in self._starting
+            if key[0].principal == owner.principal and key != (owner, language)
+        )
+        if len(mine) + starting < limit:
             return
         idle = [i for i in mine if not i.busy and i.waiting == 0]
-        if idle:
+        if idle and len(mine) + starting - 1 < limit:
             victim = min(idle, key=lambda i: i.last_used)
             self._forget((victim.owner, victim.language), "evicted")
             self.metrics.interpreter_events.labels(victim.language, "evicted").inc()
@@ -300,8 +306,8 @@ class InterpreterManager:
         self.metrics.rejections.labels("principal_interpreters").inc()
         held = ", ".join(sorted(f"{_session_of(i.owner)} ({i.language})" for i in mine)[:MAX_NAMED])
         raise LimitExceededError(
-            f"this token runs its maximum of {limit} interpreters and all are running code: "
-            f"{held}; wait for one to finish, cancel_execution one of their calls, or "
+            f"this token runs its maximum of {limit} interpreters and all are running code or "
+            f"starting: {held}; wait for one to finish, cancel_execution one of their calls, or "
             "restart_interpreter / a named session's idle timeout frees a slot"
         )
 
@@ -318,7 +324,7 @@ class InterpreterManager:
                 f"this replica runs its maximum of {self.settings.max_interpreters} "
                 "interpreters; restart_interpreter one you no longer need, or retry later"
             )
-        self._make_room(owner)
+        self._make_room(owner, language)
         backend = self.manager.backend
         name = workspace_name(owner)
         # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel.
@@ -470,16 +476,24 @@ class InterpreterManager:
         limits = self.manager.limits.tighten(sandbox_config) if sandbox_config else None
         if limits is not None:
             self.manager.egress_of(limits)  # (refuses a widening before anything starts)
-        interpreter, reset = await self._interpreter(owner, language, limits)
+        while True:
+            interpreter, reset = await self._interpreter(owner, language, limits)
+            # (Another start may have evicted it before this call resumed: start it again.)
+            if self._interpreters.get((owner, language)) is interpreter:
+                break
         if interpreter.waiting >= QUEUE_LIMIT:
             raise LimitExceededError(
                 f"{QUEUE_LIMIT} calls already wait for this {language} interpreter; wait for "
                 "them or cancel one"
             )
-        execution = await self.manager.register_call(owner, language, code, timeout_seconds)
+        interpreter.waiting += 1  # claimed before any await: _make_room never evicts it now
+        try:
+            execution = await self.manager.register_call(owner, language, code, timeout_seconds)
+        except BaseException:
+            interpreter.waiting -= 1
+            raise
         run = CallRun(self, execution)
         execution.runner = run
-        interpreter.waiting += 1
         run.task = asyncio.get_running_loop().create_task(
             self._run_call(interpreter, run, _env_prelude(spec, env) + code)
         )

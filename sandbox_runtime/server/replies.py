@@ -72,12 +72,36 @@ def reply(
     blocks = [b for b in extra or [] if not isinstance(b, TextContent)]
     if legacy_era():
         whole = shown if shown is not None else structured
-        head = [as_json(i) for i in items] if items is not None else [as_json(whole)]
+        head = [as_json(i) for i in items] if items is not None else [_legacy_json(whole)]
     elif text is not None:
         head = [TextContent(type="text", text=text)]
     else:
         head = [as_json(items if items is not None else structured)]
     return ToolResult(content=[*head, *blocks], structured_content=structured)
+
+
+# The official client refuses an SSE event over 1 MiB, and a legacy reply carries its result
+# twice (structured, and as JSON text, whose quotes are escaped once more): past this, the
+# text leaves out the large fields, which the structured content still has.
+LEGACY_TEXT_MAX = 448 * 1024
+LARGE_FIELD = 4096
+
+
+def _legacy_json(whole: dict[str, Any]) -> TextContent:
+    text = json.dumps(whole, ensure_ascii=False)
+    if len(text.encode()) <= LEGACY_TEXT_MAX:
+        return TextContent(type="text", text=text)
+    slim = {
+        k: v
+        for k, v in whole.items()
+        if len(json.dumps(v, ensure_ascii=False).encode()) <= LARGE_FIELD
+    }
+    left_out = sorted(set(whole) - set(slim))
+    slim["text_left_out"] = (
+        f"{', '.join(left_out)}: too large to send twice; the structured content has them "
+        "(and get_execution_output, or read_file with offset/length, reads them in parts)"
+    )
+    return as_json(slim)
 
 
 def error_reply(tool: str, message: str, kind: str, **fields: Any) -> ToolResult:
@@ -95,6 +119,13 @@ class ErrorResults(Middleware):
         call_next: CallNext[mt.CallToolRequestParams, ToolResult],
     ) -> ToolResult:
         tool = context.message.name
+        with contextlib.suppress(Exception):  # (the lookup is a courtesy: the call decides)
+            server = context.fastmcp_context.fastmcp  # type: ignore[union-attr]
+            if await server.get_tool(tool) is None:
+                names = ", ".join(sorted(t.name for t in await server.list_tools()))
+                return error_reply(
+                    tool, f"unknown tool {_clip(tool)!r} (this server's: {names})", "not_found"
+                )
         try:
             return await call_next(context)
         except ValidationError as exc:
@@ -142,8 +173,10 @@ def argument_problems(error: PydanticValidationError, tool: str, known: list[str
     given: dict[str, Any] = {}
     problems: dict[str, str] = {}
     for item in error.errors(include_url=False):
-        loc = [str(p) for p in item.get("loc", ()) if not _member_tag(p)]
-        name = ".".join(loc) or "arguments"
+        parts = list(item.get("loc", ()))
+        # The first part is the argument's name as the caller sent it: never a member tag.
+        loc = [str(p) for p in parts[:1]] + [str(p) for p in parts[1:] if not _member_tag(p)]
+        name = _clip(".".join(loc)) or "arguments"
         kind = item.get("type", "")
         if kind in ("extra_forbidden", "unexpected_keyword_argument"):
             takes = f" ({tool} takes {', '.join(known)})" if known else ""
@@ -174,6 +207,10 @@ def _member_tag(part: object) -> bool:
     return part in {"str", "int", "float", "bool", "dict", "list", "none"} or any(
         c in part for c in "[-"
     )
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_SHOWN else f"{text[:MAX_SHOWN]}… ({len(text)} characters)"
 
 
 def _shown(value: Any) -> str:

@@ -75,6 +75,8 @@ def _environment(value: Any) -> Any:
             or not all(isinstance(v, str) for v in item.values())
         ):
             raise ValueError('each variable must be {"name": string, "value": string}')
+        if item["name"] in out:
+            raise ValueError(f"{item['name'][:60]!r} is given twice")
         out[item["name"]] = item["value"]
     return out
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import contextvars
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,7 +21,7 @@ from fastmcp import Context, FastMCP
 from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
 from fastmcp.tools.base import ToolResult
 from loguru import logger
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, Field
 
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.execution import Owner
@@ -387,6 +388,7 @@ def register_tools(mcp: FastMCP) -> None:
         ] = False,
         last_event_id: Annotated[
             str | None,
+            BeforeValidator(_id_text),
             Field(description="Only events after this event_id (a previous next_cursor)."),
         ] = None,
         limit: Annotated[int, Field(description="Most events to return (at most 1000).")] = 1000,
@@ -409,11 +411,13 @@ def register_tools(mcp: FastMCP) -> None:
                 lambda: get_router().executions.status(owner, execution_id), "get_execution_output"
             )
             raise _event_not_found(last_event_id)
+        if isinstance(limit, bool) or limit < 1:
+            raise ToolFailure("limit must be a positive integer")
         wait_for_s = 0.0
         if wait:
             wait_for_s = manager.settings.max_wait if wait_seconds is None else wait_seconds
-            if wait_for_s < 0:
-                raise ToolFailure("wait_seconds must not be negative")
+            if not math.isfinite(wait_for_s) or wait_for_s < 0:
+                raise ToolFailure("wait_seconds must be a number >= 0")
             wait_for_s = min(wait_for_s, manager.settings.max_wait)
 
         async def read() -> OutputPage:
@@ -427,14 +431,17 @@ def register_tools(mcp: FastMCP) -> None:
             while True:
                 left = deadline - time.monotonic()
                 page = await executions.read_output(owner, execution_id, seen, 1000, max(0, left))
-                if page.info.status.finished or left <= 0 or seen > page.info.last_seq:
+                if page.info.status.finished or not left > 0 or seen > page.info.last_seq:
                     break
                 seen = page.next_cursor
             return await executions.read_output(owner, execution_id, cursor, limit, 0)
 
         async with progress_of(ctx, wait_for_s > 0):
             page = await call(read, "get_execution_output")
-        if cursor > page.info.last_seq or 0 < cursor < page.first_available - 1:
+        # (A later id than this replica has seen, of an execution still running, may be one
+        # the Redis copy has not caught up with: an empty page then, not "not found".)
+        ahead = cursor > page.info.last_seq and page.info.status.finished
+        if ahead or 0 < cursor < page.first_available - 1:
             raise _event_not_found(last_event_id)
         events = [e.public() for e in page.events]
         base = result_fields(page.info, events, page.next_cursor, page.has_more)
@@ -603,6 +610,11 @@ def _cursor(last_event_id: str | None) -> int | None:
     if not text.isascii() or not text.isdigit() or len(text) > 18:
         return None
     return int(text)
+
+
+def _id_text(value: Any) -> Any:
+    """An event id sent as a number (as models do) is its decimal text."""
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _event_not_found(last_event_id: str | None) -> ToolFailure:

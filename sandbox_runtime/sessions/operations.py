@@ -172,7 +172,7 @@ def call_result(execution: Execution) -> dict[str, Any]:
             results.append(bundle)
         elif event.type == "exception" and error is None:
             error = {k: wire.get(k) for k in ("name", "value", "traceback")}
-        size += len(str(wire))
+        size += event.wire_size()
         if size > 256 * 1024:
             more = True
             break
