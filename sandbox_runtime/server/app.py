@@ -24,11 +24,11 @@ from sandbox_runtime import __version__, fds
 from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
-from sandbox_runtime.files.http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.files.urls import FileUrlSigner, set_url_signer, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager, set_interpreters
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
 from sandbox_runtime.server.file_tools import register_file_tools
+from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
 from sandbox_runtime.server.replies import ErrorResults
 from sandbox_runtime.server.schemas import make_portable

@@ -1,0 +1,1 @@
+"""Sessions: state homed on one replica (workspaces, interpreters), reachable from every replica."""
