@@ -718,18 +718,3 @@ def workspace_name(owner: Owner) -> str:
     """The directory name of an owner's workspace: a hash, so ids never reach the filesystem."""
     digest = hashlib.sha256(f"{owner.principal}\0{owner.session_id}".encode()).hexdigest()
     return f"ws-{digest[:32]}"
-
-
-_manager: ExecutionManager | None = None
-
-
-def get_manager() -> ExecutionManager:
-    """The process's ExecutionManager (created in the ASGI lifespan)."""
-    if _manager is None:
-        raise SandboxRuntimeError("the execution manager is not running")
-    return _manager
-
-
-def set_manager(manager: ExecutionManager | None) -> None:
-    global _manager
-    _manager = manager

@@ -14,7 +14,7 @@ from sandbox_runtime.errors import FileAccessError, InvalidRequestError, PolicyV
 from sandbox_runtime.execution.execution import Owner
 from sandbox_runtime.execution.manager import ExecutionManager, workspace_name
 from sandbox_runtime.files.fsops import clean_path, display
-from sandbox_runtime.files.urls import get_url_signer
+from sandbox_runtime.files.urls import FileUrlSigner
 
 DEFAULT_READ_BYTES = 512 * 1024  # a read_file without `length`: fits the client's 1 MiB event
 MAX_LIST_ENTRIES = 10_000
@@ -182,7 +182,7 @@ async def delete_file(
 
 
 async def create_file_url(
-    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: object = None
+    manager: ExecutionManager, signer: FileUrlSigner, owner: Owner, args: dict[str, Any]
 ) -> dict[str, Any]:
     """A signed token for one method on one path (a GET's file must exist now)."""
     path = _str(args, "path")
@@ -203,9 +203,7 @@ async def create_file_url(
     if entry is not None and entry.type != "file":
         raise FileAccessError(f"{entry.path}: is a {entry.type}, not a regular file")
     expires_at = math.ceil(time.time()) + expires_in  # never shorter than asked
-    token = get_url_signer().sign(
-        method, owner.principal, owner.session_id, display(parts), expires_at
-    )
+    token = signer.sign(method, owner.principal, owner.session_id, display(parts), expires_at)
     return {
         "token": token,
         "path": display(parts),

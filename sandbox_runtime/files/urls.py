@@ -123,17 +123,3 @@ def _stored_key(path: Path) -> bytes:
         os.link(temp, path)  # the first of several starting servers wins
     temp.unlink()
     return path.read_bytes()
-
-
-_signer: FileUrlSigner | None = None
-
-
-def get_url_signer() -> FileUrlSigner:
-    if _signer is None:
-        raise SandboxRuntimeError("file URLs are not set up (the server is not running)")
-    return _signer
-
-
-def set_url_signer(signer: FileUrlSigner | None) -> None:
-    global _signer
-    _signer = signer

@@ -715,18 +715,3 @@ def _env_prelude(spec: KernelSpec, env: dict[str, str]) -> str:
 
 def _shell_quote(value: str) -> str:
     return "'" + value.replace("'", "'\\''") + "'"
-
-
-_interpreters: InterpreterManager | None = None
-
-
-def get_interpreters() -> InterpreterManager:
-    """The process's InterpreterManager (created in the ASGI lifespan)."""
-    if _interpreters is None:
-        raise SandboxRuntimeError("the interpreters are not running")
-    return _interpreters
-
-
-def set_interpreters(interpreters: InterpreterManager | None) -> None:
-    global _interpreters
-    _interpreters = interpreters

@@ -21,11 +21,10 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandbox_runtime import __version__, fds
+from sandbox_runtime.app.services import Root, build
 from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
-from sandbox_runtime.execution.manager import ExecutionManager, get_manager, set_manager
-from sandbox_runtime.files.urls import FileUrlSigner, set_url_signer, url_key
-from sandbox_runtime.interpreters.manager import InterpreterManager, set_interpreters
+from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
@@ -36,8 +35,6 @@ from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
 from sandbox_runtime.sessions.channel import ClusterApp
-from sandbox_runtime.sessions.clock import ClockWatch
-from sandbox_runtime.sessions.router import Router, get_router, set_router
 
 INSTRUCTIONS = (
     "Runs commands in an isolated Linux sandbox (no network, unprivileged, limited memory, "
@@ -49,7 +46,7 @@ INSTRUCTIONS = (
 )
 
 
-def build_mcp(settings: Settings) -> FastMCP:
+def build_mcp(settings: Settings, root: Root) -> FastMCP:
     tokens = settings.tokens()
     auth = PrincipalTokenVerifier(tokens) if tokens else None
     mcp = FastMCP(
@@ -64,9 +61,9 @@ def build_mcp(settings: Settings) -> FastMCP:
         dereference_schemas=False,
         middleware=[ErrorResults()],
     )
-    register_tools(mcp)
-    register_interpreter_tools(mcp)
-    register_file_tools(mcp)
+    register_tools(mcp, root)
+    register_interpreter_tools(mcp, root)
+    register_file_tools(mcp, root)
     return mcp
 
 
@@ -96,8 +93,9 @@ def create_app(
     With `cluster_port`, requests that arrive on that port (the cluster listener) reach only
     the replica-to-replica calls, and requests on any other port never do.
     """
-    mcp = build_mcp(settings)
-    files = FilesApp()
+    root = Root()
+    mcp = build_mcp(settings, root)
+    files = FilesApp(lambda: root.services.router, lambda: root.services.signer)
     allowed = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
     protection: bool | Literal["auto"]
     if allowed == ["auto"] or not allowed:
@@ -118,49 +116,23 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        own = manager or ExecutionManager(settings)
-        set_url_signer(FileUrlSigner(url_key(settings)))
-        router = Router(settings, own)
-        router.cluster_address = cluster_address
-        await own.start()
-        try:
-            await router.check_cluster(starting=True)
-        except BaseException:
-            await own.shutdown()
-            await router.aclose()
-            raise
-        router.start()
-        clock: ClockWatch | None = None
-        if own.store is not None and own.mirror is not None:
-            clock = ClockWatch(own.store, own.replica_id, own.mirror.heartbeat_interval)
-            clock.start()
-        app.state.clock_watch = clock
-        interpreters = InterpreterManager(settings, own)
-        interpreters.start()
-        set_manager(own)
-        set_router(router)
-        set_interpreters(interpreters)
-        await make_portable(mcp)
-        await _cache_input_schemas(mcp)
-        try:
-            async with mcp_app.lifespan(app):
-                yield
-        finally:
-            if clock is not None:
-                await clock.aclose()
-            await own.shutdown()  # stops the interpreters first (a shutdown hook)
-            await router.aclose()
-            await files.aclose()
-            set_interpreters(None)
-            set_router(None)
-            set_manager(None)
-            set_url_signer(None)
+        async with (
+            build(settings, manager, cluster_address) as services,
+            root.serving(services),
+        ):
+            await make_portable(mcp)
+            await _cache_input_schemas(mcp)
+            try:
+                async with mcp_app.lifespan(app):
+                    yield
+            finally:
+                await files.aclose()
 
     async def health(request: Request) -> JSONResponse:
-        try:
-            current = get_manager()
-        except Exception:
+        if not root.running:
             return JSONResponse({"status": "starting", "version": __version__}, status_code=503)
+        services = root.services
+        current = services.manager
         sandbox = current.backend.unavailable_reason
         mirror = current.mirror
         if mirror is None:
@@ -169,8 +141,8 @@ def create_app(
             redis = "ok"
         else:
             redis = f"unavailable: {mirror.last_error or 'not connected yet'}"
-        cluster = get_router().cluster_problem if mirror is not None else None
-        clock: ClockWatch | None = getattr(request.app.state, "clock_watch", None)
+        cluster = services.router.cluster_problem if mirror is not None else None
+        clock = services.clock
         if cluster is None and clock is not None:
             cluster = clock.problem
         if not current.egress_policy.enabled:
@@ -227,18 +199,16 @@ def create_app(
                 return Response(
                     status_code=401, headers={"WWW-Authenticate": 'Bearer realm="metrics"'}
                 )
-        try:
-            current = get_manager()
-        except Exception:
+        if not root.running:
             return Response("starting\n", status_code=503)
+        current = root.services.manager
         body, content_type = current.metrics.render()
         return Response(body, media_type=content_type)
 
     async def ready(request: Request) -> JSONResponse:
-        try:
-            current = get_manager()
-        except Exception:
+        if not root.running:
             return JSONResponse({"ready": False, "reasons": ["starting"]}, status_code=503)
+        current = root.services.manager
         reasons = []
         if current.backend.unavailable_reason is not None:
             reasons.append(f"sandbox: {current.backend.unavailable_reason}")
@@ -288,7 +258,7 @@ def create_app(
     served = PrefixDispatch(public, {PUBLIC_PREFIX: files})
     if cluster_port is None:
         return served
-    cluster = ClusterApp(get_router, {CLUSTER_PREFIX: files})
+    cluster = ClusterApp(lambda: root.services.router, {CLUSTER_PREFIX: files})
     return ClusterDispatch(served, cluster, cluster_port)
 
 

@@ -14,12 +14,11 @@ from fastmcp.tools.base import ToolResult
 from mcp.types import ImageContent
 from pydantic import BaseModel, Field
 
-from sandbox_runtime.execution.manager import get_manager
+from sandbox_runtime.app.services import Root
 from sandbox_runtime.server.replies import reply
 from sandbox_runtime.server.resources import RESOURCE_TEMPLATE, THIS_SESSION
 from sandbox_runtime.server.tools import SessionArg, call, owner_of, session_name
 from sandbox_runtime.sessions.models import SessionReset
-from sandbox_runtime.sessions.router import get_router
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
@@ -108,13 +107,14 @@ def file_url(base: str, token: str, path: str) -> str:
     return f"{base}/files/{token}/{quote(name, safe='')}"
 
 
-def register_file_tools(mcp: FastMCP) -> None:
+def register_file_tools(mcp: FastMCP, root: Root) -> None:
     """Add write_file, read_file, list_files, delete_file, create_file_url and the
     workspace:// resource template to `mcp`."""
 
     async def run(ctx: Context, session: str | None, op: str, args: dict[str, Any]) -> dict:
+        s = root.services
         owner = owner_of(ctx, session)
-        result = await call(lambda: get_router().run(owner, op, args, None), op)
+        result = await call(s, lambda: s.router.run(owner, op, args, None), op)
         return {**result, "session": session_name(owner)}
 
     @mcp.tool
@@ -200,7 +200,7 @@ def register_file_tools(mcp: FastMCP) -> None:
         `curl -T file URL`; it works for this one path and method until it expires."""
         args = {"path": path, "method": method, "expires_in_seconds": expires_in_seconds}
         result = await run(ctx, session, "create_file_url", args)
-        base = public_base(get_manager().settings.public_url)
+        base = public_base(root.services.settings.public_url)
         result["url"] = file_url(base, result.pop("token"), result["path"])
         return FileUrl.model_validate(result)
 
@@ -215,8 +215,9 @@ def register_file_tools(mcp: FastMCP) -> None:
         name = unquote(session)
         try:
             owner = owner_of(ctx, None if name == THIS_SESSION else name)
-            args = {"path": path, "offset": 0, "length": get_manager().settings.max_inline_bytes}
-            result = await call(lambda: get_router().run(owner, "read_file", args, None), "read")
+            s = root.services
+            args = {"path": path, "offset": 0, "length": s.settings.max_inline_bytes}
+            result = await call(s, lambda: s.router.run(owner, "read_file", args, None), "read")
         except ToolError as exc:
             raise ResourceError(str(exc)) from None
         if not result["eof"]:

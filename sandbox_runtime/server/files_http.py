@@ -43,9 +43,9 @@ from sandbox_runtime.execution.execution import Owner
 from sandbox_runtime.execution.manager import workspace_name
 from sandbox_runtime.files.fsops import CHUNK, Upload
 from sandbox_runtime.files.operations import mime_type_of
-from sandbox_runtime.files.urls import FileGrant, UrlRefusedError, get_url_signer
+from sandbox_runtime.files.urls import FileGrant, FileUrlSigner, UrlRefusedError
 from sandbox_runtime.sessions.channel import SIGNATURE_HEADER
-from sandbox_runtime.sessions.router import Router, get_router
+from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.sessions.signing import SignatureError
 
 PUBLIC_PREFIX = "/files/"
@@ -77,8 +77,10 @@ STATIC_HEADERS = [
 class FilesApp:
     """ASGI app of `/files/...` (public port) and `/cluster/v1/files/...` (cluster port)."""
 
-    def __init__(self, router: Callable[[], Router] = get_router) -> None:
+    def __init__(self, router: Callable[[], Router], signer: Callable[[], FileUrlSigner]) -> None:
+        # Looked up per request: both live in the app's lifespan.
         self.router = router
+        self.signer = signer
         self._client: httpx2.AsyncClient | None = None
 
     @property
@@ -116,7 +118,7 @@ class FilesApp:
             await _text(send, 403, "forbidden\n")
             return
         try:
-            grant = get_url_signer().verify(token, method)
+            grant = self.signer().verify(token, method)
         except (UrlRefusedError, SandboxRuntimeError) as exc:
             await _text(send, 403, f"{exc}\n")
             return

@@ -9,6 +9,7 @@ from fastmcp.tools.base import ToolResult
 from mcp.types import ImageContent, TextContent
 from pydantic import BaseModel, Field
 
+from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.server.replies import reply
 from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
@@ -23,7 +24,6 @@ from sandbox_runtime.server.tools import (
     progress_of,
     session_name,
 )
-from sandbox_runtime.sessions.router import get_router
 
 TEXT_PREVIEW_CHARS = 8000
 IMAGE_TYPES = ("image/png", "image/jpeg")
@@ -118,13 +118,13 @@ def _content(result: dict[str, Any]) -> list[Any]:
 
 
 async def _run_code(
-    ctx: Context, session: str | None, args: dict[str, Any], tool: str
+    s: Services, ctx: Context, session: str | None, args: dict[str, Any], tool: str
 ) -> ToolResult:
     """run_code(_async): the session-bound `run_code` operation, on the session's home."""
     owner = owner_of(ctx, session)
-    async with progress_of(ctx, args["wait"]) as progress:
+    async with progress_of(ctx, args["wait"], s.settings.progress_interval) as progress:
         sink = progress.report if progress is not None else None
-        result = await call(lambda: get_router().run(owner, "run_code", args, sink), tool)
+        result = await call(s, lambda: s.router.run(owner, "run_code", args, sink), tool)
     structured = execution_result(owner, result, RunCodeResult)
     blocks = _content(structured)
     links = resource_links(owner, result.get("files"))
@@ -141,7 +141,7 @@ def _without_images(bundle: dict[str, Any]) -> dict[str, Any]:
     return {**bundle, image: f"[{len(bundle[image])} characters of base64: the image content]"}
 
 
-def register_interpreter_tools(mcp: FastMCP) -> None:
+def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
     """Add run_code, run_code_async, list_languages and restart_interpreter to `mcp`."""
     schema = RunCodeResult.model_json_schema()
 
@@ -166,7 +166,7 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             "sandbox_config": sandbox_config,
             "wait": wait_for_completion,
         }
-        return await _run_code(ctx, session, args, "run_code")
+        return await _run_code(root.services, ctx, session, args, "run_code")
 
     @mcp.tool(output_schema=schema)
     async def run_code_async(
@@ -188,15 +188,16 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
             "sandbox_config": sandbox_config,
             "wait": False,
         }
-        return await _run_code(ctx, session, args, "run_code_async")
+        return await _run_code(root.services, ctx, session, args, "run_code_async")
 
     @mcp.tool
     async def list_languages(ctx: Context, session: SessionArg = None) -> LanguageList:
         """The languages run_code speaks: version, packages of note, and whether this session
         has an interpreter running."""
+        s = root.services
         owner = owner_of(ctx, session)
         result = await call(
-            lambda: get_router().run(owner, "list_languages", {}, None), "list_languages"
+            s, lambda: s.router.run(owner, "list_languages", {}, None), "list_languages"
         )
         return LanguageList.model_validate({**result, "session": session_name(owner)})
 
@@ -211,8 +212,10 @@ def register_interpreter_tools(mcp: FastMCP) -> None:
         one, under tighter limits if sandbox_config asks."""
         owner = owner_of(ctx, session)
         args = {"language": language, "sandbox_config": sandbox_config}
+        s = root.services
         result = await call(
-            lambda: get_router().run(owner, "restart_interpreter", args, None),
+            s,
+            lambda: s.router.run(owner, "restart_interpreter", args, None),
             "restart_interpreter",
         )
         return RestartResult.model_validate({**result, "session": session_name(owner)})

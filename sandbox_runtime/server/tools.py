@@ -23,9 +23,10 @@ from fastmcp.tools.base import ToolResult
 from loguru import logger
 from pydantic import BaseModel, BeforeValidator, Field
 
+from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.execution import Owner
-from sandbox_runtime.execution.manager import OutputPage, get_manager
+from sandbox_runtime.execution.manager import OutputPage
 from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, shown_id
 from sandbox_runtime.server.replies import ToolFailure, reply
 from sandbox_runtime.server.resources import resource_links
@@ -33,7 +34,6 @@ from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
 from sandbox_runtime.server.session_path import SCOPE_KEY
 from sandbox_runtime.sessions.models import SessionReset
 from sandbox_runtime.sessions.operations import result_fields
-from sandbox_runtime.sessions.router import get_router
 
 # Used with fullmatch: `$` would also accept a trailing newline ("evil\n").
 SESSION_RE = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,128}")  # not "." or "..": path-like
@@ -224,12 +224,14 @@ ERROR_KINDS = {
 _owner: contextvars.ContextVar[Owner | None] = contextvars.ContextVar("srt_owner", default=None)
 
 
-async def call(op: Callable[[], Awaitable[T]], tool: str, count: bool = True) -> T:
+async def call(
+    services: Services, op: Callable[[], Awaitable[T]], tool: str, count: bool = True
+) -> T:
     """Run a manager operation, turning domain errors into tool errors with their message.
 
     Counts the call, and logs with the request id, session and tool as context.
     """
-    metrics = get_manager().metrics
+    metrics = services.manager.metrics
     if count:
         metrics.tool_calls.labels(tool).inc()
     owner = _owner.get()
@@ -278,7 +280,9 @@ class CallProgress:
 
 
 @contextlib.asynccontextmanager
-async def progress_of(ctx: Context, waits: bool) -> AsyncIterator[CallProgress | None]:
+async def progress_of(
+    ctx: Context, waits: bool, interval: float
+) -> AsyncIterator[CallProgress | None]:
     """The progress sink of a call that `waits`, if the caller asked for progress (sent a
     progressToken); None otherwise (report_progress would send nothing: spare the work)."""
     rc = ctx.request_context
@@ -286,7 +290,7 @@ async def progress_of(ctx: Context, waits: bool) -> AsyncIterator[CallProgress |
     if not waits or meta is None or meta.get("progressToken") is None:
         yield None
         return
-    progress = CallProgress(ctx, get_manager().settings.progress_interval)
+    progress = CallProgress(ctx, interval)
     beat = asyncio.get_running_loop().create_task(progress.beat())
     try:
         yield progress
@@ -316,20 +320,26 @@ def execution_result(owner: Owner, result: dict[str, Any], model: type[Execution
 
 
 async def execute(
-    ctx: Context, session: str | None, request: dict[str, Any], wait: bool, tool: str
+    s: Services,
+    ctx: Context,
+    session: str | None,
+    request: dict[str, Any],
+    wait: bool,
+    tool: str,
 ) -> ToolResult:
     """execute_code(_async): the session-bound `execute` operation, on the session's home."""
     owner = owner_of(ctx, session)
     args = {"request": request, "wait": wait}
-    async with progress_of(ctx, wait) as progress:
+    async with progress_of(ctx, wait, s.settings.progress_interval) as progress:
         sink = progress.report if progress is not None else None
-        result = await call(lambda: get_router().run(owner, "execute", args, sink), tool)
+        result = await call(s, lambda: s.router.run(owner, "execute", args, sink), tool)
     structured = execution_result(owner, result, ExecutionResult)
     return reply(structured, resource_links(owner, result.get("files")))
 
 
-def register_tools(mcp: FastMCP) -> None:
-    """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server)."""
+def register_tools(mcp: FastMCP, root: Root) -> None:
+    """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server);
+    they reach the running parts through `root`."""
 
     execution_schema = ExecutionResult.model_json_schema()
 
@@ -354,7 +364,9 @@ def register_tools(mcp: FastMCP) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
         }
-        return await execute(ctx, session, request, wait_for_completion, "execute_code")
+        return await execute(
+            root.services, ctx, session, request, wait_for_completion, "execute_code"
+        )
 
     @mcp.tool(output_schema=execution_schema)
     async def execute_code_async(
@@ -376,7 +388,7 @@ def register_tools(mcp: FastMCP) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
         }
-        return await execute(ctx, session, request, False, "execute_code_async")
+        return await execute(root.services, ctx, session, request, False, "execute_code_async")
 
     @mcp.tool(output_schema=OutputResult.model_json_schema())
     async def get_execution_output(
@@ -403,12 +415,13 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> ToolResult:
         """Output events after a cursor. Reading never consumes: any number of readers."""
-        manager = get_manager()
+        s = root.services
+        manager = s.manager
         owner = owner_of(ctx, session)
         cursor = _cursor(last_event_id)
         if cursor is None:  # names no event: but an unknown execution is the first problem
             await call(
-                lambda: get_router().executions.status(owner, execution_id), "get_execution_output"
+                s, lambda: s.router.executions.status(owner, execution_id), "get_execution_output"
             )
             raise _event_not_found(last_event_id)
         if isinstance(limit, bool) or limit < 1:
@@ -421,7 +434,7 @@ def register_tools(mcp: FastMCP) -> None:
             wait_for_s = min(wait_for_s, manager.settings.max_wait)
 
         async def read() -> OutputPage:
-            executions = get_router().executions
+            executions = s.router.executions
             if wait_for != "end" or wait_for_s <= 0:
                 return await executions.read_output(owner, execution_id, cursor, limit, wait_for_s)
             # Until the end: follow the events as they come (each read returns at new ones),
@@ -436,8 +449,8 @@ def register_tools(mcp: FastMCP) -> None:
                 seen = page.next_cursor
             return await executions.read_output(owner, execution_id, cursor, limit, 0)
 
-        async with progress_of(ctx, wait_for_s > 0):
-            page = await call(read, "get_execution_output")
+        async with progress_of(ctx, wait_for_s > 0, s.settings.progress_interval):
+            page = await call(s, read, "get_execution_output")
         # (A later id than this replica has seen, of an execution still running, may be one
         # the Redis copy has not caught up with: an empty page then, not "not found".)
         ahead = cursor > page.info.last_seq and page.info.status.finished
@@ -473,12 +486,14 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> ToolResult:
         """Write to the stdin of an interactive execution (or answer input() in run_code)."""
+        s = root.services
         owner = owner_of(ctx, session)
         data = input_data
         if append_newline and isinstance(data, str) and data and not data.endswith("\n"):
             data += "\n"
         written, info = await call(
-            lambda: get_router().executions.send_stdin(owner, execution_id, data, close_stdin),
+            s,
+            lambda: s.router.executions.send_stdin(owner, execution_id, data, close_stdin),
             "send_stdin",
         )
         result = StdinResult(
@@ -499,9 +514,10 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> ToolResult:
         """Stop an execution and its whole process tree. Idempotent."""
+        s = root.services
         owner = owner_of(ctx, session)
         was_finished, info = await call(
-            lambda: get_router().executions.cancel(owner, execution_id, force), "cancel_execution"
+            s, lambda: s.router.executions.cancel(owner, execution_id, force), "cancel_execution"
         )
         result = CancelResult(
             was_running=not was_finished,
@@ -517,9 +533,10 @@ def register_tools(mcp: FastMCP) -> None:
         ctx: Context, execution_id: ExecutionIdArg, session: SessionArg = None
     ) -> ToolResult:
         """An execution's metadata: status, exit code, limits, timestamps, output counters."""
+        s = root.services
         owner = owner_of(ctx, session)
         info = await call(
-            lambda: get_router().executions.status(owner, execution_id), "get_execution_status"
+            s, lambda: s.router.executions.status(owner, execution_id), "get_execution_status"
         )
         return reply(status_of(info).model_dump(mode="json"))
 
@@ -533,9 +550,10 @@ def register_tools(mcp: FastMCP) -> None:
         session: SessionArg = None,
     ) -> ToolResult:
         """The caller's executions in this session, newest first."""
+        s = root.services
         owner = owner_of(ctx, session)
         infos = await call(
-            lambda: get_router().executions.list(owner, status, limit), "list_executions"
+            s, lambda: s.router.executions.list(owner, status, limit), "list_executions"
         )
         shown: list[dict[str, Any]] = []
         size = 0

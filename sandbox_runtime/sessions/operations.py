@@ -1,8 +1,9 @@
 """Session-bound operations, as they run on the session's home replica.
 
-Each takes the manager, the owner, JSON arguments (they may have crossed from another
-replica) and an optional progress sink, and returns a JSON-ready dict. The router runs them
-here or forwards them to the home, which runs them through the same table.
+Each takes the parts it works with (the manager, the interpreters, the file URL signer), the
+owner, JSON arguments (they may have crossed from another replica) and an optional progress
+sink, and returns a JSON-ready dict. The router runs them here or forwards them to the home,
+which runs them through the same table.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from sandbox_runtime.errors import InvalidRequestError
@@ -19,13 +21,26 @@ from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
 from sandbox_runtime.execution.models import ExecutionInfo
 from sandbox_runtime.files import operations as files
 from sandbox_runtime.files.operations import changed_files, coarse_now
+from sandbox_runtime.files.urls import FileUrlSigner
+from sandbox_runtime.interpreters.manager import InterpreterManager
 
 PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
 PROGRESS_MAX_CHARS = 4096
 WAIT_SLACK_SECONDS = 10  # past the execution's own timeout, in case its end is slow to show
 
 Progress = Callable[[int, str], Awaitable[None]]
-Operation = Callable[[ExecutionManager, Owner, dict[str, Any], Progress | None], Awaitable[dict]]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What session-bound operations work with, handed to the Router by the composition root."""
+
+    manager: ExecutionManager
+    interpreters: InterpreterManager
+    signer: FileUrlSigner
+
+
+Operation = Callable[[Parts, Owner, dict[str, Any], Progress | None], Awaitable[dict]]
 
 REQUEST_FIELDS = frozenset(
     (
@@ -65,10 +80,11 @@ def _request(args: dict[str, Any]) -> ExecuteRequest:
 
 
 async def execute(
-    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
 ) -> dict[str, Any]:
     """Start a command in the owner's workspace; with `wait`, wait for its end (streaming its
     output to `progress`) and return its output's first page."""
+    manager = parts.manager
     since = coarse_now()
     execution = await manager.start_execution(owner, _request(args))
     if not args.get("wait"):
@@ -122,14 +138,12 @@ RICH_REPLY_BYTES = 320 * 1024
 
 
 async def run_code(
-    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
 ) -> dict[str, Any]:
     """Run code in the owner's interpreter of a language; with `wait`, wait for the end
     (streaming its output to `progress`) and return its output, rich results and error."""
-    from sandbox_runtime.interpreters.manager import get_interpreters
-
     since = coarse_now()
-    execution, reset = await get_interpreters().run(
+    execution, reset = await parts.interpreters.run(
         owner,
         str(args.get("language") or "python"),
         args.get("code"),  # type: ignore[arg-type]
@@ -143,7 +157,7 @@ async def run_code(
     if not args.get("wait"):
         return {**result_fields(execution.info, [], 0, False), **extra}
     await wait_for_end(execution, progress)
-    extra["files"] = await changed_files(manager, owner, since)
+    extra["files"] = await changed_files(parts.manager, owner, since)
     return {**call_result(execution), **extra}
 
 
@@ -188,19 +202,15 @@ def call_result(execution: Execution) -> dict[str, Any]:
 
 
 async def list_languages(
-    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
 ) -> dict[str, Any]:
-    from sandbox_runtime.interpreters.manager import get_interpreters
-
-    return {"languages": get_interpreters().languages(owner)}
+    return {"languages": parts.interpreters.languages(owner)}
 
 
 async def restart_interpreter(
-    manager: ExecutionManager, owner: Owner, args: dict[str, Any], progress: Progress | None
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
 ) -> dict[str, Any]:
-    from sandbox_runtime.interpreters.manager import get_interpreters
-
-    return await get_interpreters().restart(
+    return await parts.interpreters.restart(
         owner, str(args.get("language") or "python"), args.get("sandbox_config")
     )
 
@@ -210,9 +220,11 @@ OPERATIONS: dict[str, Operation] = {
     "run_code": run_code,
     "list_languages": list_languages,
     "restart_interpreter": restart_interpreter,
-    "write_file": files.write_file,
-    "read_file": files.read_file,
-    "list_files": files.list_files,
-    "delete_file": files.delete_file,
-    "create_file_url": files.create_file_url,
+    "write_file": lambda parts, owner, args, _: files.write_file(parts.manager, owner, args),
+    "read_file": lambda parts, owner, args, _: files.read_file(parts.manager, owner, args),
+    "list_files": lambda parts, owner, args, _: files.list_files(parts.manager, owner, args),
+    "delete_file": lambda parts, owner, args, _: files.delete_file(parts.manager, owner, args),
+    "create_file_url": lambda parts, owner, args, _: files.create_file_url(
+        parts.manager, parts.signer, owner, args
+    ),
 }

@@ -27,7 +27,6 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.execution.execution import Execution, Owner
 from sandbox_runtime.execution.manager import (
-    ExecutionManager,
     workspace_name,
 )
 from sandbox_runtime.sessions.channel import (
@@ -38,7 +37,7 @@ from sandbox_runtime.sessions.channel import (
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.sessions.executions import ExecutionAccess
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
-from sandbox_runtime.sessions.operations import OPERATIONS, Progress
+from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
 from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
@@ -70,11 +69,12 @@ class Router:
     def __init__(
         self,
         settings: Settings,
-        manager: ExecutionManager,
+        parts: Parts,
         sessions: SessionStore | None = None,
     ) -> None:
         self.settings = settings
-        self.manager = manager
+        self.parts = parts
+        self.manager = manager = parts.manager
         self.replica_id = manager.replica_id
         self.metrics = manager.metrics
         self.store = manager.store  # executions' mirror (None: one replica, no Redis)
@@ -630,7 +630,7 @@ class Router:
         key = session_key(owner.principal, owner.session_id)
         if reset is not None:
             self.owe(owner, reset)
-        result = await OPERATIONS[op](self.manager, owner, args, progress)
+        result = await OPERATIONS[op](self.parts, owner, args, progress)
         owed = self._owed.pop(key, None)
         checked = self.manager.workspaces.take_reset(workspace_name(owner))
         if checked is not None and owed is None:  # (repaired or set aside: see workspaces)
@@ -754,18 +754,3 @@ class Router:
                 for key in {session_key(e.owner.principal, e.owner.session_id) for e in executions}:
                     await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
             await self.check_cluster()
-
-
-_router: Router | None = None
-
-
-def get_router() -> Router:
-    """The process's Router (created in the ASGI lifespan)."""
-    if _router is None:
-        raise SandboxRuntimeError("the router is not running")
-    return _router
-
-
-def set_router(router: Router | None) -> None:
-    global _router
-    _router = router
