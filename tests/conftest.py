@@ -150,7 +150,15 @@ def workspace_mounts_detached(tmp_path_factory: pytest.TempPathFactory) -> Itera
             _umount(point)
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(autouse=True)
+def _runtime_unless_unit(request: pytest.FixtureRequest) -> None:
+    """Every test but the pure ones (`-m unit`) may start a server, which binds the runtime:
+    the unit tests run without it, in seconds, on a machine that has none."""
+    if request.node.get_closest_marker("unit") is None:
+        request.getfixturevalue("sandbox_runtime_installed")
+
+
+@pytest.fixture(scope="session")
 def sandbox_runtime_installed() -> Path:
     """The runtime (Python data stack, Deno, kernels) every test server binds: built here when
     scripts/test has not (the first time takes ~25 s and needs the package index)."""
