@@ -3,6 +3,8 @@
 Read top to bottom, `build` says how the program is put together:
 
     Settings
+      ├─ Supervisor            every background loop of every part below, named, under one
+      │                        policy; stopped last
       └─ ExecutionManager      one per process for its whole life: sandboxes (backend, pool,
          │                     cgroups), workspaces, the egress proxy, the Redis mirror
          ├─ InterpreterManager run_code's kernels, over the manager
@@ -31,6 +33,7 @@ from sandbox_runtime.interpreters.manager import InterpreterManager
 from sandbox_runtime.sessions.clock import ClockWatch
 from sandbox_runtime.sessions.operations import Parts
 from sandbox_runtime.sessions.router import Router
+from sandbox_runtime.supervisor import Supervisor
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class Services:
     """The process's running parts."""
 
     settings: Settings
+    supervisor: Supervisor
     manager: ExecutionManager
     interpreters: InterpreterManager
     signer: FileUrlSigner
@@ -54,7 +58,10 @@ async def build(
     `manager`: one built by the caller (the CLI builds it before binding the cluster port).
     """
     async with contextlib.AsyncExitStack() as stack:
-        manager = manager or ExecutionManager(settings)
+        # Closed last of all: whatever loop a part did not stop itself ends here.
+        supervisor = manager.supervisor if manager is not None else Supervisor()
+        stack.push_async_callback(supervisor.aclose)
+        manager = manager or ExecutionManager(settings, supervisor=supervisor)
         interpreters = InterpreterManager(settings, manager)
         signer = FileUrlSigner(url_key(settings))
         router = Router(settings, Parts(manager, interpreters, signer))
@@ -72,7 +79,7 @@ async def build(
             clock.start()
             stack.push_async_callback(clock.aclose)
         interpreters.start()
-        yield Services(settings, manager, interpreters, signer, router, clock)
+        yield Services(settings, supervisor, manager, interpreters, signer, router, clock)
 
 
 class Root:

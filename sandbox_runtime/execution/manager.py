@@ -24,7 +24,6 @@ from sandbox_runtime.errors import (
     ExecutionNotFoundError,
     InvalidRequestError,
     LimitExceededError,
-    SandboxRuntimeError,
     SandboxSpawnError,
     SandboxUnavailableError,
 )
@@ -54,7 +53,9 @@ from sandbox_runtime.sandbox.pool import SandboxPool
 from sandbox_runtime.state.keys import session_key
 from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
+from sandbox_runtime.supervisor import Supervisor
 
+EVICT_LOOP = "eviction"
 MAX_EVENTS_PER_READ = 1000
 # JSON bytes of events per page. A tool reply carries them twice (structured content, and its
 # JSON text escaped once more: up to 3x in all) and the official MCP client refuses an SSE
@@ -92,8 +93,11 @@ class ExecutionManager:
         settings: Settings,
         backend: BubblewrapBackend | None = None,
         store: StateStore | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.settings = settings
+        # The owner of every background loop of the manager and the parts it holds.
+        self.supervisor = supervisor = supervisor or Supervisor()
         self.limits = settings.limits()
         # An execution's info copies it (most run with the server's limits: asdict is slow).
         self._limits_dict = self.limits.as_dict()
@@ -106,7 +110,8 @@ class ExecutionManager:
                 group_name=f"srt-{settings.replica_id}",
                 cgroup_favordynmods=settings.cgroup_favordynmods,
                 runtime_dir=_installed_runtime(settings.runtime_path()),
-            )
+            ),
+            supervisor,
         )
         self.workspaces = WorkspaceStore(
             self.backend.config.workspace_root,
@@ -125,6 +130,7 @@ class ExecutionManager:
             size=settings.pool_size,
             idle_seconds=settings.pool_idle_seconds,
             workspace_ready=lambda path: self.workspaces.is_ready(path.name),
+            supervisor=supervisor,
         )
         self.egress_policy = settings.egress_policy()
         self.egress: EgressProxy | None = None
@@ -139,7 +145,6 @@ class ExecutionManager:
         self._per_owner: dict[Owner, int] = {}
         self._spawning: dict[Owner, int] = {}  # executions between workspace and _running
         self._accepting = False
-        self._evictor: asyncio.Task[None] | None = None
         self._shutdown: asyncio.Task[None] | None = None
         self.listeners: list[Callable[[Execution, list[OutputEvent]], None]] = []
         # Hooks of the session layer (sessions/router.py): a cluster-wide admission check
@@ -169,6 +174,7 @@ class ExecutionManager:
                 known=lambda: list(self._executions.values()),
                 observe_lag=self.metrics.mirror_lag.observe,
                 on_store_lost=lambda: [hook() for hook in self.on_store_lost],
+                supervisor=supervisor,
             )
             self.listeners.append(self.mirror.on_events)
 
@@ -229,7 +235,8 @@ class ExecutionManager:
         self._accepting = True
         if self.backend.unavailable_reason is None:
             await self.workspaces.sweep()  # a previous run's, unused for the retention
-        self._evictor = asyncio.get_running_loop().create_task(self._evict_forever())
+        retention = self.settings.retention_seconds
+        self.supervisor.every(EVICT_LOOP, min(60.0, max(1.0, retention / 4)), self._evict_step)
 
     async def shutdown(self) -> None:
         """Stop accepting, stop every execution (politely, then by force), record final states.
@@ -262,10 +269,7 @@ class ExecutionManager:
                 asyncio.gather(*(e.finished.wait() for e in running)),
                 self.settings.shutdown_grace + 5,
             )
-        if self._evictor is not None:
-            self._evictor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._evictor
+        await self.supervisor.stop(EVICT_LOOP)
         await self.backend.close()
         if self.egress is not None:
             await self.egress.close()
@@ -691,15 +695,10 @@ class ExecutionManager:
                 self.mirror.forget(execution_id)
         return len(doomed)
 
-    async def _evict_forever(self) -> None:
-        while True:
-            await asyncio.sleep(min(60.0, max(1.0, self.settings.retention_seconds / 4)))
-            try:
-                self.evict()
-                self.workspaces.disk.status()  # (logs a crossing of the free-space floor)
-                await self.workspaces.sweep()
-            except (SandboxRuntimeError, OSError):
-                logger.exception("eviction failed")
+    async def _evict_step(self) -> None:
+        self.evict()
+        self.workspaces.disk.status()  # (logs a crossing of the free-space floor)
+        await self.workspaces.sweep()
 
 
 def _installed_runtime(path: Path) -> Path | None:

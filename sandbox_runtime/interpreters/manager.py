@@ -49,6 +49,7 @@ QUEUE_LIMIT = 16  # calls waiting for one interpreter
 MAX_BUNDLE_BYTES = 256 * 1024
 MAX_BUNDLE_ENTRIES = 32  # MIME types of one result
 MAX_TEXT_CHARS = 8192  # an exception's name, value and each traceback line; a prompt
+REAP_LOOP = "interpreter reaping"
 REAP_INTERVAL = 10.0
 ENDED_REMEMBERED = 10_000
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -127,7 +128,7 @@ class InterpreterManager:
         self._ended: OrderedDict[Key, str] = OrderedDict()
         self._warm: dict[str, list[tuple[SandboxedKernel, Path]]] = {}
         self._refills: set[asyncio.Task[None]] = set()
-        self._reaper: asyncio.Task[None] | None = None
+        self._reaping = False
         self._closed = False
         manager.before_shutdown.append(self.aclose)
         self.metrics.bind_interpreters(self._gauges)
@@ -140,8 +141,8 @@ class InterpreterManager:
         workspaces = self.manager.workspaces
         workspaces.remove_all(SLOT_PREFIX)  # a previous server's pooled kernels' workspaces
         workspaces.busy.append(self._busy_workspaces)
-        loop = asyncio.get_running_loop()
-        self._reaper = loop.create_task(self._reap_forever())
+        self.manager.supervisor.every(REAP_LOOP, REAP_INTERVAL, self._reap)
+        self._reaping = True
         if self.runtime is not None and self.manager.backend.unavailable_reason is None:
             for language, count in self.settings.warm_interpreters().items():
                 if language in self.runtime.kernels:
@@ -162,8 +163,9 @@ class InterpreterManager:
     async def aclose(self) -> None:
         """Stop every interpreter (the server is stopping). Idempotent."""
         self._closed = True
-        if self._reaper is not None:
-            self._reaper.cancel()
+        if self._reaping:
+            await self.manager.supervisor.stop(REAP_LOOP)
+            self._reaping = False
         starting = [*self._refills, *self._starting.values()]
         for task in starting:
             task.cancel()
@@ -643,13 +645,8 @@ class InterpreterManager:
 
     # -- idle reaping --------------------------------------------------------------------------
 
-    async def _reap_forever(self) -> None:
-        while True:
-            await asyncio.sleep(REAP_INTERVAL)
-            try:
-                self.reap_idle()
-            except Exception:  # the reaper must survive anything one interpreter does
-                logger.exception("interpreter reaping failed")
+    def _reap(self) -> None:
+        self.reap_idle()
 
     def reap_idle(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now

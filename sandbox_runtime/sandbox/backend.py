@@ -62,6 +62,7 @@ from sandbox_runtime.sandbox.process import (
 )
 from sandbox_runtime.sandbox.seccomp import compile_filter
 from sandbox_runtime.sandbox.spawn_client import SpawnerManager, spawn_failure
+from sandbox_runtime.supervisor import Supervisor
 
 MAX_COMMAND_BYTES = 120 * 1024  # the kernel refuses one argument over 128 KiB
 MAX_ENV_BYTES = 64 * 1024
@@ -262,11 +263,15 @@ def sandbox_cwd(working_directory: str | None) -> str:
     )
 
 
+REAP_LOOP = "orphan reaping"
+
+
 class BubblewrapBackend:
     """Starts sandboxes with bubblewrap. One per process; `start()` before use, `close()` after."""
 
-    def __init__(self, config: BackendConfig) -> None:
+    def __init__(self, config: BackendConfig, supervisor: Supervisor | None = None) -> None:
         self.config = config
+        self.supervisor = supervisor or Supervisor()
         self.unavailable_reason: str | None = "sandbox backend not started"
         self.cgroups: CgroupLayout = CgroupLayout()
         self._bwrap = ""
@@ -283,7 +288,7 @@ class BubblewrapBackend:
         self._running: set[SandboxProcess] = set()
         self._waiting: set[SandboxProcess] = set()  # started ahead, not yet given a command
         self.stub_problem: str | None = None  # why sandboxes cannot be started ahead here
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeping = False
         self._cleanups: set[asyncio.Task[None]] = set()  # referenced so they are not collected
         # The egress proxy (set by the owner once started; None: no sandbox has network) and
         # each running sandbox's socket on it.
@@ -301,8 +306,9 @@ class BubblewrapBackend:
             self.unavailable_reason = str(exc)
             logger.error("sandbox unavailable: {}", exc)
             return
-        with contextlib.suppress(RuntimeError):
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        with contextlib.suppress(RuntimeError):  # (no loop: a test's backend, reaped by hand)
+            self.supervisor.every(REAP_LOOP, 2.0, self.reap_orphans)
+            self._sweeping = True
 
     def _prepare(self) -> None:
         bwrap = self.config.bwrap_path or shutil.which("bwrap")
@@ -419,10 +425,9 @@ class BubblewrapBackend:
         # Let pending cgroup removals finish: the loop may close right after us.
         await asyncio.gather(*self._cleanups, return_exceptions=True)
         self.cgroups.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        if self._sweeping:
+            await self.supervisor.stop(REAP_LOOP)
+            self._sweeping = False
         if self._spawner is not None:
             await self._spawner.close()
             self._spawner = None
@@ -917,11 +922,6 @@ class BubblewrapBackend:
             and bool(uids)
             and int(uids[0]) == (self._uid if os.geteuid() == 0 else os.geteuid())
         )
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(2.0)
-            self.reap_orphans()
 
 
 def _close_all(fds: list[int]) -> None:

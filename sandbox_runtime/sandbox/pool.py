@@ -32,6 +32,9 @@ from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.backend import BubblewrapBackend, SandboxSpec, StartedSandbox
 from sandbox_runtime.sandbox.policy import SandboxLimits
 from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.supervisor import Supervisor
+
+SWEEP_LOOP = "sandbox pool sweep"
 
 # The next sandbox of a workspace is started once its call's command has ended, or this long
 # after it began if it runs on: the start then does not compete for the CPU with the call.
@@ -65,8 +68,10 @@ class SandboxPool:
         size: int,
         idle_seconds: float,
         workspace_ready: Callable[[Path], bool] = lambda _: True,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.backend = backend
+        self.supervisor = supervisor or Supervisor()
         self.limits = limits
         self._shape = _sandbox_part(limits)  # (compared with each call's)
         self.size = size
@@ -79,7 +84,7 @@ class SandboxPool:
         # (no spare CPU, a full pool): their next call's miss says "busy".
         self._discarding: dict[Path, set[asyncio.Task[None]]] = {}
         self._skipped: set[Path] = set()
-        self._sweeper: asyncio.Task[None] | None = None
+        self._sweeping = False
         self._closed = False
         self.hits = 0
         self.cpus = len(os.sched_getaffinity(0))
@@ -106,8 +111,10 @@ class SandboxPool:
         return {p.name for p in self._ready} | {p.name for p in self._refills}
 
     def start(self) -> None:
-        if self.enabled and self._sweeper is None:
-            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+        if self.enabled and not self._sweeping:
+            interval = max(0.5, min(self.idle_seconds / 4, 15.0))
+            self.supervisor.every(SWEEP_LOOP, interval, self.sweep)
+            self._sweeping = True
 
     # -- serving -----------------------------------------------------------------------------
 
@@ -281,18 +288,12 @@ class SandboxPool:
             self._discard_later(self._ready.pop(workspace))
         return len(stale)
 
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(max(0.5, min(self.idle_seconds / 4, 15.0)))
-            self.sweep()
-
     async def close(self) -> None:
         """End every sandbox waiting or starting; wait until they are gone."""
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        if self._sweeping:
+            await self.supervisor.stop(SWEEP_LOOP)
+            self._sweeping = False
         refills = [*self._waits.values(), *self._refills.values()]
         for task in refills:
             task.cancel()

@@ -74,6 +74,9 @@ def raise_error_reply(reply: dict[str, Any]) -> None:
     raise error(str(reply.get("message", "the owning replica refused the request")))
 
 
+SERVE_LOOP = "control requests"
+
+
 class ControlChannel:
     """Sends control requests to other replicas and serves the ones sent to this replica."""
 
@@ -88,19 +91,21 @@ class ControlChannel:
         self.signer = signer
         self.replica_id = manager.replica_id
         self.metrics = manager.metrics
-        self._task: asyncio.Task[None] | None = None
+        self._serving = False
         self._answering: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._serve_forever())
+        self.manager.supervisor.run(SERVE_LOOP, self._serve_forever)
+        self._serving = True
 
     async def aclose(self) -> None:
-        for task in (self._task, *self._answering):
-            if task is not None:
-                task.cancel()
-        pending = [t for t in (self._task, *self._answering) if t is not None]
-        if pending:
-            await asyncio.wait(pending, timeout=2)
+        if self._serving:
+            await self.manager.supervisor.stop(SERVE_LOOP, 2)
+            self._serving = False
+        for task in self._answering:
+            task.cancel()
+        if self._answering:
+            await asyncio.wait(self._answering, timeout=2)
 
     # -- sending ------------------------------------------------------------------------------
 

@@ -63,6 +63,11 @@ class Placement:
     reset: SessionReset | None = None
 
 
+RENEW_LOOP = "lease renewal"
+SWEEP_JOB = "earlier incarnations' executions"
+WATCH_LOOP = "store watch"
+
+
 class Router:
     """Routes session-bound operations to their home and serves reads from anywhere."""
 
@@ -92,7 +97,7 @@ class Router:
         self.executions = ExecutionAccess(settings, manager, self.control)
         self.channel = ChannelClient(self.signer) if self.signer is not None else None
         self.cluster_address = ""  # set once the cluster listener is bound
-        self._renewer: asyncio.Task[None] | None = None
+        self._loops: list[str] = []
         self.cluster_problem: str | None = None
         self._record_ttl = (
             max(settings.retention_seconds, settings.workspace_retention_seconds)
@@ -130,14 +135,14 @@ class Router:
     def start(self) -> None:
         if self.control is not None:
             self.control.start()
-        loop = asyncio.get_running_loop()
-        self._renewer = loop.create_task(self._renew_forever())
+        supervisor = self.manager.supervisor
+        supervisor.every(RENEW_LOOP, RENEW_INTERVAL_SECONDS, self._renew)
+        self._loops = [RENEW_LOOP]
         if self.manager.mirror is not None:
-            mirror = self.manager.mirror
-            for job in (self._sweep_earlier_incarnations(mirror.beaten), self._watch_store()):
-                task = loop.create_task(job)
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+            beaten = self.manager.mirror.beaten
+            supervisor.once(SWEEP_JOB, lambda: self._sweep_earlier_incarnations(beaten))
+            supervisor.run(WATCH_LOOP, self._watch_store)
+            self._loops += [SWEEP_JOB, WATCH_LOOP]
 
     async def _sweep_earlier_incarnations(self, beaten: asyncio.Event) -> None:
         """Once this process's heartbeat has replaced an earlier one's (same replica id),
@@ -161,12 +166,11 @@ class Router:
             return
 
     async def aclose(self) -> None:
-        for task in list(self._background):
+        for task in list(self._background):  # (releases of leases: they lapse on their own)
             task.cancel()
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        for name in reversed(self._loops):
+            await self.manager.supervisor.stop(name)
+        self._loops = []
         if self.control is not None:
             await self.control.aclose()
         if self.channel is not None:
@@ -742,15 +746,15 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _renew_forever(self) -> None:
-        while True:
-            await asyncio.sleep(RENEW_INTERVAL_SECONDS)
-            executions = self.manager.running()
-            running = [(e.owner.principal, e.execution_id) for e in executions]
-            now = time.time()
-            with contextlib.suppress(Exception):  # store down: retried at the next interval
-                await self.sessions.renew_running(running, RUNNING_LEASE_SECONDS, now)
-                # A session with a running execution is in use: keep its record alive.
-                for key in {session_key(e.owner.principal, e.owner.session_id) for e in executions}:
-                    await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
-            await self.check_cluster()
+    async def _renew(self) -> None:
+        """Renew the leases of the executions running here and the records of their sessions;
+        check the cluster (a store that is down: tried again at the next interval)."""
+        executions = self.manager.running()
+        running = [(e.owner.principal, e.execution_id) for e in executions]
+        now = time.time()
+        with contextlib.suppress(Exception):  # store down: retried at the next interval
+            await self.sessions.renew_running(running, RUNNING_LEASE_SECONDS, now)
+            # A session with a running execution is in use: keep its record alive.
+            for key in {session_key(e.owner.principal, e.owner.session_id) for e in executions}:
+                await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
+        await self.check_cluster()

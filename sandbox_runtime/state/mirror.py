@@ -13,6 +13,10 @@ from loguru import logger
 
 from sandbox_runtime.state.keys import HEARTBEAT_INTERVAL_SECONDS, HEARTBEAT_TTL_SECONDS
 from sandbox_runtime.state.store import Beat, Snapshot, StateStore
+from sandbox_runtime.supervisor import Supervisor
+
+FLUSH_LOOP = "mirror flush"
+HEARTBEAT_LOOP = "heartbeat"
 
 if TYPE_CHECKING:
     from sandbox_runtime.execution.execution import Execution
@@ -42,8 +46,10 @@ class Mirror:
         known: Callable[[], list[Execution]] = list,
         observe_lag: Callable[[float], None] | None = None,
         on_store_lost: Callable[[], object] | None = None,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.store = store
+        self.supervisor = supervisor or Supervisor()
         self.replica_id = replica_id
         self.session_key = session_key
         self.heartbeat_payload = heartbeat_payload
@@ -59,7 +65,7 @@ class Mirror:
         self._version: dict[str, int] = {}
         self._written_seq: dict[str, int] = {}
         self._wake = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._started = False
         self._stopping = False
         self._reached = False  # a heartbeat or write of ours reached the store once
         # Set once this process's heartbeat is in the store (it replaced an earlier process's).
@@ -92,11 +98,9 @@ class Mirror:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._flush_forever()),
-            loop.create_task(self._heartbeat_forever()),
-        ]
+        self.supervisor.run(FLUSH_LOOP, self._flush_forever)
+        self.supervisor.every(HEARTBEAT_LOOP, lambda: self.heartbeat_interval, self.beat, True)
+        self._started = True
 
     async def stop(self, flush_timeout: float = 5.0) -> None:
         """Flush what is left (bounded), drop the heartbeat, stop the tasks."""
@@ -105,11 +109,10 @@ class Mirror:
         while self._dirty and time.monotonic() < deadline:
             if not await self.flush_once():
                 await asyncio.sleep(0.2)
-        for task in self._tasks:
-            task.cancel()
-        # A task stuck in a Redis call that ignores cancellation must not hold shutdown.
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2)
+        if self._started:  # (a loop stuck in a Redis call must not hold shutdown: 2 s each)
+            await self.supervisor.stop(HEARTBEAT_LOOP, 2)
+            await self.supervisor.stop(FLUSH_LOOP, 2)
+            self._started = False
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.drop_replica(self.replica_id), 2)
         if self._dirty:
@@ -259,8 +262,3 @@ class Mirror:
         if self._dirty:
             self._wake.set()
         return True
-
-    async def _heartbeat_forever(self) -> None:
-        while True:
-            await self.beat()
-            await asyncio.sleep(self.heartbeat_interval)

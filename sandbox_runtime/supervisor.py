@@ -1,0 +1,119 @@
+"""One owner for the process's long-lived background work.
+
+Every loop that runs for the life of a part (sweeping, reaping, evicting, renewing leases,
+flushing the mirror, beating the heartbeat, serving control requests) is started here under a
+name, with one policy: a loop step that raises is logged once (with the name and the
+traceback), then retried; its recovery is logged; a loop that ends by itself is an error and
+is restarted. Nothing is left running: `stop(name)` ends one loop, `aclose()` ends every loop,
+newest first, and waits for them. The composition root makes one for the process and hands it
+to the parts; a part built alone (in a test) makes its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from loguru import logger
+
+Step = Callable[[], Awaitable[Any] | Any]
+RESTART_PAUSE = 1.0
+RESTART_PAUSE_MAX = 30.0
+
+
+class Supervisor:
+    def __init__(self) -> None:
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
+
+    @property
+    def names(self) -> list[str]:
+        """The loops running now, oldest first."""
+        return [name for name, task in self._tasks.items() if not task.done()]
+
+    def every(
+        self, name: str, interval: float | Callable[[], float], step: Step, at_once: bool = False
+    ) -> None:
+        """Run `step` (sync or async) every `interval` seconds (a number, or a function asked
+        before each pause) until stopped; `at_once`: a first step before the first pause."""
+
+        async def loop() -> None:
+            failing = False
+            first = at_once
+            while True:
+                if not first:
+                    await asyncio.sleep(interval() if callable(interval) else interval)
+                first = False
+                try:
+                    result = step()
+                    if inspect.isawaitable(result):
+                        await result
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    if not failing:
+                        logger.exception("background loop {} failed; it goes on", name)
+                    failing = True
+                    continue
+                if failing:
+                    logger.info("background loop {} works again", name)
+                    failing = False
+
+        self._start(name, loop)
+
+    def run(self, name: str, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run `loop` (meant to run until cancelled) and restart it, after a pause that grows
+        while it keeps failing, if it raises or returns."""
+
+        async def keep() -> None:
+            pause = RESTART_PAUSE
+            while True:
+                try:
+                    await loop()
+                    logger.error("background loop {} ended by itself; restarting it", name)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    logger.exception("background loop {} failed; restarting it", name)
+                await asyncio.sleep(pause)
+                pause = min(RESTART_PAUSE_MAX, pause * 2)
+
+        self._start(name, keep)
+
+    def _start(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        if self._closed:
+            raise RuntimeError(f"the supervisor is closed: {name} cannot start")
+        running = self._tasks.get(name)
+        if running is not None and not running.done():
+            raise RuntimeError(f"background loop {name} is already running")
+        self._tasks[name] = asyncio.get_running_loop().create_task(loop(), name=name)
+
+    def once(self, name: str, job: Callable[[], Awaitable[None]]) -> None:
+        """Run `job` to its end (it retries what it must itself); a failure is logged."""
+
+        async def run_once() -> None:
+            try:
+                await job()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("background job {} failed", name)
+
+        self._start(name, run_once)
+
+    async def stop(self, name: str, grace: float | None = None) -> None:
+        """End one loop and wait for it (at most `grace` seconds: a step stuck in a call that
+        ignores cancellation must not hold a shutdown); nothing if it is not running."""
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+            # (asyncio.wait: a cancellation of the caller itself is not swallowed.)
+            await asyncio.wait({task}, timeout=grace)
+
+    async def aclose(self) -> None:
+        """End every loop, newest first, and wait for each. Idempotent."""
+        self._closed = True
+        for name in reversed(list(self._tasks)):
+            await self.stop(name)
