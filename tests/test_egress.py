@@ -37,6 +37,7 @@ from mcp_harness import (
     proc_cmdline,
     process_tree,
     running_server,
+    sandbox_uid,
     traversable_by_others,
 )
 from netlab import NetLab, netlab_fixture
@@ -973,6 +974,23 @@ async def test_run_code_goes_through_the_proxy_and_reports_denials(
     assert denied_set(refused) == {("other.test", 80, "not_allowed")}, describe(refused)
     assert [r["host"] for r in lab.requests()] == ["allowed.test"], lab.requests()
     assert "other.test" not in lab.dns_queries()
+
+
+def test_the_proxy_runs_as_the_sandbox_user_with_nothing_to_gain(
+    server: ServerProcess,
+) -> None:
+    """It dropped root the way sandboxes' spawner does: every id the sandbox uid, no groups,
+    no capability in any set (the bounding set too), no_new_privs, not dumpable."""
+    (pid,) = proxy_pids(server)
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    status = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+    uid = str(sandbox_uid())
+    assert status["Uid"].split() == [uid] * 4, status["Uid"]
+    assert status.get("Groups", "").strip() == ""
+    for caps in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+        assert int(status[caps], 16) == 0, (caps, status[caps])
+    assert status["NoNewPrivs"].strip() == "1"
+    assert os.stat(f"/proc/{pid}/environ").st_uid == 0  # not dumpable: its files stay root's
 
 
 # -- 10. the proxy dies (last: the other tests want the first proxy) ---------------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import ipaddress
 import json
 import os
@@ -48,6 +49,7 @@ from sandbox_runtime.egress.policy import (
     _as_ip,
     parse_authority,
 )
+from sandbox_runtime.sandbox.spawner import drop_privileges
 
 MAX_HEAD = 16 * 1024
 MAX_HEADERS = 100
@@ -581,14 +583,11 @@ def local_addresses() -> set[IPAddress]:
 
 
 def _drop_privileges(uid: int, gid: int) -> None:
-    """Become the sandbox user (no groups, no capabilities), after every import is done."""
+    """Become the sandbox user, after every import is done, the way sandboxes' spawner does
+    (no groups, no capability in any set, no_new_privs, not dumpable; each checked)."""
     if os.geteuid() != 0:
         return
-    os.setgroups([])
-    os.setgid(gid)
-    os.setuid(uid)
-    if os.geteuid() == 0:
-        raise RuntimeError("could not drop root")
+    drop_privileges(ctypes.CDLL(None, use_errno=True), uid, gid)
 
 
 def _preload() -> None:
