@@ -21,6 +21,7 @@ from loguru import logger
 Step = Callable[[], Awaitable[Any] | Any]
 RESTART_PAUSE = 1.0
 RESTART_PAUSE_MAX = 30.0
+STOP_GRACE = 2.0
 
 
 class Supervisor:
@@ -103,17 +104,23 @@ class Supervisor:
 
         self._start(name, run_once)
 
-    async def stop(self, name: str, grace: float | None = None) -> None:
-        """End one loop and wait for it (at most `grace` seconds: a step stuck in a call that
-        ignores cancellation must not hold a shutdown); nothing if it is not running."""
-        task = self._tasks.pop(name, None)
-        if task is not None:
+    async def stop(self, *names: str, grace: float = STOP_GRACE) -> None:
+        """End these loops together and wait for them, at most `grace` seconds: a step stuck
+        in a call that ignores cancellation (a Redis call in flight) must not hold a shutdown;
+        one still running then is logged and left to the loop's own end. Names not running
+        are skipped."""
+        tasks = {name: task for name in names if (task := self._tasks.pop(name, None))}
+        for task in tasks.values():
             task.cancel()
-            # (asyncio.wait: a cancellation of the caller itself is not swallowed.)
-            await asyncio.wait({task}, timeout=grace)
+        if not tasks:
+            return
+        # (asyncio.wait: a cancellation of the caller itself is not swallowed.)
+        await asyncio.wait(tasks.values(), timeout=grace)
+        for name, task in tasks.items():
+            if not task.done():
+                logger.warning("background loop {} did not stop within {} s", name, grace)
 
     async def aclose(self) -> None:
-        """End every loop, newest first, and wait for each. Idempotent."""
+        """End every loop still running (newest first) within one grace. Idempotent."""
         self._closed = True
-        for name in reversed(list(self._tasks)):
-            await self.stop(name)
+        await self.stop(*reversed(list(self._tasks)))

@@ -116,17 +116,17 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with (
-            build(settings, manager, cluster_address) as services,
-            root.serving(services),
-        ):
-            await make_portable(mcp)
-            await _cache_input_schemas(mcp)
-            try:
+        try:
+            async with (
+                build(settings, manager, cluster_address) as services,
+                root.serving(services),
+            ):
+                await make_portable(mcp)
+                await _cache_input_schemas(mcp)
                 async with mcp_app.lifespan(app):
                     yield
-            finally:
-                await files.aclose()
+        finally:
+            await files.aclose()  # (last: the parts' shutdown may still stream a file)
 
     async def health(request: Request) -> JSONResponse:
         if not root.running:

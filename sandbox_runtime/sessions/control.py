@@ -100,7 +100,7 @@ class ControlChannel:
 
     async def aclose(self) -> None:
         if self._serving:
-            await self.manager.supervisor.stop(SERVE_LOOP, 2)
+            await self.manager.supervisor.stop(SERVE_LOOP)
             self._serving = False
         for task in self._answering:
             task.cancel()

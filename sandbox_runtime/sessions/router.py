@@ -168,8 +168,7 @@ class Router:
     async def aclose(self) -> None:
         for task in list(self._background):  # (releases of leases: they lapse on their own)
             task.cancel()
-        for name in reversed(self._loops):
-            await self.manager.supervisor.stop(name)
+        await self.manager.supervisor.stop(*reversed(self._loops))
         self._loops = []
         if self.control is not None:
             await self.control.aclose()

@@ -109,9 +109,8 @@ class Mirror:
         while self._dirty and time.monotonic() < deadline:
             if not await self.flush_once():
                 await asyncio.sleep(0.2)
-        if self._started:  # (a loop stuck in a Redis call must not hold shutdown: 2 s each)
-            await self.supervisor.stop(HEARTBEAT_LOOP, 2)
-            await self.supervisor.stop(FLUSH_LOOP, 2)
+        if self._started:  # (a loop stuck in a Redis call must not hold shutdown: bounded)
+            await self.supervisor.stop(HEARTBEAT_LOOP, FLUSH_LOOP)
             self._started = False
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.store.drop_replica(self.replica_id), 2)
