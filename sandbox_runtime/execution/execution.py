@@ -42,6 +42,11 @@ class CallRunner(Protocol):
     async def cancel(self, force: bool, grace: float) -> None: ...
 
 
+def session_name(session_id: str) -> str:
+    """A session as callers name it: `s:NAME` is NAME; `default` is itself."""
+    return session_id[2:] if session_id.startswith("s:") else session_id
+
+
 @dataclass(frozen=True, slots=True)
 class Owner:
     """Who an execution belongs to: the token's principal and the session."""

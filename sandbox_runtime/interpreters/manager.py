@@ -30,7 +30,7 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
     SandboxUnavailableError,
 )
-from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.execution.execution import Execution, Owner, session_name
 from sandbox_runtime.execution.manager import ExecutionManager, workspace_name
 from sandbox_runtime.execution.models import EventType, ExecutionStatus
 from sandbox_runtime.interpreters.kernel import (
@@ -668,8 +668,7 @@ MAX_NAMED = 16
 
 def _session_of(owner: Owner) -> str:
     """A session as callers name it, for messages."""
-    session = owner.session_id
-    return f"session {session[2:] if session.startswith('s:') else session!r}"
+    return f"session {session_name(owner.session_id)!r}"
 
 
 def _text(value: object) -> str:

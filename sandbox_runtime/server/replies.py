@@ -12,7 +12,7 @@ import contextlib
 import json
 from typing import Any
 
-from fastmcp.exceptions import ToolError, ValidationError
+from fastmcp.exceptions import NotFoundError, ToolError, ValidationError
 from fastmcp.server.dependencies import get_http_request
 from fastmcp.server.middleware import CallNext, Middleware, MiddlewareContext
 from fastmcp.tools.base import ToolResult
@@ -119,15 +119,16 @@ class ErrorResults(Middleware):
         call_next: CallNext[mt.CallToolRequestParams, ToolResult],
     ) -> ToolResult:
         tool = context.message.name
-        with contextlib.suppress(Exception):  # (the lookup is a courtesy: the call decides)
-            server = context.fastmcp_context.fastmcp  # type: ignore[union-attr]
-            if await server.get_tool(tool) is None:
-                names = ", ".join(sorted(t.name for t in await server.list_tools()))
-                return error_reply(
-                    tool, f"unknown tool {_clip(tool)!r} (this server's: {names})", "not_found"
-                )
         try:
             return await call_next(context)
+        except NotFoundError:  # (the tool itself: the library looks it up inside the chain)
+            names = ""
+            with contextlib.suppress(Exception):  # the names are a courtesy
+                server = context.fastmcp_context.fastmcp  # type: ignore[union-attr]
+                names = ", ".join(sorted(t.name for t in await server.list_tools()))
+            return error_reply(
+                tool, f"unknown tool {_clip(tool)!r} (this server's: {names})", "not_found"
+            )
         except ValidationError as exc:
             cause = exc.__cause__
             if not isinstance(cause, PydanticValidationError):

@@ -26,6 +26,7 @@ from pydantic import BaseModel, BeforeValidator, Field
 from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.execution import Owner
+from sandbox_runtime.execution.execution import session_name as public_name
 from sandbox_runtime.execution.manager import OutputPage
 from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, shown_id
 from sandbox_runtime.server.replies import ToolFailure, reply
@@ -171,8 +172,7 @@ class ExecutionList(BaseModel):
 
 def session_name(owner: Owner) -> str:
     """The session as callers name it."""
-    session = owner.session_id
-    return session[2:] if session.startswith("s:") else session
+    return public_name(owner.session_id)
 
 
 def _owner_of(ctx: Context, session: str | None) -> Owner:
@@ -569,7 +569,6 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
 
 def status_of(info: ExecutionInfo) -> StatusResult:
     """An execution's metadata as get_execution_status shows it (long commands shortened)."""
-    session = info.session_id
     return StatusResult(
         id=info.execution_id,
         status=info.status,
@@ -579,7 +578,7 @@ def status_of(info: ExecutionInfo) -> StatusResult:
         completed_at=info.finished_at,
         exit_code=info.exit_code,
         error_message=info.error,
-        session=session[2:] if session.startswith("s:") else session,
+        session=public_name(info.session_id),
         language=info.language,
         working_directory=info.working_directory,
         timeout_seconds=info.timeout_seconds,
