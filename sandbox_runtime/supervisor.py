@@ -7,6 +7,12 @@ traceback), then retried; its recovery is logged; a loop that ends by itself is 
 is restarted. Nothing is left running: `stop(name)` ends one loop, `aclose()` ends every loop,
 newest first, and waits for them. The composition root makes one for the process and hands it
 to the parts; a part built alone (in a test) makes its own.
+
+Short-lived work that outlives the call that started it (a lease released after an execution
+ends, a sandbox discarded in the background, a kernel stopped) is `spawn`ed: named, kept
+referenced until it ends, a failure logged once, cancelled by `aclose()`. Nothing else in the
+program calls `create_task`; tasks a function starts and awaits or cancels before it returns
+(racing a queue against a process's death) are scoped to that function (see `scoped`).
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 from loguru import logger
 
+T = TypeVar("T")
 Step = Callable[[], Awaitable[Any] | Any]
 RESTART_PAUSE = 1.0
 RESTART_PAUSE_MAX = 30.0
@@ -27,6 +34,7 @@ STOP_GRACE = 2.0
 class Supervisor:
     def __init__(self) -> None:
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._spawned: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     @property
@@ -104,6 +112,27 @@ class Supervisor:
 
         self._start(name, run_once)
 
+    def spawn(self, name: str, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run `work` to its end in the background: referenced until done, a failure logged
+        once (with `name`), cancelled by `aclose()`. Returns the task (await it, or not)."""
+        if self._closed:
+            work.close()
+            raise RuntimeError(f"the supervisor is closed: {name} cannot start")
+        task = asyncio.get_running_loop().create_task(work, name=name)
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned_done)
+        return task
+
+    def _spawned_done(self, task: asyncio.Task[Any]) -> None:
+        self._spawned.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.opt(exception=exc).error("background task {} failed", task.get_name())
+
+    @property
+    def spawned(self) -> int:
+        """Short-lived tasks not yet ended."""
+        return len(self._spawned)
+
     async def stop(self, *names: str, grace: float = STOP_GRACE) -> None:
         """End these loops together and wait for them, at most `grace` seconds: a step stuck
         in a call that ignores cancellation (a Redis call in flight) must not hold a shutdown;
@@ -121,6 +150,19 @@ class Supervisor:
                 logger.warning("background loop {} did not stop within {} s", name, grace)
 
     async def aclose(self) -> None:
-        """End every loop still running (newest first) within one grace. Idempotent."""
+        """End every spawned task and every loop still running (newest first) within one
+        grace. Idempotent."""
         self._closed = True
+        spawned = list(self._spawned)
+        for task in spawned:
+            task.cancel()
+        if spawned:
+            await asyncio.wait(spawned, timeout=STOP_GRACE)
         await self.stop(*reversed(list(self._tasks)))
+
+
+def scoped(work: Awaitable[T]) -> asyncio.Future[T]:
+    """A task scoped to the function that starts it: that function awaits it or cancels it
+    before it returns (a race of a queue against a process's death, the two directions of a
+    relay). The one place besides the Supervisor that starts tasks."""
+    return asyncio.ensure_future(work)

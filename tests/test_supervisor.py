@@ -52,6 +52,37 @@ async def test_a_failing_step_is_logged_once_retried_and_its_recovery_said() -> 
 
 
 @pytest.mark.unit
+async def test_spawned_work_is_kept_its_failure_logged_once_and_cancelled_on_close() -> None:
+    supervisor = Supervisor()
+    done = asyncio.Event()
+
+    async def fails() -> None:
+        raise ValueError("lease release broke")
+
+    async def finishes() -> int:
+        done.set()
+        return 7
+
+    lines, sink = _logged()
+    try:
+        failing = supervisor.spawn("release lease", fails())
+        finishing = supervisor.spawn("finish", finishes())
+        assert await finishing == 7
+        await asyncio.wait([failing])
+        await asyncio.sleep(0)
+        hanging = supervisor.spawn("hang", asyncio.sleep(3600))
+        assert supervisor.spawned == 1
+        await supervisor.aclose()
+    finally:
+        logger.remove(sink)
+    assert hanging.cancelled() and supervisor.spawned == 0
+    failures = [line for line in lines if "release lease failed" in line]
+    assert len(failures) == 1 and "lease release broke" in failures[0]
+    with pytest.raises(RuntimeError, match="closed"):
+        supervisor.spawn("late", asyncio.sleep(0))
+
+
+@pytest.mark.unit
 async def test_a_loop_that_raises_or_returns_is_restarted_with_a_growing_pause(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
