@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from redis_harness import RedisServer
 
 from sandbox_runtime.config import Settings
-from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
 
 

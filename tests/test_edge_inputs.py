@@ -20,7 +20,7 @@ from mcp_harness import (
 )
 from redis_harness import RedisServer
 
-from sandbox_runtime.execution.models import shown_id
+from sandbox_runtime.domain.models import shown_id
 
 pytestmark = pytest.mark.e2e
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from mcp_harness import ServerProcess, client_in_task, running_server
 
-from sandbox_runtime.egress.policy import vet_address
+from sandbox_runtime.domain.egress import vet_address
 
 TOKEN = "egress-pip-token-0123456789"
 # Small pure-Python packages; the first one the runtime lacks is installed.

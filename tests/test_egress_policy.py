@@ -10,7 +10,7 @@ import socket
 
 import pytest
 
-from sandbox_runtime.egress.policy import (
+from sandbox_runtime.domain.egress import (
     DEFAULT_PORTS,
     METADATA_ADDRESSES,
     Decision,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.egress.proxy import Proxy, Refused, Sandbox, Settings, parse_head
 
 

@@ -23,7 +23,7 @@ from test_sandbox import (
     with_marker,
 )
 
-from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.errors import (
     InvalidRequestError,
     SandboxSpawnError,

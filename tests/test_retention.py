@@ -14,9 +14,9 @@ import pytest
 from mcp_harness import traversable_by_others
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import ExecutionNotFoundError
-from sandbox_runtime.execution.execution import Owner
-from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager, workspace_name
+from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_harness import RedisServer
 
-from sandbox_runtime.execution.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
+from sandbox_runtime.domain.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
 from sandbox_runtime.state.keys import Keys
 from sandbox_runtime.state.redis_store import RedisStore
 from sandbox_runtime.state.store import Beat, MemoryStore, Snapshot, StateStore

@@ -42,7 +42,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandbox_runtime.egress.policy import (
+from sandbox_runtime.domain.egress import (
     EgressDenied,
     EgressPolicy,
     IPAddress,

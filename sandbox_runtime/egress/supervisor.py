@@ -25,7 +25,7 @@ from typing import Any
 
 from loguru import logger
 
-from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 
 SOCKET_DIR = "/run/srt-egress"  # inside a sandbox

@@ -8,18 +8,18 @@ import contextlib
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 from loguru import logger
 
-from sandbox_runtime.errors import ExecutionFinishedError, InvalidRequestError
-from sandbox_runtime.execution.models import (
+from sandbox_runtime.domain.models import (
     EventType,
     ExecutionInfo,
     ExecutionStatus,
     OutputEvent,
 )
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.errors import ExecutionFinishedError, InvalidRequestError
 from sandbox_runtime.sandbox import SandboxOutcome, SandboxProcess
 
 CHUNK_BYTES = 64 * 1024  # largest piece of output one event carries
@@ -40,19 +40,6 @@ class CallRunner(Protocol):
     async def write_stdin(self, data: str, close: bool) -> int: ...
 
     async def cancel(self, force: bool, grace: float) -> None: ...
-
-
-def session_name(session_id: str) -> str:
-    """A session as callers name it: `s:NAME` is NAME; `default` is itself."""
-    return session_id[2:] if session_id.startswith("s:") else session_id
-
-
-@dataclass(frozen=True, slots=True)
-class Owner:
-    """Who an execution belongs to: the token's principal and the session."""
-
-    principal: str
-    session_id: str
 
 
 class Execution:

@@ -6,7 +6,6 @@ import asyncio
 import builtins
 import contextlib
 import ctypes
-import hashlib
 import math
 import time
 import uuid
@@ -18,17 +17,9 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.config import Settings
-from sandbox_runtime.egress.policy import EgressPolicy
-from sandbox_runtime.egress.supervisor import DeniedHandler, EgressProxy
-from sandbox_runtime.errors import (
-    ExecutionNotFoundError,
-    InvalidRequestError,
-    LimitExceededError,
-    SandboxSpawnError,
-    SandboxUnavailableError,
-)
-from sandbox_runtime.execution.execution import Execution, Owner
-from sandbox_runtime.execution.models import (
+from sandbox_runtime.domain.egress import EgressPolicy
+from sandbox_runtime.domain.limits import SandboxLimits
+from sandbox_runtime.domain.models import (
     EventType,
     ExecutionInfo,
     ExecutionStatus,
@@ -37,6 +28,16 @@ from sandbox_runtime.execution.models import (
     new_execution_id,
     shown_id,
 )
+from sandbox_runtime.domain.owner import Owner, workspace_name
+from sandbox_runtime.egress.supervisor import DeniedHandler, EgressProxy
+from sandbox_runtime.errors import (
+    ExecutionNotFoundError,
+    InvalidRequestError,
+    LimitExceededError,
+    SandboxSpawnError,
+    SandboxUnavailableError,
+)
+from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.files.workspaces import WorkspaceStore, loop_devices_under
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
@@ -48,7 +49,6 @@ from sandbox_runtime.sandbox import (
     validate_command,
     validate_env,
 )
-from sandbox_runtime.sandbox.policy import SandboxLimits
 from sandbox_runtime.sandbox.pool import SandboxPool
 from sandbox_runtime.state.keys import session_key
 from sandbox_runtime.state.mirror import Mirror
@@ -711,9 +711,3 @@ def _installed_runtime(path: Path) -> Path | None:
 def _release_freed_memory() -> None:
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).malloc_trim(0)
-
-
-def workspace_name(owner: Owner) -> str:
-    """The directory name of an owner's workspace: a hash, so ids never reach the filesystem."""
-    digest = hashlib.sha256(f"{owner.principal}\0{owner.session_id}".encode()).hexdigest()
-    return f"ws-{digest[:32]}"

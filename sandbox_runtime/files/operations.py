@@ -10,9 +10,9 @@ import mimetypes
 import time
 from typing import Any
 
+from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import FileAccessError, InvalidRequestError, PolicyViolationError
-from sandbox_runtime.execution.execution import Owner
-from sandbox_runtime.execution.manager import ExecutionManager, workspace_name
+from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.files.fsops import clean_path, display
 from sandbox_runtime.files.urls import FileUrlSigner
 

@@ -29,7 +29,7 @@ from typing import Any
 from jupyter_client.session import Session
 from loguru import logger
 
-from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.egress.supervisor import DeniedHandler
 from sandbox_runtime.errors import SandboxSpawnError
 from sandbox_runtime.interpreters.runtime import KernelSpec

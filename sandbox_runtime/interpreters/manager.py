@@ -24,15 +24,16 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.models import EventType, ExecutionStatus
+from sandbox_runtime.domain.owner import Owner, session_name, workspace_name
 from sandbox_runtime.errors import (
     InvalidRequestError,
     LimitExceededError,
     SandboxRuntimeError,
     SandboxUnavailableError,
 )
-from sandbox_runtime.execution.execution import Execution, Owner, session_name
-from sandbox_runtime.execution.manager import ExecutionManager, workspace_name
-from sandbox_runtime.execution.models import EventType, ExecutionStatus
+from sandbox_runtime.execution.execution import Execution
+from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.interpreters.kernel import (
     FLOODED,
     MESSAGE_MAX_BYTES,

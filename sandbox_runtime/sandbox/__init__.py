@@ -1,5 +1,6 @@
 """The OS-level sandbox: bubblewrap + cgroups + seccomp, run as an unprivileged uid."""
 
+from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.sandbox.backend import (
     BackendConfig,
     BubblewrapBackend,
@@ -10,7 +11,6 @@ from sandbox_runtime.sandbox.backend import (
     validate_env,
 )
 from sandbox_runtime.sandbox.host import WORKSPACE
-from sandbox_runtime.sandbox.policy import SandboxLimits
 from sandbox_runtime.sandbox.process import SandboxOutcome, SandboxProcess
 
 __all__ = [

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from sandbox_runtime.egress.policy import EgressPolicy
+from sandbox_runtime.domain.egress import EgressPolicy
+from sandbox_runtime.domain.limits import MIB, SandboxLimits
 from sandbox_runtime.egress.supervisor import (
     RELAY_PORT,
     SOCKET_DIR,
@@ -53,7 +54,6 @@ from sandbox_runtime.sandbox.host import (
     remove_stale_private_dirs,
     stub_problem,
 )
-from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
 from sandbox_runtime.sandbox.process import (
     SandboxProcess,
     close_streams,

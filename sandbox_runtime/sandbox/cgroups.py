@@ -15,8 +15,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.domain.limits import MIB, SandboxLimits
 from sandbox_runtime.fds import limit as fd_limit
-from sandbox_runtime.sandbox.policy import MIB, SandboxLimits
 
 V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")
 V2_CONTROLLERS = ("memory", "pids", "cpu")

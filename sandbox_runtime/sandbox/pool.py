@@ -28,9 +28,9 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.backend import BubblewrapBackend, SandboxSpec, StartedSandbox
-from sandbox_runtime.sandbox.policy import SandboxLimits
 from sandbox_runtime.sandbox.process import SandboxProcess
 from sandbox_runtime.supervisor import Supervisor
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.sandbox.cgroups import ExecutionCgroup
-from sandbox_runtime.sandbox.policy import SandboxLimits
 
 # bwrap's status is a few short JSON documents; more is not read.
 MAX_STATUS_BYTES = 64 * 1024

@@ -28,6 +28,7 @@ import httpx2
 from loguru import logger
 from starlette.types import Receive, Scope, Send
 
+from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import (
     DiskFullError,
     FileAccessError,
@@ -39,8 +40,6 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
     WorkspaceFullError,
 )
-from sandbox_runtime.execution.execution import Owner
-from sandbox_runtime.execution.manager import workspace_name
 from sandbox_runtime.files.fsops import CHUNK, Upload
 from sandbox_runtime.files.operations import mime_type_of
 from sandbox_runtime.files.urls import FileGrant, FileUrlSigner, UrlRefusedError

@@ -7,7 +7,7 @@ from urllib.parse import quote
 
 from mcp.types import ResourceLink
 
-from sandbox_runtime.execution.execution import Owner
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.files.operations import mime_type_of
 
 RESOURCE_TEMPLATE = "workspace://{session}/{path*}"

@@ -24,11 +24,11 @@ from loguru import logger
 from pydantic import BaseModel, BeforeValidator, Field
 
 from sandbox_runtime.app.services import Root, Services
+from sandbox_runtime.domain.models import ExecutionInfo, ExecutionStatus, shown_id
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.domain.owner import session_name as public_name
 from sandbox_runtime.errors import SandboxRuntimeError
-from sandbox_runtime.execution.execution import Owner
-from sandbox_runtime.execution.execution import session_name as public_name
 from sandbox_runtime.execution.manager import OutputPage
-from sandbox_runtime.execution.models import ExecutionInfo, ExecutionStatus, shown_id
 from sandbox_runtime.server.replies import ToolFailure, reply
 from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg

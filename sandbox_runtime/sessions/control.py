@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from sandbox_runtime.domain.models import ExecutionInfo
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import (
     DiskFullError,
     ExecutionFinishedError,
@@ -32,8 +34,6 @@ from sandbox_runtime.errors import (
     WorkspaceDamagedError,
     WorkspaceFullError,
 )
-from sandbox_runtime.execution.execution import Owner
-from sandbox_runtime.execution.models import ExecutionInfo
 from sandbox_runtime.sessions.signing import ClusterSigner, SignatureError
 from sandbox_runtime.state.store import StateStore
 

@@ -11,24 +11,25 @@ import time
 from loguru import logger
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.models import (
+    ExecutionInfo,
+    ExecutionStatus,
+    is_execution_id,
+    shown_id,
+)
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import (
     ExecutionNotFoundError,
     InvalidRequestError,
     OwnerUnavailableError,
     SandboxRuntimeError,
 )
-from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.manager import (
     MAX_BYTES_PER_READ,
     MAX_EVENTS_PER_READ,
     ExecutionManager,
     OutputPage,
-)
-from sandbox_runtime.execution.models import (
-    ExecutionInfo,
-    ExecutionStatus,
-    is_execution_id,
-    shown_id,
 )
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.state.keys import session_key

@@ -15,10 +15,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sandbox_runtime.domain.models import ExecutionInfo
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import InvalidRequestError
-from sandbox_runtime.execution.execution import Execution, Owner
+from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
-from sandbox_runtime.execution.models import ExecutionInfo
 from sandbox_runtime.files import operations as files
 from sandbox_runtime.files.operations import changed_files, coarse_now
 from sandbox_runtime.files.urls import FileUrlSigner

@@ -18,6 +18,7 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import (
     InvalidRequestError,
     LimitExceededError,
@@ -25,10 +26,7 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
     SandboxSpawnError,
 )
-from sandbox_runtime.execution.execution import Execution, Owner
-from sandbox_runtime.execution.manager import (
-    workspace_name,
-)
+from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.sessions.channel import (
     ChannelClient,
     HomeMovedError,

@@ -19,8 +19,8 @@ FLUSH_LOOP = "mirror flush"
 HEARTBEAT_LOOP = "heartbeat"
 
 if TYPE_CHECKING:
+    from sandbox_runtime.domain.models import OutputEvent
     from sandbox_runtime.execution.execution import Execution
-    from sandbox_runtime.execution.models import OutputEvent
 
 FLUSH_INTERVAL = 0.002  # pause between flushes while there is more to write (lets batches form)
 MAX_EVENTS_PER_FLUSH = 2000  # per execution; the rest goes in the next flush

@@ -12,7 +12,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import WatchError
 
-from sandbox_runtime.execution.models import ExecutionInfo, OutputEvent
+from sandbox_runtime.domain.models import ExecutionInfo, OutputEvent
 from sandbox_runtime.state.keys import CONTROL_REPLY_TTL_SECONDS, Keys
 from sandbox_runtime.state.store import (
     Beat,

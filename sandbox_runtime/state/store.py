@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sandbox_runtime.execution.models import (
+from sandbox_runtime.domain.models import (
     EventType,
     ExecutionInfo,
     ExecutionStatus,
