@@ -24,10 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from redis_harness import RedisServer
 
+from sandbox_runtime.app.services import Services, build
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.execution.execution import Execution
-from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
+from sandbox_runtime.execution.requests import ExecuteRequest
+from sandbox_runtime.sessions.cluster import RedisCluster
 
 
 def pct(values: list[float], q: float) -> float:
@@ -44,15 +46,28 @@ async def run(executions: int, lines: int, workdir: Path, redis_url: str) -> Non
         max_per_session=64,
         _env_file=None,  # type: ignore[call-arg]
     )
-    manager = ExecutionManager(settings)
-    await manager.start()
+    async with build(settings) as services:
+        await measure(services, executions, lines, redis_url)
+
+
+async def measure(services: Services, executions: int, lines: int, redis_url: str) -> None:
+    manager = services.manager
+    cluster = services.cluster
+    assert isinstance(cluster, RedisCluster)
     produced: dict[tuple[str, int], float] = {}
 
     def on_events(execution: Execution, events: list) -> None:  # type: ignore[type-arg]
         for event in events:
             produced[(execution.execution_id, event.seq)] = time.monotonic()
 
-    manager.listeners.insert(0, on_events)
+    # (Timed before the mirror hears of them: every execution tells the cluster it changed.)
+    mark = cluster.changed
+
+    def changed(execution: Execution, events: list | None = None) -> None:  # type: ignore[type-arg]
+        on_events(execution, events or [])
+        mark(execution, events)
+
+    cluster.changed = changed  # type: ignore[method-assign]
     client = aioredis.Redis.from_url(redis_url)
     visible_lag: list[float] = []
     seen: dict[str, int] = {}
@@ -83,10 +98,7 @@ async def run(executions: int, lines: int, workdir: Path, redis_url: str) -> Non
     await asyncio.sleep(0.5)
     stop.set()
     await watcher
-    mirror = manager.mirror
-    assert mirror is not None
-    written = list(mirror.lag_samples)
-    await manager.shutdown()
+    written = list(cluster.mirror.lag_samples)
     await client.aclose()
     print()
     print(f"{executions} executions x {lines} lines, one line every 10 ms each")

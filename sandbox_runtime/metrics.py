@@ -7,6 +7,7 @@ any owner's work beyond counts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,6 +17,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+
+from sandbox_runtime.domain.models import ExecutionInfo
 
 DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
 SPAWN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 1)
@@ -264,16 +267,33 @@ class Metrics:
         self.disk_free.set_function(free)
         self.disk_low.set_function(low)
 
-    def bind(
-        self,
-        running: Callable[[], float],
-        backlog: Callable[[], float],
-        connected: Callable[[], float],
-    ) -> None:
-        """Gauges read at scrape time from the manager's state."""
+    def bind_running(self, running: Callable[[], float]) -> None:
+        """Executions running now, read at scrape time."""
         self.running.set_function(running)
+
+    def bind_store(self, backlog: Callable[[], float], connected: Callable[[], float]) -> None:
+        """The Redis mirror's gauges, read at scrape time."""
         self.mirror_backlog.set_function(backlog)
         self.redis_connected.set_function(connected)
+
+    def count_finished(self, info: ExecutionInfo) -> None:
+        """An execution ended: its status, duration, limit kill and output."""
+        self.finished.labels(info.status.value).inc()
+        self.duration.observe((info.duration_ms or 0) / 1000)
+        if info.reason in ("memory", "cpu", "file_size", "timeout"):
+            self.limit_kills.labels(info.reason).inc()
+        self.output_bytes.labels("stdout").inc(info.stdout_bytes)
+        self.output_bytes.labels("stderr").inc(info.stderr_bytes)
+        self.output_dropped.inc(info.dropped_bytes)
+
+    def count_egress(self, op: str, message: dict[str, Any]) -> None:
+        """An event of the egress proxy: a denial, a connection, a closed one's bytes."""
+        if op == "denied":
+            self.egress_denied.labels(str(message.get("reason"))).inc()
+        elif op == "connected":
+            self.egress_connections.inc()
+        elif op == "closed":
+            self.egress_bytes.inc(int(message.get("bytes") or 0))
 
     def render(self) -> tuple[bytes, str]:
         if self._interpreter_gauges is not None:

@@ -13,10 +13,12 @@ from typing import Any
 import pytest
 from mcp_harness import traversable_by_others
 
+from sandbox_runtime.app.services import build
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import ExecutionNotFoundError
-from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
+from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.execution.requests import ExecuteRequest
 
 pytestmark = pytest.mark.integration
 
@@ -25,20 +27,16 @@ pytestmark = pytest.mark.integration
 async def started_manager(tmp_path: Path, **settings: Any) -> AsyncIterator[ExecutionManager]:
     """A started manager of its own state dir (600 s retentions unless `settings` say)."""
     traversable_by_others(tmp_path)
-    mgr = ExecutionManager(
-        Settings(
-            state_dir=tmp_path / "state",
-            replica_id=f"ret-{uuid.uuid4().hex[:6]}",
-            **{"retention_seconds": 600, "workspace_retention_seconds": 600, **settings},
-            _env_file=None,  # type: ignore[call-arg]
-        )
+    config = Settings(
+        state_dir=tmp_path / "state",
+        replica_id=f"ret-{uuid.uuid4().hex[:6]}",
+        **{"retention_seconds": 600, "workspace_retention_seconds": 600, **settings},
+        _env_file=None,  # type: ignore[call-arg]
     )
-    await mgr.start()
-    assert mgr.backend.unavailable_reason is None, mgr.backend.unavailable_reason
-    try:
+    async with build(config) as services:
+        mgr = services.manager
+        assert mgr.backend.unavailable_reason is None, mgr.backend.unavailable_reason
         yield mgr
-    finally:
-        await mgr.shutdown()
 
 
 @pytest.fixture

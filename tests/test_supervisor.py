@@ -15,7 +15,7 @@ from mcp_harness import traversable_by_others
 from sandbox_runtime.app.services import build
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
-from sandbox_runtime.execution.manager import ExecuteRequest
+from sandbox_runtime.execution.requests import ExecuteRequest
 from sandbox_runtime.supervisor import Supervisor
 
 

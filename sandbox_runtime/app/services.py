@@ -3,20 +3,29 @@
 Read top to bottom, `build` says how the program is put together:
 
     Settings
-      ├─ Supervisor            every background loop of every part below, named, under one
-      │                        policy; stopped last
-      └─ ExecutionManager      one per process for its whole life: sandboxes (backend, pool,
-         │                     cgroups), workspaces, the egress proxy, the Redis mirror
+      ├─ Supervisor            every background loop and task of every part below, named,
+      │                        under one policy; closed last
+      ├─ Metrics               the Prometheus registry every part counts into
+      ├─ Cluster               alone (LocalCluster) or with Redis (RedisCluster: the mirror,
+      │                        the heartbeat, the clock watch): the sessions' records and
+      │                        the per-principal running limit
+      ├─ BubblewrapBackend     sandboxes: spec -> bwrap argv, the spawner, cgroups, reaping
+      ├─ WorkspaceStore        the sessions' /workspace images: quotas, mounts, retention
+      ├─ EgressProxy           the allowlist proxy (a separate process), when allowed
+      ├─ SandboxPool           sandboxes started ahead of need
+      └─ ExecutionManager      one per process for its whole life: executions, their slots,
+         │                     events and retention, over the parts above
          ├─ InterpreterManager run_code's kernels, over the manager
          ├─ FileUrlSigner      the key of signed file URLs
-         ├─ Router             sessions' homes, forwarding to them, control of other
-         │                     replicas' executions; runs the session-bound operations
-         │                     (sessions.operations) with the Parts above
-         └─ ClockWatch         (with Redis) the replicas' clocks, for /health
+         └─ Router             sessions' homes, forwarding to them, control of other
+                               replicas' executions; runs the session-bound operations
+                               (sessions.operations) with the Parts above
 
-Each part gets what it needs in its constructor. They are started in that order inside an
-AsyncExitStack and closed in reverse when the server stops. The HTTP edge (server/) reaches
-them through a `Root`, which the ASGI lifespan fills: no part is a module global.
+Each part gets what it needs in its constructor; the few links that point back up (the
+workspaces asking which are in use, the pool's and the proxy's counts) are made here, by
+name. The parts are started in that order inside an AsyncExitStack and closed in reverse
+when the server stops. The HTTP edge (server/) reaches them through a `Root`, which the ASGI
+lifespan fills: no part is a module global.
 """
 
 from __future__ import annotations
@@ -24,13 +33,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
+
+from loguru import logger
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.files.urls import FileUrlSigner, url_key
+from sandbox_runtime.files.workspaces import WorkspaceStore, loop_devices_under
 from sandbox_runtime.interpreters.manager import InterpreterManager
-from sandbox_runtime.sessions.clock import ClockWatch
+from sandbox_runtime.interpreters.runtime import MANIFEST
+from sandbox_runtime.metrics import Metrics
+from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend
+from sandbox_runtime.sandbox.pool import SandboxPool
+from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
 from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.supervisor import Supervisor
@@ -42,44 +60,160 @@ class Services:
 
     settings: Settings
     supervisor: Supervisor
+    metrics: Metrics
+    cluster: LocalCluster
     manager: ExecutionManager
     interpreters: InterpreterManager
     signer: FileUrlSigner
     router: Router
-    clock: ClockWatch | None
+
+    async def stop(self) -> None:
+        """Stop the executions (politely, then by force), and meanwhile release this
+        replica's sessions and stop its interpreters. Idempotent; the signal handler calls it
+        before the server closes its connections, the lifespan's end again."""
+        await self.manager.shutdown(
+            meanwhile=[self.cluster.release_homes, self.interpreters.aclose]
+        )
 
 
 @contextlib.asynccontextmanager
-async def build(
-    settings: Settings, manager: ExecutionManager | None = None, cluster_address: str = ""
-) -> AsyncIterator[Services]:
+async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[Services]:
     """Build and start the parts in dependency order; stop them in reverse on the way out.
 
-    `manager`: one built by the caller (the CLI builds it before binding the cluster port).
+    `cluster_address`: where other replicas reach this one's cluster listener ("": none).
     """
     async with contextlib.AsyncExitStack() as stack:
-        # Closed last of all: whatever loop a part did not stop itself ends here.
-        supervisor = manager.supervisor if manager is not None else Supervisor()
-        stack.push_async_callback(supervisor.aclose)
-        manager = manager or ExecutionManager(settings, supervisor=supervisor)
+        supervisor = Supervisor()
+        stack.push_async_callback(supervisor.aclose)  # last: whatever is left ends here
+        metrics = Metrics()
+        cluster = _cluster(settings, metrics, supervisor, cluster_address)
+        # After the executions have stopped: the mirror's final flush records their ends.
+        stack.push_async_callback(cluster.aclose)
+
+        limits = settings.limits()
+        backend = BubblewrapBackend(
+            BackendConfig(
+                limits=limits,
+                sandbox_user=settings.sandbox_user,
+                workspace_root=settings.state_dir / "workspaces",
+                bwrap_path=settings.bwrap_path,
+                group_name=f"srt-{settings.replica_id}",
+                cgroup_favordynmods=settings.cgroup_favordynmods,
+                runtime_dir=_installed_runtime(settings.runtime_path()),
+            ),
+            supervisor,
+        )
+        workspaces = WorkspaceStore(
+            backend.config.workspace_root,
+            size_mb=settings.workspace_mb,
+            inodes=settings.workspace_inode_count(),
+            quota=settings.workspace_quota,
+            retention_seconds=settings.workspace_retention_seconds,
+            max_mounted=settings.max_mounted_workspaces,
+            max_mounted_per_principal=settings.max_mounted_workspaces_per_principal,
+            reserve=settings.workspace_reserve,
+            min_free_mb=settings.min_free_disk_mb,
+        )
+        stack.push_async_callback(workspaces.close)
+        backend.start()  # finds the sandbox user, or says why sandboxes cannot run
+        egress = await _egress(settings, backend, metrics)
+        if egress is not None:
+            stack.push_async_callback(egress.close)
+        stack.push_async_callback(backend.close)
+        pool = SandboxPool(
+            backend,
+            limits,
+            size=settings.pool_size,
+            idle_seconds=settings.pool_idle_seconds,
+            workspace_ready=lambda path: workspaces.is_ready(path.name),
+            supervisor=supervisor,
+        )
+        manager = ExecutionManager(
+            settings,
+            backend=backend,
+            workspaces=workspaces,
+            pool=pool,
+            cluster=cluster,
+            metrics=metrics,
+            supervisor=supervisor,
+            egress=egress,
+        )
+        _link(workspaces, pool, manager, metrics)
+        if isinstance(cluster, RedisCluster):
+            metrics.bind_store(lambda: cluster.backlog, lambda: 1 if cluster.connected else 0)
+
         interpreters = InterpreterManager(settings, manager)
         signer = FileUrlSigner(url_key(settings))
-        router = Router(settings, Parts(manager, interpreters, signer))
-        router.cluster_address = cluster_address
-        # Closed last: the manager's shutdown (which stops the interpreters first, and flushes
-        # the mirror) still reports through the router's stores.
+        router = Router(settings, Parts(manager, interpreters, signer), cluster)
         stack.push_async_callback(router.aclose)
+        services = Services(
+            settings, supervisor, metrics, cluster, manager, interpreters, signer, router
+        )
+        await cluster.start(manager)
         await manager.start()
-        stack.push_async_callback(manager.shutdown)
-        await router.check_cluster(starting=True)
+        stack.push_async_callback(services.stop)
+        await cluster.check(starting=True)
         router.start()
-        clock: ClockWatch | None = None
-        if manager.store is not None and manager.mirror is not None:
-            clock = ClockWatch(manager.store, manager.replica_id, manager.mirror.heartbeat_interval)
-            clock.start()
-            stack.push_async_callback(clock.aclose)
         interpreters.start()
-        yield Services(settings, supervisor, manager, interpreters, signer, router, clock)
+        yield services
+
+
+def _cluster(
+    settings: Settings, metrics: Metrics, supervisor: Supervisor, address: str
+) -> LocalCluster:
+    if not settings.redis_url:
+        return LocalCluster(settings, metrics, supervisor, address=address)
+    from sandbox_runtime.state.redis_store import RedisStore
+
+    store = RedisStore(settings.redis_url, ttl_seconds=settings.retention_seconds)
+    return RedisCluster(settings, metrics, supervisor, store, address=address)
+
+
+async def _egress(
+    settings: Settings, backend: BubblewrapBackend, metrics: Metrics
+) -> EgressProxy | None:
+    """The egress proxy, started, when the server allows any network (None: none)."""
+    policy = settings.egress_policy()
+    if not policy.enabled or backend.private_dir is None:
+        return None
+    egress = EgressProxy(
+        settings.egress_settings(),
+        backend.private_dir / "egress",
+        backend.sandbox_uid,
+        backend.sandbox_gid,
+    )
+    egress.on_event.append(metrics.count_egress)
+    await egress.start()
+    backend.egress = egress
+    logger.info("egress allowed: {}", policy.describe())
+    return egress
+
+
+def _link(
+    workspaces: WorkspaceStore, pool: SandboxPool, manager: ExecutionManager, metrics: Metrics
+) -> None:
+    """The links that point back up: what the workspaces and the pool ask and report."""
+    # A workspace is in use while an execution wants it; a sandbox started ahead in it does
+    # not keep it (it is ended before the workspace is unmounted or removed).
+    workspaces.busy.append(manager.workspaces_in_use)
+    workspaces.standby.append(pool.workspaces)
+    workspaces.before_release.append(lambda name: pool.discard_workspace(workspaces.path(name)))
+    workspaces.on_refused.append(lambda cap: metrics.rejections.labels(cap).inc())
+    workspaces.on_damage.append(lambda event: metrics.damage.labels(event).inc())
+    metrics.bind_disk(
+        lambda: workspaces.disk.status().free_bytes,
+        lambda: 1 if workspaces.disk.status().low else 0,
+    )
+    metrics.bind_workspaces(workspaces.mounted_by_kind, lambda: loop_devices_under(workspaces.root))
+    pool.on_hit.append(metrics.pool_hits.inc)
+    pool.on_miss.append(lambda reason: metrics.pool_misses.labels(reason).inc())
+    pool.on_refill.append(metrics.pool_refill.observe)
+    metrics.pool_ready.set_function(lambda: pool.ready_count)
+
+
+def _installed_runtime(path: Path) -> Path | None:
+    """The runtime directory if a runtime is installed there (bound into every sandbox)."""
+    return path if (path / MANIFEST).is_file() else None
 
 
 class Root:

@@ -131,7 +131,6 @@ class InterpreterManager:
         self._refills: set[asyncio.Task[None]] = set()
         self._reaping = False
         self._closed = False
-        manager.before_shutdown.append(self.aclose)
         self.metrics.bind_interpreters(self._gauges)
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import hmac
@@ -24,7 +23,6 @@ from sandbox_runtime import __version__, fds
 from sandbox_runtime.app.services import Root, build
 from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
-from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
@@ -84,16 +82,17 @@ async def _cache_input_schemas(mcp: FastMCP) -> None:
 
 def create_app(
     settings: Settings,
-    manager: ExecutionManager | None = None,
     cluster_port: int | None = None,
     cluster_address: str = "",
+    root: Root | None = None,
 ) -> ASGIApp:
-    """The whole server as one ASGI app. The manager is created and torn down in its lifespan.
+    """The whole server as one ASGI app. Its lifespan builds the parts (app/services.py) and
+    tears them down; `root` (made here if not given) is where they are found meanwhile.
 
     With `cluster_port`, requests that arrive on that port (the cluster listener) reach only
     the replica-to-replica calls, and requests on any other port never do.
     """
-    root = Root()
+    root = root or Root()
     mcp = build_mcp(settings, root)
     files = FilesApp(lambda: root.services.router, lambda: root.services.signer)
     allowed = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
@@ -118,7 +117,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
             async with (
-                build(settings, manager, cluster_address) as services,
+                build(settings, cluster_address) as services,
                 root.serving(services),
             ):
                 await make_portable(mcp)
@@ -134,17 +133,8 @@ def create_app(
         services = root.services
         current = services.manager
         sandbox = current.backend.unavailable_reason
-        mirror = current.mirror
-        if mirror is None:
-            redis = "disabled"
-        elif mirror.connected:
-            redis = "ok"
-        else:
-            redis = f"unavailable: {mirror.last_error or 'not connected yet'}"
-        cluster = services.router.cluster_problem if mirror is not None else None
-        clock = services.clock
-        if cluster is None and clock is not None:
-            cluster = clock.problem
+        redis = services.cluster.store_status
+        cluster = services.cluster.problem or services.cluster.clock_problem
         if not current.egress_policy.enabled:
             egress = "disabled"
         elif current.egress is None or current.egress.problem is not None:
@@ -169,9 +159,9 @@ def create_app(
             "running_executions": current.running_count,
             "sandbox": "ok" if sandbox is None else f"unavailable: {sandbox}",
             "redis": redis,
-            "mirror_backlog": mirror.backlog if mirror is not None else 0,
-            "cluster": "disabled" if mirror is None else cluster or "ok",
-            "cluster_clock_skew_seconds": clock.skews if clock is not None else {},
+            "mirror_backlog": services.cluster.backlog,
+            "cluster": "disabled" if redis == "disabled" else cluster or "ok",
+            "cluster_clock_skew_seconds": services.cluster.clock_skews,
             "egress": egress,
             "disk": {
                 "status": "low" if disk.low else "ok",
@@ -220,11 +210,8 @@ def create_app(
             )
         if (problem := fds.usage().problem) is not None:
             reasons.append(problem)
-        if current.store is not None:
-            try:
-                await asyncio.wait_for(current.store.ping(), 2)
-            except Exception as exc:  # any failure to answer means not ready
-                reasons.append(f"redis: {type(exc).__name__}: {exc}")
+        if (problem := await root.services.cluster.unreachable()) is not None:
+            reasons.append(problem)
         body = {"ready": not reasons, "replica_id": current.replica_id, "reasons": reasons}
         return JSONResponse(body, status_code=200 if not reasons else 503)
 

@@ -10,8 +10,8 @@ import uvicorn
 from loguru import logger
 from sse_starlette.sse import AppStatus
 
+from sandbox_runtime.app.services import Root
 from sandbox_runtime.config import Settings
-from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.logs import setup_logging
 from sandbox_runtime.server.app import create_app
 
@@ -21,9 +21,9 @@ REPLY_GRACE = 0.5  # after the executions stopped: time for calls that waited on
 class _Server(uvicorn.Server):
     """On SIGTERM/SIGINT, stop the executions first, then let uvicorn close connections."""
 
-    def __init__(self, config: uvicorn.Config, manager: ExecutionManager) -> None:
+    def __init__(self, config: uvicorn.Config, root: Root) -> None:
         super().__init__(config)
-        self.manager = manager
+        self.root = root
         self._stopping: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -36,7 +36,8 @@ class _Server(uvicorn.Server):
 
     async def _stop_executions(self) -> None:
         try:
-            await self.manager.shutdown()
+            if self.root.running:
+                await self.root.services.stop()
             await asyncio.sleep(REPLY_GRACE)
         finally:
             AppStatus.should_exit = True  # now end the SSE streams still open
@@ -47,7 +48,7 @@ async def serve(settings: Settings) -> int:
     # waiting on an execution included; end them once the executions have stopped instead.
     AppStatus.disable_automatic_graceful_drain()
     AppStatus.should_exit = False  # a process-wide flag: a previous serve() may have set it
-    manager = ExecutionManager(settings)
+    root = Root()
     sockets: list[socket.socket] | None = None
     cluster_port: int | None = None
     cluster_address = ""
@@ -82,7 +83,7 @@ async def serve(settings: Settings) -> int:
             cluster_port,
             cluster_address,
         )
-    app = create_app(settings, manager, cluster_port, cluster_address)
+    app = create_app(settings, cluster_port, cluster_address, root)
     setup_logging(settings)  # again: importing the MCP libraries installed their own handlers
     config = uvicorn.Config(
         app,
@@ -99,7 +100,7 @@ async def serve(settings: Settings) -> int:
         proxy_headers=True,
         server_header=False,
     )
-    server = _Server(config, manager)
+    server = _Server(config, root)
     logger.info(
         "srt-mcp-server replica {} listening on http://{}:{}/mcp (auth: {})",
         settings.replica_id,

@@ -12,6 +12,7 @@ from loguru import logger
 
 from sandbox_runtime.sessions.signing import MAX_SKEW_SECONDS
 from sandbox_runtime.state.store import StateStore
+from sandbox_runtime.supervisor import Supervisor
 
 SAMPLES = 6  # readings kept per replica (three heartbeat intervals)
 
@@ -23,8 +24,11 @@ class ClockWatch:
     the true skew by up to that much; the largest recent reading is the closest.
     """
 
-    def __init__(self, store: StateStore, replica_id: str, interval: float) -> None:
+    def __init__(
+        self, store: StateStore, replica_id: str, interval: float, supervisor: Supervisor
+    ) -> None:
         self.store = store
+        self.supervisor = supervisor
         self.replica_id = replica_id
         self.interval = interval
         self._samples: dict[str, deque[float]] = {}
@@ -75,7 +79,7 @@ class ClockWatch:
 
     def start(self) -> None:
         """Sample twice per heartbeat interval until `aclose` (the store down: skipped)."""
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        self._task = self.supervisor.spawn("clock watch", self._run())
 
     async def aclose(self) -> None:
         """Stop sampling. Never cancels a store call midway: a redis call cancelled in flight

@@ -25,15 +25,11 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
 )
 from sandbox_runtime.execution.execution import Execution
-from sandbox_runtime.execution.manager import (
-    MAX_BYTES_PER_READ,
-    MAX_EVENTS_PER_READ,
-    ExecutionManager,
-    OutputPage,
-)
+from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.execution.reading import MAX_BYTES_PER_READ, MAX_EVENTS_PER_READ, OutputPage
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.state.keys import session_key
-from sandbox_runtime.state.store import incarnation_gone
+from sandbox_runtime.state.store import StateStore, incarnation_gone
 
 REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
 
@@ -42,11 +38,15 @@ class ExecutionAccess:
     """Reads and control of the caller's executions, wherever they run."""
 
     def __init__(
-        self, settings: Settings, manager: ExecutionManager, control: ControlChannel | None
+        self,
+        settings: Settings,
+        manager: ExecutionManager,
+        control: ControlChannel | None,
+        store: StateStore | None = None,
     ) -> None:
         self.settings = settings
         self.manager = manager
-        self.store = manager.store
+        self.store = store  # the executions' mirror (None: one replica, no Redis)
         self.control = control
         self.metrics = manager.metrics
         self.replica_id = manager.replica_id

@@ -19,7 +19,8 @@ from sandbox_runtime.domain.models import ExecutionInfo
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.execution.execution import Execution
-from sandbox_runtime.execution.manager import ExecuteRequest, ExecutionManager
+from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.execution.requests import ExecuteRequest
 from sandbox_runtime.files import operations as files
 from sandbox_runtime.files.operations import changed_files, coarse_now
 from sandbox_runtime.files.urls import FileUrlSigner

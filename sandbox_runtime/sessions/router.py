@@ -9,7 +9,6 @@ answer says so (`session_reset`). Reads and control of executions, wherever they
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
@@ -26,27 +25,23 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
     SandboxSpawnError,
 )
-from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.sessions.channel import (
     ChannelClient,
     HomeMovedError,
     HomeUnreachableError,
 )
+from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.sessions.executions import ExecutionAccess
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
 from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress
-from sandbox_runtime.sessions.signing import ClusterSigner
-from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
-from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
+from sandbox_runtime.state.keys import session_key
 
 # A session's record lives twice the retention period past its last use: it outlives the
 # workspace (removed after one period of disuse), so a call after that learns of the loss.
 RECORD_LIFE_FACTOR = 2
 PLACEMENT_ATTEMPTS = 4  # lookups per operation (a home may move or stop meanwhile)
 RENEW_INTERVAL_SECONDS = 5.0
-SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published again
-SETTLE_POLL_SECONDS = 0.1
 RECLAIM_SESSION_LIMIT = 2**31
 
 
@@ -62,41 +57,25 @@ class Placement:
 
 
 RENEW_LOOP = "lease renewal"
-SWEEP_JOB = "earlier incarnations' executions"
-WATCH_LOOP = "store watch"
 
 
 class Router:
     """Routes session-bound operations to their home and serves reads from anywhere."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        parts: Parts,
-        sessions: SessionStore | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings, parts: Parts, cluster: LocalCluster) -> None:
         self.settings = settings
         self.parts = parts
         self.manager = manager = parts.manager
+        self.cluster = cluster
         self.replica_id = manager.replica_id
         self.metrics = manager.metrics
-        self.store = manager.store  # executions' mirror (None: one replica, no Redis)
-        secret = settings.cluster_secret.get_secret_value() if settings.cluster_secret else ""
-        self.signer = ClusterSigner(secret, self.replica_id) if secret else None
-        if sessions is None:
-            if self.store is not None:
-                from sandbox_runtime.sessions.redis_store import RedisSessionStore
-
-                sessions = RedisSessionStore(self.store.redis)  # type: ignore[attr-defined]
-            else:
-                sessions = MemorySessionStore()
-        self.sessions = sessions
-        self.control = ControlChannel(self.store, manager, self.signer) if self.store else None
-        self.executions = ExecutionAccess(settings, manager, self.control)
+        self.sessions = cluster.sessions
+        self.signer = cluster.signer
+        store = cluster.store if isinstance(cluster, RedisCluster) else None
+        self.control = ControlChannel(store, manager, self.signer) if store else None
+        self.executions = ExecutionAccess(settings, manager, self.control, store)
         self.channel = ChannelClient(self.signer) if self.signer is not None else None
-        self.cluster_address = ""  # set once the cluster listener is bound
         self._loops: list[str] = []
-        self.cluster_problem: str | None = None
         self._record_ttl = (
             max(settings.retention_seconds, settings.workspace_retention_seconds)
             * RECORD_LIFE_FACTOR
@@ -105,67 +84,20 @@ class Router:
         # Sessions claimed here whose workspace a mount cap kept from being made: its first
         # making is no reset.
         self._unmade: set[str] = set()
-        self._background: set[asyncio.Task[None]] = set()
         # session key -> (home, owner) as last placed: for a Redis outage, and for publishing
         # again the records of sessions homed here when Redis lost them.
         self._last_placement: dict[str, tuple[str, Owner]] = {}
-        # The store's epoch under which this replica has published the records of the
-        # sessions it holds (in its heartbeat: a session with no record may start afresh only
-        # once every live replica has); set to check again now (the store lost data).
-        self._synced_epoch: str | None = None
-        # The last epoch this replica published under, kept in its state dir: a process that
-        # starts after the store restarted empty says it knew another (the new epoch is then
-        # marked restarted, and no session without a record starts afresh until every replica
-        # had its heartbeat's time to publish again), even when it is the first to look.
-        self._epoch_file = settings.state_dir / "store-epoch"
-        self._known_epoch: str | None = None
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            self._known_epoch = self._epoch_file.read_text().strip()[:128] or None
-        self._store_changed = asyncio.Event()
-        manager.admission = self._admit
-        manager.on_finished.append(self._release_running)
-        manager.before_shutdown.append(self.release_homes)
-        manager.heartbeat_fields = self._heartbeat_fields
-        manager.on_store_lost.append(self._store_changed.set)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         if self.control is not None:
             self.control.start()
-        supervisor = self.manager.supervisor
-        supervisor.every(RENEW_LOOP, RENEW_INTERVAL_SECONDS, self._renew)
+        self.manager.supervisor.every(RENEW_LOOP, RENEW_INTERVAL_SECONDS, self._renew)
         self._loops = [RENEW_LOOP]
-        if self.manager.mirror is not None:
-            beaten = self.manager.mirror.beaten
-            supervisor.once(SWEEP_JOB, lambda: self._sweep_earlier_incarnations(beaten))
-            supervisor.run(WATCH_LOOP, self._watch_store)
-            self._loops += [SWEEP_JOB, WATCH_LOOP]
-
-    async def _sweep_earlier_incarnations(self, beaten: asyncio.Event) -> None:
-        """Once this process's heartbeat has replaced an earlier one's (same replica id),
-        mark that process's running executions lost (retried until done)."""
-        await beaten.wait()
-        backoff = 0.2
-        while True:
-            try:
-                lost = await self.executions.mark_previous_incarnations_lost()
-            except Exception as exc:  # the store failed: retry shortly
-                logger.warning("marking an earlier process's executions lost: {}", exc)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
-                continue
-            if lost:
-                logger.warning(
-                    "{} executions of this replica's previous process were left running: "
-                    "marked lost",
-                    lost,
-                )
-            return
+        self.cluster.watch(self._reclaim_all, self.executions.mark_previous_incarnations_lost)
 
     async def aclose(self) -> None:
-        for task in list(self._background):  # (releases of leases: they lapse on their own)
-            task.cancel()
         await self.manager.supervisor.stop(*reversed(self._loops))
         self._loops = []
         if self.control is not None:
@@ -173,64 +105,9 @@ class Router:
         if self.channel is not None:
             await self.channel.aclose()
 
-    async def check_cluster(self, starting: bool = False) -> str | None:
-        """What is wrong with this deployment's secret (None: nothing), from the heartbeats
-        of the other replicas. At start a problem is an error: the replica refuses to run.
-
-        Raises SandboxRuntimeError when `starting` and the cluster is misconfigured.
-        """
-        if self.store is None:
-            return None
-        try:
-            peers = await self.store.replica_beats()
-        except Exception:  # the store is down: health reports that already
-            return self.cluster_problem
-        peers.pop(self.replica_id, None)
-        mine = self.signer.key_id if self.signer is not None else None
-        problem = None
-        if peers and self.signer is None:
-            problem = (
-                f"{len(peers)} other replica(s) share this Redis ({', '.join(sorted(peers))}) "
-                "and SANDBOX_CLUSTER_SECRET is not set: sessions homed elsewhere cannot be "
-                "reached. Give every replica the same secret"
-            )
-        elif self.signer is not None:
-            other = sorted(r for r, p in peers.items() if p.get("cluster_key_id") != mine)
-            if other:
-                problem = (
-                    f"replica(s) {', '.join(other)} use a different SANDBOX_CLUSTER_SECRET (or "
-                    "none): calls between them and this replica will be refused"
-                )
-        if problem != self.cluster_problem:
-            if problem:
-                logger.error("cluster: {}", problem)
-            elif self.cluster_problem:
-                logger.info("cluster: the secret now agrees with every replica")
-        self.cluster_problem = problem
-        if problem and starting and self.signer is None:
-            # Without a secret this replica could never reach their sessions. (A secret that
-            # differs is reported, not fatal: one stray heartbeat must not stop every start.)
-            raise SandboxRuntimeError(f"refusing to start: {problem}")
-        return problem
-
-    def _heartbeat_fields(self) -> dict[str, Any]:
-        return {
-            "cluster_address": self.cluster_address,
-            "cluster_key_id": self.signer.key_id if self.signer else None,
-            "store_epoch": self._synced_epoch,
-        }
-
-    async def release_homes(self) -> None:
-        """Stopping: mark this replica's sessions released so their next call re-homes now."""
-        try:
-            released = await asyncio.wait_for(
-                self.sessions.release_replica(self.replica_id, "home_stopped", time.time()), 5
-            )
-        except Exception as exc:  # the store is down: the heartbeat's expiry does it later
-            logger.warning("could not release this replica's sessions: {}", exc)
-            return
-        if released:
-            logger.info("released {} sessions for re-homing", released)
+    @property
+    def cluster_problem(self) -> str | None:
+        return self.cluster.problem
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -258,7 +135,7 @@ class Router:
             if record is None and epoch is None:
                 # No record: a new session, or one the store forgot (restarted empty) whose
                 # home has not published it again yet. Wait until every replica has.
-                epoch = await self._await_records_published(key)
+                epoch = await self.cluster.await_records_published(key, self._record_ttl)
                 continue
             if record is None:
                 placement = await self._claim(owner, None, epoch=epoch)
@@ -287,59 +164,6 @@ class Router:
             self._last_placement.clear()
         self._last_placement[key] = (home, owner)
 
-    async def _watch_store(self) -> None:
-        """Publish again, where missing, the records of the sessions homed here whenever the
-        store begins a new epoch (Redis restarted empty), so that their next calls, wherever
-        they land, come here and find their workspaces; then say so in the heartbeat. Checked
-        every heartbeat interval, and at once when the mirror finds the store lost data or is
-        back after an outage (then the sessions that moved away meanwhile are learnt of too:
-        this replica must not publish a stale home for them later)."""
-        mirror = self.manager.mirror
-        assert mirror is not None
-        backoff = 0.2
-        resync = False  # the mirror found the store lost data, or came back after an outage
-        while True:
-            resync = resync or self._store_changed.is_set()
-            self._store_changed.clear()
-            try:
-                epoch = await self.sessions.epoch(self._synced_epoch or self._known_epoch)
-                changed = epoch.epoch_id != self._synced_epoch
-                if (changed or resync) and self.manager.accepting:
-                    # First this replica's heartbeat (a record whose home has none would be
-                    # taken over), then the records, then the heartbeat that says so.
-                    if not await mirror.beat():
-                        raise ConnectionError(mirror.last_error or "the heartbeat failed")
-                    restored = await self._reclaim_all()
-                    resync = False
-                    if changed and (self._synced_epoch is not None or restored):
-                        logger.warning(
-                            "the shared store began anew (epoch {}): published again the "
-                            "records of {} sessions homed here",
-                            epoch.epoch_id,
-                            restored,
-                        )
-                    self._synced_epoch = epoch.epoch_id
-                    self._remember_epoch(epoch.epoch_id)
-                    await mirror.beat()
-                backoff = 0.2
-                wait = mirror.heartbeat_interval
-            except Exception as exc:  # the store failed: retry with backoff
-                if mirror.connected:
-                    logger.warning("publishing again the records of sessions homed here: {}", exc)
-                wait = backoff
-                backoff = min(5.0, backoff * 2)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._store_changed.wait(), wait)
-
-    def _remember_epoch(self, epoch_id: str) -> None:
-        if epoch_id == self._known_epoch:
-            return
-        self._known_epoch = epoch_id
-        try:
-            self._epoch_file.write_text(epoch_id)
-        except OSError as exc:  # (then a restart after a store restart may not wait)
-            logger.warning("could not keep the store's epoch in {}: {}", self._epoch_file, exc)
-
     async def _reclaim_all(self) -> int:
         """Claim again every session homed here that the store has no record of. Raises what
         the store raises."""
@@ -354,70 +178,6 @@ class Router:
                 break  # (stopping: its sessions are being released)
             restored += await self._reclaim(key, owner)
         return restored
-
-    async def _await_records_published(self, key: str) -> str:
-        """Return once a session without a record may start afresh here: the store's epoch
-        is old enough that every replica alive before it began has heartbeat since (a
-        heartbeat TTL), and every live replica has published the records of the sessions it
-        holds under it; or at once if the session's record appears meanwhile. Returns that
-        epoch (a claim is made only in it; "": no store epoch to check).
-
-        Raises OwnerUnavailableError (the store is down, or the replicas did not publish in
-        time: retry).
-        """
-        if self.store is None:
-            return ""  # one replica without Redis: every session is homed here
-        ttl = self.settings.heartbeat_ttl
-        deadline = time.monotonic() + ttl + SETTLE_MARGIN_SECONDS
-        logged = False
-        while True:
-            try:
-                epoch, waiting = await self._unpublished()
-                if not waiting:
-                    return epoch
-                found = await self.sessions.lookup(
-                    key, self.replica_id, time.time(), self._record_ttl
-                )
-            except Exception as exc:
-                raise OwnerUnavailableError(
-                    f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
-                ) from exc
-            if found.record is not None:
-                return epoch
-            if not logged:
-                logger.info("a session without a record waits for {}", ", ".join(waiting))
-                logged = True
-            if time.monotonic() >= deadline:
-                raise OwnerUnavailableError(
-                    "the shared store (Redis) lost its data moments ago and the replicas are "
-                    "publishing again the sessions they hold; this session has no record yet "
-                    f"(waiting for {', '.join(waiting)}): retry in a few seconds"
-                )
-            await asyncio.sleep(SETTLE_POLL_SECONDS)
-
-    async def _unpublished(self) -> tuple[str, list[str]]:
-        """The store's epoch, and what a session without a record waits for in it before it
-        may start afresh (nothing: it may). Raises what the store raises."""
-        assert self.store is not None
-        epoch = await self.sessions.epoch(self._synced_epoch or self._known_epoch)
-        waiting: list[str] = []
-        grace = self.settings.heartbeat_ttl - epoch.age
-        if epoch.restarted and grace > 0:
-            waiting.append(f"replicas not heard from since ({grace:.1f} s more)")
-        if self._synced_epoch != epoch.epoch_id:
-            waiting.append(f"replica {self.replica_id}")
-            self._store_changed.set()  # (publish now, not at the next heartbeat interval)
-        # (Alive by the store's clock: its heartbeat key exists. The set's scores are each
-        # writer's own clock, and a replica whose clock is behind would drop out of them.)
-        peers = await self.store.replica_beats()
-        peers.pop(self.replica_id, None)
-        # (A heartbeat without the field is an older version's, which never waits.)
-        waiting += [
-            f"replica {peer}"
-            for peer, beat in sorted(peers.items())
-            if beat.get("store_epoch", epoch.epoch_id) != epoch.epoch_id
-        ]
-        return epoch.epoch_id, waiting
 
     async def _reclaim(self, key: str, owner: Owner) -> bool:
         """Claim `owner`'s session here if the store has no record of it; learn of a home
@@ -471,7 +231,7 @@ class Router:
         # wait for its heartbeat to expire, or for its records after the store restarted
         # empty). Nothing else: a new home it cannot record could be another's too.
         last = self._last_placement.get(key)
-        contact = self.manager.mirror.last_contact if self.manager.mirror else None
+        contact = self.cluster.last_contact
         if last is not None and last[0] == self.replica_id:
             if contact is not None and time.monotonic() - contact < self.settings.heartbeat_ttl:
                 return Placement(True, self.replica_id)
@@ -713,45 +473,11 @@ class Router:
         finally:
             self.metrics.forwarded_serving.dec()
 
-    # -- per-principal running limit ---------------------------------------------------------
-
-    async def _admit(self, owner: Owner, execution_id: str) -> None:
-        """Count an execution against its principal's running limit, cluster-wide."""
-        limit = self.settings.max_running_per_principal
-        try:
-            granted = await self.sessions.reserve_running(
-                owner.principal, execution_id, limit, RUNNING_LEASE_SECONDS, time.time()
-            )
-        except Exception as exc:  # store down: the local limits still hold
-            logger.warning("per-principal running limit unchecked (store: {})", exc)
-            return
-        if not granted:
-            self.metrics.rejections.labels("principal").inc()
-            raise LimitExceededError(
-                f"this token is running its maximum of {limit} executions across all its "
-                "sessions; wait for one to finish or cancel one"
-            )
-
-    def _release_running(self, execution: Execution) -> None:
-        async def release() -> None:
-            with contextlib.suppress(Exception):  # its lease lapses on its own
-                await self.sessions.release_running(
-                    execution.owner.principal, execution.execution_id
-                )
-
-        task = asyncio.get_running_loop().create_task(release())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+    # -- leases ------------------------------------------------------------------------------
 
     async def _renew(self) -> None:
         """Renew the leases of the executions running here and the records of their sessions;
         check the cluster (a store that is down: tried again at the next interval)."""
-        executions = self.manager.running()
-        running = [(e.owner.principal, e.execution_id) for e in executions]
-        now = time.time()
         with contextlib.suppress(Exception):  # store down: retried at the next interval
-            await self.sessions.renew_running(running, RUNNING_LEASE_SECONDS, now)
-            # A session with a running execution is in use: keep its record alive.
-            for key in {session_key(e.owner.principal, e.owner.session_id) for e in executions}:
-                await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
-        await self.check_cluster()
+            await self.cluster.renew(self.manager.running(), self._record_ttl)
+        await self.cluster.check()
