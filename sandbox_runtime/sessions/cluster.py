@@ -21,11 +21,12 @@ from loguru import logger
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.models import OutputEvent
 from sandbox_runtime.domain.owner import Owner
-from sandbox_runtime.errors import LimitExceededError, OwnerUnavailableError, SandboxRuntimeError
+from sandbox_runtime.errors import LimitExceededError, SandboxRuntimeError
 from sandbox_runtime.execution.cluster import ExecutionsHere
 from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sessions.clock import ClockWatch
+from sandbox_runtime.sessions.epochs import EpochWatch
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
 from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
@@ -33,11 +34,12 @@ from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
 from sandbox_runtime.supervisor import Supervisor
 
-SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published again
-SETTLE_POLL_SECONDS = 0.1
+RENEW_INTERVAL_SECONDS = 5.0
+RENEW_LOOP = "lease renewal"
 SWEEP_JOB = "earlier incarnations' executions"
 WATCH_LOOP = "store watch"
 
+Running = Callable[[], list[Execution]]  # the executions running here
 Reclaim = Callable[[], Awaitable[int]]  # publish again the sessions homed here; how many
 MarkLost = Callable[[], Awaitable[int]]  # mark an earlier process's executions lost
 
@@ -62,17 +64,33 @@ class LocalCluster:
         self.signer = ClusterSigner(secret, self.replica_id) if secret else None
         self.address = address  # this replica's cluster listener ("": none)
         self.problem: str | None = None  # what is wrong with the deployment's secret
+        self._loops: list[str] = []
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self, here: ExecutionsHere) -> None:
         """Begin serving as `here`'s cluster (its executions, its heartbeat)."""
 
-    def watch(self, reclaim: Reclaim, mark_lost: MarkLost) -> None:
-        """Keep the shared records right (nothing to keep alone)."""
+    def watch(
+        self, running: Running, record_ttl: int, reclaim: Reclaim, mark_lost: MarkLost
+    ) -> None:
+        """Keep the records right: renew the leases of the executions `running` here and the
+        records of their sessions (and check the cluster) every few seconds; with a shared
+        store, `reclaim` the sessions homed here when it restarts empty and `mark_lost` an
+        earlier process's executions."""
+
+        async def renew() -> None:
+            with contextlib.suppress(Exception):  # store down: retried at the next interval
+                await self.renew(running(), record_ttl)
+            await self.check()
+
+        self.supervisor.every(RENEW_LOOP, RENEW_INTERVAL_SECONDS, renew)
+        self._loops = [RENEW_LOOP]
 
     async def aclose(self) -> None:
         """Stop (after the manager's shutdown, whose final states it may still write)."""
+        await self.supervisor.stop(*reversed(self._loops))
+        self._loops = []
 
     # -- executions --------------------------------------------------------------------------
 
@@ -198,21 +216,6 @@ class RedisCluster(LocalCluster):
         super().__init__(settings, metrics, supervisor, sessions, address)
         self.store = store
         self._here: ExecutionsHere | None = None
-        # Set when the mirror finds the store lost what this replica wrote (Redis restarted
-        # empty) or is back after an outage: the records are published again at once.
-        self.store_changed = asyncio.Event()
-        # The store's epoch under which this replica has published the records of the
-        # sessions it holds (in its heartbeat: a session with no record may start afresh only
-        # once every live replica has).
-        self.synced_epoch: str | None = None
-        # The last epoch this replica published under, kept in its state dir: a process that
-        # starts after the store restarted empty says it knew another (the new epoch is then
-        # marked restarted, and no session without a record starts afresh until every replica
-        # had its heartbeat's time to publish again), even when it is the first to look.
-        self._epoch_file = settings.state_dir / "store-epoch"
-        self._known_epoch: str | None = None
-        with contextlib.suppress(OSError, UnicodeDecodeError):
-            self._known_epoch = self._epoch_file.read_text().strip()[:128] or None
         self.mirror = Mirror(
             store,
             self.replica_id,
@@ -221,26 +224,28 @@ class RedisCluster(LocalCluster):
             heartbeat_ttl=settings.heartbeat_ttl,
             known=lambda: self._here.known() if self._here is not None else [],
             observe_lag=metrics.mirror_lag.observe,
-            on_store_lost=self.store_changed.set,
+            on_store_lost=lambda: self.epochs.store_changed.set(),
             supervisor=supervisor,
         )
         self.clock = ClockWatch(store, self.replica_id, self.mirror.heartbeat_interval, supervisor)
-        self._loops: list[str] = []
+        self.epochs = EpochWatch(settings, self.sessions, store, self.mirror, lambda: self._here)
 
     async def start(self, here: ExecutionsHere) -> None:
         self._here = here
         self.mirror.start()
         self.clock.start()
 
-    def watch(self, reclaim: Reclaim, mark_lost: MarkLost) -> None:
+    def watch(
+        self, running: Running, record_ttl: int, reclaim: Reclaim, mark_lost: MarkLost
+    ) -> None:
+        super().watch(running, record_ttl, reclaim, mark_lost)
         beaten = self.mirror.beaten
         self.supervisor.once(SWEEP_JOB, lambda: self._sweep_earlier_incarnations(beaten, mark_lost))
-        self.supervisor.run(WATCH_LOOP, lambda: self._watch_store(reclaim))
-        self._loops = [SWEEP_JOB, WATCH_LOOP]
+        self.supervisor.run(WATCH_LOOP, lambda: self.epochs.watch(reclaim))
+        self._loops += [SWEEP_JOB, WATCH_LOOP]
 
     async def aclose(self) -> None:
-        await self.supervisor.stop(*reversed(self._loops))
-        self._loops = []
+        await super().aclose()
         await self.clock.aclose()
         try:
             await asyncio.wait_for(self.mirror.stop(), 15)
@@ -262,7 +267,7 @@ class RedisCluster(LocalCluster):
         return {**here, **self.heartbeat_fields()}
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        return {**super().heartbeat_fields(), "store_epoch": self.synced_epoch}
+        return {**super().heartbeat_fields(), "store_epoch": self.epochs.synced}
 
     @property
     def store_status(self) -> str:
@@ -356,119 +361,8 @@ class RedisCluster(LocalCluster):
                 )
             return
 
-    # -- when the store restarts empty -------------------------------------------------------
-
-    async def _watch_store(self, reclaim: Reclaim) -> None:
-        """Publish again, where missing, the records of the sessions homed here whenever the
-        store begins a new epoch (Redis restarted empty), so that their next calls, wherever
-        they land, come here and find their workspaces; then say so in the heartbeat. Checked
-        every heartbeat interval, and at once when the mirror finds the store lost data or is
-        back after an outage (then the sessions that moved away meanwhile are learnt of too:
-        this replica must not publish a stale home for them later)."""
-        mirror = self.mirror
-        backoff = 0.2
-        resync = False  # the mirror found the store lost data, or came back after an outage
-        while True:
-            resync = resync or self.store_changed.is_set()
-            self.store_changed.clear()
-            try:
-                epoch = await self.sessions.epoch(self.synced_epoch or self._known_epoch)
-                changed = epoch.epoch_id != self.synced_epoch
-                accepting = self._here is not None and self._here.accepting
-                if (changed or resync) and accepting:
-                    # First this replica's heartbeat (a record whose home has none would be
-                    # taken over), then the records, then the heartbeat that says so.
-                    if not await mirror.beat():
-                        raise ConnectionError(mirror.last_error or "the heartbeat failed")
-                    restored = await reclaim()
-                    resync = False
-                    if changed and (self.synced_epoch is not None or restored):
-                        logger.warning(
-                            "the shared store began anew (epoch {}): published again the "
-                            "records of {} sessions homed here",
-                            epoch.epoch_id,
-                            restored,
-                        )
-                    self.synced_epoch = epoch.epoch_id
-                    self._remember_epoch(epoch.epoch_id)
-                    await mirror.beat()
-                backoff = 0.2
-                wait = mirror.heartbeat_interval
-            except Exception as exc:  # the store failed: retry with backoff
-                if mirror.connected:
-                    logger.warning("publishing again the records of sessions homed here: {}", exc)
-                wait = backoff
-                backoff = min(5.0, backoff * 2)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.store_changed.wait(), wait)
-
-    def _remember_epoch(self, epoch_id: str) -> None:
-        if epoch_id == self._known_epoch:
-            return
-        self._known_epoch = epoch_id
-        try:
-            self._epoch_file.write_text(epoch_id)
-        except OSError as exc:  # (then a restart after a store restart may not wait)
-            logger.warning("could not keep the store's epoch in {}: {}", self._epoch_file, exc)
-
     async def await_records_published(self, key: str, record_ttl: int) -> str:
-        """Return once a session without a record may start afresh here: the store's epoch
-        is old enough that every replica alive before it began has heartbeat since (a
-        heartbeat TTL), and every live replica has published the records of the sessions it
-        holds under it; or at once if the session's record appears meanwhile. Returns that
-        epoch (a claim is made only in it).
-
-        Raises OwnerUnavailableError (the store is down, or the replicas did not publish in
-        time: retry).
-        """
-        ttl = self.settings.heartbeat_ttl
-        deadline = time.monotonic() + ttl + SETTLE_MARGIN_SECONDS
-        logged = False
-        while True:
-            try:
-                epoch, waiting = await self._unpublished()
-                if not waiting:
-                    return epoch
-                found = await self.sessions.lookup(key, self.replica_id, time.time(), record_ttl)
-            except Exception as exc:
-                raise OwnerUnavailableError(
-                    f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
-                ) from exc
-            if found.record is not None:
-                return epoch
-            if not logged:
-                logger.info("a session without a record waits for {}", ", ".join(waiting))
-                logged = True
-            if time.monotonic() >= deadline:
-                raise OwnerUnavailableError(
-                    "the shared store (Redis) lost its data moments ago and the replicas are "
-                    "publishing again the sessions they hold; this session has no record yet "
-                    f"(waiting for {', '.join(waiting)}): retry in a few seconds"
-                )
-            await asyncio.sleep(SETTLE_POLL_SECONDS)
-
-    async def _unpublished(self) -> tuple[str, list[str]]:
-        """The store's epoch, and what a session without a record waits for in it before it
-        may start afresh (nothing: it may). Raises what the store raises."""
-        epoch = await self.sessions.epoch(self.synced_epoch or self._known_epoch)
-        waiting: list[str] = []
-        grace = self.settings.heartbeat_ttl - epoch.age
-        if epoch.restarted and grace > 0:
-            waiting.append(f"replicas not heard from since ({grace:.1f} s more)")
-        if self.synced_epoch != epoch.epoch_id:
-            waiting.append(f"replica {self.replica_id}")
-            self.store_changed.set()  # (publish now, not at the next heartbeat interval)
-        # (Alive by the store's clock: its heartbeat key exists. The set's scores are each
-        # writer's own clock, and a replica whose clock is behind would drop out of them.)
-        peers = await self.store.replica_beats()
-        peers.pop(self.replica_id, None)
-        # (A heartbeat without the field is an older version's, which never waits.)
-        waiting += [
-            f"replica {peer}"
-            for peer, beat in sorted(peers.items())
-            if beat.get("store_epoch", epoch.epoch_id) != epoch.epoch_id
-        ]
-        return epoch.epoch_id, waiting
+        return await self.epochs.await_records_published(key, record_ttl)
 
 
 Cluster = LocalCluster  # (RedisCluster is one)

@@ -63,6 +63,12 @@ class SessionRecord(BaseModel):
     def key(self) -> str:
         return session_key(self.principal, self.session_id)
 
+    def owed_reset(self) -> SessionReset | None:
+        """The reset this record says the session's next call is owed (None: none)."""
+        if self.reset_reason != "store_lost" or not self.reset_from:
+            return None
+        return SessionReset(reason="store_lost", previous_replica=self.reset_from)
+
     def fields(self) -> dict[str, str]:
         """The record as hash fields (strings; None fields left out)."""
         return {k: str(v) for k, v in self.model_dump().items() if v is not None}

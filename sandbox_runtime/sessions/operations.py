@@ -230,3 +230,13 @@ OPERATIONS: dict[str, Operation] = {
         parts.manager, parts.signer, owner, args
     ),
 }
+
+
+def wait_bound(args: dict[str, Any], max_timeout: float) -> float:
+    """How long an operation with `args` may run: its request's timeout, within the server's
+    maximum (a forwarded call waits that long for its answer)."""
+    request = args.get("request") or {}
+    timeout = request.get("timeout_seconds") if isinstance(request, dict) else None
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
+        return min(float(timeout), max_timeout)
+    return max_timeout

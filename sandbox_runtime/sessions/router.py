@@ -34,14 +34,14 @@ from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.sessions.executions import ExecutionAccess
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
-from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress
+from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress, wait_bound
+from sandbox_runtime.sessions.placements import Placements
 from sandbox_runtime.state.keys import session_key
 
 # A session's record lives twice the retention period past its last use: it outlives the
 # workspace (removed after one period of disuse), so a call after that learns of the loss.
 RECORD_LIFE_FACTOR = 2
 PLACEMENT_ATTEMPTS = 4  # lookups per operation (a home may move or stop meanwhile)
-RENEW_INTERVAL_SECONDS = 5.0
 RECLAIM_SESSION_LIMIT = 2**31
 
 
@@ -54,9 +54,6 @@ class Placement:
     home: str
     address: str = ""
     reset: SessionReset | None = None
-
-
-RENEW_LOOP = "lease renewal"
 
 
 class Router:
@@ -75,7 +72,6 @@ class Router:
         self.control = ControlChannel(store, manager, self.signer) if store else None
         self.executions = ExecutionAccess(settings, manager, self.control, store)
         self.channel = ChannelClient(self.signer) if self.signer is not None else None
-        self._loops: list[str] = []
         self._record_ttl = (
             max(settings.retention_seconds, settings.workspace_retention_seconds)
             * RECORD_LIFE_FACTOR
@@ -84,30 +80,25 @@ class Router:
         # Sessions claimed here whose workspace a mount cap kept from being made: its first
         # making is no reset.
         self._unmade: set[str] = set()
-        # session key -> (home, owner) as last placed: for a Redis outage, and for publishing
-        # again the records of sessions homed here when Redis lost them.
-        self._last_placement: dict[str, tuple[str, Owner]] = {}
+        self.placements = Placements()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         if self.control is not None:
             self.control.start()
-        self.manager.supervisor.every(RENEW_LOOP, RENEW_INTERVAL_SECONDS, self._renew)
-        self._loops = [RENEW_LOOP]
-        self.cluster.watch(self._reclaim_all, self.executions.mark_previous_incarnations_lost)
+        self.cluster.watch(
+            self.manager.running,
+            self._record_ttl,
+            self._reclaim_all,
+            self.executions.mark_previous_incarnations_lost,
+        )
 
     async def aclose(self) -> None:
-        await self.manager.supervisor.stop(*reversed(self._loops))
-        self._loops = []
         if self.control is not None:
             await self.control.aclose()
         if self.channel is not None:
             await self.channel.aclose()
-
-    @property
-    def cluster_problem(self) -> str | None:
-        return self.cluster.problem
 
     # -- placement ---------------------------------------------------------------------------
 
@@ -129,9 +120,9 @@ class Router:
                 return self._place_without_store(key, exc)
             record = found.record
             if found.touched and record is not None:
-                self._remember(key, record.home, owner)
+                self.placements.remember(key, record.home, owner)
                 reset = await self._check_workspace(owner)
-                return Placement(True, self.replica_id, reset=self._owed_by(record) or reset)
+                return Placement(True, self.replica_id, reset=record.owed_reset() or reset)
             if record is None and epoch is None:
                 # No record: a new session, or one the store forgot (restarted empty) whose
                 # home has not published it again yet. Wait until every replica has.
@@ -155,23 +146,14 @@ class Router:
                     )
                 placement = Placement(False, record.home, address)
             if placement is not None:
-                self._remember(key, placement.home, owner)
+                self.placements.remember(key, placement.home, owner)
                 return placement
         raise OwnerUnavailableError("this session's home kept changing; retry shortly")
-
-    def _remember(self, key: str, home: str, owner: Owner) -> None:
-        if len(self._last_placement) > 100_000:
-            self._last_placement.clear()
-        self._last_placement[key] = (home, owner)
 
     async def _reclaim_all(self) -> int:
         """Claim again every session homed here that the store has no record of. Raises what
         the store raises."""
-        pending = [
-            (key, owner)
-            for key, (home, owner) in list(self._last_placement.items())
-            if home == self.replica_id
-        ]
+        pending = self.placements.homed_at(self.replica_id)
         restored = 0
         for key, owner in pending:
             if not self.manager.accepting:
@@ -182,7 +164,7 @@ class Router:
     async def _reclaim(self, key: str, owner: Owner) -> bool:
         """Claim `owner`'s session here if the store has no record of it; learn of a home
         elsewhere otherwise. Raises what the store raises."""
-        still_here = self._last_placement.get(key) == (self.replica_id, owner)
+        still_here = self.placements.get(key) == (self.replica_id, owner)
         if not still_here or not self.manager.workspaces.exists(workspace_name(owner)):
             return False  # placed elsewhere meanwhile, or its workspace is gone
         now = time.time()
@@ -194,7 +176,7 @@ class Router:
             return True
         found = await self.sessions.lookup(key, self.replica_id, now, self._record_ttl)
         if found.record is not None and found.record.home != self.replica_id:
-            self._remember(key, found.record.home, owner)  # not ours any more
+            self.placements.remember(key, found.record.home, owner)  # not ours any more
             # It started afresh there (this replica could not publish its record in time):
             # its next call must say so; the files here are the old session's.
             if await self.sessions.owe_reset(key, found.record.home, "store_lost", self.replica_id):
@@ -205,12 +187,6 @@ class Router:
                     found.record.home,
                 )
         return False
-
-    def _owed_by(self, record: SessionRecord) -> SessionReset | None:
-        """The reset a session's record says its next call is owed (None: none)."""
-        if record.reset_reason != "store_lost" or not record.reset_from:
-            return None
-        return SessionReset(reason="store_lost", previous_replica=record.reset_from)
 
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the
@@ -230,7 +206,7 @@ class Router:
         # while its last heartbeat lives: until then no other replica can take them (they
         # wait for its heartbeat to expire, or for its records after the store restarted
         # empty). Nothing else: a new home it cannot record could be another's too.
-        last = self._last_placement.get(key)
+        last = self.placements.get(key)
         contact = self.cluster.last_contact
         if last is not None and last[0] == self.replica_id:
             if contact is not None and time.monotonic() - contact < self.settings.heartbeat_ttl:
@@ -355,7 +331,11 @@ class Router:
             started = time.perf_counter()
             try:
                 result = await self.channel.call(
-                    placement.home, placement.address, call, progress, self._wait_bound(args)
+                    placement.home,
+                    placement.address,
+                    call,
+                    progress,
+                    wait_bound(args, self.settings.max_timeout),
                 )
             except HomeMovedError as exc:
                 self.metrics.forwarded.labels(op, "moved").inc()
@@ -409,13 +389,6 @@ class Router:
         if len(self._owed) > 100_000:
             self._owed.pop(next(iter(self._owed)))
 
-    def _wait_bound(self, args: dict[str, Any]) -> float:
-        request = args.get("request") or {}
-        timeout = request.get("timeout_seconds") if isinstance(request, dict) else None
-        if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > 0:
-            return min(float(timeout), self.settings.max_timeout)
-        return self.settings.max_timeout
-
     async def _home_still_alive(self, owner: Owner, home: str) -> bool:
         """After the home refused a connection: is it still the live, active home?"""
         with contextlib.suppress(Exception):
@@ -463,21 +436,12 @@ class Router:
         )
         if not found.touched or found.record is None:
             raise HomeMovedError(f"replica {self.replica_id} is not this session's home")
-        self._remember(session_key(principal, session_id), self.replica_id, owner)
+        self.placements.remember(session_key(principal, session_id), self.replica_id, owner)
         self.metrics.forwarded_served.labels(op).inc()
         self.metrics.forwarded_serving.inc()
         try:
             reset = await self._check_workspace(owner)
-            reset = self._owed_by(found.record) or reset
+            reset = found.record.owed_reset() or reset
             return await self._run_here(owner, op, args, progress, reset)
         finally:
             self.metrics.forwarded_serving.dec()
-
-    # -- leases ------------------------------------------------------------------------------
-
-    async def _renew(self) -> None:
-        """Renew the leases of the executions running here and the records of their sessions;
-        check the cluster (a store that is down: tried again at the next interval)."""
-        with contextlib.suppress(Exception):  # store down: retried at the next interval
-            await self.cluster.renew(self.manager.running(), self._record_ttl)
-        await self.cluster.check()
