@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from mcp_harness import eventually
 
-from sandbox_runtime.state.mirror import Mirror
+from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.state.store import MemoryStore
 
 

@@ -3,7 +3,7 @@
 
 Both keep the sessions' records (in memory, or in Redis), count executions against their
 principal's running limit, give the heartbeat its fields and say how the cluster is for
-/health. The Redis one also mirrors every execution into the store (state/mirror.py), beats
+/health. The Redis one also mirrors every execution into the store (sessions/mirror.py), beats
 the heartbeat, watches the other replicas' clocks, and, when the store restarts empty, has the
 sessions homed here published again (the router says which: it knows where it placed them).
 """
@@ -27,10 +27,10 @@ from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sessions.clock import ClockWatch
 from sandbox_runtime.sessions.epochs import EpochWatch
+from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
 from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
-from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
 from sandbox_runtime.supervisor import Supervisor
 

@@ -20,8 +20,8 @@ from loguru import logger
 from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import OwnerUnavailableError
 from sandbox_runtime.execution.cluster import ExecutionsHere
+from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.sessions.store import SessionStore
-from sandbox_runtime.state.mirror import Mirror
 from sandbox_runtime.state.store import StateStore
 
 SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published again
