@@ -7,8 +7,8 @@ import codecs
 import contextlib
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Coroutine
+from typing import Any, Protocol
 
 from loguru import logger
 
@@ -61,7 +61,6 @@ class Execution:
         self._other_bytes = 0  # an interpreter call's results, errors, prompts and drops
         self._truncated = False
         self._drops_noted = False  # an interpreter call's dropped messages were said
-        self._task: asyncio.Task[None] | None = None
 
     @property
     def execution_id(self) -> str:
@@ -133,14 +132,15 @@ class Execution:
 
     # -- running -----------------------------------------------------------------------------
 
-    def attach(self, process: SandboxProcess) -> None:
-        """Start pumping `process`'s output; the execution now owns it."""
+    def attach(self, process: SandboxProcess) -> Coroutine[Any, Any, None]:
+        """The execution now owns `process`; returns the work that pumps its output until it
+        ends (the manager runs it under its supervisor)."""
         self.process = process
         self.info.status = ExecutionStatus.RUNNING
         self.info.started_at = time.time()
         self.info.stdin_open = process.stdin is not None
         self.emit(EventType.READY)
-        self._task = asyncio.get_running_loop().create_task(self._run(process))
+        return self._run(process)
 
     def begin_call(self) -> None:
         """An interpreter call (its `runner` set when it was queued) starts running."""
@@ -254,11 +254,11 @@ class Execution:
         finally:
             await process.aclose()
             self.info.stdin_open = False
-            # A finished execution is kept for the retention period: let go of the process
-            # and this task, whose tasks, timers and contexts pin the starting request (its
-            # scope, headers, auth, log context): ~30 KB per retained execution.
+            # A finished execution is kept for the retention period: let go of the process,
+            # whose tasks, timers and contexts pin the starting request (its scope, headers,
+            # auth, log context): ~30 KB per retained execution. (This pump's own task is the
+            # supervisor's, and dropped by it once done.)
             self.process = None
-            self._task = None
             self.finished.set()
             self._notify()
 

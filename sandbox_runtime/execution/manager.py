@@ -264,7 +264,7 @@ class ExecutionManager:
                 request.interactive,
                 timeout,
             )
-        execution.attach(process)
+        self.supervisor.spawn("execution output", execution.attach(process))
         self.supervisor.spawn("execution release", self._release_when_done(execution))
         return execution
 

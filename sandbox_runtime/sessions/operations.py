@@ -25,6 +25,7 @@ from sandbox_runtime.files import operations as files
 from sandbox_runtime.files.operations import changed_files, coarse_now
 from sandbox_runtime.files.urls import FileUrlSigner
 from sandbox_runtime.interpreters.manager import InterpreterManager
+from sandbox_runtime.supervisor import scoped
 
 PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
 PROGRESS_MAX_CHARS = 4096
@@ -104,7 +105,7 @@ async def wait_for_end(execution: Execution, progress: Progress | None) -> None:
     to `progress` meanwhile."""
     forwarder = None
     if progress is not None:
-        forwarder = asyncio.get_running_loop().create_task(stream_output(execution, progress))
+        forwarder = scoped(stream_output(execution, progress))
     try:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(execution.info.timeout_seconds + WAIT_SLACK_SECONDS):
