@@ -1,6 +1,7 @@
-"""bubblewrap's command line for a sandbox, built from its spec (pure: nothing here starts or
-opens anything): the options every sandbox shares, each sandbox's own, the environment it
-starts with, its rlimits, and the command handed to a sandbox started ahead of need."""
+"""bubblewrap's command line for a sandbox, built from its spec: the options every sandbox
+shares, each sandbox's own, the environment it starts with, its rlimits, and the command
+handed to a sandbox started ahead of need. Nothing here starts, opens or changes anything
+(`root_tops` and `rlimits` only look at the host's directories and descriptor limit)."""
 
 from __future__ import annotations
 
