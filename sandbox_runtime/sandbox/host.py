@@ -28,7 +28,7 @@ DEFAULT_SANDBOX_USER = "srt-sandbox"
 # The backend's private directory (seccomp program, the sandbox's root and /dev), in TMPDIR.
 PRIVATE_PREFIX = "srt-sandbox-"
 
-# The interpreter of the stub that sandboxes started ahead of need run (backend.STUB_PROGRAM).
+# The interpreter of the stub that sandboxes started ahead of need run (argv.STUB_PROGRAM).
 STUB_PERL = "/usr/bin/perl"
 
 # Where the runtime (a Python environment with a data stack, Deno, Jupyter kernels) appears in
