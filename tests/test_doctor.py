@@ -70,18 +70,18 @@ def test_doctor_fails_with_the_fix_when_bubblewrap_is_missing() -> None:
 # checks with a prebuilt /dev whose /dev/null the sandbox user may not open (root may).
 DEV_REFUSED = """
 import asyncio, dataclasses, json, os
-import sandbox_runtime.sandbox.backend as backend_module
+import sandbox_runtime.sandbox.prepare as prepare_module
 from sandbox_runtime.config import Settings
 from sandbox_runtime.doctor import check_live
 
-real_build_dev = backend_module.build_dev
+real_build_dev = prepare_module.build_dev
 
 def refused_inside(dev):
     built = real_build_dev(dev)
     os.chmod(built / "null", 0o600)
     return built
 
-backend_module.build_dev = refused_inside
+prepare_module.build_dev = refused_inside
 checks = asyncio.run(check_live(Settings(_env_file=None)))
 print(json.dumps({c.layer: dataclasses.asdict(c) for c in checks}))
 """

@@ -39,7 +39,7 @@ from sandbox_runtime.sandbox import (
     SandboxSpec,
     shell_argv,
 )
-from sandbox_runtime.sandbox.backend import BASE_ENV
+from sandbox_runtime.sandbox.argv import BASE_ENV
 from sandbox_runtime.sandbox.cgroups import ExecutionCgroup
 
 pytestmark = pytest.mark.integration

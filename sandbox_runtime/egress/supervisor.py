@@ -27,14 +27,10 @@ from loguru import logger
 
 from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.sandbox.egress_port import SOCKET_NAME, DeniedHandler
 
-SOCKET_DIR = "/run/srt-egress"  # inside a sandbox
-SOCKET_NAME = "proxy.sock"
-RELAY_PORT = 3128
 OPEN_SECONDS = 5.0
 RESTART_SECONDS = 1.0
-
-DeniedHandler = Callable[[str, int, str], None]
 
 
 @dataclass

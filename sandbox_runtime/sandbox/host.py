@@ -7,6 +7,7 @@ import contextlib
 import fcntl
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -14,8 +15,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from sandbox_runtime.egress.supervisor import SOCKET_DIR
-from sandbox_runtime.errors import SandboxUnavailableError
+from sandbox_runtime.errors import InvalidRequestError, SandboxUnavailableError
+from sandbox_runtime.sandbox.egress_port import SOCKET_DIR
 
 WORKSPACE = "/workspace"
 SANDBOX_UID = 1000  # the uid a program sees inside; on the host it is `sandbox_user`
@@ -27,7 +28,7 @@ DEFAULT_SANDBOX_USER = "srt-sandbox"
 # The backend's private directory (seccomp program, the sandbox's root and /dev), in TMPDIR.
 PRIVATE_PREFIX = "srt-sandbox-"
 
-# The interpreter of the stub that sandboxes started ahead of need run (backend.STUB_PROGRAM).
+# The interpreter of the stub that sandboxes started ahead of need run (argv.STUB_PROGRAM).
 STUB_PERL = "/usr/bin/perl"
 
 # Where the runtime (a Python environment with a data stack, Deno, Jupyter kernels) appears in
@@ -118,6 +119,18 @@ def _host_program_problem(path: str, role: str, package: str) -> str | None:
     if not real.startswith("/usr/") or not os.access(real, os.X_OK):
         return f"{path} ({role}) is missing or outside /usr; install it: apt-get install {package}"
     return None
+
+
+def make_workspace(root: Path, name: str, uid: int, gid: int) -> Path:
+    """Workspace `name` under `root`, owned by the sandbox user (`uid`, `gid`; created if
+    missing). Raises InvalidRequestError for a name that is not one."""
+    if not re.fullmatch(r"[A-Za-z0-9_.-]{1,128}", name) or name in (".", ".."):
+        raise InvalidRequestError(f"invalid workspace name {name!r}")
+    path = root / name
+    path.mkdir(mode=0o700, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, uid, gid)
+    return path
 
 
 def lock_private_dir(private: Path) -> int:

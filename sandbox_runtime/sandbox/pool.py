@@ -30,8 +30,10 @@ from loguru import logger
 
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
-from sandbox_runtime.sandbox.backend import BubblewrapBackend, SandboxSpec, StartedSandbox
+from sandbox_runtime.sandbox.ahead import StartedSandbox
+from sandbox_runtime.sandbox.backend import BubblewrapBackend
 from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.sandbox.spec import SandboxSpec
 from sandbox_runtime.supervisor import Supervisor
 
 SWEEP_LOOP = "sandbox pool sweep"
@@ -177,7 +179,7 @@ class SandboxPool:
             self.refill(workspace)
 
         if self.enabled and not self._closed and workspace not in self._waits:
-            task = asyncio.get_running_loop().create_task(later())
+            task = self.supervisor.spawn(f"sandbox pool refill after {workspace.name}", later())
             self._waits[workspace] = task
             task.add_done_callback(lambda done: self._forget(self._waits, workspace, done))
 
@@ -194,7 +196,9 @@ class SandboxPool:
             self._skipped.add(workspace)
             return
         self._skipped.discard(workspace)
-        task = asyncio.get_running_loop().create_task(self._refill(workspace))
+        task = self.supervisor.spawn(
+            f"sandbox pool refill {workspace.name}", self._refill(workspace)
+        )
         self._refills[workspace] = task
         task.add_done_callback(lambda done: self._forget(self._refills, workspace, done))
 
@@ -264,7 +268,9 @@ class SandboxPool:
             await asyncio.wait(pending)  # (not raising theirs; our own cancellation propagates)
 
     def _discard_later(self, started: StartedSandbox) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(self.backend.discard(started))
+        task = self.supervisor.spawn(
+            f"sandbox pool discard {started.workspace.name}", self.backend.discard(started)
+        )
         tasks = self._discarding.setdefault(started.workspace, set())
         tasks.add(task)
 

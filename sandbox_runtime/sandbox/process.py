@@ -15,7 +15,8 @@ from pathlib import Path
 from loguru import logger
 
 from sandbox_runtime.domain.limits import SandboxLimits
-from sandbox_runtime.sandbox.cgroups import ExecutionCgroup
+from sandbox_runtime.sandbox.execution_cgroup import ExecutionCgroup
+from sandbox_runtime.supervisor import Supervisor
 
 # bwrap's status is a few short JSON documents; more is not read.
 MAX_STATUS_BYTES = 64 * 1024
@@ -76,6 +77,7 @@ class SandboxProcess:
         limits: SandboxLimits,
         timeout: float | None,
         on_exit: Callable[[SandboxProcess], None],
+        supervisor: Supervisor,
     ) -> None:
         self.pid = pid
         self.stdin = stdin
@@ -95,6 +97,7 @@ class SandboxProcess:
         self._inner_exit: int | None = None
         self._outcome: SandboxOutcome | None = None
         self._on_exit = on_exit
+        self._supervisor = supervisor  # (its closers and a stop in the background run under it)
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._closing: asyncio.Task[None] | None = None
         self._stop_task: asyncio.Task[None] | None = None
@@ -162,7 +165,9 @@ class SandboxProcess:
         await self._exited.wait()
         if self._closers:
             if self._closing is None:
-                self._closing = self._loop.create_task(self._close_all())
+                self._closing = self._supervisor.spawn(
+                    f"sandbox {self.pid} closers", self._close_all()
+                )
             await asyncio.shield(self._closing)
         await self._status_done.wait()
         if self._inner_exit is None and self._outcome is None:
@@ -212,7 +217,9 @@ class SandboxProcess:
     def stop_in_background(self, grace: float, reason: str) -> None:
         """Start `terminate` without waiting for it (idempotent)."""
         if self._stop_task is None and self.running:
-            self._stop_task = self._loop.create_task(self.terminate(grace, reason))
+            self._stop_task = self._supervisor.spawn(
+                f"sandbox {self.pid} stop", self.terminate(grace, reason)
+            )
 
     async def aclose(self) -> None:
         """Kill what is left, wait for it and release every resource. Safe to call twice."""

@@ -161,6 +161,18 @@ class SpawnerManager:
         if self._exits.pop(pid, None) is None and self._sock is not None:
             self._unowned.add(pid)
 
+    async def abandon(self, spawning: asyncio.Future[int]) -> int | None:
+        """End the bwrap of a start abandoned before its answer: wait for the answer (until
+        then the spawner may still move it into its cgroup), kill it. Its pid, or None if
+        nothing runs (the spawner killed it, or died and took it along)."""
+        try:
+            pid = await spawning
+        except SandboxSpawnError:
+            return None
+        self.forget(pid)
+        kill_if_child(pid, self.pid)
+        return pid
+
     def _on_readable(self) -> None:
         assert self._sock is not None
         while True:

@@ -1,0 +1,50 @@
+"""A sandbox started ahead of need (`BubblewrapBackend.prestart`, pooled by pool.py): bwrap,
+its limits, cgroup, seccomp filter and workspace in place, the stub (argv.STUB_PROGRAM)
+waiting for its command on a pipe; handed one (`hand_over`), it serves that execution."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandbox_runtime.domain.limits import SandboxLimits
+from sandbox_runtime.errors import SandboxSpawnError
+from sandbox_runtime.sandbox.argv import stub_command
+from sandbox_runtime.sandbox.pipes import write_at_once
+from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.sandbox.spec import SandboxSpec
+
+
+@dataclass(eq=False)
+class StartedSandbox:
+    """A sandbox started ahead, the stub waiting for a command on the pipe whose write end is
+    `command_fd`. Serves one execution (`BubblewrapBackend.launch`), or is discarded."""
+
+    proc: SandboxProcess
+    command_fd: int | None
+    workspace: Path
+    limits: SandboxLimits
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def usable(self) -> bool:
+        return self.command_fd is not None and self.proc.running
+
+    def hand_over(self, spec: SandboxSpec) -> None:
+        """Write `spec`'s command (checked already) to the stub, all of it at once: the stub
+        reads only then. Raises SandboxSpawnError."""
+        payload = stub_command(spec)
+        fd = self.command_fd
+        if fd is None or not self.proc.running:
+            raise SandboxSpawnError("the sandbox started ahead has ended")
+        try:
+            write_at_once(fd, payload)
+        except OSError as exc:  # (BlockingIOError: the pipe could not be made big enough)
+            raise SandboxSpawnError(f"could not hand the sandbox its command: {exc}") from exc
+
+    def close_command(self) -> None:
+        if self.command_fd is not None:
+            os.close(self.command_fd)
+            self.command_fd = None
