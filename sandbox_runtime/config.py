@@ -10,9 +10,14 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from sandbox_runtime.domain.egress import EgressDenied, EgressPolicy, is_ip, parse_authority
+from sandbox_runtime.domain.egress import (
+    EgressDenied,
+    EgressPolicy,
+    EgressSettings,
+    is_ip,
+    parse_authority,
+)
 from sandbox_runtime.domain.limits import SandboxLimits
-from sandbox_runtime.egress.supervisor import EgressSettings
 
 REPLICA_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
