@@ -31,7 +31,12 @@ class _Server(uvicorn.Server):
         # same time stop the executions; the lifespan's exit waits for both to finish.
         if self._stopping is None:
             logger.info("signal {}: stopping executions and the server", sig)
-            self._stopping = asyncio.get_running_loop().create_task(self._stop_executions())
+            try:
+                self._stopping = self.manager.supervisor.spawn(
+                    "stop executions on signal", self._stop_executions()
+                )
+            except RuntimeError:  # the parts are closed already: nothing left to stop
+                AppStatus.should_exit = True
         super().handle_exit(sig, frame)
 
     async def _stop_executions(self) -> None:
