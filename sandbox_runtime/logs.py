@@ -11,11 +11,10 @@ import json
 import logging
 import re
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from loguru import logger
-
-from sandbox_runtime.config import Settings
 
 TEXT_FORMAT = (
     "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[replica_id]} "
@@ -64,7 +63,21 @@ class _InterceptHandler(logging.Handler):
         logger.opt(depth=6, exception=record.exc_info).log(level, record.getMessage())
 
 
-def setup_logging(settings: Settings) -> None:
+class LogSettings(Protocol):
+    """What logging needs of the settings (config.Settings has it; logs sits beside config,
+    not above it)."""
+
+    @property
+    def replica_id(self) -> str: ...
+    @property
+    def log_format(self) -> str: ...
+    @property
+    def log_level(self) -> str: ...
+    @property
+    def log_file(self) -> Path | None: ...
+
+
+def setup_logging(settings: LogSettings) -> None:
     """Replace loguru's default sink and route standard logging into it."""
     logger.remove()
     logger.configure(extra={"replica_id": settings.replica_id, "execution_id": "-"})

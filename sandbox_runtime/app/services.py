@@ -116,7 +116,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         )
         stack.push_async_callback(workspaces.close)
         backend.start()  # finds the sandbox user, or says why sandboxes cannot run
-        egress = await _egress(settings, backend, metrics)
+        egress = await _egress(settings, backend, metrics, supervisor)
         if egress is not None:
             stack.push_async_callback(egress.close)
         stack.push_async_callback(backend.close)
@@ -170,7 +170,7 @@ def _cluster(
 
 
 async def _egress(
-    settings: Settings, backend: BubblewrapBackend, metrics: Metrics
+    settings: Settings, backend: BubblewrapBackend, metrics: Metrics, supervisor: Supervisor
 ) -> EgressProxy | None:
     """The egress proxy, started, when the server allows any network (None: none)."""
     policy = settings.egress_policy()
@@ -181,6 +181,7 @@ async def _egress(
         backend.private_dir / "egress",
         backend.sandbox_uid,
         backend.sandbox_gid,
+        supervisor=supervisor,
     )
     egress.on_event.append(metrics.count_egress)
     await egress.start()

@@ -1,31 +1,29 @@
-"""The egress policy: canonical hosts, allow/deny rules, address vetting, narrowing.
+"""The egress policy: allow/deny rules, address vetting, narrowing; the proxy's settings.
 
-Pure logic, standard library only. The proxy parses an authority with `parse_authority`,
-asks `EgressPolicy.check_name` before any DNS lookup, resolves once, asks
+Pure logic, standard library only. The proxy parses an authority with `parse_authority`
+(hosts.py: canonical hosts and authorities; its names are importable from here too), asks
+`EgressPolicy.check_name` before any DNS lookup, resolves once, asks
 `EgressPolicy.vet_address` for every returned address and dials only a vetted one.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from sandbox_runtime.domain.hosts import MAX_HOST, as_ip, parse_port
+from sandbox_runtime.domain.hosts import EgressDenied as EgressDenied
+from sandbox_runtime.domain.hosts import IPAddress as IPAddress
+from sandbox_runtime.domain.hosts import canonical_host as canonical_host
+from sandbox_runtime.domain.hosts import is_ip as is_ip
+from sandbox_runtime.domain.hosts import parse_authority as parse_authority
 from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
-_MAX_HOST = 300  # longer than any name (253) or IPv6 literal: refused before any parsing
-# One DNS label: letters, digits, '_' and '-', never starting or ending with '-'.
-_LABEL = re.compile(r"[a-z0-9_](?:[a-z0-9_-]*[a-z0-9_])?")
-# A last label inet_aton (and the WHATWG URL parser) would read as a number: the host is an IP.
-_NUMERIC_LABEL = re.compile(r"[0-9]+|0x[0-9a-f]*")
-_V6_TEXT = re.compile(r"[0-9a-f:.]+")
-_PORT = re.compile(r"[0-9]{1,5}")
 
 # Refused unless inside an allowed CIDR: "this network" (0.0.0.0 dials the local host),
 # private, CGNAT, loopback, link-local (the metadata services), IETF assignments, documentation
@@ -56,141 +54,6 @@ METADATA_ADDRESSES: frozenset[IPAddress] = frozenset(
         "fd00:ec2::254 fd00:ec2::23"
     ).split()
 )
-
-
-class EgressDenied(PolicyViolationError):
-    """A host, port or address refused by the egress policy; `reason` is machine-readable."""
-
-    def __init__(self, reason: str, detail: str = "") -> None:
-        super().__init__(f"{reason}: {detail}" if detail else reason)
-        self.reason = reason
-
-
-def _bad_host(raw: object, why: str) -> EgressDenied:
-    return EgressDenied("bad_host", f"{repr(raw)[:80]} {why}")
-
-
-def canonical_host(raw: str) -> str:
-    """The one canonical spelling of a host from a CONNECT authority or an absolute URL.
-
-    Names are lowercased with one trailing dot stripped; IP literals in every inet_aton
-    spelling (``127.1``, ``2130706433``, ``0x7f.1``, ``0177.0.0.1``) become dotted quads, and
-    ``[v6]`` literals their compressed form without brackets (a bare IPv6 literal is accepted
-    too, so the result is a fixed point). Raises `EgressDenied` (reason ``"bad_host"``) for
-    anything else: whitespace or control characters, ``@ % / \\ ? #``, non-ASCII, empty or
-    over-long labels, zone ids, a number that is not a valid IPv4 address.
-    """
-    if not isinstance(raw, str) or not raw or len(raw) > _MAX_HOST or not raw.isascii():
-        raise _bad_host(raw, "is empty, too long or not ASCII")
-    host = raw.lower()
-    if host.startswith("["):
-        if not host.endswith("]"):
-            raise _bad_host(raw, "has an unclosed bracket")
-        return _canonical_v6(host[1:-1], raw)
-    if ":" in host:
-        return _canonical_v6(host, raw)
-    if host.endswith("."):
-        host = host[:-1]
-    labels = host.split(".")
-    if _NUMERIC_LABEL.fullmatch(labels[-1]):
-        return _canonical_v4(labels, raw)
-    if len(host) > 253:
-        raise _bad_host(raw, "is longer than 253 characters")
-    for label in labels:
-        if len(label) > 63 or not _LABEL.fullmatch(label):
-            raise _bad_host(raw, "is not a valid host name")
-    return host
-
-
-def _canonical_v6(text: str, raw: str) -> str:
-    if not _V6_TEXT.fullmatch(text) or ":" not in text:
-        raise _bad_host(raw, "is not a bracketed IPv6 literal (no zone ids)")
-    try:
-        address = ipaddress.IPv6Address(text)
-    except ValueError:
-        raise _bad_host(raw, "is not an IPv6 literal") from None
-    if address.ipv4_mapped is not None:  # one spelling, whatever this Python's str() prefers
-        return f"::ffff:{(int(address) >> 16) & 0xFFFF:x}:{int(address) & 0xFFFF:x}"
-    return address.compressed
-
-
-def _inet_part(part: str) -> int | None:
-    if part.startswith("0x"):
-        digits, base = part[2:], 16
-        ok = bool(digits) and all(c in "0123456789abcdef" for c in digits)
-    elif part.startswith("0") and len(part) > 1:
-        digits, base = part[1:], 8
-        ok = all(c in "01234567" for c in digits)
-    else:
-        digits, base = part, 10
-        ok = bool(digits) and all(c in "0123456789" for c in digits)
-    return int(digits, base) if ok else None
-
-
-def _canonical_v4(parts: list[str], raw: str) -> str:
-    """inet_aton's reading of a, a.b, a.b.c or a.b.c.d (each decimal, 0octal or 0xhex)."""
-    values = [_inet_part(p) for p in parts]
-    if len(parts) > 4 or any(v is None for v in values):
-        raise _bad_host(raw, "looks numeric but is not an IPv4 address")
-    numbers = [v for v in values if v is not None]
-    *leading, last = numbers
-    if any(v > 255 for v in leading) or last >= 256 ** (4 - len(leading)):
-        raise _bad_host(raw, "has an IPv4 part out of range")
-    value = last
-    for i, v in enumerate(leading):
-        value |= v << (8 * (3 - i))
-    return str(ipaddress.IPv4Address(value))
-
-
-def _as_ip(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host)
-    except ValueError:
-        return None
-
-
-def is_ip(host: str) -> bool:
-    """Whether `host` (any spelling `canonical_host` accepts) is an IP literal. Never raises."""
-    try:
-        return _as_ip(canonical_host(host)) is not None
-    except EgressDenied:
-        return False
-
-
-def _parse_port(text: str) -> int:
-    if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
-        raise EgressDenied("bad_port", f"{text[:20]!r} is not a port 1-65535")
-    return int(text)
-
-
-def parse_authority(authority: str, default_port: int | None) -> tuple[str, int]:
-    """Split ``host[:port]`` or ``[v6][:port]`` into the canonical host and the port.
-
-    The port is 1-5 decimal digits in 1-65535; without one, `default_port` is used.
-    Raises `EgressDenied`: reason ``"bad_host"`` (see `canonical_host`; an IPv6 literal
-    without brackets too) or ``"bad_port"`` (malformed, out of range, or missing when
-    `default_port` is None).
-    """
-    if not isinstance(authority, str) or len(authority) > _MAX_HOST + 6:
-        raise _bad_host(authority, "is not an authority")
-    port_text: str | None
-    if authority.startswith("["):
-        end = authority.find("]")
-        host, rest = authority[: end + 1], authority[end + 1 :]
-        if end < 0 or (rest and not rest.startswith(":")):
-            raise _bad_host(authority, "is not [IPv6]:port")
-        port_text = rest[1:] if rest else None
-    elif authority.count(":") > 1:
-        raise _bad_host(authority, "is an IPv6 literal without brackets")
-    else:
-        host, colon, port_text = authority.partition(":")
-        port_text = port_text if colon else None
-    canonical = canonical_host(host)
-    if port_text is not None:
-        return canonical, _parse_port(port_text)
-    if default_port is None or not 1 <= default_port <= 65535:
-        raise EgressDenied("bad_port", f"{repr(authority)[:80]} has no port")
-    return canonical, default_port
 
 
 @dataclass(frozen=True)
@@ -237,7 +100,7 @@ def _parse_rule(entry: str) -> Rule:
     if ":" in entry:
         host, _, port_text = entry.rpartition(":")
         try:
-            port = _parse_port(port_text)
+            port = parse_port(port_text)
         except EgressDenied:
             raise ValueError(f"egress rule {entry!r}: the port must be 1-65535") from None
     wildcard = host.startswith("*.")
@@ -245,7 +108,7 @@ def _parse_rule(entry: str) -> Rule:
         name = canonical_host(host[2:] if wildcard else host)
     except EgressDenied:
         raise ValueError(f"egress rule {entry!r}: not a host name or *.name") from None
-    if _as_ip(name) is not None:
+    if as_ip(name) is not None:
         raise ValueError(f"egress rule {entry!r}: IP literals are not names; list them as CIDRs")
     return Rule(name, wildcard, port)
 
@@ -401,12 +264,12 @@ class EgressPolicy:
         try:
             name = canonical_host(host)
         except EgressDenied as exc:
-            return Decision(False, str(host)[:_MAX_HOST], port, exc.reason)
+            return Decision(False, str(host)[:MAX_HOST], port, exc.reason)
         if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
             return Decision(False, name, port, "bad_port")
         if not self.enabled:
             return Decision(False, name, port, "egress_disabled")
-        address = _as_ip(name)
+        address = as_ip(name)
         if address is not None:
             if not any(address in net for net in self.allow_cidrs):
                 return Decision(False, name, port, "not_allowed")
@@ -446,7 +309,7 @@ class EgressPolicy:
         cidrs: list[IPNetwork] = []
         for entry in (e for item in items for e in _entries(item)):
             try:
-                if "/" in entry or _as_ip(entry.strip("[]")) is not None:
+                if "/" in entry or as_ip(entry.strip("[]")) is not None:
                     cidrs.append(self._narrow_cidr(entry))
                 else:
                     rules.append(self._narrow_rule(entry))
@@ -488,3 +351,15 @@ class EgressPolicy:
             "default_ports": sorted(DEFAULT_PORTS),
             "metadata_addresses": sorted(str(a) for a in METADATA_ADDRESSES),
         }
+
+
+@dataclass
+class EgressSettings:
+    """What the egress proxy's supervisor needs besides a policy (from the settings)."""
+
+    connect_timeout: float = 10.0
+    idle_timeout: float = 120.0
+    max_connections: int = 64  # per sandbox, at once
+    max_bytes: int = 0  # per sandbox (execution or interpreter), both ways; 0: unbounded
+    max_total: int = 1024  # through the proxy, at once
+    resolvers: list[tuple[str, int]] = field(default_factory=list)

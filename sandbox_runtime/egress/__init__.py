@@ -1,1 +1,3 @@
-"""Network egress for sandboxes: the allowlist policy (and, later, the proxy that enforces it)."""
+"""Network egress for sandboxes: the allowlist proxy (proxy.py, a separate process: request.py,
+outbound.py, pipe.py), the server's supervisor of it (supervisor.py), and the relay inside each
+sandbox (relay.py). The policy itself is sandbox_runtime.domain.egress."""

@@ -22,6 +22,9 @@ rewritten from the checked authority and `Connection: close`: a second request o
 connection cannot reach another name behind the same address.
 
 When the proxy stops, every sandbox's socket stops answering: no sandbox has a way out.
+
+Here: the control channel, each sandbox's listener and one connection's course. The request
+grammar is request.py's, resolving and dialling outbound.py's, the copying pipe.py's.
 """
 
 from __future__ import annotations
@@ -30,55 +33,26 @@ import argparse
 import asyncio
 import contextlib
 import ctypes
+import functools
 import ipaddress
 import json
 import os
-import re
 import signal
 import socket
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from sandbox_runtime.domain.egress import (
-    EgressDenied,
-    EgressPolicy,
-    IPAddress,
-    _as_ip,
-    parse_authority,
-)
+from sandbox_runtime.domain.egress import EgressPolicy
+from sandbox_runtime.egress.outbound import Outbound, local_addresses
+from sandbox_runtime.egress.pipe import pipe
+from sandbox_runtime.egress.request import MAX_HEAD, Request, answer
+from sandbox_runtime.egress.request import Refused as Refused
+from sandbox_runtime.egress.request import parse_head as parse_head
 from sandbox_runtime.sandbox.spawner import drop_privileges
 
-MAX_HEAD = 16 * 1024
-MAX_HEADERS = 100
-CHUNK = 256 * 1024
 MAX_EVENTS = 50  # denial events sent per sandbox; more are only counted
-LOCAL_REFRESH = 5.0  # seconds the host's own addresses are cached
-_TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
-_METHOD = re.compile(rb"[A-Z]{1,20}")
-_TARGET = re.compile(rb"[\x21-\x7e]{1,8192}")
-_FRAMING = {b"content-length", b"transfer-encoding", b"host"}
-_HOP_BY_HOP = {
-    b"connection",
-    b"proxy-connection",
-    b"keep-alive",
-    b"proxy-authorization",
-    b"proxy-authenticate",
-    b"te",
-    b"trailer",
-    b"upgrade",
-    b"host",
-}
-
-
-class Refused(Exception):
-    """A request the proxy answers with an error status and a reason."""
-
-    def __init__(self, status: int, reason: str, host: str = "", port: int = 0) -> None:
-        super().__init__(reason)
-        self.status, self.reason, self.host, self.port = status, reason, host, port
 
 
 @dataclass
@@ -89,16 +63,6 @@ class Settings:
     resolve_timeout: float = 5.0
     max_total: int = 1024
     resolvers: list[tuple[str, int]] = field(default_factory=list)
-
-
-@dataclass
-class Request:
-    method: str
-    host: str
-    port: int
-    connect: bool
-    head: bytes = b""  # plain HTTP: the head to send on, rewritten
-    body_length: int = 0
 
 
 class Sandbox:
@@ -144,17 +108,9 @@ class Proxy:
         self.sandboxes: dict[str, Sandbox] = {}
         self.active = 0
         self._control: asyncio.StreamWriter | None = None
-        self._local: set[IPAddress] = set()
-        self._local_at = 0.0
-        self._resolver: Any = None
-        if settings.resolvers:
-            import dns.asyncresolver
-
-            resolver = dns.asyncresolver.Resolver(configure=False)
-            resolver.nameservers = [host for host, _ in settings.resolvers]
-            resolver.port = settings.resolvers[0][1]
-            resolver.lifetime = settings.resolve_timeout
-            self._resolver = resolver
+        self.outbound = Outbound(
+            settings.resolvers, settings.resolve_timeout, settings.connect_timeout
+        )
 
     # -- control channel ---------------------------------------------------------------------
 
@@ -240,7 +196,7 @@ class Proxy:
         if len(sandbox.tasks) >= sandbox.max_connections or self.active >= self.settings.max_total:
             sandbox.deny("", "", 0, "connection_limit")
             try:
-                await _answer(writer, 503, "too many connections through the egress proxy")
+                await answer(writer, 503, "too many connections through the egress proxy")
             finally:
                 writer.close()  # (not one of the sandbox's tasks: nothing else closes it)
             return
@@ -253,7 +209,7 @@ class Proxy:
         except Exception:  # a bug must cost one connection, never the proxy
             traceback.print_exc(limit=8, file=sys.stderr)  # (the server's log)
             with contextlib.suppress(Exception):
-                await _answer(writer, 502, "egress proxy error")
+                await answer(writer, 502, "egress proxy error")
         finally:
             self.active -= 1
             sandbox.tasks.discard(task)
@@ -265,7 +221,7 @@ class Proxy:
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.settings.head_timeout)
         except (asyncio.LimitOverrunError, ValueError):
-            await _answer(writer, 431, "request head too large")
+            await answer(writer, 431, "request head too large")
             return
         except (asyncio.IncompleteReadError, TimeoutError, ConnectionError):
             return
@@ -282,14 +238,16 @@ class Proxy:
                 raise Refused(403, "connect_to_http_port", request.host, request.port)
             if sandbox.max_bytes and sandbox.bytes >= sandbox.max_bytes:
                 raise Refused(403, "byte_limit", request.host, request.port)
-            addresses = await self._resolve(request.host)
-            remote, address = await self._dial(sandbox, request.host, request.port, addresses)
+            addresses = await self.outbound.resolve(request.host)
+            remote, address = await self.outbound.dial(
+                sandbox.policy, request.host, request.port, addresses
+            )
         except Refused as refused:
             host = refused.host or (request.host if request is not None else "")
             port = refused.port or (request.port if request is not None else 0)
             method = request.method if request is not None else ""
             sandbox.deny(method, host, port, refused.reason)
-            await _answer(writer, refused.status, f"egress denied: {refused.reason}", host, port)
+            await answer(writer, refused.status, f"egress denied: {refused.reason}", host, port)
             return
         sandbox.connections += 1
         self.send(
@@ -301,285 +259,25 @@ class Proxy:
                 "address": address,
             }
         )
-        out_reader, out_writer = remote
+        out_writer = remote[1]
+        over_budget = functools.partial(
+            sandbox.deny, request.method, request.host, request.port, "byte_limit"
+        )
         try:
             if request.connect:
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-                await self._pipe(sandbox, request, reader, writer, out_reader, out_writer, None)
             else:
                 out_writer.write(request.head)
-                await self._pipe(
-                    sandbox, request, reader, writer, out_reader, out_writer, request.body_length
-                )
+            await pipe(
+                (reader, writer),
+                remote,
+                idle=self.settings.idle_timeout,
+                body_length=None if request.connect else request.body_length,
+                count=sandbox.count,
+                on_limit=over_budget,
+            )
         finally:
             out_writer.close()
-
-    async def _resolve(self, host: str) -> list[IPAddress]:
-        literal = _as_ip(host)
-        if literal is not None:
-            return [literal]
-        try:
-            if self._resolver is not None:
-                import dns.exception
-                import dns.resolver
-
-                found: list[IPAddress] = []
-                answers = await asyncio.gather(  # (A and AAAA at once: one round trip)
-                    *(self._resolver.resolve(host, t, search=False) for t in ("A", "AAAA")),
-                    return_exceptions=True,
-                )
-                for answer in answers:
-                    if isinstance(answer, dns.resolver.NoAnswer | dns.resolver.NXDOMAIN):
-                        continue
-                    if isinstance(answer, BaseException):
-                        if isinstance(answer, dns.exception.DNSException):
-                            raise Refused(502, "resolve_failed", host) from answer
-                        raise answer
-                    found += [ipaddress.ip_address(r.address) for r in answer]
-            else:
-                infos = await asyncio.wait_for(
-                    asyncio.get_running_loop().getaddrinfo(
-                        host, None, type=socket.SOCK_STREAM, flags=socket.AI_ADDRCONFIG
-                    ),
-                    self.settings.resolve_timeout,
-                )
-                found = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
-        except (OSError, TimeoutError, ValueError) as exc:
-            raise Refused(502, "resolve_failed", host) from exc
-        if not found:
-            raise Refused(502, "resolve_failed", host)
-        return list(dict.fromkeys(found))
-
-    def _local_addresses(self) -> set[IPAddress]:
-        now = time.monotonic()
-        if now - self._local_at > LOCAL_REFRESH:
-            self._local = local_addresses()
-            self._local_at = now
-        return self._local
-
-    async def _dial(
-        self, sandbox: Sandbox, host: str, port: int, addresses: list[IPAddress]
-    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], str]:
-        vetted: list[IPAddress] = []
-        reason = "not_allowed"
-        local = self._local_addresses()
-        exact = sandbox.policy.exact  # (the server's: a caller's narrowing adds none)
-        for address in addresses:
-            problem = sandbox.policy.vet_address(address)
-            plain = _unmapped(address)  # (::ffff:a.b.c.d is a.b.c.d on the wire)
-            if problem is None and plain in local and plain not in exact:
-                problem = "local_address"
-            if problem is None:
-                vetted.append(address)
-            else:
-                reason = problem
-        if not vetted:
-            raise Refused(403, reason, host, port)
-        deadline = time.monotonic() + self.settings.connect_timeout
-        for address in vetted:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            try:
-                reader, writer = await asyncio.wait_for(
-                    asyncio.open_connection(str(address), port, limit=CHUNK), left
-                )
-            except (OSError, TimeoutError):
-                continue
-            sock = writer.get_extra_info("socket")
-            peer = ipaddress.ip_address(str(sock.getpeername()[0]).split("%")[0])
-            mine = ipaddress.ip_address(str(sock.getsockname()[0]).split("%")[0])
-            if peer == mine and _unmapped(address) not in exact:  # routed through the local table
-                writer.close()
-                raise Refused(403, "local_address", host, port)
-            return (reader, writer), str(address)
-        raise Refused(502, "connect_failed", host, port)
-
-    async def _pipe(
-        self,
-        sandbox: Sandbox,
-        request: Request,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        out_reader: asyncio.StreamReader,
-        out_writer: asyncio.StreamWriter,
-        body_length: int | None,
-    ) -> None:
-        """Copy both ways until both are done, a side is idle too long or the byte budget is
-        spent. `body_length` (plain HTTP): only that many bytes go from the sandbox out."""
-        idle = self.settings.idle_timeout
-        last = [time.monotonic()]
-
-        async def copy(
-            src: asyncio.StreamReader, dst: asyncio.StreamWriter, limit: int | None
-        ) -> None:
-            left = limit
-            while left is None or left > 0:
-                size = CHUNK if left is None else min(CHUNK, left)
-                data = await src.read(size)
-                if not data:
-                    break
-                last[0] = time.monotonic()
-                if not sandbox.count(len(data)):
-                    sandbox.deny(request.method, request.host, request.port, "byte_limit")
-                    raise ConnectionAbortedError("byte limit")
-                dst.write(data)
-                await dst.drain()
-                if left is not None:
-                    left -= len(data)
-            with contextlib.suppress(OSError):
-                if dst.can_write_eof():
-                    dst.write_eof()
-
-        async def watchdog() -> None:
-            while True:
-                await asyncio.sleep(min(idle, 5.0))
-                if time.monotonic() - last[0] > idle:
-                    return
-
-        up = asyncio.ensure_future(copy(reader, out_writer, body_length))
-        down = asyncio.ensure_future(copy(out_reader, writer, None))
-        dog = asyncio.ensure_future(watchdog())
-        try:
-            pending = {up, down}
-            while pending:
-                done, pending = await asyncio.wait(
-                    pending | {dog}, return_when=asyncio.FIRST_COMPLETED
-                )
-                pending.discard(dog)
-                if dog in done:
-                    break
-                if any(t.exception() is not None for t in done if not t.cancelled()):
-                    break
-                if down in done:
-                    break  # the origin is done: nothing more can come back
-        finally:
-            for task in (up, down, dog):
-                task.cancel()
-            await asyncio.gather(up, down, dog, return_exceptions=True)
-
-
-def _unmapped(address: IPAddress) -> IPAddress:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
-def parse_head(head: bytes) -> Request:
-    """Parse a proxy request's head strictly. Raises Refused."""
-    lines = head[:-4].split(b"\r\n")
-    if len(lines) > MAX_HEADERS + 1:
-        raise Refused(431, "too_many_headers")
-    parts = lines[0].split(b" ")
-    if len(parts) != 3 or not _METHOD.fullmatch(parts[0]) or not _TARGET.fullmatch(parts[1]):
-        raise Refused(400, "bad_request")
-    method, target, version = parts
-    if version not in (b"HTTP/1.1", b"HTTP/1.0"):
-        raise Refused(400, "bad_request")
-    headers: list[tuple[bytes, bytes, bytes]] = []  # (lower-case name, name, value)
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN.fullmatch(name) or any(c < 0x20 and c != 9 for c in value):
-            raise Refused(400, "bad_request")  # (obs-fold, bare CR or LF, controls)
-        headers.append((name.lower(), name, value.strip(b" \t")))
-    if method == b"CONNECT":
-        host, port = _authority(target, None)
-        return Request("CONNECT", host, port, connect=True)
-    if not target[:7].lower() == b"http://":
-        if target[:8].lower() == b"https://":
-            raise Refused(400, "https_needs_connect")
-        raise Refused(400, "not_a_proxy_request")
-    rest = target[7:]
-    cut = min((i for i in (rest.find(b"/"), rest.find(b"?"), rest.find(b"#")) if i >= 0),
-              default=len(rest))  # fmt: skip
-    authority, path = rest[:cut], rest[cut:]
-    if path.startswith(b"?"):
-        path = b"/" + path
-    path = path.split(b"#", 1)[0] or b"/"
-    host, port = _authority(authority, 80)
-    lengths = [v for n, _, v in headers if n == b"content-length"]
-    if any(n == b"transfer-encoding" for n, _, _ in headers):
-        raise Refused(411, "chunked_body")  # plain HTTP bodies need a Content-Length
-    if len(set(lengths)) > 1 or (lengths and not lengths[0].isdigit()):
-        raise Refused(400, "bad_request")
-    body = int(lengths[0]) if lengths else 0
-    request = Request(method.decode(), host, port, connect=False, body_length=body)
-    return _rewrite(request, method, path, headers)
-
-
-def _authority(raw: bytes, default_port: int | None) -> tuple[str, int]:
-    """(host, port) of an authority, syntax only (the policy makes the host canonical)."""
-    try:
-        return parse_authority(raw.decode("ascii"), default_port)
-    except UnicodeDecodeError:
-        raise Refused(400, "bad_host", raw.decode("ascii", "replace")) from None
-    except EgressDenied as exc:
-        raise Refused(400, exc.reason, raw.decode("ascii", "replace")) from None
-
-
-def _host_header(host: str, port: int) -> bytes:
-    shown = f"[{host}]" if ":" in host else host
-    return (shown if port == 80 else f"{shown}:{port}").encode()
-
-
-def _rewrite(
-    request: Request, method: bytes, path: bytes, headers: list[tuple[bytes, bytes, bytes]]
-) -> Request:
-    out = [
-        method + b" " + path + b" HTTP/1.1",
-        b"Host: " + _host_header(request.host, request.port),
-    ]
-    dropped = set(_HOP_BY_HOP)
-    for name, _, value in headers:  # headers the client's Connection header names are hop-by-hop
-        if name == b"connection":
-            named = {v.strip().lower() for v in value.split(b",")}
-            if named & _FRAMING:  # dropping one would change where the request ends
-                raise Refused(400, "bad_request", request.host, request.port)
-            dropped |= named
-    out += [shown + b": " + value for name, shown, value in headers if name not in dropped]
-    out.append(b"Connection: close")
-    request.head = b"\r\n".join(out) + b"\r\n\r\n"
-    return request
-
-
-async def _answer(
-    writer: asyncio.StreamWriter, status: int, text: str, host: str = "", port: int = 0
-) -> None:
-    phrase = {400: "Bad Request", 403: "Forbidden", 411: "Length Required",
-              431: "Request Header Fields Too Large", 502: "Bad Gateway",
-              503: "Service Unavailable"}.get(status, "Error")  # fmt: skip
-    where = f" ({host}:{port})" if host else ""
-    body = f"{text}{where}\n".encode("ascii", "replace")
-    reason = text.removeprefix("egress denied: ")
-    writer.write(
-        f"HTTP/1.1 {status} {phrase}\r\nContent-Type: text/plain\r\n"
-        f"Content-Length: {len(body)}\r\nX-Egress-Denied: {reason}\r\n"
-        "Connection: close\r\n\r\n".encode("ascii", "replace")
-        + body
-    )
-    with contextlib.suppress(ConnectionError, OSError):
-        await asyncio.wait_for(writer.drain(), 5)
-
-
-def local_addresses() -> set[IPAddress]:
-    """The host's own addresses (every interface's): /proc/net/fib_trie's local IPv4 entries and
-    /proc/net/if_inet6."""
-    found: set[IPAddress] = set()
-    with contextlib.suppress(OSError):
-        last = ""
-        for line in open("/proc/net/fib_trie", encoding="ascii"):
-            text = line.strip()
-            if text.startswith("|--"):
-                last = text[3:].strip()
-            elif text.startswith("/32 host LOCAL") and last:
-                with contextlib.suppress(ValueError):
-                    found.add(ipaddress.ip_address(last))
-    with contextlib.suppress(OSError):
-        for line in open("/proc/net/if_inet6", encoding="ascii"):
-            raw = line.split()[0]
-            with contextlib.suppress(ValueError, IndexError):
-                found.add(ipaddress.ip_address(":".join(raw[i : i + 4] for i in range(0, 32, 4))))
-    return found
 
 
 def _drop_privileges(uid: int, gid: int) -> None:

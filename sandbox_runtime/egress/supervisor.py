@@ -19,28 +19,20 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from sandbox_runtime.domain.egress import EgressPolicy
+from sandbox_runtime.domain.egress import EgressSettings as EgressSettings
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.egress_port import SOCKET_NAME, DeniedHandler
+from sandbox_runtime.supervisor import Supervisor
 
 OPEN_SECONDS = 5.0
 RESTART_SECONDS = 1.0
-
-
-@dataclass
-class EgressSettings:
-    connect_timeout: float = 10.0
-    idle_timeout: float = 120.0
-    max_connections: int = 64  # per sandbox, at once
-    max_bytes: int = 0  # per sandbox (execution or interpreter), both ways; 0: unbounded
-    max_total: int = 1024  # through the proxy, at once
-    resolvers: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -55,10 +47,21 @@ class Lease:
 
 class EgressProxy:
     """One per server. `start()` before use, `close()` after; `problem` says why it cannot
-    serve (then sandboxes that would have egress do not start)."""
+    serve (then sandboxes that would have egress do not start). The reader of the proxy's
+    messages runs under `supervisor` (one of its own when none is given)."""
 
-    def __init__(self, settings: EgressSettings, base_dir: Path, uid: int, gid: int) -> None:
+    def __init__(
+        self,
+        settings: EgressSettings,
+        base_dir: Path,
+        uid: int,
+        gid: int,
+        *,
+        supervisor: Supervisor | None = None,
+    ) -> None:
         self.settings = settings
+        self._own_supervisor = supervisor is None
+        self._supervisor = supervisor or Supervisor()
         self.base_dir = base_dir
         self.uid, self.gid = uid, gid
         self.problem: str | None = "egress proxy not started"
@@ -128,7 +131,7 @@ class EgressProxy:
             self._stop_process()
             raise SandboxUnavailableError(hello.get("error") or "it exited at start")
         self._writer = writer
-        self._reader_task = asyncio.get_running_loop().create_task(self._read(reader))
+        self._reader_task = self._supervisor.spawn("egress proxy reader", self._read(reader))
         logger.info("egress proxy started (pid {})", self._proc.pid)
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -255,6 +258,8 @@ class EgressProxy:
             self._reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader_task
+        if self._own_supervisor:
+            await self._supervisor.aclose()
         shutil.rmtree(self.base_dir, ignore_errors=True)
         self.problem = "egress proxy closed"
 

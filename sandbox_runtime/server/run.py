@@ -12,6 +12,7 @@ from sse_starlette.sse import AppStatus
 
 from sandbox_runtime.app.services import Root
 from sandbox_runtime.config import Settings
+from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.logs import setup_logging
 from sandbox_runtime.server.app import create_app
 
@@ -31,7 +32,13 @@ class _Server(uvicorn.Server):
         # same time stop the executions; the lifespan's exit waits for both to finish.
         if self._stopping is None:
             logger.info("signal {}: stopping executions and the server", sig)
-            self._stopping = asyncio.get_running_loop().create_task(self._stop_executions())
+            try:
+                supervisor = self.root.services.supervisor
+                self._stopping = supervisor.spawn(
+                    "stop executions on signal", self._stop_executions()
+                )
+            except (SandboxRuntimeError, RuntimeError):  # starting, or closed: nothing to stop
+                AppStatus.should_exit = True
         super().handle_exit(sig, frame)
 
     async def _stop_executions(self) -> None:

@@ -1,31 +1,22 @@
-"""`srt-mcp-server doctor`: checks each sandbox layer on this host and says how to fix it."""
+"""The doctor's checks that start real things: a sandbox (looked at from inside), a workspace
+store, a Python interpreter in a sandbox, a request through the egress relay and proxy."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import pwd
-import shutil
-import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.doctor.host import Check, in_container, read, sandbox_user
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend, SandboxSpec, shell_argv
-from sandbox_runtime.sandbox.cgroups import CgroupLayout
-from sandbox_runtime.sandbox.host import DEFAULT_SANDBOX_USER, STUB_PERL, stub_problem
-from sandbox_runtime.sandbox.seccomp import compile_filter
 
-APPARMOR_FIX = (
-    "Ubuntu 23.10+/24.04 restrict unprivileged user namespaces through AppArmor: allow bwrap "
-    "with an AppArmor profile (/etc/apparmor.d/bwrap: `abi <abi/4.0>, include <tunables/global> "
-    "profile bwrap /usr/bin/bwrap flags=(unconfined) { userns, }`, then "
-    "`systemctl reload apparmor`), or `sysctl kernel.apparmor_restrict_unprivileged_userns=0`"
-)
 # The spawner (the sandbox uid) moves bwrap into its cgroups through cgroup.procs files the
 # server opened as root; the kernel must judge such a write by the opener's credentials.
 CGROUP_MOVE_FIX = (
@@ -39,122 +30,6 @@ CONTAINER_FIX = (
     "appArmorProfile Unconfined), or a seccomp profile that allows unshare/clone with "
     "CLONE_NEWUSER; see DEPLOYMENT.md"
 )
-
-
-@dataclass
-class Check:
-    layer: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    required: bool = True
-
-    @property
-    def label(self) -> str:
-        if self.ok:
-            return "OK"
-        return "FAIL" if self.required else "WARN"
-
-
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
-
-def in_container() -> bool:
-    if os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv"):
-        return True
-    cgroup = _read("/proc/1/cgroup") or ""
-    return any(word in cgroup for word in ("docker", "kubepods", "containerd", "libpod"))
-
-
-def check_static(settings: Settings) -> list[Check]:
-    checks: list[Check] = []
-    bwrap = settings.bwrap_path or shutil.which("bwrap")
-    if bwrap and os.access(bwrap, os.X_OK):
-        version = subprocess.run(
-            [bwrap, "--version"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        checks.append(Check("bubblewrap", True, f"{bwrap} ({version or 'unknown version'})"))
-    else:
-        missing = f"{bwrap or 'bwrap'} not found"
-        checks.append(Check("bubblewrap", False, missing, "apt-get install bubblewrap"))
-
-    userns_problems = []
-    if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
-        userns_problems.append(
-            ("kernel.unprivileged_userns_clone=0", "sysctl kernel.unprivileged_userns_clone=1")
-        )
-    if _read("/proc/sys/user/max_user_namespaces") == "0":
-        userns_problems.append(
-            ("user.max_user_namespaces=0", "sysctl user.max_user_namespaces=15000")
-        )
-    if _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
-        userns_problems.append(("AppArmor restricts unprivileged user namespaces", APPARMOR_FIX))
-    if userns_problems:
-        checks.append(
-            Check(
-                "user namespaces",
-                False,
-                "; ".join(p for p, _ in userns_problems),
-                "; ".join(f for _, f in userns_problems),
-            )
-        )
-    else:
-        checks.append(Check("user namespaces", True, "unprivileged user namespaces enabled"))
-
-    checks.append(_sandbox_user_check(settings))
-
-    try:
-        size = len(compile_filter())
-        checks.append(Check("seccomp", True, f"filter compiled ({size // 8} BPF instructions)"))
-    except SandboxRuntimeError as exc:
-        checks.append(Check("seccomp", False, str(exc), "apt-get install libseccomp2"))
-
-    problem = stub_problem() if settings.pool_size else None
-    checks.append(
-        Check(
-            "sandboxes started ahead",
-            problem is None,
-            problem
-            or (
-                f"up to {settings.pool_size} per replica, their stub is {STUB_PERL}"
-                if settings.pool_size
-                else "off (SANDBOX_POOL_SIZE=0)"
-            ),
-            "apt-get install perl-base (or SANDBOX_POOL_SIZE=0): without it every sandbox "
-            "is started for its call",
-            required=False,
-        )
-    )
-
-    layout = CgroupLayout.setup("srt-doctor", favordynmods=False)
-    ok = layout.version != "none"
-    checks.append(
-        Check(
-            "cgroups",
-            ok,
-            layout.describe() + ("" if ok else f" ({'; '.join(layout.problems)})"),
-            "run as root on a host with cgroup v2 (memory, pids, cpu delegated) or v1 "
-            "memory+pids controllers; without them only rlimits bound an execution",
-            required=False,
-        )
-    )
-    if ok:
-        checks.append(
-            Check(
-                "cgroup migrations",
-                layout.favordynmods == "on",
-                f"favordynmods {layout.favordynmods.split(' ')[0]}",
-                "without it every sandbox start waits an RCU grace period (~7 ms); the server "
-                "turns it on at start when root (SANDBOX_CGROUP_FAVORDYNMODS=true, the default)",
-                required=False,
-            )
-        )
-    layout.close()
-    return checks
 
 
 async def check_live(settings: Settings) -> list[Check]:
@@ -240,51 +115,13 @@ async def check_live(settings: Settings) -> list[Check]:
     return checks
 
 
-def _sandbox_user(settings: Settings) -> tuple[str, bool]:
-    """The user sandboxes run as, and whether the server makes it at start."""
-    if settings.sandbox_user:
-        return settings.sandbox_user, False
-    if os.geteuid() == 0:
-        return DEFAULT_SANDBOX_USER, True
-    return pwd.getpwuid(os.geteuid()).pw_name, False
-
-
-def _sandbox_user_check(settings: Settings) -> Check:
-    user, made = _sandbox_user(settings)
-    try:
-        entry = pwd.getpwnam(user)
-    except KeyError:
-        if made:
-            return Check("sandbox user", True, f"{user} (a system user, created at start)")
-        return Check(
-            "sandbox user",
-            False,
-            f"user {user!r} does not exist",
-            "useradd --system --user-group --no-create-home srt-sandbox, or unset "
-            "SANDBOX_SANDBOX_USER (a root server then makes srt-sandbox itself)",
-        )
-    if entry.pw_uid == 0:
-        return Check("sandbox user", False, "the sandbox user is root", "SANDBOX_SANDBOX_USER")
-    if os.geteuid() not in (0, entry.pw_uid):
-        return Check(
-            "sandbox user",
-            False,
-            f"server runs as uid {os.geteuid()} and cannot become {user}",
-            "run as root, or set SANDBOX_SANDBOX_USER to the server's own user",
-        )
-    shared = (
-        " (shared with other daemons: prefer the default srt-sandbox)" if user == "nobody" else ""
-    )
-    return Check("sandbox user", True, f"{user} (uid {entry.pw_uid}){shared}")
-
-
 def check_workspaces(settings: Settings) -> list[Check]:
     """How workspaces get their quota here, and how file tools resolve paths safely."""
     from sandbox_runtime.files.fsops import openat2_available
     from sandbox_runtime.files.workspaces import WorkspaceStore
 
     checks = []
-    user, _ = _sandbox_user(settings)
+    user, _ = sandbox_user(settings)
     try:
         entry = pwd.getpwnam(user)
         uid, gid = entry.pw_uid, entry.pw_gid
@@ -349,7 +186,7 @@ def _backend(
 def _spawner_check(backend: BubblewrapBackend) -> Check:
     """What the running spawner's /proc/PID/status says of its ids and privileges."""
     pid = backend.spawner_pid
-    text = _read(f"/proc/{pid}/status") if pid is not None else None
+    text = read(f"/proc/{pid}/status") if pid is not None else None
     fields = {
         key: value.split()
         for key, _, value in (line.partition(":") for line in (text or "").splitlines())
@@ -454,7 +291,7 @@ async def check_egress(settings: Settings) -> list[Check]:
         try:
             if egress.problem is not None:
                 return [Check("egress proxy", False, egress.problem, "see the server's log")]
-            proxy_status = _read(f"/proc/{egress.pid}/status") or ""
+            proxy_status = read(f"/proc/{egress.pid}/status") or ""
             uid_line = next((ln for ln in proxy_status.splitlines() if ln.startswith("Uid:")), "")
             proc = await backend.spawn(
                 SandboxSpec(
@@ -488,32 +325,3 @@ async def check_egress(settings: Settings) -> list[Check]:
             "see the server's log",
         ),
     ]
-
-
-def run_doctor(settings: Settings) -> int:
-    """Print OK/FAIL/WARN per layer; 0 only when every required layer works."""
-    checks = check_static(settings)
-    if all(c.ok or not c.required for c in checks):
-        checks += asyncio.run(check_live(settings))
-    if all(c.ok or not c.required for c in checks):
-        checks += check_workspaces(settings)
-    if all(c.ok or not c.required for c in checks):
-        checks += asyncio.run(check_languages(settings))
-    if all(c.ok or not c.required for c in checks):
-        checks += asyncio.run(check_egress(settings))
-    if in_container():
-        checks.append(
-            Check("container", True, "inside a container (if bwrap fails there: DEPLOYMENT.md)")
-        )
-    width = max(len(c.layer) for c in checks)
-    for c in checks:
-        print(f"{c.label:<4}  {c.layer:<{width}}  {c.detail}")
-        if not c.ok and c.fix:
-            print(f"{'':<4}  {'':<{width}}  fix: {c.fix}")
-    failed = [c for c in checks if not c.ok and c.required]
-    print()
-    if failed:
-        print(f"executions cannot run: {len(failed)} required layer(s) failed")
-        return 1
-    print("all required sandbox layers work: executions can run")
-    return 0

@@ -1,4 +1,6 @@
-"""Every setting the server reads: from flags, the environment and `.env`, once at start-up."""
+"""The `Settings` model: every setting, its default, bounds and description; the checks across
+settings; the server's parts' settings derived from it (parsing.py parses the small
+languages). Long because the settings are many: one field each, in one place."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from sandbox_runtime.domain.egress import EgressDenied, EgressPolicy, is_ip, parse_authority
+from sandbox_runtime.config import parsing
+from sandbox_runtime.domain.egress import EgressDenied, EgressPolicy, EgressSettings
 from sandbox_runtime.domain.limits import SandboxLimits
-from sandbox_runtime.egress.supervisor import EgressSettings
 
 REPLICA_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -351,26 +353,19 @@ class Settings(BaseSettings):
     @field_validator("log_format")
     @classmethod
     def _format(cls, value: str) -> str:
-        value = value.lower()
-        if value not in ("text", "json"):
-            raise ValueError("log_format must be `text` or `json`")
-        return value
+        return parsing.choice(value, ("text", "json"), "log_format must be `text` or `json`")
 
     @field_validator("workspace_quota")
     @classmethod
     def _quota(cls, value: str) -> str:
-        value = value.lower()
-        if value not in ("auto", "image", "none"):
-            raise ValueError("workspace_quota must be `auto`, `image` or `none`")
-        return value
+        allowed = ("auto", "image", "none")
+        return parsing.choice(value, allowed, "workspace_quota must be `auto`, `image` or `none`")
 
     @field_validator("workspace_reserve")
     @classmethod
     def _reserve(cls, value: str) -> str:
-        value = value.lower()
-        if value not in ("allocate", "sparse"):
-            raise ValueError("workspace_reserve must be `allocate` or `sparse`")
-        return value
+        allowed = ("allocate", "sparse")
+        return parsing.choice(value, allowed, "workspace_reserve must be `allocate` or `sparse`")
 
     @field_validator("log_level")
     @classmethod
@@ -419,25 +414,14 @@ class Settings(BaseSettings):
 
     def tokens(self) -> dict[str, str]:
         """token -> principal for every configured token."""
-        out: dict[str, str] = {}
-        if self.auth_token is not None and self.auth_token.get_secret_value():
-            out[self.auth_token.get_secret_value()] = "default"
-        if self.auth_tokens is not None:
-            for item in self.auth_tokens.get_secret_value().split(","):
-                if not item.strip():
-                    continue
-                principal, sep, token = item.strip().partition(":")
-                if not sep or not principal or not token:
-                    raise ValueError("SANDBOX_AUTH_TOKENS entries must look like principal:token")
-                if len(token) < 8:
-                    raise ValueError(f"the token of principal {principal!r} is under 8 characters")
-                out[token] = principal
-        return out
+        return parsing.tokens(
+            self.auth_token.get_secret_value() if self.auth_token is not None else "",
+            self.auth_tokens.get_secret_value() if self.auth_tokens is not None else "",
+        )
 
     def workspace_inode_count(self) -> int:
         """Inodes per workspace image: the setting (or one per 16 KiB), at most one per KiB."""
-        wanted = self.workspace_inodes or self.workspace_mb * 64
-        return max(256, min(wanted, self.workspace_mb * 1024))
+        return parsing.inode_count(self.workspace_mb, self.workspace_inodes)
 
     def upload_limit_bytes(self) -> int:
         return (self.max_upload_mb or self.workspace_mb) * 1024 * 1024
@@ -447,19 +431,11 @@ class Settings(BaseSettings):
 
     def warm_interpreters(self) -> dict[str, int]:
         """language -> interpreters to keep started ahead."""
-        out: dict[str, int] = {}
-        for item in self.interpreter_warm.split(","):
-            if item.strip():
-                language, _, count = item.strip().partition("=")
-                out[language.strip().lower()] = int(count or 1)
-        return out
+        return parsing.warm_interpreters(self.interpreter_warm)
 
     def cluster_bind(self) -> tuple[str, int]:
         """(host, port) of the cluster listener."""
-        host = self.cluster_host or self.host
-        if self.cluster_port is not None:
-            return host, self.cluster_port
-        return host, 0 if self.port in (0, 65535) else self.port + 1
+        return parsing.cluster_bind(self.host, self.port, self.cluster_host, self.cluster_port)
 
     def egress_policy(self) -> EgressPolicy:
         """The server's egress policy (the ceiling of every sandbox's). Raises ValueError."""
@@ -467,14 +443,7 @@ class Settings(BaseSettings):
 
     def egress_resolvers(self) -> list[tuple[str, int]]:
         """(address, port) of each DNS server SANDBOX_EGRESS_RESOLVER names."""
-        out: list[tuple[str, int]] = []
-        for item in self.egress_resolver.split(","):
-            if item.strip():
-                host, port = parse_authority(item.strip(), 53)
-                if not is_ip(host):
-                    raise ValueError(f"SANDBOX_EGRESS_RESOLVER: {item!r} is not an IP address")
-                out.append((host, port))
-        return out
+        return parsing.resolvers(self.egress_resolver)
 
     def egress_settings(self) -> EgressSettings:
         """What the egress proxy's supervisor needs (the server and `doctor` start one)."""

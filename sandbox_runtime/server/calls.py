@@ -1,0 +1,171 @@
+"""What every MCP tool does around its operation: name the caller's owner (the token's
+principal and the session), run the operation with the call counted and logged in context,
+domain errors turned into tool errors, and progress notifications while it waits."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import re
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Annotated, TypeVar
+
+from fastmcp import Context
+from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
+from loguru import logger
+from pydantic import Field
+
+from sandbox_runtime.app.services import Services
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.domain.owner import session_name as public_name
+from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.server.replies import ToolFailure
+from sandbox_runtime.server.session_path import SCOPE_KEY
+from sandbox_runtime.supervisor import scoped
+
+# Used with fullmatch: `$` would also accept a trailing newline ("evil\n").
+SESSION_RE = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,128}")  # not "." or "..": path-like
+DEFAULT_SESSION = "default"
+ANONYMOUS = "anonymous"
+
+T = TypeVar("T")
+
+SessionArg = Annotated[
+    str | None,
+    Field(
+        description="Session to run in (its workspace, interpreters, executions); omitted: "
+        "'default'. Name one to keep work apart from other agents of the same token."
+    ),
+]
+
+
+def session_name(owner: Owner) -> str:
+    """The session as callers name it."""
+    return public_name(owner.session_id)
+
+
+def _owner_of(ctx: Context, session: str | None) -> Owner:
+    """The caller's owner key: the token's principal and the session it names, else `default`
+    (in both protocol eras: a client that opens a transport session per call keeps its state)."""
+    token = get_access_token()
+    principal = token.client_id if token is not None else ANONYMOUS
+    if session is not None:
+        if not isinstance(session, str) or not SESSION_RE.fullmatch(session):
+            raise ToolFailure(
+                "session must be 1-128 characters of letters, digits and ._:@- (not only dots)"
+            )
+    with contextlib.suppress(RuntimeError):
+        bound = get_http_request().scope.get(SCOPE_KEY)
+        if bound is not None:  # /s/{session}/mcp
+            if session is not None and session != bound:
+                raise ToolFailure(
+                    f"this endpoint is bound to session {bound!r}; the session argument "
+                    f"{session!r} disagrees (drop it, or use /s/{session}/mcp)"
+                )
+            session = bound
+    if session is None or session == DEFAULT_SESSION:
+        return Owner(principal, DEFAULT_SESSION)
+    return Owner(principal, f"s:{session}")
+
+
+def owner_of(ctx: Context, session: str | None) -> Owner:
+    """The caller's owner key (see _owner_of); remembered for this call's log context."""
+    owner = _owner_of(ctx, session)
+    _owner.set(owner)
+    return owner
+
+
+ERROR_KINDS = {
+    "ExecutionNotFoundError": "not_found",
+    "ExecutionFinishedError": "finished",
+    "InvalidRequestError": "invalid",
+    "PolicyViolationError": "policy",
+    "LimitExceededError": "limit",
+    "OwnerUnavailableError": "owner_unavailable",
+    "SandboxUnavailableError": "sandbox_unavailable",
+    "SandboxSpawnError": "spawn_failed",
+    "FileAccessError": "file",
+    "FileMissingError": "not_found",
+    "WorkspaceFullError": "quota",
+    "DiskFullError": "disk_full",
+    "WorkspaceDamagedError": "workspace_damaged",
+}
+_owner: contextvars.ContextVar[Owner | None] = contextvars.ContextVar("srt_owner", default=None)
+
+
+async def call(
+    services: Services, op: Callable[[], Awaitable[T]], tool: str, count: bool = True
+) -> T:
+    """Run a manager operation, turning domain errors into tool errors with their message.
+
+    Counts the call, and logs with the request id, session and tool as context.
+    """
+    metrics = services.manager.metrics
+    if count:
+        metrics.tool_calls.labels(tool).inc()
+    owner = _owner.get()
+    request_id = "-"
+    with contextlib.suppress(Exception):  # outside a request (tests calling tools directly)
+        request_id = str(get_context().request_id)
+    with logger.contextualize(
+        tool=tool, request_id=request_id, session=owner.session_id if owner else "-"
+    ):
+        try:
+            return await op()
+        except SandboxRuntimeError as exc:
+            kind = ERROR_KINDS.get(type(exc).__name__, "error")
+            metrics.tool_errors.labels(tool, kind).inc()
+            logger.info("tool {} refused: {}: {}", tool, type(exc).__name__, exc)
+            raise ToolFailure(str(exc), kind) from None
+
+
+class CallProgress:
+    """MCP progress notifications for one waiting call: its output as it comes, and a beat
+    every `interval` seconds when there is none, so that a client that resets its request
+    timeout on progress survives a program that prints nothing. The progress value counts the
+    notifications (the protocol wants it to increase)."""
+
+    def __init__(self, ctx: Context, interval: float) -> None:
+        self.ctx = ctx
+        self.interval = interval
+        self.sent = 0
+        self.last = time.monotonic()
+        self.began = self.last
+
+    async def report(self, _seq: int, text: str) -> None:
+        await self._send(text)
+
+    async def _send(self, text: str) -> None:
+        self.sent += 1
+        self.last = time.monotonic()
+        with contextlib.suppress(Exception):  # a caller that went away must not stop the wait
+            await self.ctx.report_progress(self.sent, None, text)
+
+    async def beat(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.05, self.last + self.interval - time.monotonic()))
+            if time.monotonic() - self.last >= self.interval:
+                await self._send(f"waiting: {time.monotonic() - self.began:.0f} s")
+
+
+@contextlib.asynccontextmanager
+async def progress_of(
+    ctx: Context, waits: bool, interval: float
+) -> AsyncIterator[CallProgress | None]:
+    """The progress sink of a call that `waits`, if the caller asked for progress (sent a
+    progressToken); None otherwise (report_progress would send nothing: spare the work)."""
+    rc = ctx.request_context
+    meta = rc.meta if rc is not None else None
+    if not waits or meta is None or meta.get("progressToken") is None:
+        yield None
+        return
+    progress = CallProgress(ctx, interval)
+    beat = scoped(progress.beat())
+    try:
+        yield progress
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
