@@ -143,11 +143,11 @@ def workspace_mounts_detached(tmp_path_factory: pytest.TempPathFactory) -> Itera
     """At the end, detach the workspace images that servers killed by tests left mounted
     (as the next server on their state directory would): no loop device outlives the run."""
     yield
-    from sandbox_runtime.files.workspaces import _umount, mounts_under
+    from sandbox_runtime.files.images import mounts_under, umount
 
     for point in mounts_under(tmp_path_factory.getbasetemp()):
         with contextlib.suppress(OSError):
-            _umount(point)
+            umount(point)
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,141 @@
+"""Workspace images on the host, without any store state: making and formatting one, mounting
+it, unmounting it, and finding what is mounted or attached under a root.
+
+An image is a file of `mkfs.ext4 -N` (its byte and inode quota), root's and 0600, loop-mounted
+with MOUNT_OPTIONS on its mount point; the sandbox only ever sees the mounted filesystem.
+Every call here blocks (a worker thread's work) and raises OSError or SubprocessError;
+`mkfs_argv` and `mount_argv` are the pure parts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from sandbox_runtime.files.diskspace import StateDisk
+
+# errors=remount-ro: a filesystem error stops writes at once (and we see the mount turn
+# read-only) rather than letting them go on into a damaged filesystem.
+MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable,errors=remount-ro"
+MS_BIND = 4096
+MNT_DETACH = 2
+COMMAND_TIMEOUT = 30.0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def umount(path: Path) -> None:
+    """Unmount `path` (detached if busy). Raises OSError."""
+    raw = os.fsencode(path)
+    if _libc.umount2(raw, 0) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY and _libc.umount2(raw, MNT_DETACH) == 0:
+        return
+    if err != errno.EINVAL:  # EINVAL: not mounted
+        raise OSError(err, os.strerror(err), str(path))
+
+
+def bind(source: Path, target: Path) -> None:
+    """Bind-mount `source` on `target`. Raises OSError."""
+    if _libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(target))
+
+
+def mounts_under(root: Path) -> list[Path]:
+    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
+    prefix = str(root).rstrip("/") + "/"
+    found: list[Path] = []
+    with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            point = line.split(b" ")[4].decode("utf-8", "surrogateescape")
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)
+            if point.startswith(prefix):
+                found.append(Path(point))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def loop_devices_under(root: Path) -> int:
+    """Loop devices whose backing file is under `root` (this replica's images), detached
+    mounts a sandbox still holds included (from /sys/block/loop*/loop/backing_file)."""
+    prefix = str(root).rstrip("/") + "/"
+    count = 0
+    with contextlib.suppress(OSError), os.scandir("/sys/block") as entries:
+        for entry in entries:
+            if not entry.name.startswith("loop"):
+                continue
+            with contextlib.suppress(OSError), open(f"{entry.path}/loop/backing_file") as f:
+                if f.read().startswith(prefix):
+                    count += 1
+    return count
+
+
+def run(argv: list[str]) -> None:
+    """Run a mount or mkfs command; raises OSError with its words if it fails."""
+    done = subprocess.run(
+        argv,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=COMMAND_TIMEOUT,
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C"},
+    )
+    if done.returncode != 0:
+        message = (done.stderr or done.stdout).decode(errors="replace").strip()
+        raise OSError(f"{argv[0]} failed ({done.returncode}): {message[:500]}")
+
+
+def mkfs_argv(image: Path, inodes: int, owner: tuple[int, int]) -> list[str]:
+    """mkfs.ext4 of `image` with `inodes` files at most, its root owned by `owner` (uid, gid),
+    no reserved blocks, its inode tables and journal initialised lazily."""
+    uid, gid = owner
+    options = f"root_owner={uid}:{gid},lazy_itable_init=1,lazy_journal_init=1"
+    mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes)]
+    return [*mkfs, "-E", f"{options},nodiscard", str(image)]
+
+
+def mount_argv(image: Path, point: Path, options: str) -> list[str]:
+    return ["mount", "-t", "ext4", "-o", options, str(image), str(point)]
+
+
+def make_image(
+    image: Path,
+    size_mb: int,
+    inodes: int,
+    owner: tuple[int, int],
+    disk: StateDisk,
+    probe: bool = False,
+) -> None:
+    """Make and format an image (allocated in full unless sparse; `probe`: a test image, made
+    without looking for room or reserving it). Raises OSError, SubprocessError,
+    DiskFullError."""
+    size = size_mb * 1024 * 1024
+    if not probe:
+        disk.check_room(size)
+    fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        if not probe:  # (a full disk must not fail the start: see WorkspaceStore._probe)
+            disk.allocate(fd, size, image)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            image.unlink()
+        raise
+    os.close(fd)
+    try:
+        run(mkfs_argv(image, inodes, owner))
+    except BaseException:
+        with contextlib.suppress(OSError):
+            image.unlink()
+        raise
+
+
+def mount(image: Path, point: Path, disk: StateDisk) -> None:
+    """Mount `image` on `point` (with the state disk's options). Raises OSError."""
+    run(mount_argv(image, point, disk.mount_options(MOUNT_OPTIONS)))

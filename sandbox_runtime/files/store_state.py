@@ -1,0 +1,178 @@
+"""What a WorkspaceStore knows about its workspaces, and how they are named and used.
+
+The state every part of the store shares (files/workspaces.py puts them together): which
+workspaces are ready (last use), mounted, and counted against the mount caps (by principal);
+the per-name locks that make a mount, unmount, removal or replacement one step for every other
+user; the holds of host-side file operations; and the hooks the store's owner sets (what is
+busy or waiting, what must end before a release, refusals and damage to count). Naming (a
+workspace's mount point, image and damage marker), recording use, and measuring live here
+too. The other parts are mixins over this: mountcaps.py (the caps), retention.py (unmounting
+idle workspaces and removing expired ones), damage.py (a failed filesystem's course).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+from sandbox_runtime.errors import InvalidRequestError
+from sandbox_runtime.files.diskspace import StateDisk
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+IMAGE_SUFFIX = ".img"
+DAMAGED_SUFFIX = ".damaged"
+
+
+class StoreState:
+    """The shared state, naming and use-tracking of a WorkspaceStore (files/workspaces.py)."""
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        size_mb: int,
+        inodes: int,
+        quota: str = "auto",
+        retention_seconds: float,
+        max_mounted: int = 1024,
+        max_mounted_per_principal: int = 64,
+        reserve: str = "allocate",
+        min_free_mb: int = 0,
+    ) -> None:
+        self.root = root
+        self.size_mb = size_mb
+        self.disk = StateDisk(root, reserve=reserve, min_free_mb=min_free_mb)
+        self.inodes = inodes
+        self.wanted = quota  # auto, image, none
+        self.uid = self.gid = -1  # the sandbox user's, set by start()
+        self.retention_seconds = retention_seconds
+        self.max_mounted = max_mounted
+        self.max_mounted_per_principal = max_mounted_per_principal
+        self.mode = "directory"  # or "image" once start() found images work
+        self.problem: str | None = None  # why there is no quota
+        self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
+        self._mounted: set[str] = set()  # those of them that are mounted images
+        self._swept: set[str] = set()  # names whose partial uploads were removed this run
+        # Mounted images, and those being mounted, with their principal (None: a warm slot):
+        # what the mount caps count.
+        self._principals: dict[str, str | None] = {}
+        self._touched: dict[str, float] = {}  # name -> when its use was last put on disk
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._holds: dict[str, int] = {}
+        self.busy: list[Callable[[], set[str]]] = []  # names in use (executions, kernels)
+        # Names a sandbox started ahead of need waits in: not in use, but not a new session's
+        # either; unmounted only after every idle workspace without one.
+        self.standby: list[Callable[[], set[str]]] = []
+        self.on_refused: list[Callable[[str], None]] = []  # a mount refused, by which cap
+        # Called with a name before that workspace is unmounted, removed or replaced (a
+        # sandbox started ahead of need holds a bind of it: it must end first; mounting the
+        # image again while a detached mount of it lives on would corrupt it).
+        self.before_release: list[Callable[[str], Awaitable[None]]] = []
+        self._damaged: dict[str, str] = {}  # name -> what failed, until checked
+        self._resets: dict[str, str] = {}  # name -> a session_reset reason not yet told
+        # Called with detected, clean, repaired or quarantined (a damaged workspace's course).
+        self.on_damage: list[Callable[[str], None]] = []
+
+    # -- naming ------------------------------------------------------------------------------
+
+    def _check(self, name: str) -> None:
+        if not NAME.fullmatch(name):
+            raise InvalidRequestError(f"invalid workspace name {name!r}")
+
+    def path(self, name: str) -> Path:
+        """Where the workspace is (its mount point, or its directory)."""
+        return self.root / name
+
+    def image(self, name: str) -> Path:
+        return self.root / f"{name}{IMAGE_SUFFIX}"
+
+    def is_ready(self, name: str) -> bool:
+        """Whether the workspace is there and mounted (if it is an image) now, and nothing is
+        about to unmount, remove or replace it."""
+        lock = self._locks.get(name)
+        return name in self._ready and not (lock is not None and lock.locked())
+
+    def exists(self, name: str) -> bool:
+        return self.image(name).is_file() or self.path(name).is_dir()
+
+    def _marker(self, name: str) -> Path:
+        return self.root / f"{name}{DAMAGED_SUFFIX}"
+
+    # -- use ---------------------------------------------------------------------------------
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        lock = self._locks.get(name)
+        if lock is None:
+            if len(self._locks) > 10_000:
+                self._locks = {n: lk for n, lk in self._locks.items() if lk.locked()}
+            lock = self._locks[name] = asyncio.Lock()
+        return lock
+
+    def _touch(self, name: str) -> None:
+        """Record a use on disk (the retention period counts from it, across restarts): at
+        most once per tenth of the period, not on every call (two stats and a utime each)."""
+        now = time.monotonic()
+        if now - self._touched.get(name, -math.inf) < min(30.0, self.retention_seconds / 10):
+            return
+        self._touched[name] = now
+        if len(self._touched) > 100_000:  # (forgetting only costs a utime more)
+            self._touched.clear()
+        handle = self.image(name) if self.image(name).exists() else self.path(name)
+        with contextlib.suppress(OSError):
+            os.utime(handle)
+
+    @contextlib.contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        """Keep the workspace mounted while a host-side file operation uses it."""
+        self._holds[name] = self._holds.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._holds[name] -= 1
+            if not self._holds[name]:
+                del self._holds[name]
+            if name in self._ready:
+                self._ready[name] = time.monotonic()
+
+    def _in_use(self) -> set[str]:
+        names = set(self._holds)
+        for busy in self.busy:
+            names |= busy()
+        return names
+
+    def _standing_by(self) -> set[str]:
+        names: set[str] = set()
+        for waiting in self.standby:
+            names |= waiting()
+        return names
+
+    # -- measuring ---------------------------------------------------------------------------
+
+    def usage(self, name: str) -> dict[str, int | None]:
+        """Bytes and files used and allowed (None: no quota) of a mounted workspace."""
+        if name not in self._mounted:
+            return {
+                "bytes_used": None,
+                "bytes_limit": None,
+                "files_used": None,
+                "files_limit": None,
+            }
+        st = os.statvfs(self.path(name))
+        return {
+            "bytes_used": (st.f_blocks - st.f_bfree) * st.f_frsize,
+            "bytes_limit": st.f_blocks * st.f_frsize,
+            "files_used": st.f_files - st.f_ffree,
+            "files_limit": st.f_files,
+        }
+
+    def free_bytes(self, name: str) -> int | None:
+        if name not in self._mounted:
+            return None
+        st = os.statvfs(self.path(name))
+        return st.f_bavail * st.f_frsize
