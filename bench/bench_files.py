@@ -41,7 +41,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp_harness import ServerProcess, running_server, sandbox_uid
 
 from sandbox_runtime.config import Settings
-from sandbox_runtime.files.workspaces import WorkspaceStore
+from sandbox_runtime.workspaces.store import WorkspaceStore
 
 TOKEN = "bench-files-token-0123456789"
 MiB = 1024 * 1024

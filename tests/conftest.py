@@ -143,7 +143,7 @@ def workspace_mounts_detached(tmp_path_factory: pytest.TempPathFactory) -> Itera
     """At the end, detach the workspace images that servers killed by tests left mounted
     (as the next server on their state directory would): no loop device outlives the run."""
     yield
-    from sandbox_runtime.files.images import mounts_under, umount
+    from sandbox_runtime.workspaces.images import mounts_under, umount
 
     for point in mounts_under(tmp_path_factory.getbasetemp()):
         with contextlib.suppress(OSError):

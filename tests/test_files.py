@@ -160,7 +160,7 @@ async def test_the_sandbox_user_is_not_nobody(server: ServerProcess) -> None:
 
 
 def test_nothing_stays_mounted_after_the_server_stops(tmp_path: Path) -> None:
-    from sandbox_runtime.files.workspaces import mounts_under
+    from sandbox_runtime.workspaces.store import mounts_under
 
     with running_server(tmp_path, SANDBOX_AUTH_TOKEN=TOKEN) as running:
         import anyio

@@ -28,7 +28,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_harness import Conn, ServerProcess, error_text, eventually, open_client, running_server
 
 from sandbox_runtime.errors import FileAccessError, InvalidRequestError, WorkspaceFullError
-from sandbox_runtime.files.fsops import (
+from sandbox_runtime.workspaces.fsops import (
     UPLOAD_PREFIX,
     WorkspaceFiles,
     clean_path,

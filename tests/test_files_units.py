@@ -19,9 +19,9 @@ from sandbox_runtime.errors import (
     WorkspaceDamagedError,
     WorkspaceFullError,
 )
-from sandbox_runtime.files.fserrors import domain_error
-from sandbox_runtime.files.images import MOUNT_OPTIONS, mkfs_argv, mount_argv
-from sandbox_runtime.files.mountcaps import (
+from sandbox_runtime.workspaces.fserrors import domain_error
+from sandbox_runtime.workspaces.images import MOUNT_OPTIONS, mkfs_argv, mount_argv
+from sandbox_runtime.workspaces.mountcaps import (
     PRINCIPAL_CAP,
     REPLICA_CAP,
     by_kind,
@@ -30,7 +30,7 @@ from sandbox_runtime.files.mountcaps import (
     pick_victim,
     refusal,
 )
-from sandbox_runtime.files.paths import (
+from sandbox_runtime.workspaces.paths import (
     MAX_NAME_BYTES,
     MAX_PATH_BYTES,
     Entry,
@@ -40,7 +40,7 @@ from sandbox_runtime.files.paths import (
     is_text,
     kind_of,
 )
-from sandbox_runtime.files.workspaces import WorkspaceStore
+from sandbox_runtime.workspaces.store import WorkspaceStore
 
 pytestmark = pytest.mark.unit
 

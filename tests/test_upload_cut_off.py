@@ -13,7 +13,7 @@ import httpx2
 import pytest
 from mcp_harness import ServerProcess, eventually, open_client, stop_all, stop_if_running
 
-from sandbox_runtime.files.fsops import UPLOAD_PREFIX, remove_partial_uploads
+from sandbox_runtime.workspaces.fsops import UPLOAD_PREFIX, remove_partial_uploads
 
 pytestmark = pytest.mark.e2e
 

@@ -42,7 +42,6 @@ from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.files.urls import FileUrlSigner, url_key
-from sandbox_runtime.files.workspaces import WorkspaceStore, loop_devices_under
 from sandbox_runtime.interpreters.manager import InterpreterManager
 from sandbox_runtime.interpreters.runtime import MANIFEST
 from sandbox_runtime.metrics import Metrics
@@ -52,6 +51,7 @@ from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
 from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.supervisor import Supervisor
+from sandbox_runtime.workspaces.store import WorkspaceStore, loop_devices_under
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,8 @@ async def check_live(settings: Settings) -> list[Check]:
 
 def check_workspaces(settings: Settings) -> list[Check]:
     """How workspaces get their quota here, and how file tools resolve paths safely."""
-    from sandbox_runtime.files.fsops import openat2_available
-    from sandbox_runtime.files.workspaces import WorkspaceStore
+    from sandbox_runtime.workspaces.fsops import openat2_available
+    from sandbox_runtime.workspaces.store import WorkspaceStore
 
     checks = []
     user, _ = sandbox_user(settings)

@@ -42,7 +42,6 @@ from sandbox_runtime.execution.reading import (
 )
 from sandbox_runtime.execution.requests import ExecuteRequest, checked_timeout, command_argv
 from sandbox_runtime.execution.retention import evicted
-from sandbox_runtime.files.workspaces import WorkspaceStore
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
     BubblewrapBackend,
@@ -52,6 +51,7 @@ from sandbox_runtime.sandbox import (
 )
 from sandbox_runtime.sandbox.pool import SandboxPool
 from sandbox_runtime.supervisor import Supervisor
+from sandbox_runtime.workspaces.store import WorkspaceStore
 
 EVICT_LOOP = "eviction"
 TRIM_AFTER_BYTES = 4 * 1024 * 1024

@@ -13,8 +13,8 @@ from typing import Any
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import FileAccessError, InvalidRequestError, PolicyViolationError
 from sandbox_runtime.execution.manager import ExecutionManager
-from sandbox_runtime.files.fsops import clean_path, display
 from sandbox_runtime.files.urls import FileUrlSigner
+from sandbox_runtime.workspaces.fsops import clean_path, display
 
 DEFAULT_READ_BYTES = 512 * 1024  # a read_file without `length`: fits the client's 1 MiB event
 MAX_LIST_ENTRIES = 10_000

@@ -40,12 +40,12 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
     WorkspaceFullError,
 )
-from sandbox_runtime.files.fsops import CHUNK, Upload
 from sandbox_runtime.files.operations import mime_type_of
 from sandbox_runtime.files.urls import FileGrant, FileUrlSigner, UrlRefusedError
 from sandbox_runtime.sessions.channel import SIGNATURE_HEADER
 from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.sessions.signing import SignatureError
+from sandbox_runtime.workspaces.fsops import CHUNK, Upload
 
 PUBLIC_PREFIX = "/files/"
 CLUSTER_PREFIX = "/cluster/v1/files/"

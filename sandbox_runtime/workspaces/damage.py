@@ -8,7 +8,7 @@ unmounts it, once nothing runs in it, and checks it (e2fsck -p), as does any mou
 whose superblock records an error. Repaired, it is mounted again and the session is told
 (`workspace_repaired`: files may be missing); beyond automatic repair, the image is moved to
 `.quarantine/` for the operator and the session starts afresh (`workspace_quarantined`).
-The checking itself is files/repair.py.
+The checking itself is workspaces/repair.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import os
 from loguru import logger
 
 from sandbox_runtime.errors import WorkspaceDamagedError
-from sandbox_runtime.files.images import umount
-from sandbox_runtime.files.repair import check_image, has_recorded_error, loop_attached
-from sandbox_runtime.files.store_state import StoreState
+from sandbox_runtime.workspaces.images import umount
+from sandbox_runtime.workspaces.repair import check_image, has_recorded_error, loop_attached
+from sandbox_runtime.workspaces.store_state import StoreState
 
 DETACH_WAIT_STEPS = 40  # times 0.05 s: for the loop device of an unmounted image to go
 CHECK_ROOM = 16 * 1024 * 1024  # free space e2fsck is given to repair an image in

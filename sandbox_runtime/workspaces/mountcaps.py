@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from loguru import logger
 
 from sandbox_runtime.errors import LimitExceededError
-from sandbox_runtime.files.retention import Retention
+from sandbox_runtime.workspaces.retention import Retention
 
 REPLICA_CAP = "mounted_workspaces"  # what a refusal is counted as (metrics' label)
 PRINCIPAL_CAP = "principal_mounted_workspaces"

@@ -14,9 +14,9 @@ import os
 import stat
 from pathlib import Path
 
-from sandbox_runtime.files.beneath import lstat_at, sync_dir
-from sandbox_runtime.files.fserrors import Fail
-from sandbox_runtime.files.paths import UPLOAD_PREFIX
+from sandbox_runtime.workspaces.beneath import lstat_at, sync_dir
+from sandbox_runtime.workspaces.fserrors import Fail
+from sandbox_runtime.workspaces.paths import UPLOAD_PREFIX
 
 
 class Upload:

@@ -11,7 +11,7 @@ import contextlib
 import os
 import stat
 
-from sandbox_runtime.files.paths import UPLOAD_PREFIX, Entry, as_text, is_text, kind_of
+from sandbox_runtime.workspaces.paths import UPLOAD_PREFIX, Entry, as_text, is_text, kind_of
 
 SCAN_DEPTH = 64  # directory levels the changed-files scan descends, at most
 

@@ -10,7 +10,7 @@ block of the host's, whatever else fills the host filesystem, and a new workspac
 sparse images may still grow against free space: counting cannot stop another program from
 filling the disk under them. The cost is the whole quota of disk per workspace, idle ones kept
 for the retention period included. `sparse` keeps the old behaviour for hosts that prefer
-density; the floor and the damage checks (files/repair.py) still apply.
+density; the floor and the damage checks (workspaces/repair.py) still apply.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Every name in a workspace is hostile: sandboxed code may make any component of a
 symlink (to /etc/shadow, to another session's workspace, to /proc/1/root), swap directories
 while the server walks them, leave FIFOs that would block an open, or fill a directory with
 100k entries. So, with the server running as root:
-- a path is checked (files/paths.py) and resolved beneath the workspace root's fd by openat2()
+- a path is checked (workspaces/paths.py) and resolved beneath the workspace root's fd by openat2()
   with RESOLVE_BENEATH, NO_SYMLINKS, NO_MAGICLINKS and NO_XDEV, or component by component
-  with O_NOFOLLOW where there is no openat2 (files/beneath.py). We chose this over doing the
+  with O_NOFOLLOW where there is no openat2 (workspaces/beneath.py). We chose this over doing the
   work as the sandbox user inside a sandbox: it costs one system call instead of a process,
   streams without a pipe in between, and the kernel makes the check, not a parser of ours.
 - the last component is acted on through its parent's fd (unlinkat, renameat, linkat,
@@ -14,12 +14,12 @@ while the server walks them, leave FIFOs that would block an open, or fill a dir
 - a file is opened O_PATH first and its type checked; only a regular file is reopened for
   I/O, so a FIFO, socket or device is refused before any open that could block or act;
 - writes go to a new file beside the target, owned by the sandbox user, renamed over it at
-  the end (a failed upload leaves the old file: files/uploads.py); reads and writes go in
-  chunks; listings, and the scan for files a call changed, are bounded (files/walking.py).
+  the end (a failed upload leaves the old file: workspaces/uploads.py); reads and writes go in
+  chunks; listings, and the scan for files a call changed, are bounded (workspaces/walking.py).
 - nothing is acknowledged before it is on disk: a written file is fsynced before it is put
   in place and its directory after; a delete fsyncs the directory. An I/O error from the
   workspace's filesystem fails the call with WorkspaceDamagedError and tells the owner of the
-  workspace (`on_damage`), never a success (files/fserrors.py).
+  workspace (`on_damage`), never a success (workspaces/fserrors.py).
 This module is the facade, `WorkspaceFiles`; the names other modules import from here stay
 importable here.
 """
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sandbox_runtime.errors import FileAccessError, InvalidRequestError
-from sandbox_runtime.files.beneath import (
+from sandbox_runtime.workspaces.beneath import (
     lstat_at,
     open_beneath,
     open_parent,
@@ -44,16 +44,16 @@ from sandbox_runtime.files.beneath import (
     root_fd,
     sync_dir,
 )
-from sandbox_runtime.files.fserrors import domain_error
-from sandbox_runtime.files.paths import (
+from sandbox_runtime.workspaces.fserrors import domain_error
+from sandbox_runtime.workspaces.paths import (
     UPLOAD_PREFIX,
     Entry,
     clean_path,
     display,
     kind_of,
 )
-from sandbox_runtime.files.uploads import Upload, remove_partial_uploads
-from sandbox_runtime.files.walking import scan, walk
+from sandbox_runtime.workspaces.uploads import Upload, remove_partial_uploads
+from sandbox_runtime.workspaces.walking import scan, walk
 
 CHUNK = 1024 * 1024
 
@@ -110,7 +110,7 @@ class WorkspaceFiles:
     def _fail(
         self, exc: OSError, parts: tuple[str, ...], doing: str, synced: bool = False
     ) -> Exception:
-        """The domain error for `exc` met while `doing` `parts` (files/fserrors.py); a
+        """The domain error for `exc` met while `doing` `parts` (workspaces/fserrors.py); a
         failed filesystem is reported to `on_damage` first."""
         return domain_error(exc, parts, doing, synced, self.on_damage)
 

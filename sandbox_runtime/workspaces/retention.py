@@ -16,8 +16,8 @@ import os
 import shutil
 import time
 
-from sandbox_runtime.files.images import mounts_under, umount
-from sandbox_runtime.files.store_state import IMAGE_SUFFIX, NAME, StoreState
+from sandbox_runtime.workspaces.images import mounts_under, umount
+from sandbox_runtime.workspaces.store_state import IMAGE_SUFFIX, NAME, StoreState
 
 UNMOUNT_IDLE_SECONDS = 300.0
 

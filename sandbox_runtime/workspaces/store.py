@@ -20,7 +20,7 @@ devices, no mkfs.ext4), `quota="auto"` falls back to plain directories without a
 says so (doctor, /health).
 
 Disk space is reserved, not promised: by default an image is allocated in full when made and
-a new one is refused when the state filesystem has no room for it (files/diskspace.py).
+a new one is refused when the state filesystem has no room for it (workspaces/diskspace.py).
 
 The store is put together here from its parts: images.py (making and mounting an image,
 stateless), store_state.py (what the store knows, naming, use), mountcaps.py (the mount caps
@@ -35,7 +35,7 @@ unmounts it, once nothing runs in it, and checks it (e2fsck -p), as does any mou
 whose superblock records an error. Repaired, it is mounted again and the session is told
 (`workspace_repaired`: files may be missing); beyond automatic repair, the image is moved to
 `.quarantine/` for the operator and the session starts afresh (`workspace_quarantined`)
-(files/damage.py, files/repair.py).
+(workspaces/damage.py, workspaces/repair.py).
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from pathlib import Path
 from loguru import logger
 
 from sandbox_runtime.errors import LimitExceededError, SandboxSpawnError, SandboxUnavailableError
-from sandbox_runtime.files.damage import DamageCourse
-from sandbox_runtime.files.fsops import WorkspaceFiles, remove_partial_uploads
-from sandbox_runtime.files.images import bind, make_image, mount, mounts_under, umount
-from sandbox_runtime.files.images import loop_devices_under as loop_devices_under
-from sandbox_runtime.files.mountcaps import MountCaps
-from sandbox_runtime.files.store_state import IMAGE_SUFFIX
+from sandbox_runtime.workspaces.damage import DamageCourse
+from sandbox_runtime.workspaces.fsops import WorkspaceFiles, remove_partial_uploads
+from sandbox_runtime.workspaces.images import bind, make_image, mount, mounts_under, umount
+from sandbox_runtime.workspaces.images import loop_devices_under as loop_devices_under
+from sandbox_runtime.workspaces.mountcaps import MountCaps
+from sandbox_runtime.workspaces.store_state import IMAGE_SUFFIX
 
 PROBE = ".probe"
 PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
@@ -64,7 +64,7 @@ PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed
 
 class WorkspaceStore(MountCaps, DamageCourse):
     """Creates, mounts, measures and removes this replica's workspaces (its state, hooks and
-    constructor: files/store_state.py)."""
+    constructor: workspaces/store_state.py)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from sandbox_runtime.files.diskspace import StateDisk
+from sandbox_runtime.workspaces.diskspace import StateDisk
 
 # errors=remount-ro: a filesystem error stops writes at once (and we see the mount turn
 # read-only) rather than letting them go on into a damaged filesystem.

@@ -1,6 +1,6 @@
 """What a WorkspaceStore knows about its workspaces, and how they are named and used.
 
-The state every part of the store shares (files/workspaces.py puts them together): which
+The state every part of the store shares (workspaces/store.py puts them together): which
 workspaces are ready (last use), mounted, and counted against the mount caps (by principal);
 the per-name locks that make a mount, unmount, removal or replacement one step for every other
 user; the holds of host-side file operations; and the hooks the store's owner sets (what is
@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from sandbox_runtime.errors import InvalidRequestError
-from sandbox_runtime.files.diskspace import StateDisk
+from sandbox_runtime.workspaces.diskspace import StateDisk
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 IMAGE_SUFFIX = ".img"
@@ -30,7 +30,7 @@ DAMAGED_SUFFIX = ".damaged"
 
 
 class StoreState:
-    """The shared state, naming and use-tracking of a WorkspaceStore (files/workspaces.py)."""
+    """The shared state, naming and use-tracking of a WorkspaceStore (workspaces/store.py)."""
 
     def __init__(
         self,

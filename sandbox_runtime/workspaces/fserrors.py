@@ -20,7 +20,7 @@ from sandbox_runtime.errors import (
     WorkspaceDamagedError,
     WorkspaceFullError,
 )
-from sandbox_runtime.files.paths import display
+from sandbox_runtime.workspaces.paths import display
 
 # The filesystem under the workspace failed: an I/O error, a journal the kernel aborted
 # (EROFS), metadata that fails its checksum (EUCLEAN, ext4's EFSCORRUPTED).
