@@ -20,14 +20,12 @@ from sandbox_runtime.domain.models import (
     ExecutionInfo,
     ExecutionStatus,
     is_execution_id,
-    new_execution_id,
     shown_id,
 )
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.egress.supervisor import DeniedHandler, EgressProxy
 from sandbox_runtime.errors import (
     ExecutionNotFoundError,
-    LimitExceededError,
     SandboxSpawnError,
     SandboxUnavailableError,
 )
@@ -42,6 +40,7 @@ from sandbox_runtime.execution.reading import (
 )
 from sandbox_runtime.execution.requests import ExecuteRequest, checked_timeout, command_argv
 from sandbox_runtime.execution.retention import evicted
+from sandbox_runtime.execution.slots import Slots
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import (
     BubblewrapBackend,
@@ -92,8 +91,7 @@ class ExecutionManager:
         self._executions: dict[str, Execution] = {}
         self._evicted_at = 0.0  # (monotonic) the last eviction
         self._running: dict[str, Execution] = {}
-        self._reserved = 0
-        self._per_owner: dict[Owner, int] = {}
+        self.slots = Slots(settings, metrics, cluster, lambda: len(self._running))
         self._spawning: dict[Owner, int] = {}  # executions between workspace and _running
         self._accepting = False
         self._shutdown: asyncio.Task[None] | None = None
@@ -206,23 +204,16 @@ class ExecutionManager:
                 "(run `srt-mcp-server doctor`)"
             )
 
-        execution_id = await self._take_slot(owner)
-        info = ExecutionInfo(
-            execution_id=execution_id,
-            status=ExecutionStatus.PENDING,
-            principal=owner.principal,
-            session_id=owner.session_id,
-            replica_id=self.replica_id,
-            incarnation=self.incarnation,
+        execution_id = await self.slots.take(owner)
+        execution = self._pending(
+            owner,
+            execution_id,
+            limits,
             command=command,
             interactive=request.interactive,
             working_directory=cwd,
             timeout_seconds=timeout,
-            limits=self._limits_dict if limits is self.limits else limits.as_dict(),
-            created_at=time.time(),
         )
-        execution = Execution(info, owner, limits.output_bytes)
-        execution.listeners.append(self.cluster.changed)
         spawn_started = time.perf_counter()
         self._spawning[owner] = self._spawning.get(owner, 0) + 1  # (no await since: see busy)
         try:
@@ -241,8 +232,7 @@ class ExecutionManager:
                 )
             )
         except BaseException:
-            self._reserved -= 1
-            self._release_owner(owner)
+            self.slots.give_back(owner)
             self.cluster.finished(execution)
             raise
         finally:  # (in _running below before any await)
@@ -253,7 +243,7 @@ class ExecutionManager:
                 del self._spawning[owner]
         self.metrics.spawn.observe(time.perf_counter() - spawn_started)
         self.metrics.started.inc()
-        self._reserved -= 1
+        self.slots.started()
         self._evict_soon()
         self._executions[execution_id] = execution
         self._running[execution_id] = execution
@@ -268,41 +258,6 @@ class ExecutionManager:
         self.supervisor.spawn("execution release", self._release_when_done(execution))
         return execution
 
-    async def _take_slot(self, owner: Owner) -> str:
-        """Reserve a running slot (this replica's, the owner's, the principal's); a new id.
-
-        The local slots are taken before the first await: no lock is held across a spawn.
-        Raises LimitExceededError.
-        """
-        if len(self._running) + self._reserved >= self.settings.max_concurrent:
-            self.metrics.rejections.labels("global").inc()
-            raise LimitExceededError(
-                f"the server is running its maximum of {self.settings.max_concurrent} "
-                "executions; wait for one to finish or cancel one"
-            )
-        if self._per_owner.get(owner, 0) >= self.settings.max_per_session:
-            self.metrics.rejections.labels("session").inc()
-            shared = (
-                " (the default session, shared by every connection of this token that names "
-                "none: pass `session` to work apart)"
-                if owner.session_id == "default"
-                else ""
-            )
-            raise LimitExceededError(
-                f"this session is running its maximum of {self.settings.max_per_session} "
-                f"executions{shared}; wait for one to finish or cancel one"
-            )
-        self._reserved += 1
-        self._per_owner[owner] = self._per_owner.get(owner, 0) + 1
-        execution_id = new_execution_id()
-        try:
-            await self.cluster.admit(owner, execution_id)
-        except BaseException:
-            self._reserved -= 1
-            self._release_owner(owner)
-            raise
-        return execution_id
-
     async def register_call(
         self, owner: Owner, language: str, code: str, timeout_seconds: float | None
     ) -> Execution:
@@ -314,23 +269,16 @@ class ExecutionManager:
         if not self._accepting:
             raise SandboxSpawnError("the server is shutting down; retry on another replica")
         timeout = checked_timeout(timeout_seconds, self.settings)
-        execution_id = await self._take_slot(owner)
-        self._reserved -= 1
-        info = ExecutionInfo(
-            execution_id=execution_id,
-            status=ExecutionStatus.PENDING,
-            principal=owner.principal,
-            session_id=owner.session_id,
-            replica_id=self.replica_id,
-            incarnation=self.incarnation,
+        execution_id = await self.slots.take(owner)
+        self.slots.started()
+        execution = self._pending(
+            owner,
+            execution_id,
+            self.limits,
             command=code,
             language=language,
             timeout_seconds=timeout,
-            limits=self._limits_dict,
-            created_at=time.time(),
         )
-        execution = Execution(info, owner, self.limits.output_bytes)
-        execution.listeners.append(self.cluster.changed)
         self._evict_soon()
         self._executions[execution_id] = execution
         self._running[execution_id] = execution
@@ -338,17 +286,29 @@ class ExecutionManager:
         self.supervisor.spawn("execution release", self._release_when_done(execution))
         return execution
 
-    def _release_owner(self, owner: Owner) -> None:
-        left = self._per_owner.get(owner, 0) - 1
-        if left > 0:
-            self._per_owner[owner] = left
-        else:
-            self._per_owner.pop(owner, None)
+    def _pending(
+        self, owner: Owner, execution_id: str, limits: SandboxLimits, **fields: Any
+    ) -> Execution:
+        """A new execution, pending, told to the cluster whenever it changes."""
+        info = ExecutionInfo(
+            execution_id=execution_id,
+            status=ExecutionStatus.PENDING,
+            principal=owner.principal,
+            session_id=owner.session_id,
+            replica_id=self.replica_id,
+            incarnation=self.incarnation,
+            limits=self._limits_dict if limits is self.limits else limits.as_dict(),
+            created_at=time.time(),
+            **fields,
+        )
+        execution = Execution(info, owner, limits.output_bytes)
+        execution.listeners.append(self.cluster.changed)
+        return execution
 
     async def _release_when_done(self, execution: Execution) -> None:
         await execution.finished.wait()
         self._running.pop(execution.execution_id, None)
-        self._release_owner(execution.owner)
+        self.slots.ended(execution.owner)
         self.cluster.finished(execution)
         # (A sandbox's own writes that met a failing filesystem turn its mount read-only:
         # found when the execution ends, not at the session's next call.)
