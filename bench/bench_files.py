@@ -243,7 +243,7 @@ async def ensure_costs(tmp: Path, size_mb: int, inodes: int, count: int) -> dict
             times["new"].append((time.perf_counter() - started) * 1000)
             if existed or store.usage(name)["bytes_limit"] is None:
                 raise BenchFailure(f"workspace {name} was not a new image")
-        await store.close()  # unmounts them all
+        await store.aclose()  # unmounts them all
         again = WorkspaceStore(
             root, size_mb=size_mb, inodes=inodes, quota="image", retention_seconds=86400
         )
@@ -259,7 +259,7 @@ async def ensure_costs(tmp: Path, size_mb: int, inodes: int, count: int) -> dict
         for name in names:
             with contextlib.suppress(Exception):
                 await store.remove(name)
-        await store.close()
+        await store.aclose()
         shutil.rmtree(root, ignore_errors=True)
     return times
 

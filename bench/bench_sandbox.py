@@ -316,7 +316,7 @@ async def main() -> int:
         report(rows)
         return 0 if all(verdict(label, mode, r)[0] for label, mode, r in rows) else 1
     finally:
-        await backend.close()
+        await backend.aclose()
         shutil.rmtree(tmp, ignore_errors=True)
 
 

@@ -112,7 +112,7 @@ async def started_backend(
     try:
         yield backend
     finally:
-        await backend.close()  # removes its cgroups too
+        await backend.aclose()  # removes its cgroups too
 
 
 @pytest.fixture(params=["direct", "started-ahead"])

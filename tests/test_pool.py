@@ -62,7 +62,7 @@ async def pool(backend: BubblewrapBackend) -> AsyncIterator[SandboxPool]:
     try:
         yield pool
     finally:
-        await pool.close()
+        await pool.aclose()
 
 
 def spec(
@@ -238,7 +238,7 @@ async def test_bounded_per_replica_idle_ones_end_and_a_removed_workspace_loses_i
         await wait_until(lambda: not sandbox_uid_processes(backend), what="no sandbox processes")
         assert not with_marker(marker)
     finally:
-        await pool.close()
+        await pool.aclose()
 
 
 async def test_close_ends_every_sandbox_waiting_or_starting(
@@ -249,7 +249,7 @@ async def test_close_ends_every_sandbox_waiting_or_starting(
         await collect(await pool.spawn(spec(backend, workspace, "true")))
     await ready(pool, 2)  # (the third may still be starting: close() must end it too)
     assert sandbox_uid_processes(backend)
-    await pool.close()
+    await pool.aclose()
     assert pool.ready_count == 0 and pool.starting_count == 0
     await wait_until(lambda: not sandbox_uid_processes(backend), what="no sandbox processes")
     await wait_until(lambda: not busy_execution_cgroups(backend), what="cgroups empty")
@@ -345,7 +345,7 @@ async def test_a_full_pool_does_not_evict_sandboxes_that_just_started(
         await collect(await pool.spawn(spec(backend, first, "true")))
         assert pool.hits == 1
     finally:
-        await pool.close()
+        await pool.aclose()
 
 
 async def test_discarding_a_workspaces_sandbox_waits_until_it_is_gone(

@@ -510,7 +510,7 @@ async def test_where_device_nodes_cannot_be_made_bwraps_dev_is_used_minimal_and_
         result = await run(backend, workspace, [PYTHON, "-c", OPENPTY], limits=allowing)
         assert result.stdout == "pty /dev/pts/0\n", result.stderr
     finally:
-        await backend.close()
+        await backend.aclose()
 
 
 async def test_private_directories_of_servers_that_are_gone_are_removed_at_start(
@@ -545,7 +545,7 @@ async def test_private_directories_of_servers_that_are_gone_are_removed_at_start
             assert not gone.exists()
             assert live.exists() and being_made.exists() and someone_elses.exists()
         finally:
-            await backend.close()
+            await backend.aclose()
         assert sorted(p.name for p in temp.iterdir()) == [
             "srt-sandbox-link", "srt-sandbox-live", "srt-sandbox-new", "srt-sandbox-nobodys"
         ]  # fmt: skip
@@ -926,7 +926,7 @@ async def test_no_zombies_or_stray_processes_remain_after_200_runs(
     assert sandbox_backend.running_count == 0
     groups = {d.name for d in execution_cgroups(sandbox_backend)}
     assert len(groups) <= sandbox_backend.config.cgroup_pool  # only the pool of idle ones
-    await sandbox_backend.close()
+    await sandbox_backend.aclose()
     assert not execution_cgroups(sandbox_backend)
 
 
@@ -1323,7 +1323,7 @@ async def main():
     report["stubborn_left"] = len(marked())
     out, err, outcome = await run(shell_argv("head -c 2000000 /dev/zero > /workspace/big"))
     report["file_size"] = [outcome.signal_name, outcome.reason, (ws / "big").stat().st_size]
-    await backend.close()
+    await backend.aclose()
     print(json.dumps(report))
 
 asyncio.run(main())

@@ -114,12 +114,12 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             reserve=settings.workspace_reserve,
             min_free_mb=settings.min_free_disk_mb,
         )
-        stack.push_async_callback(workspaces.close)
+        stack.push_async_callback(workspaces.aclose)
         backend.start()  # finds the sandbox user, or says why sandboxes cannot run
         egress = await _egress(settings, backend, metrics, supervisor)
         if egress is not None:
-            stack.push_async_callback(egress.close)
-        stack.push_async_callback(backend.close)
+            stack.push_async_callback(egress.aclose)
+        stack.push_async_callback(backend.aclose)
         pool = SandboxPool(
             backend,
             limits,

@@ -63,7 +63,7 @@ async def check_live(settings: Settings) -> list[Check]:
                 fix = CGROUP_MOVE_FIX
             return [Check("sandbox run", False, str(exc), fix)]
         finally:
-            await backend.close()
+            await backend.aclose()
     text = out.decode("utf-8", "replace")
     fields = dict(
         (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in text.splitlines())
@@ -249,7 +249,7 @@ async def check_languages(settings: Settings) -> list[Check]:
             ok, detail = False, f"a Python interpreter failed: {exc}"
         finally:
             await kernel.stop()
-            await backend.close()
+            await backend.aclose()
     checks.append(Check("interpreter", ok, detail, "see the sandbox checks above", False))
     return checks
 
@@ -308,8 +308,8 @@ async def check_egress(settings: Settings) -> list[Check]:
         except SandboxRuntimeError as exc:
             return [Check("egress", False, str(exc), "see the checks above")]
         finally:
-            await backend.close()
-            await egress.close()
+            await backend.aclose()
+            await egress.aclose()
     answer = out.decode("utf-8", "replace").strip()
     ok = answer.startswith("HTTP/1.1 403")
     uid = uid_line.split()[1] if len(uid_line.split()) > 1 else "?"

@@ -247,7 +247,7 @@ class EgressProxy:
             self._leases.pop(lease.id, None)
         shutil.rmtree(lease.host_dir, ignore_errors=True)
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         self._closing = True
         for lease in list(self._leases.values()):
             await self.close_lease(lease)

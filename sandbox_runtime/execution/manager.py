@@ -142,7 +142,7 @@ class ExecutionManager:
 
     async def _shutdown_once(self, meanwhile: Sequence[Callable[[], Awaitable[None]]]) -> None:
         self._accepting = False
-        await self.pool.close()  # first: executions stopped now must not start more
+        await self.pool.aclose()  # first: executions stopped now must not start more
         running = list(self._running.values())
         if running:
             logger.info("shutdown: stopping {} running executions", len(running))

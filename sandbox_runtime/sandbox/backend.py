@@ -123,7 +123,7 @@ class BubblewrapBackend:
         """The spawner process (it runs as the sandbox user, outside every sandbox)."""
         return self._spawner.pid if self._spawner is not None else None
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Kill every sandbox still running and remove the backend's private files."""
         for proc in list(self._running):
             proc.kill("shutdown")
@@ -136,7 +136,7 @@ class BubblewrapBackend:
             await self.supervisor.stop(REAP_LOOP)
             self._sweeping = False
         if self._spawner is not None:
-            await self._spawner.close()
+            await self._spawner.aclose()
             self._spawner = None
         self.reap_orphans()
         prepare.remove_private_dir(self._private_dir, self._private_lock)

@@ -294,7 +294,7 @@ class SandboxPool:
             self._discard_later(self._ready.pop(workspace))
         return len(stale)
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """End every sandbox waiting or starting; wait until they are gone."""
         self._closed = True
         if self._sweeping:

@@ -247,7 +247,7 @@ class SpawnerManager:
             proc.kill()
             proc.wait()
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Stop the spawner; any bwrap still running dies with it."""
         self._close_socket()  # the spawner exits when it reads the end of its socket
         pending, self._pending = self._pending, {}

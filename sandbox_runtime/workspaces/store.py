@@ -125,7 +125,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 self._remove_sync(PROBE)
         return None
 
-    async def close(self) -> None:
+    async def aclose(self) -> None:
         """Unmount every workspace (the server is stopping; nothing runs in them now)."""
         for name in list(self._mounted):
             with contextlib.suppress(OSError):
