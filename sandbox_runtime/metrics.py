@@ -138,7 +138,7 @@ class Metrics:
 
         self.control_refused = Counter(
             "srt_control_refused_total",
-            "Control messages dropped: unsigned, forged, stale, replayed or misaddressed.",
+            "Control calls refused: unsigned, forged, stale, replayed or misaddressed.",
             registry=r,
         )
         self.sessions = Counter(

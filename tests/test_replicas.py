@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import pytest
 from mcp_harness import (
     Conn,
@@ -98,7 +99,7 @@ async def test_execution_started_on_one_replica_is_read_and_listed_on_another(
 
 
 async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
-    pair: tuple[ServerProcess, ServerProcess],
+    pair: tuple[ServerProcess, ServerProcess], redis_server: RedisServer
 ) -> None:
     a, b = pair
     session = f"s-{uuid.uuid4().hex[:8]}"
@@ -144,6 +145,21 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
             "send_stdin", execution_id=execution_id, input_data="late\n", session=session
         )
         assert "finished" in refused
+    # One transport: B reached A's cluster listener with signed calls, nothing went through
+    # Redis lists, and a bare call to that listener is refused.
+    await eventually(
+        lambda: a.stderr_text().count('"POST /cluster/v1/control HTTP/1.1" 200') >= 3,
+        10,
+        "A's log to show the control calls B made",
+    )
+    assert not redis_server.cli_raw("keys", "*control*").strip()
+    beat = json.loads(redis_server.cli_raw("get", f"replica:{a.settings['SANDBOX_REPLICA_ID']}"))
+    body = json.dumps({"op": "cancel", "execution_id": execution_id}).encode()
+    async with httpx2.AsyncClient(timeout=5, trust_env=False) as http:
+        unsigned = await http.post(
+            f"http://{beat['cluster_address']}/cluster/v1/control", content=body
+        )
+    assert unsigned.status_code == 403
 
 
 async def test_killed_replica_execution_becomes_lost_with_its_output_readable(

@@ -250,9 +250,13 @@ async def test_sigterm_of_the_home_rehomes_its_sessions_at_once(tmp_path: Path) 
         assert topology.home_of("default", session) not in (None, home)
 
 
-async def test_forged_or_replayed_control_messages_in_redis_do_nothing(topology: Topology) -> None:
+async def test_forged_or_replayed_control_calls_to_the_cluster_port_do_nothing(
+    topology: Topology,
+) -> None:
     home = next(iter(topology.replicas))
     session = unique("forge")
+    address = cluster_address(topology, home)
+    url = f"http://{address}/cluster/v1/control"
     async with open_client(topology.replicas[home].url, TOKEN, "auto") as conn:
         started = await conn.ok(
             "execute_code_async", command="cat", interactive=True, session=session
@@ -262,54 +266,44 @@ async def test_forged_or_replayed_control_messages_in_redis_do_nothing(topology:
             "execution_id": execution_id,
             "principal": "default",
             "session_id": f"s:{session}",
-            "from_replica": "intruder",
-            "to_replica": home,
-            "deadline": time.time() + 30,
         }
-        unsigned = {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex}
-        forged = ClusterSigner("a-different-secret-0123456789", "intruder").sign_message(
-            home, {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex}
-        )
-        elsewhere = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
-            "another-replica",
-            {**base, "op": "cancel", "force": True, "request_id": uuid.uuid4().hex},
-        )
+        cancel = json.dumps({**base, "op": "cancel", "force": True}).encode()
+        intruder = ClusterSigner(CLUSTER_SECRET, "intruder")
         real_time = time.time
         time.time = lambda: real_time() - 600  # type: ignore[assignment]  # signed long ago
         try:
-            stale = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
-                home,
-                {
-                    **base,
-                    "op": "cancel",
-                    "force": True,
-                    "request_id": uuid.uuid4().hex,
-                    "deadline": real_time() + 30,
-                },
-            )
+            stale = intruder.sign_call(home, "/cluster/v1/control", cancel)
         finally:
             time.time = real_time  # type: ignore[method-assign]
-        genuine = ClusterSigner(CLUSTER_SECRET, "intruder").sign_message(
-            home,
-            {
-                **base,
-                "op": "stdin",
-                "data": "once\n",
-                "close": False,
-                "request_id": uuid.uuid4().hex,
-            },
-        )
-        queue = f"replica:{home}:control"
-        for message in (unsigned, forged, elsewhere, stale, genuine, genuine):
-            topology.redis.cli("rpush", queue, json.dumps(message))
-
-        async def refused_all() -> bool:
-            return topology.metric(home, "srt_control_refused_total") >= 5
-
-        await eventually(refused_all, 10, "five messages refused")
-        await eventually(
-            lambda: topology.redis.cli_raw("llen", queue).strip() == "0", 10, "queue drained"
-        )
+        refused = {
+            "unsigned": None,
+            "forged": ClusterSigner("a-different-secret-0123456789", "intruder").sign_call(
+                home, "/cluster/v1/control", cancel
+            ),
+            "for another replica": intruder.sign_call(
+                "another-replica", "/cluster/v1/control", cancel
+            ),
+            "a forwarded call's proof": intruder.sign_call(home, "/cluster/v1/call", cancel),
+            "stale": stale,
+        }
+        stdin = json.dumps({**base, "op": "stdin", "data": "once\n", "close": False}).encode()
+        genuine = intruder.sign_call(home, "/cluster/v1/control", stdin)
+        async with httpx2.AsyncClient(timeout=10, trust_env=False) as http:
+            for what, header in refused.items():
+                headers = {"x-srt-cluster-signature": header} if header else {}
+                response = await http.post(url, content=cancel, headers=headers)
+                assert response.status_code == 403, (what, response.status_code, response.text)
+            first = await http.post(
+                url, content=stdin, headers={"x-srt-cluster-signature": genuine}
+            )
+            assert first.status_code == 200
+            answer = json.loads(json.loads(first.text.strip().splitlines()[-1])["answer"])
+            assert answer["result"]["bytes_written"] == len("once\n"), answer
+            replayed = await http.post(
+                url, content=stdin, headers={"x-srt-cluster-signature": genuine}
+            )
+            assert replayed.status_code == 403
+        assert topology.metric(home, "srt_control_refused_total") >= len(refused) + 1
         status = await conn.ok("get_execution_status", execution_id=execution_id, session=session)
         assert status["status"] == "running", "a forged cancel was acted on"
         await conn.ok(

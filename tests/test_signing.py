@@ -1,4 +1,5 @@
-"""ClusterSigner: proofs on replica-to-replica calls and control messages."""
+"""ClusterSigner: proofs on replica-to-replica calls (forwarded calls, control, file
+transfers) and their answers; the errors replicas answer with, by name."""
 
 from __future__ import annotations
 
@@ -7,13 +8,16 @@ import time
 
 import pytest
 
+from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sessions import signing
+from sandbox_runtime.sessions.answers import ERRORS, error_reply, raise_error_reply
+from sandbox_runtime.sessions.channel import CALL_PATH, CONTROL_PATH, FILES_PREFIX
 from sandbox_runtime.sessions.signing import (
     MAX_SKEW_SECONDS,
-    SIGNATURE_FIELD,
     ClockSkewError,
     ClusterSigner,
     SignatureError,
+    nonce_of,
 )
 
 pytestmark = pytest.mark.unit
@@ -33,12 +37,6 @@ def signed_at(monkeypatch: pytest.MonkeyPatch, when: float) -> str:
     with monkeypatch.context() as m:
         m.setattr(signing.time, "time", lambda: when)
         return signer("b").sign_call("a", PATH, BODY)
-
-
-def message_signed_at(monkeypatch: pytest.MonkeyPatch, when: float) -> dict[str, object]:
-    with monkeypatch.context() as m:
-        m.setattr(signing.time, "time", lambda: when)
-        return signer("b").sign_message("a", {"op": "cancel", "execution_id": "e1"})
 
 
 # -- the secret --------------------------------------------------------------------------------
@@ -186,115 +184,67 @@ def test_unsigned_call_is_refused(header: str | None) -> None:
         signer("a").verify_call(header, PATH, BODY)
 
 
-# -- control messages --------------------------------------------------------------------------
+# -- answers and paths of the one cluster transport -------------------------------------------
 
 
-def test_message_signed_for_a_replica_verifies_there() -> None:
-    message = {"op": "stdin", "execution_id": "e1", "data": "héllo\n", "n": [1, 2.5, None]}
-    signed = signer("b").sign_message("a", message)
-    assert signed[SIGNATURE_FIELD] and signed["nonce"] and signed["issued_at"]
-    assert {k: signed[k] for k in message} == message
-    assert SIGNATURE_FIELD not in message, "the caller's dict is left alone"
-    signer("a").verify_message(signed)
-
-
-def test_message_survives_a_json_round_trip() -> None:
-    signed = signer("b").sign_message("a", {"op": "stdin", "data": "é\u2028\"'\\", "x": 0.1})
-    signer("a").verify_message(json.loads(json.dumps(signed)))
-
-
-def test_message_with_a_tampered_field_is_refused() -> None:
-    signed = signer("b").sign_message("a", {"op": "cancel", "execution_id": "e1"})
-    verifier = signer("a")
-    for tampered in (
-        {**signed, "execution_id": "e2"},
-        {**signed, "extra": True},
-        {k: v for k, v in signed.items() if k != "op"},
-        {**signed, "issued_at": signed["issued_at"] + 1},
-        {**signed, "nonce": "f" * 32},
+def test_answer_proof_binds_the_answering_replica_and_the_calls_nonce() -> None:
+    header = signer("b").sign_call("a", CALL_PATH, BODY)
+    nonce = signer("a").verify_call(header, CALL_PATH, BODY)
+    assert nonce == nonce_of(header)
+    mac = signer("a").sign_answer(nonce, b'{"result": {}}')
+    caller = signer("b")
+    caller.verify_answer("a", nonce, b'{"result": {}}', mac)
+    for home, answer_nonce, answer in (
+        ("c", nonce, b'{"result": {}}'),  # another replica's answer
+        ("a", "f" * 32, b'{"result": {}}'),  # the answer to another call
+        ("a", nonce, b'{"result": {"x": 1}}'),  # a changed answer
     ):
+        with pytest.raises(SignatureError, match="answer"):
+            caller.verify_answer(home, answer_nonce, answer, mac)
+    with pytest.raises(SignatureError):
+        caller.verify_answer(
+            "a",
+            nonce,
+            b'{"result": {}}',
+            signer("a", OTHER_SECRET).sign_answer(nonce, b'{"result": {}}'),
+        )
+
+
+def test_a_forwarded_call_is_no_control_request_nor_a_file_transfer() -> None:
+    """One transport, several paths: a proof made for one path is refused on the others."""
+    body = json.dumps({"op": "cancel", "execution_id": "e1", "force": True}).encode()
+    for signed_for, sent_to in (
+        (CALL_PATH, CONTROL_PATH),
+        (CONTROL_PATH, CALL_PATH),
+        (FILES_PREFIX + "t/x", CONTROL_PATH),
+    ):
+        header = signer("b").sign_call("a", signed_for, body)
         with pytest.raises(SignatureError, match="bad signature"):
-            verifier.verify_message(tampered)
-    verifier.verify_message(signed)  # the refusals spent nothing
+            signer("a").verify_call(header, sent_to, body)
 
 
-def test_message_with_another_secret_is_refused() -> None:
-    signed = signer("b", OTHER_SECRET).sign_message("a", {"op": "cancel"})
+def test_file_transfer_proof_covers_the_method() -> None:
+    path = FILES_PREFIX + "token/name.txt"
+    header = signer("b").sign_call("a", path, b"GET")
     with pytest.raises(SignatureError, match="bad signature"):
-        signer("a").verify_message(signed)
+        signer("a").verify_call(header, path, b"PUT")
+    signer("a").verify_call(header, path, b"GET")
 
 
-def test_replayed_message_is_refused() -> None:
-    signed = signer("b").sign_message("a", {"op": "cancel"})
-    verifier = signer("a")
-    verifier.verify_message(signed)
-    with pytest.raises(SignatureError, match="replayed"):
-        verifier.verify_message(json.loads(json.dumps(signed)))
+# -- errors answered by name -------------------------------------------------------------------
 
 
-def test_message_for_another_replica_is_refused() -> None:
-    signed = signer("b").sign_message("c", {"op": "cancel"})
-    with pytest.raises(SignatureError, match="bad signature"):
-        signer("a").verify_message(signed)
-    signer("a").verify_message(signed, target="c")
+@pytest.mark.parametrize("name", sorted(ERRORS))
+def test_an_error_answered_by_a_replica_is_raised_again_as_itself(name: str) -> None:
+    reply = json.loads(json.dumps(error_reply(ERRORS[name]("the reason"))))
+    with pytest.raises(ERRORS[name], match="the reason") as raised:
+        raise_error_reply(reply)
+    assert type(raised.value) is ERRORS[name]
 
 
-def test_message_verified_for_an_explicit_target_refuses_others() -> None:
-    signed = signer("b").sign_message("a", {"op": "cancel"})
-    with pytest.raises(SignatureError, match="bad signature"):
-        signer("a").verify_message(signed, target="c")
-
-
-@pytest.mark.parametrize("missing", [SIGNATURE_FIELD, "nonce", "issued_at"])
-def test_message_without_its_proof_is_refused(missing: str) -> None:
-    signed = signer("b").sign_message("a", {"op": "cancel"})
-    del signed[missing]
-    with pytest.raises(SignatureError, match="unsigned"):
-        signer("a").verify_message(signed)
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [(SIGNATURE_FIELD, None), ("nonce", 12345), ("issued_at", "now"), ("issued_at", True)],
-)
-def test_message_with_a_mistyped_proof_is_refused(field: str, value: object) -> None:
-    signed = signer("b").sign_message("a", {"op": "cancel"})
-    signed[field] = value
-    with pytest.raises(SignatureError, match="unsigned"):
-        signer("a").verify_message(signed)
-
-
-def test_plain_message_without_a_proof_is_refused() -> None:
-    with pytest.raises(SignatureError, match="unsigned"):
-        signer("a").verify_message({"op": "cancel", "execution_id": "e1"})
-
-
-@pytest.mark.parametrize("not_a_message", [None, [], "text", 42])
-def test_non_dict_message_is_refused(not_a_message: object) -> None:
-    with pytest.raises(SignatureError, match="not a message"):
-        signer("a").verify_message(not_a_message)  # type: ignore[arg-type]
-
-
-def test_stale_message_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    signed = message_signed_at(monkeypatch, time.time() - MAX_SKEW_SECONDS - 5)
-    with pytest.raises(ClockSkewError, match="clocks differ by 3"):
-        signer("a").verify_message(signed)
-
-
-def test_future_dated_message_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    signed = message_signed_at(monkeypatch, time.time() + MAX_SKEW_SECONDS + 5)
-    with pytest.raises(ClockSkewError, match="clocks differ by 3"):
-        signer("a").verify_message(signed)
-
-
-def test_message_within_the_clock_skew_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
-    signer("a").verify_message(message_signed_at(monkeypatch, time.time() - 10))
-
-
-def test_message_signing_replaces_a_forged_proof() -> None:
-    signed = signer("b").sign_message(
-        "a", {"op": "cancel", SIGNATURE_FIELD: "forged", "nonce": "n", "issued_at": 0}
-    )
-    assert signed[SIGNATURE_FIELD] != "forged" and signed["nonce"] != "n"
-    assert signed["issued_at"] > 0
-    signer("a").verify_message(signed)
+def test_an_unknown_error_name_is_the_root_error() -> None:
+    with pytest.raises(SandboxRuntimeError, match="odd") as raised:
+        raise_error_reply({"error": "KeyboardInterrupt", "message": "odd"})
+    assert type(raised.value) is SandboxRuntimeError
+    with pytest.raises(SandboxRuntimeError, match="refused"):
+        raise_error_reply({})

@@ -211,31 +211,6 @@ async def test_finished_execution_is_never_marked_lost(store: StateStore) -> Non
     assert got is not None and got.status is ExecutionStatus.COMPLETED
 
 
-async def test_control_request_reaches_its_replica_and_is_answered(store: StateStore) -> None:
-    request_id = uuid.uuid4().hex
-
-    async def owner() -> None:
-        request = await store.next_control("r-owner", 5)
-        assert request is not None and request["op"] == "cancel"
-        await store.reply_control(request["request_id"], {"ok": True, "echo": request["op"]})
-
-    task = asyncio.create_task(owner())
-    reply = await store.send_control(
-        "r-owner", {"request_id": request_id, "op": "cancel", "deadline": time.time() + 5}, 5
-    )
-    await task
-    assert reply == {"ok": True, "echo": "cancel"}
-
-
-async def test_control_request_without_an_owner_times_out(store: StateStore) -> None:
-    started = time.monotonic()
-    reply = await store.send_control(
-        "r-nobody", {"request_id": uuid.uuid4().hex, "op": "stdin"}, 0.3
-    )
-    assert reply is None
-    assert time.monotonic() - started < 3
-
-
 async def test_redis_keys_are_readable_with_redis_cli(redis_server: RedisServer) -> None:
     store = RedisStore(redis_server.url, ttl_seconds=120, max_events=100)
     try:
@@ -305,13 +280,11 @@ async def test_redis_store_answers_at_once_after_redis_restarts(tmp_path: Path) 
     try:
         info = make_info()
         await store.write([Snapshot(info, "alice:s:one", make_events(1, 2))])
-        assert await store.next_control("r9", 0.1) is None  # the blocking client's connection
         server.stop()
         server.start()
         assert await store.get_execution(info.execution_id) is None  # a new, empty Redis
         await store.write([Snapshot(info, "alice:s:one", make_events(1, 2))])
         assert [e.seq for e in await store.get_events(info.execution_id, 0, 10)] == [1, 2]
-        assert await store.next_control("r9", 0.1) is None
         server.stop()
         with pytest.raises(RedisConnectionError):  # down is down: one retry, then the error
             await store.ping()

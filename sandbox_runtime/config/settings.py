@@ -63,8 +63,8 @@ class Settings(BaseSettings):
     cluster_secret: SecretStr | None = Field(
         None,
         description="Shared secret of the replicas of one deployment (at least 16 characters): "
-        "signs forwarded calls and control messages. Required when several replicas share a "
-        "Redis.",
+        "signs every replica-to-replica call and its answer. Required when several replicas "
+        "share a Redis.",
     )
     cluster_host: str | None = Field(
         None,

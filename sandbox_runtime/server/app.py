@@ -32,7 +32,7 @@ from sandbox_runtime.server.schemas import make_portable
 from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
-from sandbox_runtime.sessions.channel import ClusterApp
+from sandbox_runtime.sessions.listener import ClusterApp
 
 INSTRUCTIONS = (
     "Runs commands in an isolated Linux sandbox (no network, unprivileged, limited memory, "
@@ -115,17 +115,14 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        try:
-            async with (
-                build(settings, cluster_address) as services,
-                root.serving(services),
-            ):
-                await make_portable(mcp)
-                await _cache_input_schemas(mcp)
-                async with mcp_app.lifespan(app):
-                    yield
-        finally:
-            await files.aclose()  # (last: the parts' shutdown may still stream a file)
+        async with (
+            build(settings, cluster_address) as services,
+            root.serving(services),
+        ):
+            await make_portable(mcp)
+            await _cache_input_schemas(mcp)
+            async with mcp_app.lifespan(app):
+                yield
 
     async def health(request: Request) -> JSONResponse:
         if not root.running:

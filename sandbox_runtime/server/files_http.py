@@ -7,9 +7,10 @@ nothing). The token alone authorises the transfer: no bearer token, no cookies.
 
 Downloads are attachments with `nosniff` and a `sandbox` Content-Security-Policy: HTML or SVG
 that sandboxed code wrote never runs on this origin. Any replica answers: a URL of a session
-homed elsewhere is streamed to and from the home over the cluster listener, signed with the
-cluster secret (the file's bytes themselves are not signed between replicas: keep the
-cluster network private, as DEPLOYMENT.md says).
+homed elsewhere is streamed to and from the home's cluster listener by the cluster transport
+(`ChannelClient.stream`, sessions/channel.py), its method and path signed with the cluster
+secret (the file's bytes themselves are not signed between replicas: keep the cluster network
+private, as DEPLOYMENT.md says).
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.files.operations import mime_type_of
 from sandbox_runtime.files.urls import FileGrant, FileUrlSigner, UrlRefusedError
-from sandbox_runtime.sessions.channel import SIGNATURE_HEADER
+from sandbox_runtime.sessions.channel import FILES_PREFIX, SIGNATURE_HEADER
 from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.sessions.signing import SignatureError
+from sandbox_runtime.supervisor import scoped
 from sandbox_runtime.workspaces.fsops import CHUNK, Upload
 
 PUBLIC_PREFIX = "/files/"
-CLUSTER_PREFIX = "/cluster/v1/files/"
+CLUSTER_PREFIX = FILES_PREFIX  # on the cluster listener: transfers forwarded by a replica
 METHODS = ("GET", "HEAD", "PUT")
 # Types a browser could run as a document: always served as bytes.
 ACTIVE_TYPES = re.compile(r"^(text/html|application/xhtml|image/svg|text/xml|application/xml)")
@@ -80,22 +82,6 @@ class FilesApp:
         # Looked up per request: both live in the app's lifespan.
         self.router = router
         self.signer = signer
-        self._client: httpx2.AsyncClient | None = None
-
-    @property
-    def client(self) -> httpx2.AsyncClient:
-        if self._client is None:
-            self._client = httpx2.AsyncClient(
-                trust_env=False,
-                timeout=httpx2.Timeout(60.0, connect=2.0, pool=10.0),
-                limits=httpx2.Limits(max_connections=256, max_keepalive_connections=32),
-            )
-        return self._client
-
-    async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -265,7 +251,7 @@ class FilesApp:
     async def _forward(
         self, scope: Scope, receive: Receive, send: Send, router: Router, placement: Any, path: str
     ) -> None:
-        if router.signer is None:
+        if router.channel is None:
             raise OwnerUnavailableError("this session lives on another replica")
         target = CLUSTER_PREFIX + path[len(PUBLIC_PREFIX) :]
         method = scope["method"]
@@ -275,18 +261,17 @@ class FilesApp:
             # send all of it first (the home's early answer waits behind the request's body).
             await _text(send, 413, f"uploads are limited to {limit} bytes\n")
             return
-        headers = {
-            SIGNATURE_HEADER: router.signer.sign_call(placement.home, target, method.encode())
-        }
         incoming = dict(scope["headers"])
-        for key in REQUEST_HEADERS:
-            if key.encode() in incoming:
-                headers[key] = incoming[key.encode()].decode("latin-1")
+        headers = {
+            key: incoming[key.encode()].decode("latin-1")
+            for key in REQUEST_HEADERS
+            if key.encode() in incoming
+        }
         content = _body_chunks(receive) if method == "PUT" else None
-        # The path is decoded: encoded again, a name with %, ? or # reaches the home as is.
-        url = f"http://{placement.address}{quote(target)}"
         try:
-            async with self.client.stream(method, url, headers=headers, content=content) as resp:
+            async with router.channel.stream(
+                placement.home, placement.address, method, target, headers, content
+            ) as resp:
                 out = [
                     (k.encode(), v.encode("latin-1"))
                     for k, v in resp.headers.items()
@@ -336,7 +321,7 @@ async def _stream_file(fd: int, start: int, length: int, receive: Receive, send:
             pass
         gone.set()
 
-    watcher = asyncio.get_running_loop().create_task(watch())
+    watcher = scoped(watch())
     try:
         position, left = start, length
         while left > 0 and not gone.is_set():

@@ -1,15 +1,21 @@
-"""The internal channel: HTTP calls from a replica to a session's home, on a listener of their own.
+"""The cluster transport: every call from one replica to another, over one signed HTTP client.
 
-A forwarded call is one signed POST to `/cluster/v1/call` on the home's cluster address
-(never the public port, so nothing of it is reachable through nginx). The home answers with
-newline-delimited JSON as the operation runs: `{"progress": [seq, text]}` lines while it
-waits, an empty line every KEEPALIVE_SECONDS (so a caller notices a home that froze), then
-one answer, `{"result": ...}`, `{"error": ...}` or `{"not_home": ...}`, with a proof made
-with the call's nonce (`answer_mac`: a replica that redirected the call through a forged
-Redis record cannot forge the answer). A caller that goes away closes the connection, and
-the home stops waiting for it (the execution itself runs on, as it does for a local caller
-that disconnects). The listener checks a call's signature header before it reads the body,
-and reads the body against a deadline.
+Replicas reach each other only on their cluster listeners (listener.py; never the public
+port, so nothing of it is reachable through nginx), through one `ChannelClient` (one pool of
+kept-alive connections, one signer), for all three kinds of call:
+
+- a session-bound operation forwarded to the session's home: a signed POST to CALL_PATH;
+- stdin or cancel for an execution another replica runs (control.py): a signed POST to
+  CONTROL_PATH on that replica;
+- a file transfer through a signed URL of a session homed elsewhere (server/files_http.py):
+  streamed to and from FILES_PREFIX on the home, its method and path signed.
+
+A POST's answer is newline-delimited JSON as the operation runs: `{"progress": [seq, text]}`
+lines while it waits, an empty line every KEEPALIVE_SECONDS (so a caller notices a replica
+that froze), then one answer, `{"result": ...}`, `{"error": ...}` or `{"not_home": ...}`,
+with a proof made with the call's nonce (`answer_mac`: a replica that redirected the call
+through a forged Redis record cannot forge the answer). A caller that goes away closes the
+connection, and the callee stops waiting for it.
 """
 
 from __future__ import annotations
@@ -17,18 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
+from urllib.parse import quote
 
 import httpx2
-from loguru import logger
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandbox_runtime.errors import OwnerUnavailableError, SandboxRuntimeError
-from sandbox_runtime.sessions.control import raise_error_reply
+from sandbox_runtime.sessions.answers import raise_error_reply
 from sandbox_runtime.sessions.operations import Progress
 from sandbox_runtime.sessions.signing import (
-    ClockSkewError,
     ClusterSigner,
     SignatureError,
     describe_skew,
@@ -36,6 +40,8 @@ from sandbox_runtime.sessions.signing import (
 )
 
 CALL_PATH = "/cluster/v1/call"
+CONTROL_PATH = "/cluster/v1/control"
+FILES_PREFIX = "/cluster/v1/files/"
 SIGNATURE_HEADER = "x-srt-cluster-signature"
 SKEW_REFUSAL = "clock-skew"  # a 403's body: `clock-skew <seconds the caller's clock is ahead>`
 MAX_CALL_BYTES = 16 * 1024 * 1024  # a forwarded call carries one tool call's arguments
@@ -45,16 +51,8 @@ KEEPALIVE_SECONDS = 5.0
 READ_TIMEOUT = 3 * KEEPALIVE_SECONDS  # a home silent this long is taken for frozen
 POOL_TIMEOUT = 10.0
 WAIT_SLACK_SECONDS = 30.0  # past the operation's own deadline, for the home to answer
-
-
-class Served(Protocol):
-    """What the cluster listener serves: the router's signer and its forwarded-call handler."""
-
-    signer: ClusterSigner | None
-
-    def serve_forwarded(
-        self, call: dict[str, Any], progress: Progress | None
-    ) -> Awaitable[dict[str, Any]]: ...
+# A file transfer: no keepalives in a file's bytes, so a longer silence is allowed.
+STREAM_TIMEOUT = httpx2.Timeout(60.0, connect=CONNECT_TIMEOUT, pool=POOL_TIMEOUT)
 
 
 class HomeMovedError(SandboxRuntimeError):
@@ -67,130 +65,6 @@ class HomeUnreachableError(OwnerUnavailableError):
 
 class HomeFrozenError(OwnerUnavailableError):
     """The home took the call, then went silent (frozen, cut off): the outcome is unknown."""
-
-
-class ClusterApp:
-    """ASGI app of the cluster listener: signed forwarded calls only, everything else 404."""
-
-    def __init__(
-        self, served: Callable[[], Served], streams: dict[str, ASGIApp] | None = None
-    ) -> None:
-        self.served = served  # looked up per call: the router lives in the app's lifespan
-        self.streams = streams or {}  # path prefix -> app checking its own signatures
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            return
-        for prefix, app in self.streams.items():
-            if scope["path"].startswith(prefix):
-                await app(scope, receive, send)
-                return
-        if scope["path"] != CALL_PATH or scope["method"] != "POST":
-            await _plain(send, 404, b"not found\n")
-            return
-        try:
-            served = self.served()
-        except SandboxRuntimeError:  # starting or stopping
-            await _plain(send, 503, b"not serving\n")
-            return
-        if served.signer is None:
-            await _plain(send, 403, b"no cluster secret configured\n")
-            return
-        headers = dict(scope["headers"])
-        header = headers.get(SIGNATURE_HEADER.encode(), b"").decode("latin-1") or None
-        try:
-            length = int(headers.get(b"content-length", b"-1"))
-            served.signer.check_call_header(header)  # before reading anything more
-        except ClockSkewError as exc:  # (told to the caller: it is not a wrong secret)
-            logger.warning("cluster call refused: {}", exc)
-            await _plain(send, 403, f"{SKEW_REFUSAL} {exc.skew:.3f}\n".encode())
-            return
-        except (SignatureError, ValueError) as exc:
-            logger.warning("cluster call refused: {}", exc)
-            await _plain(send, 403, b"forbidden\n")
-            return
-        if not 0 <= length <= MAX_CALL_BYTES:
-            await _plain(send, 413, b"a Content-Length up to 16 MiB is required\n")
-            return
-        try:
-            async with asyncio.timeout(BODY_TIMEOUT):
-                body = await _read_body(receive, length)
-        except TimeoutError:
-            body = None
-        if body is None:
-            await _plain(send, 400, b"incomplete body\n")
-            return
-        try:
-            nonce = served.signer.verify_call(header, CALL_PATH, body)
-            call = json.loads(body)
-            if not isinstance(call, dict):
-                raise ValueError("not an object")
-        except (SignatureError, ValueError) as exc:
-            logger.warning("cluster call refused: {}", exc)
-            await _plain(send, 403, b"forbidden\n")
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": [(b"content-type", b"application/x-ndjson")],
-            }
-        )
-        lines: asyncio.Queue[bytes | None] = asyncio.Queue()
-
-        async def progress(seq: int, text: str) -> None:
-            lines.put_nowait(_line({"progress": [seq, text]}))
-
-        async def run() -> None:
-            try:
-                result = await served.serve_forwarded(
-                    call, progress if call.get("progress") else None
-                )
-                reply: dict[str, Any] = {"result": result}
-            except HomeMovedError as exc:
-                reply = {"not_home": str(exc)}
-            except SandboxRuntimeError as exc:
-                reply = {"error": {"error": type(exc).__name__, "message": str(exc)}}
-            except Exception as exc:  # the boundary of a forwarded call: answer, log once
-                logger.exception("forwarded call failed")
-                reply = {"error": {"error": "SandboxRuntimeError", "message": str(exc)}}
-            answer = json.dumps(reply, ensure_ascii=False).encode()
-            mac = served.signer.sign_answer(nonce, answer) if served.signer else ""
-            lines.put_nowait(
-                json.dumps({"answer": answer.decode(), "answer_mac": mac}).encode() + b"\n"
-            )
-            lines.put_nowait(None)
-
-        async def watch_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        worker = asyncio.get_running_loop().create_task(run())
-        watcher = asyncio.get_running_loop().create_task(watch_disconnect())
-        try:
-            while True:
-                getter = asyncio.ensure_future(lines.get())
-                done, _ = await asyncio.wait(
-                    {getter, watcher},
-                    timeout=KEEPALIVE_SECONDS,
-                    return_when=asyncio.FIRST_COMPLETED,
-                )
-                if not done:  # still working: tell the caller we are alive
-                    getter.cancel()
-                    await send({"type": "http.response.body", "body": b"\n", "more_body": True})
-                    continue
-                if getter not in done:  # the caller went away: stop serving it
-                    getter.cancel()
-                    break
-                line = getter.result()
-                if line is None:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-                    break
-                await send({"type": "http.response.body", "body": line, "more_body": True})
-        finally:
-            for task in (worker, watcher):
-                task.cancel()
-            await asyncio.gather(worker, watcher, return_exceptions=True)
 
 
 class ChannelClient:
@@ -223,12 +97,72 @@ class ChannelClient:
         never reached it), OwnerUnavailableError (it failed mid-call) or the domain error the
         home answered with.
         """
-        body = json.dumps({**call, "progress": progress is not None}).encode()
-        signature = self.signer.sign_call(target, CALL_PATH, body)
+        reply = await self._post(
+            target,
+            address,
+            CALL_PATH,
+            {**call, "progress": progress is not None},
+            progress,
+            wait_seconds + WAIT_SLACK_SECONDS,
+            f"the session's home replica {target}",
+        )
+        if "result" in reply:
+            return dict(reply["result"])
+        if "not_home" in reply:
+            raise HomeMovedError(str(reply["not_home"]))
+        error = reply.get("error")
+        raise_error_reply(error if isinstance(error, dict) else {})
+        raise AssertionError("unreachable")
+
+    async def control(
+        self, target: str, address: str, request: dict[str, Any], wait_seconds: float, who: str
+    ) -> dict[str, Any]:
+        """Send a control request (control.py) to replica `target` at `address` and wait for
+        its answer at most `wait_seconds`: `{"result": ...}` or `{"error": {...}}`.
+
+        Raises OwnerUnavailableError (or a subclass) when no answer came: `who` names the
+        replica in its message.
+        """
+        return await self._post(target, address, CONTROL_PATH, request, None, wait_seconds, who)
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        target: str,
+        address: str,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        content: AsyncIterable[bytes] | None,
+    ) -> AsyncIterator[httpx2.Response]:
+        """A file transfer to replica `target`'s `path` (under FILES_PREFIX), its method and
+        path signed (the bytes are not: the transfer streams them). Yields the response, its
+        body not read yet. Raises what httpx2 raises."""
+        signed = {SIGNATURE_HEADER: self.signer.sign_call(target, path, method.encode())}
+        # The path is decoded: encoded again, a name with %, ? or # reaches the home as is.
+        url = f"http://{address}{quote(path)}"
+        async with self.http.stream(
+            method, url, headers={**headers, **signed}, content=content, timeout=STREAM_TIMEOUT
+        ) as response:
+            yield response
+
+    async def _post(
+        self,
+        target: str,
+        address: str,
+        path: str,
+        call: dict[str, Any],
+        progress: Progress | None,
+        wait_seconds: float,
+        who: str,
+    ) -> dict[str, Any]:
+        """POST `call` to `path` on replica `target`; its signed answer, verified."""
+        body = json.dumps(call).encode()
+        signature = self.signer.sign_call(target, path, body)
         headers = {SIGNATURE_HEADER: signature, "content-type": "application/json"}
-        url = f"http://{address}{CALL_PATH}"
+        url = f"http://{address}{path}"
         try:
-            async with asyncio.timeout(wait_seconds + WAIT_SLACK_SECONDS):
+            async with asyncio.timeout(wait_seconds):
                 async with self.http.stream("POST", url, content=body, headers=headers) as resp:
                     if resp.status_code == 403 and (skew := await _refused_skew(resp)):
                         raise OwnerUnavailableError(
@@ -254,8 +188,7 @@ class ChannelClient:
                         return self._answer(target, nonce_of(signature), message)
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise HomeUnreachableError(
-                f"the session's home replica {target} ({address}) does not answer "
-                f"({type(exc).__name__})"
+                f"{who} ({address}) does not answer ({type(exc).__name__})"
             ) from exc
         except httpx2.PoolTimeout:
             raise OwnerUnavailableError(
@@ -263,9 +196,8 @@ class ChannelClient:
             ) from None
         except httpx2.ReadTimeout:
             raise HomeFrozenError(
-                f"the session's home replica {target} stopped answering mid-call (no sign of "
-                f"life for {READ_TIMEOUT:g} s); the call's outcome is unknown: check "
-                "list_executions"
+                f"{who} stopped answering mid-call (no sign of life for {READ_TIMEOUT:g} s); "
+                "the call's outcome is unknown: check list_executions"
             ) from None
         except (ValueError, TypeError, KeyError) as exc:  # a garbled answer
             raise OwnerUnavailableError(
@@ -273,18 +205,19 @@ class ChannelClient:
             ) from None
         except httpx2.HTTPError as exc:
             raise OwnerUnavailableError(
-                f"the call to the session's home replica {target} broke off "
-                f"({type(exc).__name__}); the operation's outcome is unknown: check "
-                "list_executions"
+                f"the call to {who} broke off ({type(exc).__name__}); the operation's outcome "
+                "is unknown: check list_executions"
             ) from exc
         except TimeoutError:
             raise OwnerUnavailableError(
-                f"the session's home replica {target} did not answer in time"
+                f"{who} did not answer within {wait_seconds:g} s"
+                if path == CONTROL_PATH
+                else f"{who} did not answer in time"
             ) from None
         raise OwnerUnavailableError(f"replica {target} ended a forwarded call without an answer")
 
     def _answer(self, target: str, nonce: str, message: dict[str, Any]) -> dict[str, Any]:
-        """The result in a home's signed answer, or the error it answered with."""
+        """A replica's signed answer, once its proof is checked."""
         answer = str(message["answer"]).encode()
         try:
             self.signer.verify_answer(target, nonce, answer, str(message.get("answer_mac", "")))
@@ -294,38 +227,13 @@ class ChannelClient:
                 "record may have been tampered with; refusing it"
             ) from None
         reply = json.loads(answer)
-        if "result" in reply:
-            return dict(reply["result"])
-        if "not_home" in reply:
-            raise HomeMovedError(str(reply["not_home"]))
-        error = reply.get("error")
-        raise_error_reply(error if isinstance(error, dict) else {})
-        raise AssertionError("unreachable")
-
-
-def _line(message: dict[str, Any]) -> bytes:  # progress lines (unsigned: output only)
-    return json.dumps(message, ensure_ascii=False).encode() + b"\n"
-
-
-async def _read_body(receive: Receive, length: int) -> bytes | None:
-    """Exactly `length` bytes of body (None: more, fewer, or the client left)."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > length:
-            return None
-        chunks.append(chunk)
-        if not message.get("more_body"):
-            return b"".join(chunks) if size == length else None
+        if not isinstance(reply, dict):
+            raise ValueError("not an object")
+        return reply
 
 
 async def _refused_skew(resp: httpx2.Response) -> float | None:
-    """The clock skew a home gave as its reason to refuse a call (None: another reason)."""
+    """The clock skew a replica gave as its reason to refuse a call (None: another reason)."""
     try:
         words = (await resp.aread())[:200].decode("ascii").split()
         if len(words) == 2 and words[0] == SKEW_REFUSAL:
@@ -333,17 +241,3 @@ async def _refused_skew(resp: httpx2.Response) -> float | None:
     except (UnicodeDecodeError, ValueError):
         pass
     return None
-
-
-async def _plain(send: Send, status: int, body: bytes) -> None:
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"text/plain"),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

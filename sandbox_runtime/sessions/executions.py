@@ -1,6 +1,6 @@
 """Executions read and controlled from any replica: this one's from memory, another's from
 the shared store (marked lost on the way when that replica stopped heart-beating), stdin and
-cancel for another's sent to it as signed control messages (control.py)."""
+cancel for another's sent to it as a signed call over the cluster transport (control.py)."""
 
 from __future__ import annotations
 

@@ -69,9 +69,9 @@ class Router:
         self.sessions = cluster.sessions
         self.signer = cluster.signer
         store = cluster.store if isinstance(cluster, RedisCluster) else None
-        self.control = ControlChannel(store, manager, self.signer) if store else None
-        self.executions = ExecutionAccess(settings, manager, self.control, store)
         self.channel = ChannelClient(self.signer) if self.signer is not None else None
+        self.control = ControlChannel(store, manager, self.channel) if store else None
+        self.executions = ExecutionAccess(settings, manager, self.control, store)
         self._record_ttl = (
             max(settings.retention_seconds, settings.workspace_retention_seconds)
             * RECORD_LIFE_FACTOR
@@ -85,8 +85,6 @@ class Router:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        if self.control is not None:
-            self.control.start()
         self.cluster.watch(
             self.manager.running,
             self._record_ttl,
@@ -95,8 +93,6 @@ class Router:
         )
 
     async def aclose(self) -> None:
-        if self.control is not None:
-            await self.control.aclose()
         if self.channel is not None:
             await self.channel.aclose()
 

@@ -1,23 +1,20 @@
-"""The cluster secret's proofs: HMAC signatures on replica-to-replica calls and control messages.
+"""The cluster secret's proofs: HMAC signatures on replica-to-replica calls and their answers.
 
-A proof binds the message to its target replica, a time and a nonce. A verifier refuses a
-proof that is not for it, older (or newer) than MAX_SKEW_SECONDS, or already seen: a copy of
-a message taken from Redis or the network does nothing the second time, nor anywhere else.
+A proof binds the call to its target replica, its path, a time and a nonce. A verifier refuses
+a proof that is not for it, older (or newer) than MAX_SKEW_SECONDS, or already seen: a copy of
+a call taken from the network does nothing the second time, nor anywhere else.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import math
 import secrets
 import time
-from typing import Any
 
 MAX_SKEW_SECONDS = 30.0  # clocks of replicas agree to well within this (NTP)
 MAX_REMEMBERED_NONCES = 200_000  # a verifier refuses rather than forget one still in its window
-SIGNATURE_FIELD = "signature"
 
 
 class SignatureError(Exception):
@@ -138,40 +135,7 @@ class ClusterSigner:
         if not hmac.compare_digest(self._mac("answer-v1", home, nonce, answer), mac):
             raise SignatureError("an answer without a valid proof")
 
-    # -- control messages through Redis -----------------------------------------------------
-
-    def sign_message(self, target: str, message: dict[str, Any]) -> dict[str, Any]:
-        """`message` with a proof for replica `target` (fields `issued_at`, `nonce` and
-        `signature` are set here)."""
-        signed = {**message, "issued_at": time.time(), "nonce": secrets.token_hex(16)}
-        signed.pop(SIGNATURE_FIELD, None)
-        signed[SIGNATURE_FIELD] = self._mac("msg-v1", target, _canonical(signed))
-        return signed
-
-    def verify_message(self, message: dict[str, Any], target: str | None = None) -> None:
-        """Raises SignatureError unless `message` carries a fresh, first-seen proof for `target`
-        (default: this replica)."""
-        if not isinstance(message, dict):
-            raise SignatureError("not a message")
-        mac = message.get(SIGNATURE_FIELD)
-        issued_at = message.get("issued_at")
-        nonce = message.get("nonce")
-        if not isinstance(mac, str) or not isinstance(nonce, str):
-            raise SignatureError("unsigned message")
-        if isinstance(issued_at, bool) or not isinstance(issued_at, int | float):
-            raise SignatureError("unsigned message")
-        self._check_fresh(float(issued_at), nonce)
-        body = {k: v for k, v in message.items() if k != SIGNATURE_FIELD}
-        expected = self._mac("msg-v1", target or self.replica_id, _canonical(body))
-        if not hmac.compare_digest(expected, mac):
-            raise SignatureError("bad signature")
-        self._remember(nonce, float(issued_at))
-
 
 def nonce_of(header: str) -> str:
     """The nonce of a call's signature header (made by sign_call)."""
     return header.split(",")[2]
-
-
-def _canonical(message: dict[str, Any]) -> str:
-    return json.dumps(message, sort_keys=True, separators=(",", ":"), ensure_ascii=True)

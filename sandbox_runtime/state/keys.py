@@ -7,7 +7,6 @@ from dataclasses import dataclass
 DEFAULT_TTL_SECONDS = 3600
 HEARTBEAT_TTL_SECONDS = 10
 HEARTBEAT_INTERVAL_SECONDS = 3
-CONTROL_REPLY_TTL_SECONDS = 60
 RUNNING_LEASE_SECONDS = 30  # a running execution's slot in its principal's count, renewed
 
 
@@ -37,14 +36,6 @@ class Keys:
         """set: ids of the executions a replica's processes have mirrored as not finished
         (a restarted replica marks its previous incarnation's lost from it)."""
         return f"{self.prefix}replica:{replica_id}:running"
-
-    def control(self, replica_id: str) -> str:
-        """list: control requests (stdin, cancel) for the replica that owns the execution."""
-        return f"{self.prefix}replica:{replica_id}:control"
-
-    def reply(self, request_id: str) -> str:
-        """list: the answer to one control request."""
-        return f"{self.prefix}control:{request_id}:reply"
 
     def session_home(self, session_key: str) -> str:
         """string: a session's record as JSON (home replica, times, what it holds); TTL =

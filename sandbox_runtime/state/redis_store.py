@@ -13,7 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import WatchError
 
 from sandbox_runtime.domain.models import ExecutionInfo, OutputEvent
-from sandbox_runtime.state.keys import CONTROL_REPLY_TTL_SECONDS, Keys
+from sandbox_runtime.state.keys import Keys
 from sandbox_runtime.state.store import (
     Beat,
     Snapshot,
@@ -92,8 +92,6 @@ class RedisStore:
             "health_check_interval": 15,
         }
         self.redis = redis_client(url, socket_timeout=timeout, **common)
-        # Blocking pops wait up to a few seconds server-side: give their socket more time.
-        self._blocking = redis_client(url, socket_timeout=timeout + 10, **common)
         self._write = self.redis.register_script(WRITE_SCRIPT)
 
     async def write(self, batch: list[Snapshot], beat: Beat | None = None) -> Written:
@@ -240,37 +238,8 @@ class RedisStore:
                     continue
         return await self.get_execution(execution_id)
 
-    async def send_control(
-        self, replica_id: str, request: dict[str, Any], wait_seconds: float
-    ) -> dict[str, Any] | None:
-        key = self.keys.control(replica_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.rpush(key, json.dumps(request))
-            pipe.expire(key, CONTROL_REPLY_TTL_SECONDS)
-            await pipe.execute()
-        got = await self._blocking.blpop([self.keys.reply(request["request_id"])], wait_seconds)
-        return json.loads(got[1]) if got else None
-
-    async def next_control(self, replica_id: str, wait_seconds: float) -> dict[str, Any] | None:
-        got = await self._blocking.blpop([self.keys.control(replica_id)], wait_seconds)
-        if not got:
-            return None
-        try:
-            message = json.loads(got[1])
-        except ValueError:
-            return {"unreadable": True}  # refused by the reader like any unsigned message
-        return message if isinstance(message, dict) else {"unreadable": True}
-
-    async def reply_control(self, request_id: str, reply: dict[str, Any]) -> None:
-        key = self.keys.reply(request_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.rpush(key, json.dumps(reply))
-            pipe.expire(key, CONTROL_REPLY_TTL_SECONDS)
-            await pipe.execute()
-
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
 
     async def aclose(self) -> None:
         await self.redis.aclose()
-        await self._blocking.aclose()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -98,16 +97,6 @@ class StateStore(Protocol):
         Returns the stored metadata afterwards (changed or not), None if unknown.
         """
 
-    async def send_control(
-        self, replica_id: str, request: dict[str, Any], wait_seconds: float
-    ) -> dict[str, Any] | None:
-        """Queue a control request for `replica_id` and wait for its reply (None: no reply)."""
-
-    async def next_control(self, replica_id: str, wait_seconds: float) -> dict[str, Any] | None:
-        """The next control request for this replica, waiting up to `wait_seconds`."""
-
-    async def reply_control(self, request_id: str, reply: dict[str, Any]) -> None: ...
-
     async def ping(self) -> bool: ...
 
     async def aclose(self) -> None: ...
@@ -155,8 +144,6 @@ class MemoryStore:
         self._replicas: dict[str, float] = {}
         self._payloads: dict[str, dict[str, Any]] = {}
         self._replica_running: dict[str, set[str]] = {}
-        self._control: dict[str, asyncio.Queue[dict[str, Any]]] = {}
-        self._replies: dict[str, asyncio.Queue[dict[str, Any]]] = {}
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -255,30 +242,6 @@ class MemoryStore:
             events.append(lost_event(len(events) + 1, now))
             info.last_seq = len(events)
         return info.model_copy(deep=True)
-
-    async def send_control(
-        self, replica_id: str, request: dict[str, Any], wait_seconds: float
-    ) -> dict[str, Any] | None:
-        replies = self._replies.setdefault(request["request_id"], asyncio.Queue())
-        await self._control.setdefault(replica_id, asyncio.Queue()).put(request)
-        try:
-            return await asyncio.wait_for(replies.get(), wait_seconds)
-        except TimeoutError:
-            return None
-        finally:
-            self._replies.pop(request["request_id"], None)
-
-    async def next_control(self, replica_id: str, wait_seconds: float) -> dict[str, Any] | None:
-        queue = self._control.setdefault(replica_id, asyncio.Queue())
-        try:
-            return await asyncio.wait_for(queue.get(), wait_seconds)
-        except TimeoutError:
-            return None
-
-    async def reply_control(self, request_id: str, reply: dict[str, Any]) -> None:
-        queue = self._replies.get(request_id)
-        if queue is not None:
-            await queue.put(reply)
 
     async def ping(self) -> bool:
         return True

@@ -1,0 +1,323 @@
+"""The one cluster transport, in process: control of another replica's executions.
+
+A real ClusterApp (the cluster listener's app) under a real uvicorn on a loopback port, a real
+ChannelClient and ControlChannel on the calling side, the shared store in memory; the
+executions are stand-ins (no sandbox), so these run without bwrap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx2
+import pytest
+import uvicorn
+
+from sandbox_runtime.domain.models import ExecutionInfo, ExecutionStatus
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.errors import (
+    ExecutionFinishedError,
+    ExecutionNotFoundError,
+    InvalidRequestError,
+    OwnerUnavailableError,
+)
+from sandbox_runtime.metrics import Metrics
+from sandbox_runtime.sessions import control as control_module
+from sandbox_runtime.sessions import signing
+from sandbox_runtime.sessions.channel import CALL_PATH, CONTROL_PATH, ChannelClient
+from sandbox_runtime.sessions.control import ControlChannel
+from sandbox_runtime.sessions.listener import ClusterApp
+from sandbox_runtime.sessions.signing import ClusterSigner
+from sandbox_runtime.state.store import Beat, MemoryStore
+from sandbox_runtime.supervisor import Supervisor
+
+pytestmark = pytest.mark.unit
+
+SECRET = "the-cluster-secret-of-these-tests"
+OWNER = Owner("alice", "s:one")
+
+
+@dataclass
+class FakeExecution:
+    info: ExecutionInfo
+    owner: Owner
+    stdin: list[str] = field(default_factory=list)
+    cancelled: list[bool] = field(default_factory=list)
+
+
+class FakeManager:
+    """What ControlChannel uses of an ExecutionManager, with executions that need no sandbox."""
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.metrics = Metrics()
+        self.supervisor = Supervisor()
+        self.executions: dict[str, FakeExecution] = {}
+        self.cancel_takes = 0.0
+
+    def start(self, owner: Owner = OWNER) -> FakeExecution:
+        info = info_on(self.replica_id, owner)
+        execution = FakeExecution(info, owner)
+        self.executions[info.execution_id] = execution
+        return execution
+
+    def get(self, owner: Owner, execution_id: str) -> FakeExecution:
+        execution = self.executions.get(execution_id)
+        if execution is None or execution.owner != owner:
+            raise ExecutionNotFoundError(f"execution {execution_id} not found")
+        return execution
+
+    async def write_stdin(self, execution: FakeExecution, data: str, close: bool) -> int:
+        if len(data) > 10:
+            raise InvalidRequestError(f"input_data is {len(data)} bytes; at most 10 per call")
+        execution.stdin.append(data)
+        if close:
+            execution.info.stdin_open = False
+        return len(data.encode())
+
+    async def cancel_local(self, execution: FakeExecution, force: bool) -> bool:
+        await asyncio.sleep(self.cancel_takes)
+        was_finished = execution.info.status.finished
+        execution.cancelled.append(force)
+        execution.info.status = ExecutionStatus.CANCELLED
+        return was_finished
+
+
+def info_on(replica_id: str, owner: Owner = OWNER) -> ExecutionInfo:
+    return ExecutionInfo(
+        execution_id=uuid.uuid4().hex,
+        status=ExecutionStatus.RUNNING,
+        principal=owner.principal,
+        session_id=owner.session_id,
+        replica_id=replica_id,
+        command="cat",
+        timeout_seconds=30,
+        created_at=time.time(),
+        interactive=True,
+        stdin_open=True,
+    )
+
+
+@dataclass
+class Served:
+    """The cluster listener's side of replica A (what the Router gives it)."""
+
+    signer: ClusterSigner | None
+    control: ControlChannel | None
+
+    async def serve_forwarded(self, call: dict[str, Any], progress: Any) -> dict[str, Any]:
+        return {"echo": call.get("op")}
+
+
+@dataclass
+class Pair:
+    store: MemoryStore
+    owner_manager: FakeManager  # replica A: runs the executions
+    caller: ControlChannel  # replica B: controls them
+    caller_manager: FakeManager
+    address: str
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    store = MemoryStore()
+    a, b = FakeManager("ra"), FakeManager("rb")
+    served_control = ControlChannel(store, a, ChannelClient(ClusterSigner(SECRET, "ra")))  # type: ignore[arg-type]
+    served = Served(ClusterSigner(SECRET, "ra"), served_control)  # (one signer: its nonces)
+    app = ClusterApp(lambda: served)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    address = f"127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    serving = asyncio.ensure_future(server.serve(sockets=[sock]))
+    for _ in range(500):
+        if server.started:
+            break
+        await asyncio.sleep(0.01)
+    await store.write([], Beat("ra", {"cluster_address": address}, 30))
+    channel = ChannelClient(ClusterSigner(SECRET, "rb"))
+    caller = ControlChannel(store, b, channel)  # type: ignore[arg-type]
+    try:
+        yield Pair(store, a, caller, b, address)
+    finally:
+        await channel.aclose()
+        server.should_exit = True
+        await serving
+        await a.supervisor.aclose()
+        sock.close()
+
+
+def count(manager: FakeManager, op: str, result: str) -> float:
+    value = manager.metrics.registry.get_sample_value(
+        "srt_control_forwarded_total", {"op": op, "result": result}
+    )
+    return value or 0.0
+
+
+async def test_stdin_and_cancel_reach_the_execution_on_the_other_replica(pair: Pair) -> None:
+    execution = pair.owner_manager.start()
+    reply = await pair.caller.send(execution.info, {"op": "stdin", "data": "hé\n"}, OWNER)
+    assert reply["bytes_written"] == len("hé\n".encode())
+    assert ExecutionInfo.model_validate(reply["info"]).execution_id == execution.info.execution_id
+    assert execution.stdin == ["hé\n"]
+    reply = await pair.caller.send(execution.info, {"op": "cancel", "force": True}, OWNER)
+    assert reply["was_finished"] is False and execution.cancelled == [True]
+    assert ExecutionInfo.model_validate(reply["info"]).status is ExecutionStatus.CANCELLED
+    assert count(pair.caller_manager, "stdin", "ok") == count(pair.caller_manager, "cancel", "ok")
+    assert count(pair.caller_manager, "cancel", "ok") == 1
+
+
+async def test_the_owners_refusal_is_raised_again_on_the_caller(pair: Pair) -> None:
+    execution = pair.owner_manager.start()
+    with pytest.raises(InvalidRequestError, match="at most 10 per call"):
+        await pair.caller.send(execution.info, {"op": "stdin", "data": "x" * 11}, OWNER)
+    with pytest.raises(InvalidRequestError, match="unknown control operation"):
+        await pair.caller.send(execution.info, {"op": "kill"}, OWNER)
+    assert count(pair.caller_manager, "stdin", "refused") == 1
+
+
+async def test_another_owners_execution_is_not_found_there(pair: Pair) -> None:
+    execution = pair.owner_manager.start(Owner("bob", "s:one"))
+    info = execution.info.model_copy(update={"principal": "alice"})
+    with pytest.raises(ExecutionNotFoundError, match="not found"):
+        await pair.caller.send(info, {"op": "cancel", "force": True}, OWNER)
+    assert execution.cancelled == []
+
+
+async def test_stdin_past_the_limit_is_refused_before_it_is_sent(pair: Pair) -> None:
+    execution = pair.owner_manager.start()
+    big = "x" * (control_module.MAX_STDIN_BYTES + 1)
+    with pytest.raises(InvalidRequestError, match="per call"):
+        await pair.caller.send(execution.info, {"op": "stdin", "data": big}, OWNER)
+    assert execution.stdin == []
+
+
+async def test_a_finished_execution_is_not_sent_for(pair: Pair) -> None:
+    info = info_on("ra").model_copy(update={"status": ExecutionStatus.COMPLETED})
+    with pytest.raises(ExecutionFinishedError, match="already finished"):
+        await pair.caller.send(info, {"op": "cancel"}, OWNER)
+
+
+async def test_a_replica_without_a_cluster_listener_is_named(pair: Pair) -> None:
+    await pair.store.write([], Beat("rnolistener", {"cluster_address": ""}, 30))
+    with pytest.raises(OwnerUnavailableError, match="has no cluster listener"):
+        await pair.caller.send(info_on("rnolistener"), {"op": "cancel"}, OWNER)
+    assert count(pair.caller_manager, "cancel", "no_address") == 1
+    with pytest.raises(OwnerUnavailableError, match="has no heartbeat"):
+        await pair.caller.send(info_on("rgone"), {"op": "cancel"}, OWNER)
+
+
+async def test_without_a_secret_nothing_is_sent(pair: Pair) -> None:
+    alone = ControlChannel(pair.store, pair.caller_manager, None)  # type: ignore[arg-type]
+    with pytest.raises(OwnerUnavailableError, match="no SANDBOX_CLUSTER_SECRET"):
+        await alone.send(info_on("ra"), {"op": "cancel"}, OWNER)
+
+
+async def test_an_unreachable_replica_is_unavailable_not_not_found(pair: Pair) -> None:
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    await pair.store.write([], Beat("rdown", {"cluster_address": f"127.0.0.1:{port}"}, 30))
+    with pytest.raises(OwnerUnavailableError, match="does not answer"):
+        await pair.caller.send(info_on("rdown"), {"op": "cancel"}, OWNER)
+    assert count(pair.caller_manager, "cancel", "no_answer") == 1
+
+
+async def test_the_wait_is_bounded_and_a_cancel_runs_to_its_end_anyway(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control_module, "CONTROL_WAIT_SECONDS", 0.3)
+    pair.owner_manager.cancel_takes = 1.0
+    execution = pair.owner_manager.start()
+    started = time.monotonic()
+    with pytest.raises(OwnerUnavailableError, match=r"did not answer within 0.3 s"):
+        await pair.caller.send(execution.info, {"op": "cancel", "force": True}, OWNER)
+    assert time.monotonic() - started < 1.0
+    for _ in range(100):  # the caller left; the cancel on the owner still ends
+        if execution.cancelled:
+            break
+        await asyncio.sleep(0.05)
+    assert execution.cancelled == [True]
+
+
+async def post(address: str, path: str, body: bytes, header: str | None) -> httpx2.Response:
+    headers = {"x-srt-cluster-signature": header} if header else {}
+    async with httpx2.AsyncClient(trust_env=False, timeout=5) as http:
+        return await http.post(f"http://{address}{path}", content=body, headers=headers)
+
+
+def answer_of(response: httpx2.Response) -> dict[str, Any]:
+    last = [line for line in response.text.splitlines() if line][-1]
+    return dict(json.loads(json.loads(last)["answer"]))
+
+
+async def test_forged_stale_misdirected_or_replayed_control_calls_are_refused(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    execution = pair.owner_manager.start()
+    call = {
+        "op": "cancel",
+        "force": True,
+        "execution_id": execution.info.execution_id,
+        "principal": OWNER.principal,
+        "session_id": OWNER.session_id,
+    }
+    body = json.dumps(call).encode()
+    signer = ClusterSigner(SECRET, "intruder")
+    real = time.time()
+    with monkeypatch.context() as m:  # signed ten minutes ago
+        m.setattr(signing.time, "time", lambda: real - 600)
+        stale = signer.sign_call("ra", CONTROL_PATH, body)
+    refused = [
+        None,
+        "v1,1,abc,def",
+        ClusterSigner("a-different-secret-0123456789", "x").sign_call("ra", CONTROL_PATH, body),
+        signer.sign_call("another-replica", CONTROL_PATH, body),
+        signer.sign_call("ra", CALL_PATH, body),  # a forwarded call's proof, not a control's
+        signer.sign_call("ra", CONTROL_PATH, body.replace(b"true", b"false")),
+        stale,
+    ]
+    for header in refused:
+        response = await post(pair.address, CONTROL_PATH, body, header)
+        assert response.status_code == 403, (header, response.text)
+    assert (await post(pair.address, CONTROL_PATH, body, stale)).text.startswith("clock-skew ")
+    assert execution.cancelled == [], "a refused call was acted on"
+    refusals = pair.owner_manager.metrics.registry.get_sample_value("srt_control_refused_total")
+    assert refusals == len(refused) + 1
+    genuine = signer.sign_call("ra", CONTROL_PATH, body)
+    first = await post(pair.address, CONTROL_PATH, body, genuine)
+    assert first.status_code == 200 and answer_of(first)["result"]["was_finished"] is False
+    replayed = await post(pair.address, CONTROL_PATH, body, genuine)
+    assert replayed.status_code == 403
+    assert execution.cancelled == [True], "the replayed cancel was acted on"
+    # Another owner's genuine call learns nothing: its id reads as unknown.
+    other = json.dumps({**call, "principal": "mallory"}).encode()
+    response = await post(
+        pair.address, CONTROL_PATH, other, signer.sign_call("ra", CONTROL_PATH, other)
+    )
+    assert answer_of(response)["error"]["error"] == "ExecutionNotFoundError"
+
+
+async def test_a_control_call_that_is_too_big_or_cut_short_is_refused(pair: Pair) -> None:
+    signer = ClusterSigner(SECRET, "intruder")
+    body = b"{}"
+    host, port = pair.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:  # 100 MB announced with a valid header: refused before a byte of body is read
+        header = signer.sign_call("ra", CONTROL_PATH, body)
+        writer.write(
+            f"POST {CONTROL_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n"
+            f"x-srt-cluster-signature: {header}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 5)
+        assert b" 413 " in status, status
+    finally:
+        writer.close()
