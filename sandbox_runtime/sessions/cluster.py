@@ -24,8 +24,12 @@ from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import LimitExceededError, SandboxRuntimeError
 from sandbox_runtime.execution.cluster import ExecutionsHere
 from sandbox_runtime.execution.execution import Execution
+from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.metrics import Metrics
+from sandbox_runtime.sessions.channel import ChannelClient
 from sandbox_runtime.sessions.clock import ClockWatch
+from sandbox_runtime.sessions.control import ControlChannel
+from sandbox_runtime.sessions.elsewhere import InTheStore, NowhereElse
 from sandbox_runtime.sessions.epochs import EpochWatch
 from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.sessions.signing import ClusterSigner
@@ -93,6 +97,10 @@ class LocalCluster:
         self._loops = []
 
     # -- executions --------------------------------------------------------------------------
+
+    def elsewhere(self, manager: ExecutionManager, channel: ChannelClient | None) -> NowhereElse:
+        """Other replicas' executions as seen from here: none."""
+        return NowhereElse()
 
     async def admit(self, owner: Owner, execution_id: str) -> None:
         """Count an execution against its principal's running limit, cluster-wide."""
@@ -253,6 +261,10 @@ class RedisCluster(LocalCluster):
             logger.error("redis: the final flush did not finish in 15 s; giving up")
 
     # -- executions --------------------------------------------------------------------------
+
+    def elsewhere(self, manager: ExecutionManager, channel: ChannelClient | None) -> NowhereElse:
+        """Other replicas' executions: read from the store, controlled over `channel`."""
+        return InTheStore(self.store, manager, ControlChannel(self.store, manager, channel))
 
     def changed(self, execution: Execution, events: list[OutputEvent] | None = None) -> None:
         self.mirror.mark(execution)

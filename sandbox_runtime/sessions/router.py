@@ -30,8 +30,7 @@ from sandbox_runtime.sessions.channel import (
     HomeMovedError,
     HomeUnreachableError,
 )
-from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
-from sandbox_runtime.sessions.control import ControlChannel
+from sandbox_runtime.sessions.cluster import LocalCluster
 from sandbox_runtime.sessions.executions import ExecutionAccess
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
 from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress, wait_bound
@@ -68,10 +67,11 @@ class Router:
         self.metrics = manager.metrics
         self.sessions = cluster.sessions
         self.signer = cluster.signer
-        store = cluster.store if isinstance(cluster, RedisCluster) else None
         self.channel = ChannelClient(self.signer) if self.signer is not None else None
-        self.control = ControlChannel(store, manager, self.channel) if store else None
-        self.executions = ExecutionAccess(settings, manager, self.control, store)
+        self.executions = ExecutionAccess(
+            settings, manager, cluster.elsewhere(manager, self.channel)
+        )
+        self.control = self.executions.elsewhere.control_channel
         self._record_ttl = (
             max(settings.retention_seconds, settings.workspace_retention_seconds)
             * RECORD_LIFE_FACTOR
