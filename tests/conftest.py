@@ -200,7 +200,11 @@ def serve(
     `srt-mcp-server` with those SANDBOX_* settings, its work dir (state dir, log) a fresh
     temporary directory named after `name`; `serve.add(server)` starts one made elsewhere.
     Every server it started is stopped at the end of the module (exit asserted, whatever it
-    left running killed); a failed test shows the logs of the servers it used."""
+    left running killed); a failed test shows the logs of the servers it used.
+
+    A fixture whose servers use another module fixture (`redis_server`, a netlab) asks for that
+    one before `serve`: pytest tears fixtures down in the reverse order of their setup, so the
+    servers stop before what they use goes."""
     with Servers(tmp_path_factory.mktemp) as servers:
         yield servers
 

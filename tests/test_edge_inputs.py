@@ -28,7 +28,7 @@ ID_TOOLS = ("get_execution_status", "get_execution_output", "send_stdin", "cance
 
 
 @pytest.fixture(scope="module")
-def server(serve: Servers, redis_server: RedisServer) -> ServerProcess:
+def server(redis_server: RedisServer, serve: Servers) -> ServerProcess:
     return serve(
         "edge",
         SANDBOX_AUTH_TOKEN=TOKEN,

@@ -38,7 +38,7 @@ def replica(workdir: Path, redis: RedisServer, name: str, **settings: str) -> Se
 
 @pytest.fixture(scope="module")
 def pair(
-    tmp_path_factory: pytest.TempPathFactory, serve: Servers, redis_server: RedisServer
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, serve: Servers
 ) -> tuple[ServerProcess, ServerProcess]:
     """Two replicas of one cluster, each its own state dir (not asserted healthy: a replica
     may not have reached Redis yet when it first answers)."""
