@@ -7,11 +7,12 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from mcp_harness import runtime_dir, traversable_by_others
+from mcp_harness import ServerProcess, Servers, runtime_dir, traversable_by_others
 from redis_harness import RedisServer
 
 from sandbox_runtime.sandbox import (
@@ -184,3 +185,72 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
     finally:
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# Test servers: one factory per test module, their logs shown when a test fails
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def serve(
+    tmp_path_factory: pytest.TempPathFactory, sandbox_runtime_installed: Path
+) -> Iterator[Servers]:
+    """The module's server factory: `serve(name, **settings)` is a started, healthy
+    `srt-mcp-server` with those SANDBOX_* settings, its work dir (state dir, log) a fresh
+    temporary directory named after `name`; `serve.add(server)` starts one made elsewhere.
+    Every server it started is stopped at the end of the module (exit asserted, whatever it
+    left running killed); a failed test shows the logs of the servers it used.
+
+    A fixture whose servers use another module fixture (`redis_server`, a netlab) asks for that
+    one before `serve`: pytest tears fixtures down in the reverse order of their setup, so the
+    servers stop before what they use goes."""
+    with Servers(tmp_path_factory.mktemp) as servers:
+        yield servers
+
+
+LOG_OFFSETS = pytest.StashKey[dict[int, int]]()
+
+
+def servers_of(item: pytest.Item) -> list[ServerProcess]:
+    """The servers a test's fixtures hold: as values, in tuples, lists and dicts, in a
+    `Servers` or a topology's `replicas`."""
+    found: dict[int, ServerProcess] = {}
+
+    def visit(value: Any, depth: int = 0) -> None:
+        if isinstance(value, ServerProcess):
+            found.setdefault(id(value), value)
+        elif depth < 2 and isinstance(value, (tuple, list)):
+            for member in value:
+                visit(member, depth + 1)
+        elif depth < 2 and isinstance(value, dict):
+            for member in value.values():
+                visit(member, depth + 1)
+        elif depth < 2 and isinstance(value, Servers):
+            visit(value.started, depth + 1)
+        elif depth < 2 and isinstance(getattr(value, "replicas", None), dict):
+            visit(value.replicas, depth + 1)
+
+    for value in getattr(item, "funcargs", {}).values():
+        visit(value)
+    return list(found.values())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    item.stash[LOG_OFFSETS] = {id(s): s.log_size() for s in servers_of(item)}
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries what its servers logged while it ran."""
+    report = yield
+    if report.when == "call" and report.failed:
+        offsets = item.stash.get(LOG_OFFSETS, {})
+        for server in servers_of(item):
+            if log := server.log_since(offsets.get(id(server), 0)):
+                report.sections.append((f"server log ({server.workdir})", log))
+    return report

@@ -232,6 +232,35 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait(10)
 
+    def close(self, timeout: float = 20.0) -> None:
+        """Stop the server if it still runs (`stop`: SIGTERM, exit asserted), then kill every
+        process it had started that outlived it: nothing of a test's server is left running."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        below = self.descendants()
+        try:
+            self.stop(timeout)
+        finally:
+            for pid, start_time in below:
+                if alive(pid, start_time):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+
+    def log_size(self) -> int:
+        """How many bytes of log (stdout and stderr) the server has written so far."""
+        return self.stderr_path.stat().st_size if self.stderr_path.exists() else 0
+
+    def log_since(self, offset: int, max_lines: int = 200) -> str:
+        """The server's log written after byte `offset`: its last `max_lines` lines."""
+        if not self.stderr_path.exists():
+            return ""
+        with open(self.stderr_path, "rb") as log:
+            log.seek(offset)
+            lines = log.read().decode(errors="replace").splitlines()
+        cut = len(lines) - max_lines
+        head = [f"[... {cut} earlier lines ...]"] if cut > 0 else []
+        return "\n".join(head + lines[max(cut, 0) :])
+
 
 def replica_process(
     workdir: Path, redis_url: str, name: str, token: str, **settings: str
@@ -251,17 +280,49 @@ def replica_process(
     )
 
 
+class Servers:
+    """Test servers owned together: `servers(name, **settings)` starts one (its work dir
+    `workdirs(name)`, or `workdir`) and checks /health says "ok"; `close()` stops them all, each
+    even when another fails (`ServerProcess.close`: exit asserted, leftovers killed).
+
+    The `serve` fixture (conftest) is one per test module; `running_server` and
+    `running_topology` hold one for their servers.
+    """
+
+    def __init__(self, workdirs: Callable[[str], Path]) -> None:
+        self.workdirs = workdirs
+        self.started: list[ServerProcess] = []
+
+    def __call__(
+        self, name: str = "server", *, workdir: Path | None = None, **settings: str
+    ) -> ServerProcess:
+        return self.add(ServerProcess(workdir or self.workdirs(name), settings))
+
+    def add(self, server: ServerProcess, healthy: bool = True) -> ServerProcess:
+        """Start `server` (made elsewhere, e.g. by `replica_process`) and own it; with `healthy`,
+        assert /health says "ok"."""
+        self.started.append(server)
+        server.start()
+        if healthy:
+            body = server.health()
+            assert body["status"] == "ok", f"server is not healthy: {body}"
+        return server
+
+    def close(self) -> None:
+        stop_all(*(server.close for server in self.started))
+
+    def __enter__(self) -> Servers:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 @contextlib.contextmanager
 def running_server(workdir: Path, **settings: str) -> Iterator[ServerProcess]:
-    """A started server, stopped with SIGTERM (exit asserted) at the end."""
-    server = ServerProcess(workdir, settings).start()
-    try:
-        body = server.health()
-        assert body["status"] == "ok", f"server is not healthy: {body}"
-        yield server
-    finally:
-        if server.proc is not None and server.proc.poll() is None:
-            server.stop()
+    """A started, healthy server, stopped (exit asserted, leftovers killed) at the end."""
+    with Servers(lambda _: workdir) as servers:
+        yield servers(**settings)
 
 
 # -- host processes ---------------------------------------------------------------------------

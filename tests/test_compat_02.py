@@ -25,14 +25,13 @@ import importlib.util
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 from mcp.types import CallToolResult
-from mcp_harness import ROOT, Mode, ServerProcess, open_client, running_server
+from mcp_harness import ROOT, Mode, ServerProcess, Servers, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -131,10 +130,9 @@ async def run_mcp2(url: str, token: str, mode: Mode) -> Outcome:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(serve: Servers) -> ServerProcess:
     tokens = ",".join(f"{PRINCIPALS[c]}:{TOKENS[c]}" for c in CLIENTS)
-    with running_server(tmp_path_factory.mktemp("compat02"), SANDBOX_AUTH_TOKENS=tokens) as srv:
-        yield srv
+    return serve("compat02", SANDBOX_AUTH_TOKENS=tokens)
 
 
 @pytest.fixture(scope="module", params=CLIENTS)

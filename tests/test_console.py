@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from browser_harness import Browser, Console, browser_available, open_browser
-from mcp_harness import ROOT, ServerProcess, open_client, running_server
+from mcp_harness import ROOT, ServerProcess, Servers, open_client, running_server
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.remote.webelement import WebElement
@@ -51,13 +51,8 @@ def artifacts(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("console-srv"),
-        SANDBOX_AUTH_TOKEN=TOKEN,
-        SANDBOX_INTERPRETER_WARM="python=1",
-    ) as srv:
-        yield srv
+def server(serve: Servers) -> ServerProcess:
+    return serve("console-srv", SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_INTERPRETER_WARM="python=1")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from mcp_harness import Mode, ServerProcess, open_client, running_server
+from mcp_harness import Mode, ServerProcess, Servers, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -25,14 +25,13 @@ TOKEN = "dropin-token-1"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("dropin"),
+def server(serve: Servers) -> ServerProcess:
+    return serve(
+        "dropin",
         SANDBOX_AUTH_TOKEN=TOKEN,
         SANDBOX_MAX_INTERPRETERS_PER_PRINCIPAL="2",
         SANDBOX_PROGRESS_INTERVAL="1",
-    ) as server:
-        yield server
+    )
 
 
 def _walk(node: Any, path: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

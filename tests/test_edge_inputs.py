@@ -5,7 +5,6 @@ characters. Each must be refused before it reaches the store, a key or a log lin
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
@@ -14,9 +13,9 @@ from mcp_harness import (
     CLUSTER_SECRET,
     Conn,
     ServerProcess,
+    Servers,
     open_client,
     run_server_once,
-    running_server,
 )
 from redis_harness import RedisServer
 
@@ -29,16 +28,13 @@ ID_TOOLS = ("get_execution_status", "get_execution_output", "send_stdin", "cance
 
 
 @pytest.fixture(scope="module")
-def server(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
-) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("edge"),
+def server(redis_server: RedisServer, serve: Servers) -> ServerProcess:
+    return serve(
+        "edge",
         SANDBOX_AUTH_TOKEN=TOKEN,
         REDIS_URL=redis_server.url,
         SANDBOX_CLUSTER_SECRET=CLUSTER_SECRET,
-    ) as srv:
-        yield srv
+    )
 
 
 async def id_error(conn: Conn, tool: str, execution_id: str, session: str) -> str:

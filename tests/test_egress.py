@@ -22,7 +22,6 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +30,12 @@ from mcp_harness import (
     Conn,
     Mode,
     ServerProcess,
+    Servers,
     alive,
     eventually,
     open_client,
     proc_cmdline,
     process_tree,
-    running_server,
     sandbox_uid,
     traversable_by_others,
 )
@@ -74,7 +73,7 @@ def dns_mapping(lab: NetLab) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory, serve: Servers) -> ServerProcess:
     lab.set_dns(dns_mapping(lab))
     workdir = tmp_path_factory.mktemp("egress")
     # The server's TMPDIR (its private directory, egress sockets included) where the tests
@@ -82,8 +81,8 @@ def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     tmpdir = workdir / "tmp"
     tmpdir.mkdir()
     traversable_by_others(tmpdir)
-    with running_server(
-        workdir,
+    running = serve(
+        workdir=workdir,
         TMPDIR=str(tmpdir),
         SANDBOX_AUTH_TOKEN=TOKEN,
         SANDBOX_EGRESS_ALLOW=ALLOW,
@@ -93,9 +92,9 @@ def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         SANDBOX_EGRESS_MAX_CONNECTIONS=str(MAX_CONNECTIONS),
         SANDBOX_EGRESS_MAX_MB=str(MAX_MB),
         SANDBOX_EGRESS_CONNECT_TIMEOUT="5",
-    ) as running:
-        assert running.health().get("egress", "ok") == "ok", running.health()
-        yield running
+    )
+    assert running.health().get("egress", "ok") == "ok", running.health()
+    return running
 
 
 def lab_network(lab: NetLab) -> ipaddress.IPv4Network:

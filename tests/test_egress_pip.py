@@ -21,11 +21,10 @@ import sys
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from mcp_harness import ServerProcess, client_in_task, running_server
+from mcp_harness import ServerProcess, Servers, client_in_task
 
 from sandbox_runtime.domain.egress import vet_address
 
@@ -107,18 +106,15 @@ def index() -> dict[str, object]:
 
 
 @pytest.fixture(scope="module")
-def server(
-    tmp_path_factory: pytest.TempPathFactory, index: dict[str, object]
-) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("egress-pip"),
+def server(serve: Servers, index: dict[str, object]) -> ServerProcess:
+    return serve(
+        "egress-pip",
         SANDBOX_AUTH_TOKEN=TOKEN,
         SANDBOX_EGRESS_ALLOW=",".join(index["hosts"]),  # type: ignore[arg-type]
         SANDBOX_EGRESS_ALLOW_CIDRS=",".join(index["cidrs"]),  # type: ignore[arg-type]
         SANDBOX_INTERPRETER_WARM="python=0",
         SANDBOX_MAX_WAIT="300",  # (pip may take a while: one waiting call sees it end)
-    ) as running:
-        yield running
+    )
 
 
 async def test_pip_install_user_then_import_in_next_run_code(

@@ -21,7 +21,7 @@ from urllib.parse import quote, urlsplit
 
 import httpx2
 import pytest
-from mcp_harness import CLUSTER_SECRET, Conn, ServerProcess, eventually, open_client, running_server
+from mcp_harness import CLUSTER_SECRET, Conn, ServerProcess, Servers, eventually, open_client
 from topology_harness import TOKEN as TOPOLOGY_TOKEN
 from topology_harness import Topology, running_topology
 
@@ -38,27 +38,25 @@ TOPOLOGY_MB = 64  # each replica's workspace size (and upload limit)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(serve: Servers) -> ServerProcess:
     """Room for the 200 MB transfers; uploads capped below the workspace's size."""
-    with running_server(
-        tmp_path_factory.mktemp("urls"),
+    return serve(
+        "urls",
         SANDBOX_AUTH_TOKEN=TOKEN,
         SANDBOX_WORKSPACE_MB="512",
         SANDBOX_MAX_UPLOAD_MB=str(UPLOAD_LIMIT_MB),
-    ) as running:
-        yield running
+    )
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def small(serve: Servers) -> ServerProcess:
     """A 32 MiB workspace quota with uploads allowed past it (else 413 would come first)."""
-    with running_server(
-        tmp_path_factory.mktemp("urls-small"),
+    return serve(
+        "urls-small",
         SANDBOX_AUTH_TOKEN=TOKEN,
         SANDBOX_WORKSPACE_MB="32",
         SANDBOX_MAX_UPLOAD_MB="64",
-    ) as running:
-        yield running
+    )
 
 
 # -- helpers ----------------------------------------------------------------------------------

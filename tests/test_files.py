@@ -7,12 +7,11 @@ import hashlib
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from mcp.types import ImageContent, ResourceLink
-from mcp_harness import ServerProcess, error_text, eventually, open_client, running_server
+from mcp_harness import ServerProcess, Servers, error_text, eventually, open_client, running_server
 
 from sandbox_runtime.files.operations import CLOCK_REALTIME_COARSE
 
@@ -25,15 +24,13 @@ PNG = base64.b64decode(
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("files")
-    with running_server(
-        workdir,
+def server(serve: Servers) -> ServerProcess:
+    return serve(
+        "files",
         SANDBOX_AUTH_TOKEN=TOKEN,
         SANDBOX_WORKSPACE_MB="64",
         SANDBOX_WORKSPACE_INODES="4096",
-    ) as running:
-        yield running
+    )
 
 
 def unique(prefix: str) -> str:

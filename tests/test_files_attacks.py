@@ -25,7 +25,7 @@ import anyio
 import httpx2
 import pytest
 from mcp.shared.exceptions import MCPError
-from mcp_harness import Conn, ServerProcess, error_text, eventually, open_client, running_server
+from mcp_harness import Conn, ServerProcess, Servers, error_text, eventually, open_client
 
 from sandbox_runtime.errors import FileAccessError, InvalidRequestError, WorkspaceFullError
 from sandbox_runtime.workspaces.fsops import (
@@ -62,37 +62,27 @@ def mentions_link(message: str) -> bool:
     return any(word in message for word in NO_LINK)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("attacks"),
-        SANDBOX_AUTH_TOKEN=TOKEN,
-        SANDBOX_WORKSPACE_MB="64",
-        SANDBOX_WORKSPACE_INODES="4096",
-    ) as running:
-        yield running
+def workspaces_of(mb: int, inodes: int) -> dict[str, str]:
+    return {
+        "SANDBOX_AUTH_TOKEN": TOKEN,
+        "SANDBOX_WORKSPACE_MB": str(mb),
+        "SANDBOX_WORKSPACE_INODES": str(inodes),
+    }
 
 
 @pytest.fixture(scope="module")
-def quota_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("quota"),
-        SANDBOX_AUTH_TOKEN=TOKEN,
-        SANDBOX_WORKSPACE_MB="32",
-        SANDBOX_WORKSPACE_INODES="512",
-    ) as running:
-        yield running
+def server(serve: Servers) -> ServerProcess:
+    return serve("attacks", **workspaces_of(64, 4096))
 
 
 @pytest.fixture(scope="module")
-def big_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("bigdir"),
-        SANDBOX_AUTH_TOKEN=TOKEN,
-        SANDBOX_WORKSPACE_MB="256",
-        SANDBOX_WORKSPACE_INODES="150000",
-    ) as running:
-        yield running
+def quota_server(serve: Servers) -> ServerProcess:
+    return serve("quota", **workspaces_of(32, 512))
+
+
+@pytest.fixture(scope="module")
+def big_server(serve: Servers) -> ServerProcess:
+    return serve("bigdir", **workspaces_of(256, 150000))
 
 
 async def sh(

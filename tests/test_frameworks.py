@@ -25,12 +25,11 @@ import json
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp_harness import MODERN_PROTOCOL, ServerProcess, running_server
+from mcp_harness import MODERN_PROTOCOL, ServerProcess, Servers, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -123,9 +122,8 @@ def check_era(report: dict[str, Any], era: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(tmp_path_factory.mktemp("frameworks"), SANDBOX_AUTH_TOKEN=TOKEN) as srv:
-        yield srv
+def server(serve: Servers) -> ServerProcess:
+    return serve("frameworks", SANDBOX_AUTH_TOKEN=TOKEN)
 
 
 # One driver run per (driver, era) serves the module's tests of it.

@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mcp_harness import ServerProcess, open_client, running_server
+from mcp_harness import ServerProcess, Servers, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -43,16 +42,15 @@ RESULT = '{"data": {"text/plain": p}, "metadata": {}, "execution_count": 1}'
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("floods"),
+def server(serve: Servers) -> ServerProcess:
+    return serve(
+        "floods",
         SANDBOX_AUTH_TOKENS=f"alice:{TOKEN},bob:{OTHER}",
         SANDBOX_MEMORY_MB="512",
         SANDBOX_CANCEL_GRACE="1",
         SANDBOX_MAX_INTERPRETERS="64",
         SANDBOX_MAX_INTERPRETERS_PER_PRINCIPAL="64",
-    ) as server:
-        yield server
+    )
 
 
 def rss_mb(pid: int) -> int:

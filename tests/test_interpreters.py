@@ -11,7 +11,6 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from mcp_harness import (
     Conn,
     Mode,
     ServerProcess,
+    Servers,
     alive,
     error_text,
     eventually,
@@ -39,17 +39,16 @@ OTHER = "interpreter-other-token-2"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("interp"),
+def server(serve: Servers) -> ServerProcess:
+    return serve(
+        "interp",
         SANDBOX_AUTH_TOKENS=f"alice:{TOKEN},bob:{OTHER}",
         SANDBOX_CANCEL_GRACE="1",
         SANDBOX_MEMORY_MB="256",
         SANDBOX_PIDS_LIMIT="64",
         SANDBOX_MAX_INTERPRETERS="64",
         SANDBOX_MAX_INTERPRETERS_PER_PRINCIPAL="64",
-    ) as server:
-        yield server
+    )
 
 
 def session() -> str:

@@ -6,13 +6,13 @@ import asyncio
 import json
 import re
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx2
 import pytest
 from mcp_harness import (
     ServerProcess,
+    Servers,
     alive,
     eventually,
     open_client,
@@ -49,21 +49,14 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("observability")
-    srv = ServerProcess(
-        workdir,
-        {
-            "SANDBOX_AUTH_TOKEN": TOKEN,
-            "SANDBOX_METRICS_TOKEN": METRICS_TOKEN,
-            "SANDBOX_LOG_FORMAT": "json",
-            "SANDBOX_MAX_PER_SESSION": "2",
-        },
-    ).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
+def server(serve: Servers) -> ServerProcess:
+    return serve(
+        "observability",
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_METRICS_TOKEN=METRICS_TOKEN,
+        SANDBOX_LOG_FORMAT="json",
+        SANDBOX_MAX_PER_SESSION="2",
+    )
 
 
 def test_metrics_need_the_metrics_token(server: ServerProcess) -> None:

@@ -17,6 +17,7 @@ import pytest
 from mcp_harness import (
     Conn,
     ServerProcess,
+    Servers,
     error_text,
     eventually,
     open_client,
@@ -38,15 +39,14 @@ def replica(workdir: Path, redis: RedisServer, name: str, **settings: str) -> Se
 
 @pytest.fixture(scope="module")
 def pair(
-    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer
-) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer, serve: Servers
+) -> tuple[ServerProcess, ServerProcess]:
+    """Two replicas of one cluster, each its own state dir (not asserted healthy: a replica
+    may not have reached Redis yet when it first answers)."""
     workdir = tmp_path_factory.mktemp("replicas")
-    a = replica(workdir, redis_server, f"ra-{uuid.uuid4().hex[:6]}").start()
-    b = replica(workdir, redis_server, f"rb-{uuid.uuid4().hex[:6]}").start()
-    try:
-        yield a, b
-    finally:
-        stop_all(stop_if_running(a), stop_if_running(b))
+    a = serve.add(replica(workdir, redis_server, f"ra-{uuid.uuid4().hex[:6]}"), healthy=False)
+    b = serve.add(replica(workdir, redis_server, f"rb-{uuid.uuid4().hex[:6]}"), healthy=False)
+    return a, b
 
 
 async def all_output(conn: Conn, execution_id: str, session: str) -> tuple[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +19,13 @@ from mcp_harness import (
     Conn,
     Mode,
     ServerProcess,
+    Servers,
     alive,
     client_in_task,
     open_client,
     proc_uid,
     processes_with,
     run_server_once,
-    running_server,
     sandbox_uid,
 )
 
@@ -47,29 +47,27 @@ Event = dict[str, Any]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def server(serve: Servers) -> ServerProcess:
     """The module's server: two principals, default limits, short waits and grace."""
-    with running_server(
-        tmp_path_factory.mktemp("srv"),
+    return serve(
+        "srv",
         SANDBOX_AUTH_TOKENS=TOKENS,
         SANDBOX_MAX_TIMEOUT=str(MAX_TIMEOUT),
         SANDBOX_MAX_WAIT=str(MAX_WAIT),
         SANDBOX_CANCEL_GRACE=str(CANCEL_GRACE),
-    ) as srv:
-        yield srv
+    )
 
 
 @pytest.fixture(scope="module")
-def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def limited_server(serve: Servers) -> ServerProcess:
     """A server with tiny limits: two executions per session, 1 MiB of output each."""
-    with running_server(
-        tmp_path_factory.mktemp("limited"),
+    return serve(
+        "limited",
         SANDBOX_AUTH_TOKEN=ALICE,
         SANDBOX_MAX_PER_SESSION="2",
         SANDBOX_OUTPUT_LIMIT_BYTES=str(1024 * 1024),
         SANDBOX_CANCEL_GRACE="0.5",
-    ) as srv:
-        yield srv
+    )
 
 
 @pytest.fixture(params=MODES)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from mcp_harness import Conn, ServerProcess, eventually, open_client, running_server
+from mcp_harness import Conn, ServerProcess, Servers, eventually, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -21,14 +20,13 @@ TOKEN = "warm-adoption-token-1"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with running_server(
-        tmp_path_factory.mktemp("adopt"),
+def server(serve: Servers) -> ServerProcess:
+    return serve(
+        "adopt",
         SANDBOX_AUTH_TOKEN=TOKEN,
         SANDBOX_INTERPRETER_WARM="python=1,bash=1",
         SANDBOX_MEMORY_MB="512",
-    ) as server:
-        yield server
+    )
 
 
 def session() -> str:

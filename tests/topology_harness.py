@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx2
-from mcp_harness import CLUSTER_SECRET, ServerProcess, free_port, stop_all, stop_if_running
+from mcp_harness import CLUSTER_SECRET, ServerProcess, Servers, free_port, stop_all
 from nginx_harness import Nginx
 from redis_harness import RedisServer
 
@@ -79,11 +79,12 @@ def running_topology(tmp_path: Path, count: int = 3, **settings: str) -> Iterato
     replicas = {rid: replica_server(tmp_path, redis, rid, **settings) for rid in rids}
     dirs = [s.state_dir for s in replicas.values()]
     assert len(set(dirs)) == len(dirs), "replicas must not share a state directory"
+    servers = Servers(lambda name: tmp_path / name)
     nginx: Nginx | None = None
     try:
         with ThreadPoolExecutor(count) as pool:
-            for started in pool.map(lambda s: s.start(), replicas.values()):
-                assert started.proc is not None
+            # (not asserted healthy: a replica may not have reached Redis yet)
+            list(pool.map(lambda s: servers.add(s, healthy=False), replicas.values()))
         nginx = Nginx(
             tmp_path / "nginx",
             free_port(),
@@ -91,10 +92,6 @@ def running_topology(tmp_path: Path, count: int = 3, **settings: str) -> Iterato
         ).start()
         yield Topology(redis, replicas, nginx)
     finally:
-        stop_all(
-            *([nginx.stop] if nginx is not None else []),
-            *(stop_if_running(server) for server in replicas.values()),
-            redis.stop,
-        )
+        stop_all(*([nginx.stop] if nginx is not None else []), servers.close, redis.stop)
     for server in replicas.values():
         assert server.proc is None or server.proc.poll() is not None
