@@ -1,8 +1,8 @@
 """One owner for the process's long-lived background work.
 
 Every loop that runs for the life of a part (sweeping, reaping, evicting, renewing leases,
-flushing the mirror, beating the heartbeat, serving control requests) is started here under a
-name, with one policy: a loop step that raises is logged once (with the name and the
+flushing the mirror, beating the heartbeat, watching the store's epoch) is started here under
+a name, with one policy: a loop step that raises is logged once (with the name and the
 traceback), then retried; its recovery is logged; a loop that ends by itself is an error and
 is restarted. Nothing is left running: `stop(name)` ends one loop, `aclose()` ends every loop,
 newest first, and waits for them. The composition root makes one for the process and hands it

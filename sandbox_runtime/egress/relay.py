@@ -23,7 +23,7 @@ import socket
 import sys
 
 CHUNK = 256 * 1024
-ENV_NAME = "__srt_env"  # the caller's variables as JSON (backend.RELAY_ENV)
+ENV_NAME = "__srt_env"  # the caller's variables as JSON (sandbox/argv.py RELAY_ENV)
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
              signal.SIGUSR2)  # fmt: skip
 
