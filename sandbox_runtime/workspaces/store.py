@@ -28,14 +28,8 @@ and making room), retention.py (unmounting idle workspaces, removing expired one
 damage.py (a failed filesystem's course). This module keeps the lifecycle (start, close),
 making a workspace ready (ensure) and handing a warm slot's workspace to a session (adopt).
 
-A workspace whose filesystem fails (an I/O error, EROFS once the kernel aborted its journal,
-found by a file operation or by the mount turning read-only) is marked damaged (in memory and
-a `<name>.damaged` file beside the image): the call that found it fails, and its next use
-unmounts it, once nothing runs in it, and checks it (e2fsck -p), as does any mount of an image
-whose superblock records an error. Repaired, it is mounted again and the session is told
-(`workspace_repaired`: files may be missing); beyond automatic repair, the image is moved to
-`.quarantine/` for the operator and the session starts afresh (`workspace_quarantined`)
-(workspaces/damage.py, workspaces/repair.py).
+A workspace whose filesystem fails is marked damaged, checked before its next use, then
+repaired or set aside: workspaces/damage.py says how.
 """
 
 from __future__ import annotations
