@@ -166,3 +166,12 @@ def scoped(work: Awaitable[T]) -> asyncio.Future[T]:
     before it returns (a race of a queue against a process's death, the two directions of a
     relay). The one place besides the Supervisor that starts tasks."""
     return asyncio.ensure_future(work)
+
+
+async def outcome(work: Awaitable[T]) -> T | Exception:
+    """`work`'s result, or the exception it raised: for spawned work that a caller awaits
+    (its failure is handed to that caller, not logged as a background failure)."""
+    try:
+        return await work
+    except Exception as exc:
+        return exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,34 @@ async def test_the_composition_root_leaves_no_task_and_no_process_behind(tmp_pat
     left = [t for t in asyncio.all_tasks() - before_tasks if t is not asyncio.current_task()]
     assert left == [], left
     assert _children() - before_children == set()
+
+
+@pytest.mark.unit
+async def test_the_parts_close_once_newest_first_and_one_failing_close_stops_none() -> None:
+    from sandbox_runtime.app.services import Closing
+
+    supervisor = Supervisor()
+    closing = Closing(supervisor)
+    closed: list[str] = []
+
+    def close(name: str, fail: bool = False) -> Callable[[], Awaitable[None]]:
+        async def run() -> None:
+            await asyncio.sleep(0.01)
+            closed.append(name)
+            if fail:
+                raise OSError(f"{name} would not close")
+
+        return run
+
+    for name, fail in [("cluster", False), ("workspaces", True), ("backend", False)]:
+        closing.add(close(name, fail))
+    lines, sink = _logged()
+    try:
+        # The signal handler's stop and the lifespan's end at once: the closes run once.
+        await asyncio.gather(closing.run(), closing.run())
+        await closing.run()
+    finally:
+        logger.remove(sink)
+        await supervisor.aclose()
+    assert closed == ["backend", "workspaces", "cluster"]
+    assert sum("workspaces would not close" in line for line in lines) == 1

@@ -30,8 +30,9 @@ lifespan fills: no part is a module global.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,6 +55,32 @@ from sandbox_runtime.supervisor import Supervisor
 from sandbox_runtime.workspaces.store import WorkspaceStore, loop_devices_under
 
 
+class Closing:
+    """The parts' closes, newest first, run once: by the signal handler's stop or by the
+    lifespan's end, whichever comes first (the other waits for it). A close that fails is
+    logged and the rest still run."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self._closes: list[Callable[[], Awaitable[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, close: Callable[[], Awaitable[None]]) -> None:
+        self._closes.append(close)
+
+    async def run(self) -> None:
+        if self._task is None:
+            self._task = self.supervisor.spawn("closing the parts", self._run())
+        await asyncio.shield(self._task)
+
+    async def _run(self) -> None:
+        for close in reversed(self._closes):
+            try:
+                await close()
+            except Exception:
+                logger.exception("closing {} failed", getattr(close, "__qualname__", close))
+
+
 @dataclass(frozen=True)
 class Services:
     """The process's running parts."""
@@ -66,14 +93,17 @@ class Services:
     interpreters: InterpreterManager
     signer: FileUrlSigner
     router: Router
+    closing: Closing
 
     async def stop(self) -> None:
-        """Stop the executions (politely, then by force), and meanwhile release this
-        replica's sessions and stop its interpreters. Idempotent; the signal handler calls it
-        before the server closes its connections, the lifespan's end again."""
-        await self.manager.shutdown(
-            meanwhile=[self.cluster.release_homes, self.interpreters.aclose]
-        )
+        """Stop the executions (politely, then by force), meanwhile releasing this replica's
+        sessions and stopping its interpreters; then close the sandboxes, the egress proxy,
+        the workspaces and the cluster (the mirror's final flush, the heartbeat dropped).
+        Idempotent: the signal handler calls it before the server drains its connections,
+        the lifespan's end again."""
+        meanwhile = [self.cluster.release_homes, self.interpreters.aclose]
+        await self.manager.shutdown(meanwhile)
+        await self.closing.run()
 
 
 @contextlib.asynccontextmanager
@@ -85,10 +115,12 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
     async with contextlib.AsyncExitStack() as stack:
         supervisor = Supervisor()
         stack.push_async_callback(supervisor.aclose)  # last: whatever is left ends here
+        closing = Closing(supervisor)  # (the parts below, in reverse; see Services.stop)
+        stack.push_async_callback(closing.run)
         metrics = Metrics()
         cluster = _cluster(settings, metrics, supervisor, cluster_address)
         # After the executions have stopped: the mirror's final flush records their ends.
-        stack.push_async_callback(cluster.aclose)
+        closing.add(cluster.aclose)
 
         limits = settings.limits()
         backend = BubblewrapBackend(
@@ -114,12 +146,12 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             reserve=settings.workspace_reserve,
             min_free_mb=settings.min_free_disk_mb,
         )
-        stack.push_async_callback(workspaces.aclose)
+        closing.add(workspaces.aclose)
         backend.start()  # finds the sandbox user, or says why sandboxes cannot run
         egress = await _egress(settings, backend, metrics, supervisor)
         if egress is not None:
-            stack.push_async_callback(egress.aclose)
-        stack.push_async_callback(backend.aclose)
+            closing.add(egress.aclose)
+        closing.add(backend.aclose)
         pool = SandboxPool(
             backend,
             limits,
@@ -147,7 +179,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         router = Router(settings, Parts(manager, interpreters, signer), cluster)
         stack.push_async_callback(router.aclose)
         services = Services(
-            settings, supervisor, metrics, cluster, manager, interpreters, signer, router
+            settings, supervisor, metrics, cluster, manager, interpreters, signer, router, closing
         )
         await cluster.start(manager)
         await manager.start()

@@ -234,6 +234,7 @@ class ExecutionManager:
         except BaseException:
             self.slots.give_back(owner)
             self.cluster.finished(execution)
+            self.workspaces.check_damage(workspace_name(owner))  # (what failed may be its disk)
             raise
         finally:  # (in _running below before any await)
             left = self._spawning[owner] - 1

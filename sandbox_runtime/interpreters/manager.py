@@ -19,7 +19,6 @@ import contextlib
 import shutil
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +47,7 @@ from sandbox_runtime.interpreters.outputs import env_prelude
 from sandbox_runtime.interpreters.runtime import KernelSpec, Runtime, load_runtime
 from sandbox_runtime.interpreters.warm_pool import SLOT_PREFIX, WarmPool
 from sandbox_runtime.sandbox import SandboxLimits, validate_env
+from sandbox_runtime.supervisor import outcome
 
 T = TypeVar("T")
 MAX_CODE_BYTES = 1024 * 1024
@@ -199,7 +199,7 @@ class InterpreterManager:
         task = self._starting.get(key)
         if task is None:
             # (Every call asking for it waits for the one start: it outlives the first.)
-            work = _outcome(self._start(owner, language, limits))
+            work = outcome(self._start(owner, language, limits))
             task = self.supervisor.spawn(f"start a {language} interpreter", work)
             self._starting[key] = task
             task.add_done_callback(lambda _: self._starting.pop(key, None))
@@ -394,12 +394,3 @@ class InterpreterManager:
             self._forget(key, "flooded" if ended else "idle")
             self.metrics.interpreter_events.labels(key[1], "reaped").inc()
         return len(doomed)
-
-
-async def _outcome(work: Awaitable[T]) -> T | Exception:
-    """`work`'s result, or the exception it raised (handed to whoever awaits it, rather than
-    logged as a background failure)."""
-    try:
-        return await work
-    except Exception as exc:
-        return exc

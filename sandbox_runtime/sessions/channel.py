@@ -72,16 +72,22 @@ class ChannelClient:
 
     def __init__(self, signer: ClusterSigner) -> None:
         self.signer = signer
-        self.http = httpx2.AsyncClient(
-            trust_env=False,  # never through a proxy from the environment
-            timeout=httpx2.Timeout(
-                READ_TIMEOUT, connect=CONNECT_TIMEOUT, write=BODY_TIMEOUT, pool=POOL_TIMEOUT
-            ),
-            limits=httpx2.Limits(max_connections=256, max_keepalive_connections=32),
+        # Two pools on the one transport: a burst of forwarded file transfers must not keep
+        # forwarded calls and control waiting for a connection, nor the other way round.
+        self.http, self.files = (
+            httpx2.AsyncClient(
+                trust_env=False,  # never through a proxy from the environment
+                timeout=httpx2.Timeout(
+                    READ_TIMEOUT, connect=CONNECT_TIMEOUT, write=BODY_TIMEOUT, pool=POOL_TIMEOUT
+                ),
+                limits=httpx2.Limits(max_connections=256, max_keepalive_connections=32),
+            )
+            for _ in range(2)
         )
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        await self.files.aclose()
 
     async def call(
         self,
@@ -141,7 +147,7 @@ class ChannelClient:
         signed = {SIGNATURE_HEADER: self.signer.sign_call(target, path, method.encode())}
         # The path is decoded: encoded again, a name with %, ? or # reaches the home as is.
         url = f"http://{address}{quote(path)}"
-        async with self.http.stream(
+        async with self.files.stream(
             method, url, headers={**headers, **signed}, content=content, timeout=STREAM_TIMEOUT
         ) as response:
             yield response

@@ -253,12 +253,14 @@ class RedisCluster(LocalCluster):
         self._loops += [SWEEP_JOB, WATCH_LOOP]
 
     async def aclose(self) -> None:
-        await super().aclose()
+        # The final flush first, then the loops: a Redis call cancelled in flight can keep its
+        # pooled connection, which the flush would then wait for.
         await self.clock.aclose()
         try:
             await asyncio.wait_for(self.mirror.stop(), 15)
         except TimeoutError:
             logger.error("redis: the final flush did not finish in 15 s; giving up")
+        await super().aclose()
 
     # -- executions --------------------------------------------------------------------------
 

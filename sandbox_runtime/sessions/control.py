@@ -24,6 +24,7 @@ from sandbox_runtime.execution.execution import MAX_STDIN_BYTES
 from sandbox_runtime.sessions.answers import raise_error_reply
 from sandbox_runtime.sessions.channel import ChannelClient
 from sandbox_runtime.state.store import StateStore
+from sandbox_runtime.supervisor import outcome
 
 if TYPE_CHECKING:
     from sandbox_runtime.execution.manager import ExecutionManager
@@ -117,8 +118,11 @@ class ControlChannel:
         the answer's fields, or raises the domain error to answer with. The work runs to its
         end even if the caller stops waiting (a cancel half done would leave a tree running).
         """
-        work = self.manager.supervisor.spawn(SERVE_JOB, self._handle(call))
-        return await asyncio.shield(work)
+        work = self.manager.supervisor.spawn(SERVE_JOB, outcome(self._handle(call)))
+        answer = await asyncio.shield(work)
+        if isinstance(answer, Exception):  # (the refusal to answer with: not a failure here)
+            raise answer
+        return answer
 
     async def _handle(self, request: dict[str, Any]) -> dict[str, Any]:
         owner = Owner(str(request.get("principal")), str(request.get("session_id")))
