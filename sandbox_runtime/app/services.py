@@ -171,8 +171,6 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             egress=egress,
         )
         _link(workspaces, pool, manager, metrics)
-        if isinstance(cluster, RedisCluster):
-            metrics.bind_store(lambda: cluster.backlog, lambda: 1 if cluster.connected else 0)
 
         interpreters = InterpreterManager(settings, manager)
         signer = FileUrlSigner(url_key(settings))

@@ -30,7 +30,7 @@ from sandbox_runtime.sessions.channel import ChannelClient
 from sandbox_runtime.sessions.clock import ClockWatch
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.sessions.elsewhere import InTheStore, NowhereElse
-from sandbox_runtime.sessions.epochs import EpochWatch
+from sandbox_runtime.sessions.epochs import EpochWatch, Reclaim
 from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
@@ -44,7 +44,6 @@ SWEEP_JOB = "earlier incarnations' executions"
 WATCH_LOOP = "store watch"
 
 Running = Callable[[], list[Execution]]  # the executions running here
-Reclaim = Callable[[], Awaitable[int]]  # publish again the sessions homed here; how many
 MarkLost = Callable[[], Awaitable[int]]  # mark an earlier process's executions lost
 
 
@@ -182,10 +181,6 @@ class LocalCluster:
         return 0
 
     @property
-    def connected(self) -> bool:
-        return True
-
-    @property
     def last_contact(self) -> float | None:
         """(monotonic) when the store last heard this replica's heartbeat."""
         return None
@@ -236,6 +231,7 @@ class RedisCluster(LocalCluster):
             supervisor=supervisor,
         )
         self.clock = ClockWatch(store, self.replica_id, self.mirror.heartbeat_interval, supervisor)
+        metrics.bind_store(lambda: self.mirror.backlog, lambda: 1 if self.mirror.connected else 0)
         self.epochs = EpochWatch(settings, self.sessions, store, self.mirror, lambda: self._here)
 
     async def start(self, here: ExecutionsHere) -> None:
@@ -377,6 +373,3 @@ class RedisCluster(LocalCluster):
 
     async def await_records_published(self, key: str, record_ttl: int) -> str:
         return await self.epochs.await_records_published(key, record_ttl)
-
-
-Cluster = LocalCluster  # (RedisCluster is one)
