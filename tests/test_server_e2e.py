@@ -573,9 +573,11 @@ async def test_list_executions_filters_by_status(alice: Conn) -> None:
         only_done = await alice.ok("list_executions", status="completed", session=session)
         assert [i["id"] for i in only_done["result"]] == [finished["execution_id"]]
         none = await alice.ok("list_executions", status="timeout", session=session)
-        assert none == {"result": [], "truncated": False}
+        assert none == {"result": [], "truncated": False, "next_cursor": None}
         one = await alice.ok("list_executions", limit=1, session=session)
         assert len(one["result"]) == 1
+        assert one["next_cursor"] is not None
+        assert everything["next_cursor"] is None
         # The text content: in the legacy era one JSON block per execution (none for an empty
         # list), as 0.2 sent lists; in the 2026 era one block with the JSON list.
         raw = await alice.call("list_executions", session=session)
@@ -592,6 +594,34 @@ async def test_list_executions_filters_by_status(alice: Conn) -> None:
         await alice.ok("cancel_execution", execution_id=running, force=True, session=session)
     cancelled = await alice.ok("list_executions", status="cancelled", session=session)
     assert [i["id"] for i in cancelled["result"]] == [running]
+
+
+async def test_list_executions_pages_through_a_long_history(alice: Conn) -> None:
+    """Without `limit` a page of 20, newest first; `next_cursor` walks every older one once,
+    also past executions that ended meanwhile; a cursor not ours is refused."""
+    session = unique("paging")
+    ids = []
+    for i in range(23):
+        done = await alice.ok("execute_code", command=f"echo {i}", session=session)
+        ids.append(done["execution_id"])
+    first = await alice.ok("list_executions", session=session)
+    assert [i["id"] for i in first["result"]] == ids[::-1][:20]
+    assert first["truncated"] is False and first["next_cursor"]
+    rest = await alice.ok("list_executions", session=session, cursor=first["next_cursor"])
+    assert [i["id"] for i in rest["result"]] == ids[::-1][20:]
+    assert rest["next_cursor"] is None
+    seen, cursor = [], None
+    while True:
+        page = await alice.ok("list_executions", session=session, limit=4, cursor=cursor)
+        seen += [i["id"] for i in page["result"]]
+        assert len(page["result"]) <= 4
+        if (cursor := page["next_cursor"]) is None:
+            break
+    assert seen == ids[::-1]
+    for bad in ("nonsense", "1.5/not-an-id", "nan/" + ids[0], "/"):
+        refused = await alice.call("list_executions", session=session, cursor=bad)
+        assert refused.is_error
+        assert "cursor is not one this server gave" in refused.content[0].text
 
 
 # -- bad input --------------------------------------------------------------------------------

@@ -112,7 +112,10 @@ class StatusResult(BaseModel):
 class ExecutionList(BaseModel):
     result: list[StatusResult] = Field(description="The executions, newest first.")
     truncated: bool = Field(
-        False, description="The list was cut short to keep the reply small: lower `limit`."
+        False, description="The page was cut short to keep the reply small: lower `limit`."
+    )
+    next_cursor: str | None = Field(
+        None, description="Pass as `cursor` for the older executions; null: none left."
     )
 
 

@@ -39,10 +39,12 @@ from sandbox_runtime.server.results import (
 )
 from sandbox_runtime.server.results import ExecutionResult as ExecutionResult
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
+from sandbox_runtime.sessions.executions import page_cursor
 from sandbox_runtime.sessions.operations import result_fields
 
 # Replies stay far below the official MCP client's 1 MiB limit per SSE event: lists are capped.
 LIST_MAX_BYTES = 256 * 1024
+LIST_DEFAULT = 20  # a read costs the same however long the session's history
 
 CommandArg = Annotated[
     str | list[str], Field(description="Shell command (run by /bin/sh -c) or an argv list.")
@@ -290,14 +292,22 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         status: Annotated[
             str | None, Field(description="Only executions with this status.")
         ] = None,
-        limit: Annotated[int, Field(description="Most executions to return (at most 1000).")] = 100,
+        limit: Annotated[
+            int, Field(description="Most executions to return (at most 1000).")
+        ] = LIST_DEFAULT,
+        cursor: Annotated[
+            str | None,
+            Field(description="A previous reply's next_cursor: the page of older executions."),
+        ] = None,
         session: SessionArg = None,
     ) -> ToolResult:
-        """The caller's executions in this session, newest first."""
+        """The caller's executions in this session, newest first, a page at a time."""
         s = root.services
         owner = owner_of(ctx, session)
-        infos = await call(
-            s, lambda: s.router.executions.list(owner, status, limit), "list_executions"
+        infos, more = await call(
+            s,
+            lambda: s.router.executions.list(owner, status, limit, cursor),
+            "list_executions",
         )
         shown: list[dict[str, Any]] = []
         size = 0
@@ -307,5 +317,11 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             if shown and size > LIST_MAX_BYTES:
                 break
             shown.append(item)
-        structured = {"result": shown, "truncated": len(shown) < len(infos)}
+        truncated = len(shown) < len(infos)
+        following = more or truncated
+        structured = {
+            "result": shown,
+            "truncated": truncated,
+            "next_cursor": page_cursor(infos[len(shown) - 1]) if following and shown else None,
+        }
         return reply(structured, items=shown)

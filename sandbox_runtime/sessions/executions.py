@@ -3,6 +3,8 @@ through `elsewhere` (elsewhere.py: the shared store, and a signed call to its re
 
 from __future__ import annotations
 
+import heapq
+
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.models import ExecutionInfo, ExecutionStatus, is_execution_id, shown_id
 from sandbox_runtime.domain.owner import Owner
@@ -90,9 +92,11 @@ class ExecutionAccess:
         return bool(reply["was_finished"]), ExecutionInfo.model_validate(reply["info"])
 
     async def list(
-        self, owner: Owner, status: str | None = None, limit: int = 100
-    ) -> list[ExecutionInfo]:
-        """The owner's executions (this replica's and, with a store, every replica's)."""
+        self, owner: Owner, status: str | None = None, limit: int = 20, cursor: str | None = None
+    ) -> tuple[list[ExecutionInfo], bool]:
+        """A page of the owner's executions (this replica's and, with a store, every
+        replica's), newest first: at most `limit` (capped at 1000), those after `cursor` (a
+        previous page's `page_cursor`); and whether more follow."""
         wanted: ExecutionStatus | None = None
         if status is not None:
             try:
@@ -102,9 +106,40 @@ class ExecutionAccess:
                 raise InvalidRequestError(f"unknown status {status!r}; one of {names}") from None
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise InvalidRequestError("limit must be a positive integer")
+        after = _parsed_cursor(cursor)
         found = {i.execution_id: i for i in self.manager.local_infos(owner)}
         for info in await self.elsewhere.listed(owner, set(found)):
             found[info.execution_id] = info
-        out = [i for i in found.values() if wanted is None or i.status == wanted]
-        out.sort(key=lambda i: i.created_at, reverse=True)
-        return out[: min(limit, 1000)]
+        out = [
+            i
+            for i in found.values()
+            if (wanted is None or i.status == wanted)
+            and (after is None or (i.created_at, i.execution_id) < after)
+        ]
+        limit = min(limit, 1000)
+        page = heapq.nlargest(limit, out, key=_order)  # (not a sort of the whole history)
+        return page, len(out) > len(page)
+
+
+def _order(info: ExecutionInfo) -> tuple[float, str]:
+    return info.created_at, info.execution_id
+
+
+def page_cursor(info: ExecutionInfo) -> str:
+    """The cursor of the page that follows `info` (opaque to callers)."""
+    return f"{info.created_at!r}/{info.execution_id}"
+
+
+def _parsed_cursor(cursor: str | None) -> tuple[float, str] | None:
+    if cursor is None or cursor == "":
+        return None
+    when, _, execution_id = cursor.partition("/") if isinstance(cursor, str) else ("", "", "")
+    try:
+        created_at = float(when)
+    except ValueError:
+        created_at = float("nan")
+    if created_at != created_at or not is_execution_id(execution_id):  # (nan: unparsable)
+        raise InvalidRequestError(
+            "cursor is not one this server gave: pass a list_executions reply's next_cursor"
+        )
+    return created_at, execution_id
