@@ -12,6 +12,11 @@ end and the server's RSS. With --redis, a third server (pool on) mirrors into a 
 redis-server.
 
     .venv/bin/python bench/bench_mcp.py [--calls 300] [--rounds 3] [--redis] [--quiet]
+        [--clients 15] [--no-earlier] [--clients-only]
+
+First, what a new client costs (new_clients.py: connect, the first call, later calls, a read,
+new clients per second) on our server, the library's floor and srt-mcp-server 0.2, both eras,
+against the targets. Then the tables below.
 
 The server's CPU per call is its process's user+system time (/proc/PID/stat) over the
 sequential calls, divided by the calls: the spawner, bwrap and the command are not in it
@@ -38,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import asynccontextmanager
+from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +54,8 @@ from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp_harness import runtime_dir
+from new_clients import Target, earlier_server, floor_server, report
+from new_clients import measure as measure_clients
 
 TOKEN = "bench-token-0123456789"
 
@@ -320,13 +327,42 @@ async def measure(
     return rows, same
 
 
+def new_client_table(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(prefix="srt-bench-") as tmp, ExitStack() as stack:
+        os.chmod(tmp, 0o711)
+        ours = Server(Path(tmp) / "n", None, "bench-n", args.quiet, pool=True)
+        stack.callback(ours.stop)
+        targets = {
+            "ours": Target(ours.url, TOKEN, ECHO, ("list_executions", {})),
+            "floor": stack.enter_context(floor_server(TOKEN)),
+        }
+        if not args.no_earlier:
+            work = Path(tmp) / "earlier"
+            work.mkdir()
+            targets["earlier"] = stack.enter_context(
+                earlier_server(Path(args.earlier_venv), TOKEN, work)
+            )
+        rows = asyncio.run(measure_clients(targets, args.clients, args.rounds, args.churn_seconds))
+    report(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=300, help="sequential calls per row")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--redis", action="store_true", help="also a server mirroring to Redis")
     parser.add_argument("--quiet", action="store_true", help="servers at WARNING, no access log")
+    parser.add_argument("--clients", type=int, default=15, help="new clients per server and era")
+    parser.add_argument("--churn-seconds", type=float, default=6.0)
+    parser.add_argument("--no-earlier", action="store_true", help="without srt-mcp-server 0.2")
+    parser.add_argument(
+        "--earlier-venv", default=str(Path(tempfile.gettempdir()) / "srt-compat-02" / "ref")
+    )
+    parser.add_argument("--clients-only", action="store_true", help="only the new-client table")
     args = parser.parse_args()
+    new_client_table(args)
+    if args.clients_only:
+        return
     with tempfile.TemporaryDirectory(prefix="srt-bench-") as tmp:
         os.chmod(tmp, 0o711)
         redis_proc = None

@@ -208,3 +208,23 @@ def connections_to(port: int) -> set[int]:
                 if int(remote.rsplit(":", 1)[1], 16) == port:
                     found.add(int(local.rsplit(":", 1)[1], 16))
     return found
+
+
+async def test_the_tool_list_made_at_startup_is_the_librarys(
+    servers: dict[str, ServerProcess], http: httpx2.Client
+) -> None:
+    """tools/list is answered from a result made at startup: the same tools, with the same
+    schemas, as the library lists for a server built the same way; a cursor changes nothing."""
+    from sandbox_runtime.app.services import Root
+    from sandbox_runtime.config import Settings
+    from sandbox_runtime.server.app import build_mcp
+    from sandbox_runtime.server.schemas import make_portable
+
+    mcp = build_mcp(Settings(_env_file=None, auth_token=TOKEN), Root())  # type: ignore[call-arg]
+    await make_portable(mcp)
+    library = {t.name: t.to_mcp_tool(name=t.name).model_dump(mode="json", by_alias=True,
+               exclude_none=True) for t in await mcp.list_tools()}  # fmt: skip
+    session = Session(http, servers["alone"].url)
+    for params in ({}, {"cursor": "anything"}):
+        served = session.post("tools/list", params).json()["result"]["tools"]
+        assert {t["name"]: t for t in served} == library

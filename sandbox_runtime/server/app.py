@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from fastmcp import FastMCP
 from fastmcp.server.http import HostOriginGuardMiddleware
+from mcp import types as mt
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -82,6 +83,23 @@ async def _cache_input_schemas(mcp: FastMCP) -> None:
     mcp._mcp_server.get_tool_input_schema = annotated.get
 
 
+async def _cache_tool_list(mcp: FastMCP) -> None:
+    """Answer tools/list from one result made at startup.
+
+    The library rebuilds it on every request (each tool converted, checked for visibility and
+    auth, through the middleware): a new client's first request cost ~4x a no-op call. Our
+    tools are fixed at startup and the same for every caller, and the list is one page (the
+    library ignores a cursor without a page size, as this does).
+    """
+    tools = await mcp.list_tools(run_middleware=False)
+    listed = mt.ListToolsResult(tools=[t.to_mcp_tool(name=t.name) for t in tools])
+
+    async def list_tools(ctx: Any, params: mt.PaginatedRequestParams) -> mt.ListToolsResult:
+        return listed
+
+    mcp._mcp_server.add_request_handler("tools/list", mt.PaginatedRequestParams, list_tools)
+
+
 def create_app(
     settings: Settings,
     cluster_port: int | None = None,
@@ -123,6 +141,7 @@ def create_app(
         ):
             await make_portable(mcp)
             await _cache_input_schemas(mcp)
+            await _cache_tool_list(mcp)
             async with mcp_app.lifespan(app):
                 answer_plainly_where_possible(mcp_app.routes, services.supervisor)
                 # What startup made (~150k objects) lives as long as the process: frozen, a

@@ -131,4 +131,27 @@ async def make_portable(mcp: FastMCP) -> None:
     for tool in await mcp.list_tools(run_middleware=False):
         tool.parameters = portable(tool.parameters)
         if tool.output_schema is not None:
-            tool.output_schema = portable(tool.output_schema)
+            tool.output_schema = compact(portable(tool.output_schema))
+
+
+def compact(schema: Any) -> Any:
+    """`anyOf: [{type: T}, {type: null}]` as `type: [T, null]`, the same in any dialect.
+
+    For output schemas, which clients compile to check results: the official client checks a
+    schema against the 2020-12 meta-schema before its first use, at a cost that grows with
+    the subschemas (each of our result schemas took ~15 ms, ~10 ms compacted). Input schemas
+    keep their shape: agent frameworks convert them, and some want no type lists.
+    """
+    if isinstance(schema, list):
+        return [compact(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: compact(value) for key, value in schema.items()}
+    branches = out.get("anyOf")
+    if isinstance(branches, list) and len(branches) == 2 and {"type": "null"} in branches:
+        other = branches[0] if branches[1] == {"type": "null"} else branches[1]
+        simple = isinstance(other, dict) and set(other) == {"type"} and "type" not in out
+        if simple and isinstance(other["type"], str):
+            del out["anyOf"]
+            out["type"] = [other["type"], "null"]
+    return out
