@@ -95,7 +95,13 @@ def rss_mb(pid: int) -> float:
 
 class Server:
     def __init__(
-        self, state: Path, redis_url: str | None, replica: str, quiet: bool, pool: bool
+        self,
+        state: Path,
+        redis_url: str | None,
+        replica: str,
+        quiet: bool,
+        pool: bool,
+        **settings: str,
     ) -> None:
         self.port = free_port()
         state.mkdir(mode=0o711)
@@ -106,6 +112,7 @@ class Server:
             "SANDBOX_STATE_DIR": str(state),
             "SANDBOX_REPLICA_ID": replica,
             "SANDBOX_RUNTIME_DIR": str(runtime_dir()),
+            **settings,
         }
         if not pool:
             env["SANDBOX_POOL_SIZE"] = "0"

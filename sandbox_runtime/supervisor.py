@@ -129,6 +129,11 @@ class Supervisor:
             logger.opt(exception=exc).error("background task {} failed", task.get_name())
 
     @property
+    def closed(self) -> bool:
+        """Whether it has closed (nothing starts any more)."""
+        return self._closed
+
+    @property
     def spawned(self) -> int:
         """Short-lived tasks not yet ended."""
         return len(self._spawned)

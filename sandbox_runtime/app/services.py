@@ -145,6 +145,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             max_mounted_per_principal=settings.max_mounted_workspaces_per_principal,
             reserve=settings.workspace_reserve,
             min_free_mb=settings.min_free_disk_mb,
+            blanks=settings.workspace_pool,
         )
         closing.add(workspaces.aclose)
         backend.start()  # finds the sandbox user, or says why sandboxes cannot run
@@ -171,6 +172,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             egress=egress,
         )
         _link(workspaces, pool, manager, metrics)
+        workspaces.refill = lambda: _spawn_fill(supervisor, workspaces)
 
         interpreters = InterpreterManager(settings, manager)
         signer = FileUrlSigner(url_key(settings))
@@ -185,6 +187,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         await cluster.check(starting=True)
         router.start()
         interpreters.start()
+        _spawn_fill(supervisor, workspaces)
         yield services
 
 
@@ -220,6 +223,11 @@ async def _egress(
     return egress
 
 
+def _spawn_fill(supervisor: Supervisor, workspaces: WorkspaceStore) -> None:
+    if workspaces.blanks_wanted and not supervisor.closed:
+        supervisor.spawn("blank workspaces", workspaces.fill())
+
+
 def _link(
     workspaces: WorkspaceStore, pool: SandboxPool, manager: ExecutionManager, metrics: Metrics
 ) -> None:
@@ -229,6 +237,11 @@ def _link(
     workspaces.busy.append(manager.workspaces_in_use)
     workspaces.standby.append(pool.workspaces)
     workspaces.before_release.append(lambda name: pool.discard_workspace(workspaces.path(name)))
+    # A blank workspace gets a sandbox started ahead; it stays its when a session takes it.
+    workspaces.on_blank.append(lambda name: pool.refill(workspaces.path(name)))
+    workspaces.on_moved.append(
+        lambda old, new: pool.move(workspaces.path(old), workspaces.path(new))
+    )
     workspaces.on_refused.append(lambda cap: metrics.rejections.labels(cap).inc())
     workspaces.on_damage.append(lambda event: metrics.damage.labels(event).inc())
     metrics.bind_disk(

@@ -126,6 +126,15 @@ class Settings(BaseSettings):
         description="Sandboxes started ahead of need, per replica: one waits in each of up to "
         "this many active workspaces for the session's next command (0: none).",
     )
+    workspace_pool: int = Field(
+        2,
+        ge=0,
+        le=64,
+        description="Empty workspaces made ahead of need, per replica (with workspace images): "
+        "a new session's first call takes one instead of making its image. Each counts "
+        "against SANDBOX_MAX_MOUNTED_WORKSPACES and, with SANDBOX_WORKSPACE_RESERVE=allocate, "
+        "takes SANDBOX_WORKSPACE_MB of disk (0: none).",
+    )
     pool_idle_seconds: float = Field(
         60, gt=0, le=240, description="A sandbox started ahead and unused this long is ended."
     )

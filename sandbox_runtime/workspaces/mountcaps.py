@@ -112,6 +112,8 @@ class MountCaps(Retention):
             )
             if not over_host and not over_mine:
                 return
+            if over_host and principal is not None and await self._drop_a_blank():
+                continue  # (blanks go first: they hold nothing)
             victim = None
             if principal is not None:
                 victim = self._least_recently_used(principal if over_mine else None, tried)
@@ -121,6 +123,15 @@ class MountCaps(Retention):
             tried.add(victim)
             if await self._unmount(victim):
                 logger.info("unmounted the idle workspace {} to mount another", victim)
+
+    async def _drop_a_blank(self) -> bool:
+        """Remove one blank workspace that is not being taken (store.py); whether one was."""
+        for name in list(self._blanks):
+            if not (name in self._locks and self._locks[name].locked()):
+                self._blanks.remove(name)
+                await self.remove(name)
+                return True
+        return False
 
     def _least_recently_used(self, principal: str | None, skip: set[str]) -> str | None:
         """The mounted workspace (of `principal`, or anyone's) to unmount first: not in use,

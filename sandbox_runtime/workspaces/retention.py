@@ -91,7 +91,7 @@ class Retention(StoreState):
         busy = self._in_use()
         cutoff = time.monotonic() - UNMOUNT_IDLE_SECONDS
         for name in list(self._mounted):
-            if self._ready.get(name, 0) > cutoff or name in busy:
+            if self._ready.get(name, 0) > cutoff or name in busy or name in self._blanks:
                 continue
             if await self._unmount(name, used_after=cutoff):
                 unmounted += 1

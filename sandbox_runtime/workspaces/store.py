@@ -40,17 +40,23 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 from loguru import logger
 
-from sandbox_runtime.errors import LimitExceededError, SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.errors import (
+    LimitExceededError,
+    SandboxRuntimeError,
+    SandboxSpawnError,
+    SandboxUnavailableError,
+)
 from sandbox_runtime.workspaces.damage import DamageCourse
 from sandbox_runtime.workspaces.fsops import WorkspaceFiles, remove_partial_uploads
 from sandbox_runtime.workspaces.images import bind, make_image, mount, mounts_under, umount
 from sandbox_runtime.workspaces.images import loop_devices_under as loop_devices_under
 from sandbox_runtime.workspaces.mountcaps import MountCaps
-from sandbox_runtime.workspaces.store_state import IMAGE_SUFFIX
+from sandbox_runtime.workspaces.store_state import BLANK_PREFIX, IMAGE_SUFFIX
 
 PROBE = ".probe"
 PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
@@ -75,6 +81,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
             with contextlib.suppress(OSError):
                 umount(point)
                 logger.info("detached a workspace a previous server left mounted: {}", point)
+        self.remove_all(BLANK_PREFIX)  # (a previous server's, made ahead of need)
         if self.wanted == "none":
             self.problem = "workspace quotas are turned off (SANDBOX_WORKSPACE_QUOTA=none)"
         else:
@@ -120,7 +127,12 @@ class WorkspaceStore(MountCaps, DamageCourse):
         return None
 
     async def aclose(self) -> None:
-        """Unmount every workspace (the server is stopping; nothing runs in them now)."""
+        """Remove the blanks and unmount every workspace (the server is stopping; nothing runs
+        in them now)."""
+        blanks, self._blanks = self._blanks, []
+        for name in blanks:
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self._remove_sync, name)
         for name in list(self._mounted):
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(umount, self.root / name)
@@ -170,13 +182,79 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 await self._make_room(principal, host=True, count=not ahead)
                 self._principals[name] = principal  # (counted from now: no await since)
             try:
-                await asyncio.to_thread(self._ensure_sync, name)
+                fresh = mounting and not existed and not name.startswith(BLANK_PREFIX)
+                if not (fresh and await self._take_blank(name, principal)):
+                    await asyncio.to_thread(self._ensure_sync, name)
             except (OSError, subprocess.SubprocessError) as exc:
                 raise SandboxSpawnError(f"could not prepare the workspace: {exc}") from exc
             finally:
                 if mounting and name not in self._mounted:
                     self._principals.pop(name, None)
         return self.path(name), existed
+
+    # -- blanks: workspaces made ahead of need ----------------------------------------------
+    #
+    # A new session's first call takes a blank instead of making an image (mkfs and a loop
+    # mount, ~25-40 ms) on its path. A blank is an ordinary workspace named blank-..., mounted
+    # and empty, counted against the replica's mount cap only (principal None, like a warm
+    # interpreter's slot), and not in use: the caps and the idle sweeps may take it like any
+    # idle workspace (one found no longer ready is skipped). fill() makes up to blanks_wanted
+    # in the background and stops at the first refusal (a cap, no room on the disk). A
+    # previous run's blanks are removed at start, this run's at the end.
+
+    async def fill(self) -> None:
+        """Make blanks up to `blanks_wanted` (one fill at a time)."""
+        if self._filling or self.mode != "image":
+            return
+        self._filling = True
+        try:
+            self._blanks = [n for n in self._blanks if self._blank_ready(n)]
+            while len(self._blanks) < self.blanks_wanted:
+                name = f"{BLANK_PREFIX}{uuid.uuid4().hex[:20]}"
+                try:
+                    await self.ensure(name, None, ahead=True)
+                except SandboxRuntimeError as exc:
+                    logger.debug("no blank workspace made now: {}", exc)
+                    if self.exists(name):
+                        await self.remove(name)
+                    return
+                self._blanks.append(name)
+                for hook in self.on_blank:
+                    hook(name)
+        finally:
+            self._filling = False
+
+    def blanks(self) -> list[str]:
+        """The blanks ready now."""
+        return [n for n in self._blanks if self._blank_ready(n)]
+
+    def _blank_ready(self, name: str) -> bool:
+        return name in self._mounted and self.is_ready(name)
+
+    async def _take_blank(self, name: str, principal: str | None) -> bool:
+        """Make a ready blank into the new workspace `name` (its lock held); whether one was
+        there to take. A refill starts either way."""
+        blank = None
+        while self._blanks and blank is None:
+            candidate = self._blanks.pop()
+            if self._blank_ready(candidate):
+                blank = candidate
+        if self.refill is not None and self.blanks_wanted > 0:
+            self.refill()
+        if blank is None:
+            return False
+        async with self._lock(blank):
+            try:
+                taken = await asyncio.to_thread(self._adopt_sync, blank, name, principal)
+            except OSError as exc:
+                logger.warning("blank workspace {} not taken: {}", blank, exc)
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self._remove_sync, blank)
+                return False
+        if taken:
+            for hook in self.on_moved:
+                hook(blank, name)
+        return taken
 
     def _needs_mount(self, name: str) -> bool:
         """Whether making `name` ready mounts an image (not a plain directory)."""

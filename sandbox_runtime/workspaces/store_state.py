@@ -25,6 +25,7 @@ from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.workspaces.diskspace import StateDisk
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
+BLANK_PREFIX = "blank-"  # a workspace made ahead of need (store.py)
 IMAGE_SUFFIX = ".img"
 DAMAGED_SUFFIX = ".damaged"
 
@@ -44,6 +45,7 @@ class StoreState:
         max_mounted_per_principal: int = 64,
         reserve: str = "allocate",
         min_free_mb: int = 0,
+        blanks: int = 0,
     ) -> None:
         self.root = root
         self.size_mb = size_mb
@@ -78,6 +80,14 @@ class StoreState:
         self._resets: dict[str, str] = {}  # name -> a session_reset reason not yet told
         # Called with detected, clean, repaired or quarantined (a damaged workspace's course).
         self.on_damage: list[Callable[[str], None]] = []
+        # Blank workspaces made ahead of need (store.py): how many to keep, those made, and
+        # what starts a refill in the background (set by the composition root).
+        self.blanks_wanted = blanks
+        self._blanks: list[str] = []
+        self._filling = False
+        self.refill: Callable[[], None] | None = None
+        self.on_blank: list[Callable[[str], None]] = []  # a blank was made
+        self.on_moved: list[Callable[[str, str], None]] = []  # a blank became a session's
 
     # -- naming ------------------------------------------------------------------------------
 
