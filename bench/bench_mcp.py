@@ -342,6 +342,7 @@ def new_client_table(args: argparse.Namespace) -> None:
         targets = {
             "ours": Target(ours.url, TOKEN, ECHO, ("list_executions", {})),
             "floor": stack.enter_context(floor_server(TOKEN)),
+            "lowlevel": stack.enter_context(floor_server(TOKEN, lowlevel=True)),
         }
         if not args.no_earlier:
             work = Path(tmp) / "earlier"

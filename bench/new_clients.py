@@ -1,9 +1,10 @@
 """What a new client costs, measured with the official mcp client over HTTP: bench_mcp.py's
 first table.
 
-Three servers in the same run, in alternating rounds: ours (`srt-mcp-server`, default
+Four servers in the same run, in alternating rounds: ours (`srt-mcp-server`, default
 settings), the library's floor (floor_server.py: a minimal FastMCP server with one no-op tool,
-which answers every step) and the earlier server (srt-mcp-server 0.2 from PyPI, in a venv of
+which answers every step; "lowlevel": the same tool on the mcp SDK's low-level server, under
+FastMCP) and the earlier server (srt-mcp-server 0.2 from PyPI, in a venv of
 its own with mcp<2; its `execute_code` and `list_executions`).
 
 Per server and protocol era, new clients one after another, each:
@@ -187,6 +188,10 @@ def report(rows: dict[tuple[str, str], Steps]) -> None:
     print("targets (ours against the floor's no-op and the earlier server, same run):")
     for era in MODES:
         ours, floor = rows[("ours", era)], rows[("floor", era)]
+        if ("lowlevel", era) in rows:
+            below = rows[("lowlevel", era)].median("later")
+            print(f"  {era:<7} fastmcp's no-op {floor.median('later'):.1f} ms, the SDK's "
+                  f"low-level server's {below:.1f} ms")  # fmt: skip
         noop = floor.median("later")
         first_server = ours.median("first") - ours.median("compile")
         checks = [
@@ -244,9 +249,10 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def floor_server(token: str) -> Iterator[Target]:
+def floor_server(token: str, lowlevel: bool = False) -> Iterator[Target]:
     port = _free_port()
     cmd = [sys.executable, str(HERE / "floor_server.py"), str(port), token]
+    cmd += ["--lowlevel"] if lowlevel else []
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_port(port, proc)

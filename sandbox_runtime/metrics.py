@@ -219,7 +219,8 @@ class Metrics:
         self.workspaces_mounted = Gauge(
             "srt_workspaces_mounted",
             "Workspace images mounted on this replica, by kind (session; slot: a warm "
-            "interpreter's), against SANDBOX_MAX_MOUNTED_WORKSPACES.",
+            "interpreter's; blank: made ahead for a new session), against "
+            "SANDBOX_MAX_MOUNTED_WORKSPACES.",
             ["kind"],
             registry=r,
         )

@@ -198,8 +198,9 @@ def test_mounts_are_counted_all_or_by_principal_and_by_kind() -> None:
     assert count_mounted(MOUNTED) == 4
     assert count_mounted(MOUNTED, "alice") == 2
     assert count_mounted(MOUNTED, "carol") == 0
-    assert by_kind(MOUNTED) == {"session": 3, "slot": 1}
-    assert by_kind({}) == {"session": 0, "slot": 0}
+    assert by_kind(MOUNTED) == {"session": 3, "slot": 1, "blank": 0}
+    assert by_kind({}) == {"session": 0, "slot": 0, "blank": 0}
+    assert by_kind({**MOUNTED, "blank-0a": None}) == {"session": 3, "slot": 1, "blank": 1}
 
 
 def test_the_caps_are_reached_at_their_value() -> None:
@@ -333,7 +334,7 @@ async def test_a_workspace_being_locked_or_with_a_sandbox_waiting_goes_last(
     assert store._least_recently_used("alice", set()) == "a1"
     assert store._least_recently_used("alice", {"a1", "a3"}) == "a2"
     assert store._least_recently_used("bob", set()) is None
-    assert store.mounted_by_kind() == {"session": 3, "slot": 0}
+    assert store.mounted_by_kind() == {"session": 3, "slot": 0, "blank": 0}
 
 
 # -- images ----------------------------------------------------------------------------------

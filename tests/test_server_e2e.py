@@ -977,11 +977,14 @@ async def test_status_and_list_replies_stay_readable_for_huge_commands(
         assert status["command"][0] == "/bin/true"
         assert status["command"][1].endswith("more characters]")
         assert len("".join(status["command"])) < 5000
-        listed = await conn.ok("list_executions", session=session)
+        listed = await conn.ok("list_executions", session=session, limit=25)
         assert listed["truncated"] is True
         count = len(listed["result"])
         assert 1 <= count < 25
         assert [i["id"] for i in listed["result"]] == ids[::-1][:count]
+        cursor = listed["next_cursor"]  # (the next page starts where this one was cut)
+        rest = await conn.ok("list_executions", session=session, limit=25, cursor=cursor)
+        assert [i["id"] for i in rest["result"]][:1] == ids[::-1][count : count + 1]
         few = await conn.ok("list_executions", session=session, limit=3)
         assert few["truncated"] is False
         assert [i["id"] for i in few["result"]] == ids[::-1][:3]

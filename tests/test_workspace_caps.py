@@ -61,6 +61,7 @@ async def test_past_a_tokens_cap_the_least_recently_used_idle_workspace_makes_ro
         SANDBOX_MAX_MOUNTED_WORKSPACES_PER_PRINCIPAL="2",
         SANDBOX_MAX_MOUNTED_WORKSPACES="5",
         SANDBOX_INTERPRETER_WARM="python=1",
+        SANDBOX_WORKSPACE_POOL="0",  # (exact mount counts: no blanks made ahead)
     ) as server:
         await eventually(lambda: mounted(server, "slot") == 1, 60, "the warm interpreter")
         a1, a2, a3, b1, b2 = (session() for _ in range(5))

@@ -21,6 +21,7 @@ from loguru import logger
 
 from sandbox_runtime.errors import LimitExceededError
 from sandbox_runtime.workspaces.retention import Retention
+from sandbox_runtime.workspaces.store_state import BLANK_PREFIX
 
 REPLICA_CAP = "mounted_workspaces"  # what a refusal is counted as (metrics' label)
 PRINCIPAL_CAP = "principal_mounted_workspaces"
@@ -35,9 +36,11 @@ def count_mounted(principals: Mapping[str, str | None], principal: str | None = 
 
 
 def by_kind(principals: Mapping[str, str | None]) -> dict[str, int]:
-    """Mounted images of sessions and of warm interpreters' slots (principal None)."""
-    slots = sum(1 for p in principals.values() if p is None)
-    return {"session": len(principals) - slots, "slot": slots}
+    """Mounted images of sessions, of warm interpreters' slots, and blanks made ahead for
+    new sessions (the last two: principal None)."""
+    blanks = sum(1 for n, p in principals.items() if p is None and n.startswith(BLANK_PREFIX))
+    slots = sum(1 for p in principals.values() if p is None) - blanks
+    return {"session": len(principals) - slots - blanks, "slot": slots, "blank": blanks}
 
 
 def over_caps(
