@@ -15,7 +15,8 @@ Per server and protocol era, new clients one after another, each:
   before its first result otherwise);
 - first: the first `execute_code echo hi` of the new client. The official client compiles
   the tool's output schema on a tool's first result; "compile" is that (client-side) part;
-- later: 3 more calls; read: `list_executions` (a read, no sandbox);
+- later: 3 more calls; read: `list_executions` (a read, no sandbox: its default page);
+  status: `get_execution_status` of the last one;
 - fresh: (ours) the first call in a session no one has used.
 
 Then 10 workers for a few seconds, each opening a new client, making 5 calls and leaving, over
@@ -26,6 +27,7 @@ each worker names its own.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -47,7 +49,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 
 HERE = Path(__file__).resolve().parent
 EARLIER = "sandbox-runtime[server]==0.2.0"
-STEPS = ("connect", "list", "first", "compile", "later", "read", "fresh")
+STEPS = ("connect", "list", "first", "compile", "later", "read", "status", "fresh")
 
 # The client's own compile of an output schema, timed where the client does it.
 _compiling: list[float] = []
@@ -90,10 +92,13 @@ class Target:
     sessions: bool = True  # its call takes a `session` argument
 
 
-async def _call(c: Client, tool: tuple[str, dict[str, Any]]) -> None:
+async def _call(c: Client, tool: tuple[str, dict[str, Any]]) -> dict[str, Any]:
     result = await c.call_tool(*tool)
     if result.is_error:
         raise RuntimeError(f"{tool[0]}: {result.content[0]}")
+    if isinstance(result.structured_content, dict):
+        return result.structured_content
+    return json.loads(result.content[0].text)  # type: ignore[union-attr,no-any-return]
 
 
 def _client(target: Target, mode: str) -> tuple[Any, Client]:
@@ -117,11 +122,17 @@ async def one_client(target: Target, mode: str, steps: Steps, later: int = 3) ->
         t["compile"].append(sum(_compiling[compiled:]))
         for _ in range(later):
             began = time.perf_counter()
-            await _call(c, target.call)
+            done = await _call(c, target.call)
             t["later"].append(time.perf_counter() - began)
         began = time.perf_counter()
         await _call(c, target.read)
         t["read"].append(time.perf_counter() - began)
+        status = ("noop", {})
+        if "execution_id" in done:
+            status = ("get_execution_status", {"execution_id": done["execution_id"]})
+        began = time.perf_counter()
+        await _call(c, status)
+        t["status"].append(time.perf_counter() - began)
         if target.sessions and target.call[0] != "noop":
             name, args = target.call
             fresh = (name, {**args, "session": f"fresh-{uuid.uuid4().hex[:12]}"})
@@ -198,7 +209,8 @@ def report(rows: dict[tuple[str, str], Steps]) -> None:
             ("connect <= floor + 3 ms", ours.median("connect"), floor.median("connect") + 3),
             ("first <= 1.2x later", ours.median("first"), 1.2 * ours.median("later")),
             ("first - compile <= 1.2x later", first_server, 1.2 * ours.median("later")),
-            ("read <= 2x floor no-op", ours.median("read"), 2 * noop),
+            ("read (list) <= 2x floor no-op", ours.median("read"), 2 * noop),
+            ("read (status) <= 2x floor no-op", ours.median("status"), 2 * noop),
             ("echo <= 2.5x floor no-op", ours.median("later"), 2.5 * noop),
         ]
         for name, got, bound in checks:

@@ -597,7 +597,7 @@ async def test_list_executions_filters_by_status(alice: Conn) -> None:
 
 
 async def test_list_executions_pages_through_a_long_history(alice: Conn) -> None:
-    """Without `limit` a page of 20, newest first; `next_cursor` walks every older one once,
+    """Without `limit` a page of 10, newest first; `next_cursor` walks every older one once,
     also past executions that ended meanwhile; a cursor not ours is refused."""
     session = unique("paging")
     ids = []
@@ -605,10 +605,10 @@ async def test_list_executions_pages_through_a_long_history(alice: Conn) -> None
         done = await alice.ok("execute_code", command=f"echo {i}", session=session)
         ids.append(done["execution_id"])
     first = await alice.ok("list_executions", session=session)
-    assert [i["id"] for i in first["result"]] == ids[::-1][:20]
+    assert [i["id"] for i in first["result"]] == ids[::-1][:10]
     assert first["truncated"] is False and first["next_cursor"]
-    rest = await alice.ok("list_executions", session=session, cursor=first["next_cursor"])
-    assert [i["id"] for i in rest["result"]] == ids[::-1][20:]
+    rest = await alice.ok("list_executions", session=session, cursor=first["next_cursor"], limit=20)
+    assert [i["id"] for i in rest["result"]] == ids[::-1][10:]
     assert rest["next_cursor"] is None
     seen, cursor = [], None
     while True:

@@ -44,7 +44,7 @@ from sandbox_runtime.sessions.operations import result_fields
 
 # Replies stay far below the official MCP client's 1 MiB limit per SSE event: lists are capped.
 LIST_MAX_BYTES = 256 * 1024
-LIST_DEFAULT = 20  # a read costs the same however long the session's history
+LIST_DEFAULT = 10  # a read costs the same however long the session's history
 
 CommandArg = Annotated[
     str | list[str], Field(description="Shell command (run by /bin/sh -c) or an argv list.")

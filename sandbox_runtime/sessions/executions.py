@@ -92,7 +92,7 @@ class ExecutionAccess:
         return bool(reply["was_finished"]), ExecutionInfo.model_validate(reply["info"])
 
     async def list(
-        self, owner: Owner, status: str | None = None, limit: int = 20, cursor: str | None = None
+        self, owner: Owner, status: str | None = None, limit: int = 10, cursor: str | None = None
     ) -> tuple[list[ExecutionInfo], bool]:
         """A page of the owner's executions (this replica's and, with a store, every
         replica's), newest first: at most `limit` (capped at 1000), those after `cursor` (a
