@@ -1,5 +1,6 @@
-"""Output schemas are compacted for the clients that compile them: a nullable simple type
-becomes a type list, everything else stays as it was, and results validate the same."""
+"""Output schemas are cut down for the clients that compile them: a nullable simple type
+becomes a type list, and a result's schema is outlined (its required fields typed, the others
+named in its description); results that were valid stay valid."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
-from sandbox_runtime.server.results import ExecutionResult
-from sandbox_runtime.server.schemas import compact, portable
+from sandbox_runtime.server.results import ExecutionList, ExecutionResult
+from sandbox_runtime.server.schemas import compact, outline, portable
 
 pytestmark = pytest.mark.unit
 
@@ -54,3 +55,26 @@ def test_results_validate_the_same_against_either_form(result: dict[str, Any]) -
     Draft202012Validator.check_schema(after)
     verdict = Draft202012Validator(before).is_valid(result)
     assert Draft202012Validator(after).is_valid(result) == verdict
+
+
+def test_an_outline_types_the_required_fields_and_names_the_others() -> None:
+    schema = outline(compact(portable(ExecutionResult.model_json_schema())))
+    assert set(schema["properties"]) == {"execution_id", "status"} == set(schema["required"])
+    assert "cancelled" in schema["properties"]["status"]["enum"]
+    assert "exit_code (integer|null)" in schema["description"]
+    assert "files (array|null)" in schema["description"]
+    Draft202012Validator.check_schema(schema)
+    listed = outline(compact(portable(ExecutionList.model_json_schema())))
+    assert listed["properties"] == {
+        "result": {"type": "array", "description": "The executions, newest first."}
+    }
+    assert "next_cursor (string|null)" in listed["description"]
+
+
+@pytest.mark.parametrize("result", RESULTS)
+def test_what_the_whole_schema_accepts_its_outline_accepts(result: dict[str, Any]) -> None:
+    whole = portable(ExecutionResult.model_json_schema())
+    cut = outline(compact(whole))
+    if Draft202012Validator(whole).is_valid(result):
+        assert Draft202012Validator(cut).is_valid(result)
+    assert Draft202012Validator(cut).is_valid(result) == (result.get("status") != "done")

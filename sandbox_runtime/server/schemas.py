@@ -131,7 +131,54 @@ async def make_portable(mcp: FastMCP) -> None:
     for tool in await mcp.list_tools(run_middleware=False):
         tool.parameters = portable(tool.parameters)
         if tool.output_schema is not None:
-            tool.output_schema = compact(portable(tool.output_schema))
+            tool.output_schema = outline(compact(portable(tool.output_schema)))
+
+
+def outline(schema: dict[str, Any]) -> dict[str, Any]:
+    """An output schema's outline: its required fields typed, every other field named (with
+    its type) in the description.
+
+    The official client checks an output schema against the 2020-12 meta-schema the first time
+    a tool answers in a session, at ~0.5 ms per subschema: ~20 ms for a whole result's, on the
+    first call of every tool, which a framework that opens a transport session per call pays on
+    every call. The outline costs ~1 ms. Results carry the other fields as before (the object
+    stays open); the tool descriptions say what they mean.
+    """
+    props = schema.get("properties")
+    if not isinstance(props, dict):
+        return schema
+    required = [n for n in schema.get("required", []) if n in props]
+    others = ", ".join(f"{n} ({_type_text(p)})" for n, p in props.items() if n not in required)
+    out = {k: v for k, v in schema.items() if k not in ("properties", "required")}
+    out["properties"] = {n: _shallow(props[n]) for n in required}
+    if required:
+        out["required"] = required
+    if others:
+        described = str(schema.get("description") or "").strip()
+        out["description"] = f"{described} Other fields: {others}.".strip()
+    return out
+
+
+def _types(prop: dict[str, Any]) -> list[str]:
+    kind = prop.get("type")
+    if isinstance(kind, str):
+        return [kind]
+    if isinstance(kind, list):
+        return [str(k) for k in kind]
+    branches = prop.get("anyOf") or prop.get("oneOf") or []
+    return sorted({t for b in branches if isinstance(b, dict) for t in _types(b)})
+
+
+def _shallow(prop: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: prop[k] for k in ("description", "enum", "const") if k in prop}
+    kinds = _types(prop)
+    if kinds:
+        out["type"] = kinds[0] if len(kinds) == 1 else kinds
+    return out
+
+
+def _type_text(prop: dict[str, Any]) -> str:
+    return "|".join(_types(prop)) or "any"
 
 
 def compact(schema: Any) -> Any:
