@@ -228,3 +228,15 @@ async def test_the_tool_list_made_at_startup_is_the_librarys(
     for params in ({}, {"cursor": "anything"}):
         served = session.post("tools/list", params).json()["result"]["tools"]
         assert {t["name"]: t for t in served} == library
+
+
+def test_a_stream_that_waits_long_is_kept_alive_with_pings(
+    servers: dict[str, ServerProcess], http: httpx2.Client
+) -> None:
+    """A reply streamed (past 3 s) gets a comment line every 15 s: a proxy does not close it."""
+    session = Session(http, servers["alone"].url)
+    answered = session.call({"command": "sleep 19; echo awake"})
+    assert answered.headers["content-type"] == "text/event-stream"
+    assert ": ping" in answered.text
+    events = [e for e in sse_events(answered.text) if e.get("data")]
+    assert result_of(json.loads(events[-1]["data"]))["output"][1]["data"] == "awake\n"

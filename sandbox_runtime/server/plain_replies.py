@@ -140,8 +140,10 @@ class _DeferredReply:
         self.lock = anyio.Lock()
         self.started = False  # something was sent downstream
         self.streaming = False
+        self.ended = False  # the stream's last part was sent
 
     async def _out(self, body: bytes, more: bool = True) -> None:
+        self.ended = not more
         await self.downstream({"type": "http.response.body", "body": body, "more_body": more})
 
     async def send(self, message: Message) -> None:
@@ -152,16 +154,10 @@ class _DeferredReply:
                 return
             if message["type"] != "http.response.body":
                 return  # (the JSON reply's status line and headers: the stream has its own)
-            body = message.get("body", b"")
-            if body:
-                frame = b"event: message\r\ndata: " + body + b"\r\n\r\n"
-                await self.downstream(
-                    {"type": "http.response.body", "body": frame, "more_body": True}
-                )
+            if body := message.get("body", b""):
+                await self._out(b"event: message\r\ndata: " + body + b"\r\n\r\n")
             if not message.get("more_body", False):
-                await self.downstream(
-                    {"type": "http.response.body", "body": b"", "more_body": False}
-                )
+                await self._out(b"", more=False)
 
     async def stream(self) -> None:
         async with self.lock:
@@ -173,22 +169,18 @@ class _DeferredReply:
                 (b"cache-control", b"no-cache, no-transform"),
                 (b"x-accel-buffering", b"no"),
             ]
-            if self.transport.mcp_session_id:
-                headers.append(
-                    (MCP_SESSION_ID_HEADER.encode(), self.transport.mcp_session_id.encode())
-                )
+            if session_id := self.transport.mcp_session_id:
+                headers.append((MCP_SESSION_ID_HEADER.encode(), session_id.encode()))
             await self.downstream(
                 {"type": "http.response.start", "status": 200, "headers": headers}
             )
-            priming = await self._priming_event()
-            if priming:
-                await self.downstream(
-                    {"type": "http.response.body", "body": priming, "more_body": True}
-                )
-        while True:
+            if priming := await self._priming_event():
+                await self._out(priming)
+        while not self.ended:
             await anyio.sleep(PING)
             async with self.lock:
-                await self._out(b": ping\r\n\r\n")
+                if not self.ended:
+                    await self._out(b": ping\r\n\r\n")
 
     async def _priming_event(self) -> bytes:
         """The stream's first event: an event id the client can resume after (with an event
