@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,9 +29,14 @@ class Topology:
     replicas: dict[str, ServerProcess]
     nginx: Nginx
 
-    def replica_of(self, execution_id: str) -> str:
-        meta = json.loads(self.redis.cli_raw("get", f"execution:{execution_id}"))
-        return str(meta["replica_id"])
+    def replica_of(self, execution_id: str, within: float = 5.0) -> str:
+        """The replica that runs the execution, from its record in Redis (the mirror writes it
+        a few ms after the call that started it may have answered: waited for)."""
+        deadline = time.monotonic() + within
+        while not (raw := self.redis.cli_raw("get", f"execution:{execution_id}").strip()):
+            assert time.monotonic() < deadline, f"execution {execution_id} not in Redis"
+            time.sleep(0.02)
+        return str(json.loads(raw)["replica_id"])
 
     def home_of(self, principal: str, session: str) -> str | None:
         """The home replica recorded for a named session (`session` argument or URL path)."""
