@@ -251,10 +251,12 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread(self._remove_sync, blank)
                 return False
-        if taken:
-            for hook in self.on_moved:
-                hook(blank, name)
-        return taken
+        if not taken:  # (`name` had files after all: the blank stays one)
+            self._blanks.append(blank)
+            return False
+        for hook in self.on_moved:
+            hook(blank, name)
+        return True
 
     def _needs_mount(self, name: str) -> bool:
         """Whether making `name` ready mounts an image (not a plain directory)."""
