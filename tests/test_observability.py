@@ -183,9 +183,8 @@ async def test_sandboxes_started_ahead_serve_each_session_and_end_with_the_serve
     tmp_path: Path,
 ) -> None:
     """A session's calls after its first run in sandboxes started ahead (counted as hits),
-    each a sandbox of its own, in both protocol eras; a first call finds one too when it
-    takes a blank workspace that has one (else it starts its own: a miss); every one still
-    waiting dies with the server."""
+    each a sandbox of its own, in both protocol eras; every one still waiting dies with the
+    server."""
     server = ServerProcess(
         tmp_path, {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_METRICS_TOKEN": METRICS_TOKEN}
     )
@@ -205,13 +204,10 @@ async def test_sandboxes_started_ahead_serve_each_session_and_end_with_the_serve
                     assert files == "0", out  # a fresh /tmp each call: no sandbox used twice
                     await asyncio.sleep(0.3)  # (an agent's pause: the next one is ready)
         samples = scrape(server)
-        hits = metric(samples, "srt_sandbox_pool_hits_total")
-        first_misses = metric(samples, "srt_sandbox_pool_misses_total", reason="empty")
-        assert hits >= 5, samples
-        assert first_misses <= 2 and hits + first_misses == 8, samples
+        assert metric(samples, "srt_sandbox_pool_hits_total") >= 5, samples
+        assert metric(samples, "srt_sandbox_pool_misses_total", reason="empty") >= 2
         assert metric(samples, "srt_sandbox_pool_refill_seconds_count") >= 6
-        # One per session, and one in each blank workspace (made ahead for new sessions).
-        assert 2 <= metric(samples, "srt_sandbox_pool_ready") <= 4
+        assert metric(samples, "srt_sandbox_pool_ready") == 2  # one per session
         tree = server.descendants()
         waiting = [pid for pid, _ in tree if proc_uid(pid) == sandbox_uid()]
         assert len(waiting) >= 2 * 3, tree  # two sandboxes: bwrap, its init, the stub each

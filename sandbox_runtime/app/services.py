@@ -237,11 +237,6 @@ def _link(
     workspaces.busy.append(manager.workspaces_in_use)
     workspaces.standby.append(pool.workspaces)
     workspaces.before_release.append(lambda name: pool.discard_workspace(workspaces.path(name)))
-    # A blank workspace gets a sandbox started ahead; it stays its when a session takes it.
-    workspaces.on_blank.append(lambda name: pool.refill(workspaces.path(name)))
-    workspaces.on_moved.append(
-        lambda old, new: pool.move(workspaces.path(old), workspaces.path(new))
-    )
     workspaces.on_refused.append(lambda cap: metrics.rejections.labels(cap).inc())
     workspaces.on_damage.append(lambda event: metrics.damage.labels(event).inc())
     metrics.bind_disk(

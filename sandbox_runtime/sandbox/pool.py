@@ -112,18 +112,6 @@ class SandboxPool:
         """Names of the workspaces a sandbox waits in or is being started in."""
         return {p.name for p in self._ready} | {p.name for p in self._refills}
 
-    def move(self, old: Path, new: Path) -> None:
-        """The workspace at `old` is at `new` now (a blank made into a session's: the same
-        filesystem, which a sandbox started in it holds): its waiting sandbox is `new`'s."""
-        started = self._ready.pop(old, None)
-        if started is None:
-            return
-        if new in self._ready:  # (cannot be: a new workspace has none; keep one)
-            self._discard_later(started)
-            return
-        started.workspace = new
-        self._ready[new] = started
-
     def start(self) -> None:
         if self.enabled and not self._sweeping:
             interval = max(0.5, min(self.idle_seconds / 4, 15.0))

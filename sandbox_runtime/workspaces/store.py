@@ -198,7 +198,9 @@ class WorkspaceStore(MountCaps, DamageCourse):
     # mount, ~25-40 ms) on its path. A blank is an ordinary workspace named blank-..., mounted
     # and empty, counted against the replica's mount cap only (principal None, like a warm
     # interpreter's slot), and not in use: the caps and the idle sweeps may take it like any
-    # idle workspace (one found no longer ready is skipped). fill() makes up to blanks_wanted
+    # idle workspace (one found no longer ready is skipped). No sandbox is started ahead in a
+    # blank: bwrap may still be binding it when a session takes it, and taking it unmounts
+    # that path. fill() makes up to blanks_wanted
     # in the background and stops at the first refusal (a cap, no room on the disk). A
     # previous run's blanks are removed at start, this run's at the end.
 
@@ -219,8 +221,6 @@ class WorkspaceStore(MountCaps, DamageCourse):
                         await self.remove(name)
                     return
                 self._blanks.append(name)
-                for hook in self.on_blank:
-                    hook(name)
         finally:
             self._filling = False
 
@@ -253,10 +253,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 return False
         if not taken:  # (`name` had files after all: the blank stays one)
             self._blanks.append(blank)
-            return False
-        for hook in self.on_moved:
-            hook(blank, name)
-        return True
+        return taken
 
     def _needs_mount(self, name: str) -> bool:
         """Whether making `name` ready mounts an image (not a plain directory)."""

@@ -86,8 +86,6 @@ class StoreState:
         self._blanks: list[str] = []
         self._filling = False
         self.refill: Callable[[], None] | None = None
-        self.on_blank: list[Callable[[str], None]] = []  # a blank was made
-        self.on_moved: list[Callable[[str, str], None]] = []  # a blank became a session's
 
     # -- naming ------------------------------------------------------------------------------
 
