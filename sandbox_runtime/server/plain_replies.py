@@ -42,7 +42,12 @@ from sandbox_runtime.supervisor import Supervisor
 DEFER = 3.0  # seconds a reply may take and still come as a JSON body
 PING = 15.0  # seconds between keep-alive comments on a reply that turned into a stream
 
-_plain: contextvars.ContextVar[bool] = contextvars.ContextVar("srt_plain_reply", default=False)
+# The task answering a request plainly. A task, not a flag: a context can outlive its request
+# (uvicorn may start the next request's task from inside this one's `send`, copying its context),
+# and only this task, not one that inherited its context, may see JSON mode.
+_plain: contextvars.ContextVar[asyncio.Task[Any] | None] = contextvars.ContextVar(
+    "srt_plain_reply", default=None
+)
 
 
 def answer_plainly_where_possible(routes: list[BaseRoute], supervisor: Supervisor) -> None:
@@ -79,7 +84,13 @@ class PlainWhenQuick(StreamableHTTPServerTransport):
 
     @property
     def is_json_response_enabled(self) -> bool:
-        return _plain.get()
+        task = _plain.get()
+        if task is None:
+            return False
+        try:
+            return task is asyncio.current_task()
+        except RuntimeError:  # (no running loop)
+            return False
 
     @is_json_response_enabled.setter
     def is_json_response_enabled(self, value: bool) -> None:
@@ -97,7 +108,7 @@ class PlainWhenQuick(StreamableHTTPServerTransport):
         def turn() -> None:
             streaming.append(self.supervisor.spawn("streamed legacy reply", reply.stream()))
 
-        token = _plain.set(True)
+        token = _plain.set(asyncio.current_task())
         # (a timer, not a task per request: most replies come long before it)
         timer = asyncio.get_running_loop().call_later(DEFER, turn)
         try:
