@@ -224,10 +224,6 @@ class WorkspaceStore(MountCaps, DamageCourse):
         finally:
             self._filling = False
 
-    def blanks(self) -> list[str]:
-        """The blanks ready now."""
-        return [n for n in self._blanks if self._blank_ready(n)]
-
     def _blank_ready(self, name: str) -> bool:
         return name in self._mounted and self.is_ready(name)
 
