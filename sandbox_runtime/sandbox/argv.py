@@ -19,6 +19,7 @@ from sandbox_runtime.sandbox.host import (
     ROOT_TOPS,
     RUNTIME,
     SANDBOX_UID,
+    SERVER_DIR,
     WORKSPACE,
 )
 from sandbox_runtime.sandbox.spec import SandboxSpec
@@ -160,6 +161,8 @@ def bwrap_args(
     ]  # fmt: skip
     if spec.kernel_dir is not None:
         args += ["--bind", str(spec.kernel_dir), KERNEL_DIR]
+    if spec.server_dir is not None:
+        args += ["--ro-bind", str(spec.server_dir), SERVER_DIR]
     if lease is not None:
         # Read-only: the socket is connectable (a socket's permission is not the mount's)
         # but the sandbox cannot put another in its place. The relay is init: no bwrap

@@ -208,11 +208,11 @@ class BubblewrapBackend:
 
     def can_prestart(self, spec: SandboxSpec) -> bool:
         """Whether a sandbox like `spec`'s can be started ahead of need: plain executions
-        without egress (a relay is pid 1 of those), kernel sockets or inet sockets."""
+        without egress (a relay is pid 1 of those), kernel sockets, inet sockets or installs."""
         return (
             self.stub_problem is None
             and (spec.egress is None or not spec.egress.enabled)
-            and spec.kernel_dir is None
+            and spec.kernel_dir is None is spec.server_dir
             and not spec.loopback_inet
         )
 

@@ -35,6 +35,7 @@ STUB_PERL = "/usr/bin/perl"
 # every sandbox, read-only, first on PATH; and where an interpreter's sockets live.
 RUNTIME = "/opt/srt-runtime"
 KERNEL_DIR = "/run/srt-kernel"
+SERVER_DIR = "/opt/srt-server"  # a hosted MCP server's install, read-only
 # A sandbox with egress: its init is the relay (egress/relay.py, copied here into the root at
 # start) run by the host's Python, which /usr brings into every sandbox.
 RELAY_PROGRAM = Path(__file__).parents[1] / "egress" / "relay.py"
@@ -204,9 +205,9 @@ def build_root(root: Path) -> None:
     for everything mounted on top (mounts on a read-only bind need existing points)."""
     root.mkdir(mode=0o755)
     build_etc(root / "etc")
-    for point in ("usr", "proc", "dev", "tmp", WORKSPACE.lstrip("/"), RUNTIME.lstrip("/"),
-                  KERNEL_DIR.lstrip("/"), SOCKET_DIR.lstrip("/")):  # fmt: skip
-        (root / point).mkdir(mode=0o755, parents=True)
+    for point in ("/usr", "/proc", "/dev", "/tmp", WORKSPACE, RUNTIME, KERNEL_DIR, SOCKET_DIR,
+                  SERVER_DIR):  # fmt: skip
+        (root / point.lstrip("/")).mkdir(mode=0o755, parents=True)
     shutil.copyfile(RELAY_PROGRAM, root / RELAY_PATH.lstrip("/"))
     os.chmod(root / RELAY_PATH.lstrip("/"), 0o644)
     for top in ROOT_TOPS:

@@ -53,6 +53,8 @@ class SandboxSpec:
     # AF_INET/AF_INET6 sockets allowed, inside the sandbox's own network namespace (loopback
     # only, no route out): Jupyter kernels need them. Plain executions: AF_UNIX only.
     loopback_inet: bool = False
+    # A host directory bound read-only at SERVER_DIR (a hosted MCP server's install); None: none
+    server_dir: Path | None = None
     # Egress through the host proxy under this policy (None, or one allowing nothing: none),
     # and who hears of its denials.
     egress: EgressPolicy | None = None
