@@ -1,4 +1,4 @@
-"""`srt-mcp-server`: serve (the default) or `doctor`."""
+"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install` or `servers …`."""
 
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["serve", "doctor", "runtime"],
         default="serve",
         help="serve (default); doctor: check the host; runtime install: build the sandbox "
-        "runtime (Python data stack, Deno, kernels) into SANDBOX_RUNTIME_DIR",
+        "runtime (Python data stack, Deno, kernels) into SANDBOX_RUNTIME_DIR; servers "
+        "add|list|remove|install|logs|import: the hosted MCP servers (servers --help)",
     )
     parser.add_argument("action", nargs="?", choices=["install"], help=argparse.SUPPRESS)
     parser.add_argument(
@@ -126,6 +127,11 @@ def is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["servers"]:  # its own sub-commands and flags (`servers --help`)
+        from sandbox_runtime.servers.cli import main as servers_main
+
+        return servers_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(args)

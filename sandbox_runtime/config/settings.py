@@ -99,6 +99,17 @@ class Settings(BaseSettings):
         description="Where the sandbox runtime (Python data stack, Deno, Jupyter kernels) is "
         "installed; default `<state_dir>/runtime`. Bound read-only at /opt/srt-runtime.",
     )
+    servers_file: Path | None = Field(
+        None,
+        description="The catalog of hosted MCP servers (TOML; `srt-mcp-server servers ...` "
+        "edits it); default `<state_dir>/servers.toml`.",
+    )
+    max_server_instances: int = Field(
+        32,
+        ge=0,
+        description="Hosted MCP server instances running at once on this replica (each is a "
+        "sandbox); a start past it stops the least recently used idle one, or is refused.",
+    )
     runtime_requirements: Path | None = Field(
         None,
         description="A pip requirements file of extra packages for the runtime (installed by "
@@ -437,6 +448,13 @@ class Settings(BaseSettings):
 
     def runtime_path(self) -> Path:
         return self.runtime_dir or self.state_dir / "runtime"
+
+    def servers_path(self) -> Path:
+        return self.servers_file or self.state_dir / "servers.toml"
+
+    def servers_dir(self) -> Path:
+        """Hosted servers' installs (`install/<name>`) and logs (`logs/<name>.log`)."""
+        return self.state_dir / "servers"
 
     def warm_interpreters(self) -> dict[str, int]:
         """language -> interpreters to keep started ahead."""

@@ -1,0 +1,1 @@
+"""Hosted MCP servers: the catalog, installs, sandboxed instances and their supervision."""
