@@ -165,6 +165,39 @@ class Metrics:
             "Forwarded calls this replica is running now as the session's home.",
             registry=r,
         )
+        self.server_calls = Counter(
+            "srt_hosted_server_calls_total",
+            "Requests to hosted MCP servers, by server, tool (tools/call) or method, and outcome "
+            "(ok, error: the server's own error, failed: it died or timed out, refused).",
+            ["server", "tool", "outcome"],
+            registry=r,
+        )
+        self.server_call_seconds = Histogram(
+            "srt_hosted_server_call_seconds",
+            "Duration of requests to hosted MCP servers, by server and tool (or method).",
+            ["server", "tool"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.server_instances = Gauge(
+            "srt_hosted_server_instances",
+            "Hosted MCP server instances running on this replica, by server.",
+            ["server"],
+            registry=r,
+        )
+        self.server_starts = Counter(
+            "srt_hosted_server_starts_total",
+            "Hosted MCP server instances started (cold starts), by server and outcome.",
+            ["server", "outcome"],
+            registry=r,
+        )
+        self.server_start_seconds = Histogram(
+            "srt_hosted_server_start_seconds",
+            "Time to start a hosted MCP server instance and initialize it.",
+            ["server"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
         self.forwarded_served = Counter(
             "srt_forwarded_calls_served_total",
             "Forwarded calls this replica ran as the session's home, by op.",

@@ -17,6 +17,8 @@ Read top to bottom, `build` says how the program is put together:
          │                     events and retention, over the parts above
          ├─ InterpreterManager run_code's kernels, over the manager
          ├─ FileUrlSigner      the key of signed file URLs
+         ├─ ServerHost         hosted MCP servers' instances (servers/): catalog, sandboxes,
+         │                     idle stop, restarts
          └─ Router             sessions' homes, forwarding to them, control of other
                                replicas' executions; runs the session-bound operations
                                (sessions.operations) with the Parts above
@@ -48,6 +50,7 @@ from sandbox_runtime.interpreters.runtime import MANIFEST
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend
 from sandbox_runtime.sandbox.pool import SandboxPool
+from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
 from sandbox_runtime.sessions.router import Router
@@ -92,6 +95,7 @@ class Services:
     manager: ExecutionManager
     interpreters: InterpreterManager
     signer: FileUrlSigner
+    servers: ServerHost
     router: Router
     closing: Closing
 
@@ -101,7 +105,7 @@ class Services:
         the workspaces and the cluster (the mirror's final flush, the heartbeat dropped).
         Idempotent: the signal handler calls it before the server drains its connections,
         the lifespan's end again."""
-        meanwhile = [self.cluster.release_homes, self.interpreters.aclose]
+        meanwhile = [self.cluster.release_homes, self.interpreters.aclose, self.servers.aclose]
         await self.manager.shutdown(meanwhile)
         await self.closing.run()
 
@@ -176,10 +180,21 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
 
         interpreters = InterpreterManager(settings, manager)
         signer = FileUrlSigner(url_key(settings))
-        router = Router(settings, Parts(manager, interpreters, signer), cluster)
+        servers = ServerHost(settings, manager, metrics, supervisor)
+        manager.workspaces.busy.append(servers.workspaces_in_use)
+        router = Router(settings, Parts(manager, interpreters, signer, servers), cluster)
         stack.push_async_callback(router.aclose)
         services = Services(
-            settings, supervisor, metrics, cluster, manager, interpreters, signer, router, closing
+            settings,
+            supervisor,
+            metrics,
+            cluster,
+            manager,
+            interpreters,
+            signer,
+            servers,
+            router,
+            closing,
         )
         await cluster.start(manager)
         await manager.start()
@@ -187,6 +202,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         await cluster.check(starting=True)
         router.start()
         interpreters.start()
+        servers.start()
         _spawn_fill(supervisor, workspaces)
         yield services
 

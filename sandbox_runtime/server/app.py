@@ -14,6 +14,7 @@ from typing import Any, Literal
 from fastmcp import FastMCP
 from fastmcp.server.http import HostOriginGuardMiddleware
 from mcp import types as mt
+from mcp.server.transport_security import TransportSecuritySettings
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -28,10 +29,12 @@ from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
+from sandbox_runtime.server.hosted import HostedServers
 from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
 from sandbox_runtime.server.plain_replies import answer_plainly_where_possible
 from sandbox_runtime.server.replies import ErrorResults
 from sandbox_runtime.server.schemas import make_portable
+from sandbox_runtime.server.server_tools import register_server_tools
 from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
@@ -65,6 +68,7 @@ def build_mcp(settings: Settings, root: Root) -> FastMCP:
     register_tools(mcp, root)
     register_interpreter_tools(mcp, root)
     register_file_tools(mcp, root)
+    register_server_tools(mcp, root)
     return mcp
 
 
@@ -123,6 +127,7 @@ def create_app(
         protection, hosts = False, None
     else:
         protection, hosts = True, allowed
+    hosted = HostedServers(settings, root, _transport_security(settings, protection, hosts))
     mcp_app = mcp.http_app(
         path="/mcp",
         stateless_http=False,
@@ -138,10 +143,12 @@ def create_app(
         async with (
             build(settings, cluster_address) as services,
             root.serving(services),
+            contextlib.AsyncExitStack() as stack,
         ):
             await make_portable(mcp)
             await _cache_input_schemas(mcp)
             await _cache_tool_list(mcp)
+            stack.push_async_callback(hosted.aclose)
             async with mcp_app.lifespan(app):
                 answer_plainly_where_possible(mcp_app.routes, services.supervisor)
                 # What startup made (~150k objects) lives as long as the process: frozen, a
@@ -255,6 +262,7 @@ def create_app(
             Route("/metrics", metrics, methods=["GET"]),
             Route("/register", no_registration, methods=["GET", "POST"]),
             *console,
+            Route("/servers/{name}/mcp", hosted, methods=["GET", "POST", "DELETE"]),
             Mount("/", app=mcp_app),
         ],
         middleware=[
@@ -304,6 +312,24 @@ class ClusterDispatch:
             await self.cluster(scope, receive, send)
         else:
             await self.public(scope, receive, send)
+
+
+def _transport_security(
+    settings: Settings, protection: bool | Literal["auto"], hosts: list[str] | None
+) -> TransportSecuritySettings | None:
+    """The hosted servers' DNS-rebinding guard, as /mcp's: the allowed hosts if given; for
+    "auto", the loopback names when the server is bound to loopback."""
+    if protection is False:
+        return None
+    if protection is True and hosts:
+        return TransportSecuritySettings(enable_dns_rebinding_protection=True, allowed_hosts=hosts)
+    if settings.host in ("127.0.0.1", "localhost", "::1"):
+        return TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
+            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
+        )
+    return None
 
 
 def _event_store(settings: Settings) -> Any:

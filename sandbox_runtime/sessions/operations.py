@@ -25,6 +25,7 @@ from sandbox_runtime.files import operations as files
 from sandbox_runtime.files.operations import changed_files, coarse_now
 from sandbox_runtime.files.urls import FileUrlSigner
 from sandbox_runtime.interpreters.manager import InterpreterManager
+from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.supervisor import scoped
 
 PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
@@ -41,6 +42,7 @@ class Parts:
     manager: ExecutionManager
     interpreters: InterpreterManager
     signer: FileUrlSigner
+    servers: ServerHost
 
 
 Operation = Callable[[Parts, Owner, dict[str, Any], Progress | None], Awaitable[dict]]
@@ -218,7 +220,18 @@ async def restart_interpreter(
     )
 
 
+async def server_request(
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """One MCP request to a hosted server's instance of this owner (see servers.host)."""
+    method, params = args.get("method"), args.get("params")
+    if not isinstance(method, str) or not isinstance(params, dict):
+        raise InvalidRequestError("malformed hosted server request")
+    return await parts.servers.request(owner, method, params, progress)
+
+
 OPERATIONS: dict[str, Operation] = {
+    "server_request": server_request,
     "execute": execute,
     "run_code": run_code,
     "list_languages": list_languages,

@@ -1,0 +1,309 @@
+"""`/servers/{name}/mcp`: a hosted server's MCP endpoint, behind this server's auth.
+
+Each catalog entry gets its own MCP server object (its name, its instructions) and its own
+Streamable HTTP session manager, so both protocol eras, sessions, SSE and the 2026 era's
+stateless requests are the library's. Every request other than the handshake is passed on,
+raw, to the caller's instance through the Router (which runs it on the instance's home
+replica, forwarding when that is another one): the instance's results and errors come back
+as they are, its progress and logging notifications are relayed to the caller, and a
+cancelled request is cancelled in the instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from loguru import logger
+from mcp import types as mt
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+from mcp.server.lowlevel.server import Server
+from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
+from mcp.server.transport_security import TransportSecuritySettings
+from mcp.shared.exceptions import MCPError
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from sandbox_runtime.app.services import Root
+from sandbox_runtime.config import Settings
+from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.server.calls import ANONYMOUS
+from sandbox_runtime.servers.catalog import Entry
+from sandbox_runtime.servers.host import owner_of
+
+PATH = re.compile(r"/servers/(?P<name>[a-z0-9][a-z0-9_-]{0,47})/mcp/?")
+PRINCIPAL_KEY = "srt.principal"
+SESSION_KEY = "srt.session"
+# Requests passed on to the instance (the handshake is answered here), and the type of
+# their results: the library fills in what each protocol era's result carries besides.
+PASSED_ON: dict[str, type[BaseModel]] = {
+    "tools/list": mt.ListToolsResult,
+    "tools/call": mt.CallToolResult,
+    "resources/list": mt.ListResourcesResult,
+    "resources/templates/list": mt.ListResourceTemplatesResult,
+    "resources/read": mt.ReadResourceResult,
+    "prompts/list": mt.ListPromptsResult,
+    "prompts/get": mt.GetPromptResult,
+    "completion/complete": mt.CompleteResult,
+}
+
+
+async def _unused(ctx: Any, params: Any) -> Any:
+    # (Registered so initialize advertises tools, resources and prompts; the middleware
+    # answers every such request before it gets here.)
+    raise MCPError(-32603, "not reached")
+
+
+class HostedServers:
+    """The ASGI app for `/servers/{name}/mcp` (auth, then the entry's session manager)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        root: Root,
+        security: TransportSecuritySettings | None,
+    ) -> None:
+        self.settings = settings
+        self.root = root
+        self.security = security
+        tokens = settings.tokens()
+        self._digests = [
+            (hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest(), p)
+            for t, p in tokens.items()
+        ]
+        self._open = not tokens
+        self._apps: dict[str, tuple[Entry, StreamableHTTPASGIApp, asyncio.Event]] = {}
+        self._lock = asyncio.Lock()
+
+    def principal(self, scope: Scope) -> str | None:
+        if self._open:
+            return ANONYMOUS
+        for key, value in scope.get("headers", []):
+            if key == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() != "bearer":
+                    return None
+                offered = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).digest()
+                match = None
+                for digest, principal in self._digests:
+                    if hmac.compare_digest(digest, offered):
+                        match = principal
+                return match
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = PATH.fullmatch(scope["path"])
+        if match is None:
+            await _plain(send, 404, "no such endpoint: hosted servers are at /servers/NAME/mcp")
+            return
+        principal = self.principal(scope)
+        if principal is None:
+            await _plain(send, 401, "invalid token")  # (PlainAuthErrors words it)
+            return
+        if not self.root.running:
+            await _plain(send, 503, "the server is starting or stopping")
+            return
+        host = self.root.services.servers
+        name = match["name"]
+        try:
+            entry = host.entry_for(name, principal)
+        except SandboxRuntimeError as exc:
+            await _plain(send, 404, str(exc))
+            return
+        if entry.kind == "remote":
+            await _plain(
+                send, 501, f"server {name} is remote; proxying remote servers is not built yet"
+            )
+            return
+        app = await self._app(entry)
+        scope = dict(scope, path="/mcp", raw_path=b"/mcp")
+        scope[PRINCIPAL_KEY] = principal
+        await app(scope, receive, send)
+
+    async def _app(self, entry: Entry) -> StreamableHTTPASGIApp:
+        """The entry's app: made on first use, and again when its entry changed (the old
+        one's sessions end)."""
+        known = self._apps.get(entry.name)
+        if known is not None and known[0] == entry:
+            return known[1]
+        async with self._lock:
+            known = self._apps.get(entry.name)
+            if known is not None and known[0] == entry:
+                return known[1]
+            if known is not None:
+                known[2].set()
+            server = self._server(entry)
+            manager = StreamableHTTPSessionManager(
+                app=server,
+                json_response=False,
+                stateless=False,
+                security_settings=self.security,
+            )
+            stop = asyncio.Event()
+            running = asyncio.Event()
+            self.root.services.supervisor.spawn(
+                f"hosted server {entry.name} sessions", _run(manager, running, stop)
+            )
+            await running.wait()
+            app = StreamableHTTPASGIApp(manager)
+            self._apps[entry.name] = (entry, app, stop)
+            return app
+
+    def _server(self, entry: Entry) -> Server[Any]:
+        server: Server[Any] = Server(
+            entry.name,
+            version="hosted",
+            instructions=f"{entry.name}, hosted in a sandbox by sandbox_runtime",
+            on_list_tools=_unused,
+            on_call_tool=_unused,
+            on_list_resources=_unused,
+            on_read_resource=_unused,
+            on_list_prompts=_unused,
+            on_get_prompt=_unused,
+        )
+        server.middleware.append(Relay(self.root, entry))
+        return server
+
+    async def aclose(self) -> None:
+        for _, _, stop in self._apps.values():
+            stop.set()
+
+
+async def _run(
+    manager: StreamableHTTPSessionManager, running: asyncio.Event, stop: asyncio.Event
+) -> None:
+    async with manager.run():
+        running.set()
+        await stop.wait()
+
+
+class Relay:
+    """The middleware that passes a request on to the caller's instance."""
+
+    def __init__(self, root: Root, entry: Entry) -> None:
+        self.root = root
+        self.name = entry.name
+
+    async def __call__(
+        self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
+    ) -> HandlerResult:
+        if ctx.method not in PASSED_ON:
+            return await call_next(ctx)
+        request = ctx.request
+        scope: Mapping[str, Any] = getattr(request, "scope", {}) if request is not None else {}
+        principal = scope.get(PRINCIPAL_KEY)
+        if not isinstance(principal, str):
+            raise MCPError(-32603, "no principal for this request")
+        services = self.root.services
+        try:
+            entry = services.servers.entry_for(self.name, principal)
+        except SandboxRuntimeError as exc:
+            raise MCPError(-32601, str(exc)) from None
+        session = scope.get(SESSION_KEY) or "default"
+        owner = owner_of(entry, principal, str(session))
+        params = dict(ctx.params or {})
+        caller_token = (
+            (params.get("_meta") or {}).get("progressToken")
+            if isinstance(params.get("_meta"), dict)
+            else None
+        )
+        wants_progress = caller_token is not None or ctx.method == "tools/call"
+
+        async def relay(_: int, text: str) -> None:
+            await _relay_notification(ctx, text, caller_token)
+
+        try:
+            answer = await services.router.run(
+                owner,
+                "server_request",
+                {"method": ctx.method, "params": params},
+                relay if wants_progress else None,
+            )
+        except SandboxRuntimeError as exc:
+            raise MCPError(-32603, str(exc)) from None
+        if "error" in answer:
+            error = answer["error"] if isinstance(answer["error"], dict) else {}
+            code = error["code"] if isinstance(error.get("code"), int) else -32603
+            raise MCPError(code, str(error.get("message", "error")), error.get("data"))
+        try:
+            return PASSED_ON[ctx.method].model_validate(answer.get("result"))
+        except ValidationError as exc:
+            raise MCPError(
+                -32603,
+                f"server {self.name} sent a malformed {ctx.method} result: "
+                f"{exc.error_count()} problem(s), first: {exc.errors()[0]['msg']} at "
+                f"{'.'.join(map(str, exc.errors()[0]['loc']))}",
+            ) from None
+
+
+async def _relay_notification(
+    ctx: ServerRequestContext[Any, Any], text: str, caller_token: Any
+) -> None:
+    """An instance's notification, to the caller of the request it came with."""
+    try:
+        message = json.loads(text)
+    except ValueError:
+        return
+    params = message.get("params") if isinstance(message, dict) else None
+    if not isinstance(params, dict):
+        return
+    try:
+        if message.get("method") == "notifications/progress":
+            if caller_token is None:
+                return
+            progress = params.get("progress")
+            if not isinstance(progress, int | float):
+                return
+            total = params.get("total")
+            note = params.get("message")
+            await ctx.session.send_progress_notification(
+                caller_token,
+                float(progress),
+                float(total) if isinstance(total, int | float) else None,
+                note if isinstance(note, str) else None,
+                related_request_id=ctx.request_id,  # type: ignore[arg-type]
+            )
+        elif message.get("method") == "notifications/message":
+            level = params.get("level")
+            if level not in (
+                "debug",
+                "info",
+                "notice",
+                "warning",
+                "error",
+                "critical",
+                "alert",
+                "emergency",
+            ):
+                return
+            name = params.get("logger")
+            with contextlib.suppress(Exception):
+                await ctx.session.send_log_message(
+                    level,
+                    params.get("data"),
+                    name if isinstance(name, str) else None,
+                    related_request_id=ctx.request_id,
+                )
+    except Exception as exc:  # (the caller went away)
+        logger.debug("hosted server notification not relayed: {}", exc)
+
+
+async def _plain(send: Send, status: int, text: str) -> None:
+    body = json.dumps({"error": text}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

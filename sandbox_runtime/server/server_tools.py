@@ -1,0 +1,75 @@
+"""`list_servers`: the hosted MCP servers a principal may use, and where."""
+
+from __future__ import annotations
+
+from fastmcp import Context, FastMCP
+from pydantic import BaseModel, Field
+
+from sandbox_runtime.app.services import Root
+from sandbox_runtime.server.calls import owner_of
+from sandbox_runtime.servers.installs import read_installed
+
+
+class HostedServer(BaseModel):
+    name: str
+    endpoint: str = Field(description="Its MCP endpoint on this server (same token as /mcp).")
+    kind: str = Field(description="pypi, npm, command or remote.")
+    scope: str = Field(
+        description="principal: an instance of your own; session: one per session; shared."
+    )
+    source: str | None = Field(None, description="The package or URL it runs.")
+    installed: str | None = Field(None, description="The installed version (pypi, npm).")
+    ready: bool = Field(description="Whether a call can start it now.")
+    problem: str | None = Field(None, description="Why not, or its last failure here.")
+    network: list[str] = Field(default_factory=list, description="Hosts it may reach.")
+    tools_allow: list[str] = Field(default_factory=list)
+    tools_deny: list[str] = Field(default_factory=list)
+    instances_here: int = Field(0, description="Its instances running on this replica.")
+
+
+class ServerList(BaseModel):
+    servers: list[HostedServer]
+    catalog_problem: str | None = Field(
+        None, description="Why the catalog file could not be read (the last good one is used)."
+    )
+
+
+def register_server_tools(mcp: FastMCP, root: Root) -> None:
+    @mcp.tool
+    async def list_servers(ctx: Context) -> ServerList:
+        """The hosted MCP servers you may use: their endpoints (/servers/NAME/mcp, with the
+        same token), what they run, and whether they are ready."""
+        host = root.services.servers
+        principal = owner_of(ctx, None).principal
+        listed = []
+        for entry in host.catalog().for_principal(principal):
+            problem: str | None = None
+            version: str | None = None
+            if entry.kind in ("pypi", "npm"):
+                installed = read_installed(host.servers_dir, entry.name)
+                if installed is None:
+                    problem = "not installed (srt-mcp-server servers install)"
+                elif installed.package != entry.package:
+                    problem = f"{installed.package} installed, {entry.package} configured"
+                else:
+                    version = installed.version
+            elif entry.kind == "remote":
+                problem = "remote servers are not proxied yet"
+            status = host.status(entry.name)
+            listed.append(
+                HostedServer(
+                    name=entry.name,
+                    endpoint=f"/servers/{entry.name}/mcp",
+                    kind=entry.kind,
+                    scope=entry.scope,
+                    source=entry.package or entry.url or None,
+                    installed=version,
+                    ready=problem is None,
+                    problem=problem or status["last_error"],
+                    network=list(entry.egress),
+                    tools_allow=list(entry.tools_allow),
+                    tools_deny=list(entry.tools_deny),
+                    instances_here=status["instances"],
+                )
+            )
+        return ServerList(servers=listed, catalog_problem=host.catalog_problem)

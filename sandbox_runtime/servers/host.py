@@ -1,0 +1,445 @@
+"""The hosted servers of this replica: instances started on first use (or kept warm),
+stopped when idle, restarted after a crash with backoff, bounded in number, each in its own
+sandbox with its own workspace as its state directory.
+
+An instance belongs to an owner like a session does (the Router homes it): `srv:NAME` of the
+principal (scope "principal"), `srv:NAME:SESSION` (scope "session"), or `srv:NAME` of no
+principal (scope "shared"). Its workspace is that owner's, so its state persists across the
+instance's restarts and is nobody else's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.owner import Owner, workspace_name
+from sandbox_runtime.errors import (
+    InvalidRequestError,
+    LimitExceededError,
+    PolicyViolationError,
+    SandboxRuntimeError,
+)
+from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.metrics import Metrics
+from sandbox_runtime.sandbox.host import WORKSPACE
+from sandbox_runtime.sandbox.spec import SandboxSpec
+from sandbox_runtime.servers.catalog import (
+    Catalog,
+    CatalogError,
+    Entry,
+    load_catalog,
+    resolve_secret,
+)
+from sandbox_runtime.servers.installs import read_installed
+from sandbox_runtime.servers.instance import Instance, InstanceError, LogSink, RemoteError
+from sandbox_runtime.supervisor import Supervisor
+
+SWEEP_SECONDS = 5.0
+CRASH_WINDOW = 300.0  # crashes this recent count toward the backoff
+BACKOFF_MAX = 30.0
+BACKOFF_WAIT = 5.0  # a call waits out a backoff this short; a longer one refuses it
+MAX_TOOL_LABELS = 64  # distinct tool labels per server in the metrics (then "other")
+SHARED = ""  # the principal of a shared instance's owner
+
+Progress = Callable[[int, str], Awaitable[None]]
+
+
+def owner_of(entry: Entry, principal: str, session: str) -> Owner:
+    """Whose instance a call of `principal` in `session` uses."""
+    if entry.scope == "shared":
+        return Owner(SHARED, f"srv:{entry.name}")
+    if entry.scope == "session":
+        return Owner(principal, f"srv:{entry.name}:{session}")
+    return Owner(principal, f"srv:{entry.name}")
+
+
+def server_of(owner: Owner) -> str:
+    """The server name in an instance owner's session id."""
+    return owner.session_id.split(":")[1]
+
+
+@dataclass
+class ServerState:
+    """What /health, `list_servers` and the operator see of one server on this replica."""
+
+    starts: int = 0
+    crashes: list[float] = field(default_factory=list)  # when instances died unasked
+    last_error: str | None = None
+    last_error_at: float | None = None
+    tools: set[str] = field(default_factory=set)  # labels used in the metrics
+
+
+class ServerHost:
+    """Hosted servers' instances on this replica."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        manager: ExecutionManager,
+        metrics: Metrics,
+        supervisor: Supervisor,
+    ) -> None:
+        self.settings = settings
+        self.manager = manager
+        self.metrics = metrics
+        self.supervisor = supervisor
+        self.catalog_path = settings.servers_path()
+        self.servers_dir = settings.servers_dir()
+        self.max_instances = settings.max_server_instances
+        self._catalog = Catalog()
+        self._catalog_stamp: tuple[int, int] | None = None
+        self.catalog_problem: str | None = None
+        self._instances: dict[Owner, Instance] = {}
+        self._entries: dict[Owner, Entry] = {}  # the entry each instance was started from
+        self._locks: dict[Owner, asyncio.Lock] = {}
+        self._states: dict[str, ServerState] = {}
+        self._closed = False
+
+    # -- the catalog -------------------------------------------------------------------------
+
+    def catalog(self) -> Catalog:
+        """The catalog file as it is now (read again when it changed; a broken file keeps the
+        last good catalog and says why in `catalog_problem`)."""
+        try:
+            st = os.stat(self.catalog_path)
+            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
+        except OSError:
+            stamp = None
+        if stamp != self._catalog_stamp:
+            try:
+                self._catalog = load_catalog(self.catalog_path)
+                self.catalog_problem = None
+            except CatalogError as exc:
+                if self.catalog_problem != str(exc):
+                    logger.error("hosted servers: catalog not loaded: {}", exc)
+                self.catalog_problem = str(exc)
+            self._catalog_stamp = stamp
+        return self._catalog
+
+    def entry_for(self, name: str, principal: str) -> Entry:
+        """The entry `principal` may use. Raises InvalidRequestError (the same words for an
+        unknown server and one this principal may not use)."""
+        entry = self.catalog().get(name)
+        if entry is None or not entry.allows_principal(principal):
+            raise InvalidRequestError(f"no hosted server named {name!r} is available to you")
+        return entry
+
+    def state(self, name: str) -> ServerState:
+        return self._states.setdefault(name, ServerState())
+
+    # -- requests (run on the instance owner's home replica) ---------------------------------
+
+    async def request(
+        self, owner: Owner, method: str, params: dict[str, Any], progress: Progress | None
+    ) -> dict[str, Any]:
+        """Send one request to the owner's instance (started if needed): {"result": ...} or
+        {"error": {code, message}}. Notifications for the caller (progress, logging) go to
+        `progress` as (n, JSON text)."""
+        name = server_of(owner)
+        entry = self.catalog().get(name)
+        if entry is None:
+            return _error(-32601, f"hosted server {name!r} was removed from the catalog")
+        label = str(params.get("name", "?")) if method == "tools/call" else method
+        if method == "tools/call" and not entry.allows_tool(label):
+            return _error(-32602, f"tool {label!r} is not available on server {name!r}")
+        label = self._label(name, label)
+        started = time.perf_counter()
+        outcome = "ok"
+        sent = 0
+
+        async def listener(message: dict[str, Any]) -> None:
+            nonlocal sent
+            if progress is not None:
+                sent += 1
+                await progress(sent, _json(message))
+
+        try:
+            instance = await self._instance(entry, owner)
+            result = await instance.request(
+                method,
+                params,
+                listener=listener if progress is not None else None,
+                within=entry.call_timeout,
+            )
+            if method == "tools/list":
+                result = _filtered(result, entry)
+            elif method == "tools/call" and result.get("isError"):
+                outcome = "error"
+            return {"result": result}
+        except RemoteError as exc:
+            outcome = "error"
+            return {"error": exc.error}
+        except (InstanceError, LimitExceededError, CatalogError, PolicyViolationError) as exc:
+            outcome = "failed" if isinstance(exc, InstanceError) else "refused"
+            return _error(-32603, str(exc))
+        finally:
+            elapsed = time.perf_counter() - started
+            self.metrics.server_calls.labels(name, label, outcome).inc()
+            self.metrics.server_call_seconds.labels(name, label).observe(elapsed)
+            who = owner.principal or "(shared)"
+            logger.info(
+                "hosted {} {} for {}: {} in {:.1f} ms", name, label, who, outcome, elapsed * 1000
+            )
+
+    def _label(self, name: str, tool: str) -> str:
+        tools = self.state(name).tools
+        if tool in tools or len(tools) < MAX_TOOL_LABELS:
+            tools.add(tool[:64])
+            return tool[:64]
+        return "other"
+
+    # -- instances ---------------------------------------------------------------------------
+
+    async def _instance(self, entry: Entry, owner: Owner) -> Instance:
+        instance = self._instances.get(owner)
+        if instance is not None and instance.alive and self._entries.get(owner) == entry:
+            return instance
+        lock = self._locks.setdefault(owner, asyncio.Lock())
+        async with lock:
+            instance = self._instances.get(owner)
+            if instance is not None and instance.alive and self._entries.get(owner) == entry:
+                return instance
+            if instance is not None:  # dead, or its entry changed: replaced
+                await self._stop(owner, "replaced" if instance.alive else None)
+            await self._backoff(entry.name)
+            return await self._start(entry, owner)
+
+    async def _backoff(self, name: str) -> None:
+        """Wait before a start soon after crashes (1 s after the first, doubling to 30 s);
+        past BACKOFF_WAIT, refuse the call instead of holding it."""
+        state = self.state(name)
+        now = time.monotonic()
+        state.crashes = [t for t in state.crashes if now - t < CRASH_WINDOW]
+        if not state.crashes:
+            return
+        wait = min(BACKOFF_MAX, 2.0 ** (len(state.crashes) - 1)) - (now - state.crashes[-1])
+        if wait <= 0:
+            return
+        if wait <= BACKOFF_WAIT:
+            await asyncio.sleep(wait)
+            return
+        raise InstanceError(
+            f"server {name} crashed {len(state.crashes)} times in the last "
+            f"{CRASH_WINDOW:.0f} s ({state.last_error}); it may start again in {wait:.0f} s"
+        )
+
+    async def _start(self, entry: Entry, owner: Owner) -> Instance:
+        if self._closed:
+            raise InstanceError("the server is shutting down")
+        await self._make_room()
+        state = self.state(entry.name)
+        started = time.perf_counter()
+        try:
+            instance = await self._spawn(entry, owner)
+            try:
+                await instance.initialize()
+            except BaseException:
+                await instance.aclose(grace=0.2)
+                raise
+        except (RemoteError, InstanceError, SandboxRuntimeError, OSError) as exc:
+            text = f"could not start: {exc}"
+            self._failed(entry.name, text)
+            self.metrics.server_starts.labels(entry.name, "failed").inc()
+            if isinstance(exc, InstanceError | RemoteError):
+                raise InstanceError(f"server {entry.name} {text}") from None
+            raise
+        state.starts += 1
+        self.metrics.server_starts.labels(entry.name, "ok").inc()
+        self.metrics.server_start_seconds.labels(entry.name).observe(time.perf_counter() - started)
+        self._instances[owner] = instance
+        self._entries[owner] = entry
+        self.metrics.server_instances.labels(entry.name).inc()
+        self.supervisor.spawn(f"server {entry.name} watch", self._watch(owner, instance))
+        instance.log.note(f"started for {owner.principal or '(shared)'}")
+        logger.info(
+            "hosted server {} started for {} in {:.0f} ms",
+            entry.name,
+            owner.principal or "(shared)",
+            (time.perf_counter() - started) * 1000,
+        )
+        return instance
+
+    async def _spawn(self, entry: Entry, owner: Owner) -> Instance:
+        argv, server_dir = self._program(entry)
+        env = {"HOME": WORKSPACE, **entry.env}
+        for var, ref in entry.secrets.items():
+            try:
+                env[var] = resolve_secret(ref)
+            except CatalogError as exc:
+                raise CatalogError(f"server {entry.name}: {exc}") from None
+        try:
+            limits = self.manager.limits.tighten(
+                {
+                    "memory_mb": min(entry.memory_mb, self.manager.limits.memory_mb),
+                    "pids": min(entry.pids, self.manager.limits.pids),
+                    "cpu_cores": min(entry.cpus, self.manager.limits.cpu_cores),
+                    "network": list(entry.egress) if entry.egress else False,
+                }
+            )
+        except PolicyViolationError as exc:
+            raise PolicyViolationError(
+                f"server {entry.name}: {exc} (its egress must lie within SANDBOX_EGRESS_ALLOW)"
+            ) from None
+        workspace, _ = await self.manager.workspaces.ensure(
+            workspace_name(owner), owner.principal or None
+        )
+        process = await self.manager.backend.spawn(
+            SandboxSpec(
+                argv=argv,
+                workspace=workspace,
+                limits=limits,
+                env=env,
+                interactive=True,
+                egress=self.manager.egress_of(limits),
+                server_dir=server_dir,
+            )
+        )
+        logs = self.servers_dir / "logs"
+        with contextlib.suppress(OSError):
+            logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return Instance(
+            entry.name,
+            process,
+            max_message=entry.max_message_kb * 1024,
+            call_timeout=entry.call_timeout,
+            log=LogSink(logs / f"{entry.name}.log"),
+            supervisor=self.supervisor,
+            logs_to_callers=entry.scope != "shared",
+        )
+
+    def _program(self, entry: Entry) -> tuple[list[str], Path | None]:
+        """argv inside the sandbox, and the host directory bound at /opt/srt-server."""
+        if entry.kind == "remote":
+            raise InstanceError(f"server {entry.name} is remote: it has no instance here")
+        if entry.kind == "command":
+            directory = Path(entry.directory) if entry.directory else None
+            if directory is not None and not directory.is_dir():
+                raise CatalogError(f"server {entry.name}: directory {directory} does not exist")
+            return [*entry.command, *entry.args], directory
+        installed = read_installed(self.servers_dir, entry.name)
+        if installed is None:
+            raise CatalogError(
+                f"server {entry.name} is not installed: run `srt-mcp-server servers install "
+                f"{entry.name}` (a start never downloads)"
+            )
+        if installed.package != entry.package:
+            raise CatalogError(
+                f"server {entry.name}: {installed.package} is installed but the catalog asks "
+                f"for {entry.package}: run `srt-mcp-server servers install {entry.name}`"
+            )
+        return [*installed.program, *entry.args], self.servers_dir / "install" / entry.name
+
+    async def _watch(self, owner: Owner, instance: Instance) -> None:
+        """When an instance dies unasked: counted as a crash (the backoff), reported."""
+        why = await instance.exited()
+        if self._instances.get(owner) is instance:
+            del self._instances[owner]
+            self._entries.pop(owner, None)
+            self.metrics.server_instances.labels(instance.name).dec()
+            if why != "stopped":
+                self.state(instance.name).crashes.append(time.monotonic())
+                self._failed(instance.name, f"crashed: {why}")
+                instance.log.note(f"crashed: {why}")
+            await instance.aclose(grace=0.1)
+
+    def _failed(self, name: str, text: str) -> None:
+        state = self.state(name)
+        # (Shown to every principal that may use the server: never an instance's output.)
+        public = text.split("; its last output on stderr")[0][:300]
+        state.last_error, state.last_error_at = public, time.time()
+        logger.warning("hosted server {}: {}", name, text)
+
+    async def _make_room(self) -> None:
+        """At the replica's cap: stop the least recently used idle instance, or refuse."""
+        if len(self._instances) < self.max_instances:
+            return
+        idle = [(i.last_used, o) for o, i in self._instances.items() if i.busy == 0]
+        if not idle:
+            raise LimitExceededError(
+                f"this replica runs {self.max_instances} hosted server instances, all busy "
+                "(SANDBOX_MAX_SERVER_INSTANCES); retry shortly"
+            )
+        await self._stop(min(idle)[1], "stopped to make room")
+
+    async def _stop(self, owner: Owner, why: str | None) -> None:
+        instance = self._instances.pop(owner, None)
+        self._entries.pop(owner, None)
+        if instance is None:
+            return
+        self.metrics.server_instances.labels(instance.name).dec()
+        if why:
+            instance.log.note(why)
+        await instance.aclose()
+
+    # -- background: idle stop, warm starts ----------------------------------------------------
+
+    def start(self) -> None:
+        self.catalog()
+        self.supervisor.every("hosted servers", SWEEP_SECONDS, self.sweep)
+
+    async def sweep(self) -> None:
+        """Stop instances idle past their entry's idle timeout, and those whose entry changed
+        or was removed; start the shared ones kept warm."""
+        catalog = self.catalog()
+        now = time.monotonic()
+        for owner, instance in list(self._instances.items()):
+            entry = catalog.get(instance.name)
+            if entry is None or entry != self._entries.get(owner):
+                await self._stop(owner, "its catalog entry changed")
+            elif instance.busy == 0 and now - instance.last_used > entry.idle_timeout:
+                await self._stop(owner, f"idle for {entry.idle_timeout:g} s")
+        for entry in catalog.entries.values():
+            owner = owner_of(entry, SHARED, "")
+            if entry.warm and entry.kind != "remote" and owner not in self._instances:
+                with contextlib.suppress(SandboxRuntimeError):
+                    await self._instance(entry, owner)
+
+    def workspaces_in_use(self) -> set[str]:
+        return {workspace_name(owner) for owner in self._instances}
+
+    def status(self, name: str) -> dict[str, Any]:
+        """One server's state on this replica (never a running state for a dead child)."""
+        state = self.state(name)
+        alive = [i for o, i in self._instances.items() if i.name == name and i.alive]
+        now = time.monotonic()
+        return {
+            "instances": len(alive),
+            "starts": state.starts,
+            "crashes_recent": len([t for t in state.crashes if now - t < CRASH_WINDOW]),
+            "last_error": state.last_error,
+            "last_error_at": state.last_error_at,
+        }
+
+    async def aclose(self) -> None:
+        self._closed = True
+        await asyncio.gather(
+            *(self._stop(owner, "server stopping") for owner in list(self._instances)),
+            return_exceptions=True,
+        )
+
+
+def _error(code: int, message: str) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message}}
+
+
+def _filtered(result: dict[str, Any], entry: Entry) -> dict[str, Any]:
+    tools = result.get("tools")
+    if not isinstance(tools, list) or not (entry.tools_allow or entry.tools_deny):
+        return result
+    kept = [t for t in tools if isinstance(t, dict) and entry.allows_tool(str(t.get("name")))]
+    return {**result, "tools": kept}
+
+
+def _json(message: dict[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False)

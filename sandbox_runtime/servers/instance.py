@@ -1,0 +1,399 @@
+"""One running instance of a hosted stdio MCP server: a sandboxed process the host speaks
+JSON-RPC to, one message per line on its stdin and stdout.
+
+The process is hostile until proven otherwise. Every message it sends is bounded in bytes, the
+junk it may write between messages is bounded, its stderr is kept only as a bounded tail (and
+the operator's log file, rotated), and a request it never answers ends at the entry's call
+timeout. Breaking any of these ends the instance, and every call waiting on it is told why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.supervisor import Supervisor
+
+PROTOCOL_VERSION = "2025-11-25"
+LIMITS = ("memory", "cpu", "pids", "file_size", "timeout")
+JUNK_BYTES = 1 << 20  # non-JSON-RPC output tolerated on stdout, in all, before the end
+STDERR_TAIL = 16 * 1024  # kept in memory for errors and status
+STDERR_BURST = 8 << 20  # stderr within STDERR_WINDOW past which an instance is ended
+STDERR_WINDOW = 10.0
+LOG_MAX_BYTES = 4 << 20  # a log file rotates past this (one previous kept)
+MAX_IN_FLIGHT = 64  # requests waiting on one instance
+READ_CHUNK = 64 * 1024
+START_TIMEOUT = 30.0  # initialize, at most
+
+Notify = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class InstanceError(SandboxRuntimeError):
+    """The instance failed the call: it died, timed out or broke the protocol."""
+
+
+class RemoteError(SandboxRuntimeError):
+    """The server answered the request with a JSON-RPC error (passed on as it is)."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        self.error = error
+        super().__init__(str(error.get("message", "error")))
+
+
+class LogSink:
+    """An instance's stderr: a bounded tail in memory and the server's log file on disk
+    (`<servers_dir>/logs/<name>.log`, rotated at LOG_MAX_BYTES)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.tail: deque[bytes] = deque()
+        self._tail_bytes = 0
+
+    def write(self, data: bytes, *, kept: bool = True) -> None:
+        if kept:
+            self.tail.append(data)
+            self._tail_bytes += len(data)
+            while self._tail_bytes > STDERR_TAIL and len(self.tail) > 1:
+                self._tail_bytes -= len(self.tail.popleft())
+        if self.path is None:
+            return
+        try:
+            if self.path.exists() and self.path.stat().st_size > LOG_MAX_BYTES:
+                self.path.replace(self.path.with_suffix(".log.1"))
+            with open(self.path, "ab") as f:
+                f.write(data)
+        except OSError as exc:  # (a full disk: the tail is still kept)
+            logger.debug("server log {} not written: {}", self.path, exc)
+
+    def note(self, text: str) -> None:
+        """A line of the host's own about this instance (start, stop, why it was ended)."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.write(f"[srt {stamp}] {text}\n".encode(), kept=False)
+
+    def last(self, limit: int = 2000) -> str:
+        text = b"".join(self.tail).decode("utf-8", "replace")
+        return text[-limit:].strip()
+
+
+class Instance:
+    """A started server process; `initialize` it, then `request` and `notify`."""
+
+    def __init__(
+        self,
+        name: str,
+        process: SandboxProcess,
+        *,
+        max_message: int,
+        call_timeout: float,
+        log: LogSink,
+        supervisor: Supervisor,
+        logs_to_callers: bool = True,
+    ) -> None:
+        self.name = name
+        self.process = process
+        self.max_message = max_message
+        self.call_timeout = call_timeout
+        self.log = log
+        # Logging notifications are not tied to a request: they go to the calls in flight when
+        # those are all one principal's (not for a shared instance), else to its log only.
+        self.logs_to_callers = logs_to_callers
+        self.server_info: dict[str, Any] = {}
+        self.capabilities: dict[str, Any] = {}
+        self.instructions: str | None = None
+        self.started_at = time.monotonic()
+        self.last_used = time.monotonic()
+        self.ended: str | None = None  # why it is no longer usable
+        self._next_id = 0
+        self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._listeners: dict[int, Notify] = {}
+        self._junk = 0
+        self._write_lock = asyncio.Lock()
+        self._exit = supervisor.spawn(f"server {name} exit", self._watch_exit())
+        self._tasks = [
+            supervisor.spawn(f"server {name} stdout", self._read_stdout()),
+            supervisor.spawn(f"server {name} stderr", self._read_stderr()),
+            self._exit,
+        ]
+
+    @property
+    def alive(self) -> bool:
+        return self.ended is None and self.process.running
+
+    async def exited(self) -> str:
+        """Wait for the process to end; why it did."""
+        await asyncio.shield(self._exit)
+        return self.ended or "exited"
+
+    @property
+    def busy(self) -> int:
+        return len(self._pending)
+
+    async def initialize(self) -> None:
+        result = await self.request(
+            "initialize",
+            {
+                "protocolVersion": PROTOCOL_VERSION,
+                "capabilities": {},
+                "clientInfo": {"name": "sandbox_runtime", "version": "1"},
+            },
+            within=min(START_TIMEOUT, max(self.call_timeout, 5.0)),
+        )
+        self.server_info = _dict(result.get("serverInfo"))
+        self.capabilities = _dict(result.get("capabilities"))
+        instructions = result.get("instructions")
+        self.instructions = instructions if isinstance(instructions, str) else None
+        await self.notify("notifications/initialized", {})
+
+    async def request(
+        self,
+        method: str,
+        params: dict[str, Any] | None,
+        *,
+        listener: Notify | None = None,
+        within: float | None = None,
+    ) -> dict[str, Any]:
+        """Send a request and wait for its result. Progress notifications naming this
+        request's token, and logging notifications meanwhile, go to `listener`.
+
+        Raises RemoteError (the server's JSON-RPC error), InstanceError (it died, broke the
+        protocol or did not answer in time). Cancelled: the server is told
+        (notifications/cancelled) and the late answer dropped.
+        """
+        if not self.alive:
+            raise InstanceError(f"server {self.name} is not running: {self.ended or 'exited'}")
+        if len(self._pending) >= MAX_IN_FLIGHT:
+            raise InstanceError(
+                f"server {self.name} has {MAX_IN_FLIGHT} requests waiting already; retry later"
+            )
+        self._next_id += 1
+        request_id = self._next_id
+        params = dict(params or {})
+        if listener is not None:
+            # Our own progress token: the caller's (or another caller's) never reaches it.
+            meta = dict(_dict(params.get("_meta")))
+            meta["progressToken"] = request_id
+            params["_meta"] = meta
+            self._listeners[request_id] = listener
+        elif "_meta" in params:
+            meta = {k: v for k, v in _dict(params["_meta"]).items() if k != "progressToken"}
+            params["_meta"] = meta
+        future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = future
+        self.last_used = time.monotonic()
+        limit = within if within is not None else self.call_timeout
+        try:
+            await self._send(
+                {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+            )
+            async with asyncio.timeout(limit):
+                return await future
+        except TimeoutError:
+            # A server that does not answer in time is ended (the next call starts it again):
+            # whatever holds it may hold every later call too.
+            why = f"it did not answer {method} within {limit:g} s"
+            self._pending.pop(request_id, None)
+            self._kill(why)
+            raise InstanceError(f"server {self.name} was ended: {why}") from None
+        except asyncio.CancelledError:
+            await asyncio.shield(self._cancel_upstream(request_id, "cancelled by the client"))
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+            self._listeners.pop(request_id, None)
+            self.last_used = time.monotonic()
+
+    async def notify(self, method: str, params: dict[str, Any]) -> None:
+        await self._send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    async def _cancel_upstream(self, request_id: int, reason: str) -> None:
+        if self.alive:
+            with contextlib.suppress(InstanceError):
+                await self.notify(
+                    "notifications/cancelled", {"requestId": request_id, "reason": reason}
+                )
+
+    async def _send(self, message: dict[str, Any]) -> None:
+        stdin = self.process.stdin
+        if stdin is None:
+            raise InstanceError(f"server {self.name} has no stdin")
+        data = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+        async with self._write_lock:
+            try:
+                stdin.write(data)
+                # A server that stops reading fills the pipe: the call's own timeout ends it.
+                await stdin.drain()
+            except (ConnectionError, RuntimeError, OSError) as exc:
+                self._end(f"its stdin closed ({exc})")
+                raise InstanceError(f"server {self.name} stopped reading its input") from None
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def _read_stdout(self) -> None:
+        buffer = bytearray()
+        stdout = self.process.stdout
+        while True:
+            chunk = await stdout.read(READ_CHUNK)
+            if not chunk:
+                return
+            buffer += chunk
+            while True:
+                end = buffer.find(b"\n")
+                if end < 0:
+                    break
+                line = bytes(buffer[:end])
+                del buffer[: end + 1]
+                if len(line) > self.max_message:
+                    self._kill(f"it sent a message over {self.max_message // 1024} KiB")
+                    return
+                await self._on_line(line)
+                if self.ended is not None:
+                    return
+            if len(buffer) > self.max_message:
+                self._kill(f"it sent a message over {self.max_message // 1024} KiB")
+                return
+
+    async def _on_line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            message = json.loads(line)
+        except ValueError:
+            message = None
+        if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+            self._junk += len(line) + 1
+            if self._junk > JUNK_BYTES:
+                self._kill("it wrote over 1 MiB to stdout that is not JSON-RPC")
+            else:
+                self.log.write(b"[stdout, not JSON-RPC] " + line[:500] + b"\n")
+            return
+        if "method" in message:
+            if "id" in message:
+                await self._answer_server_request(message)
+            else:
+                await self._on_notification(message)
+            return
+        future = self._pending.get(message.get("id"))  # type: ignore[arg-type]
+        if future is None or future.done():
+            return  # (an answer to a cancelled or timed-out request)
+        if isinstance(message.get("error"), dict):
+            future.set_exception(RemoteError(message["error"]))
+        elif isinstance(message.get("result"), dict):
+            future.set_result(message["result"])
+        else:
+            future.set_exception(InstanceError(f"server {self.name} sent a malformed response"))
+
+    async def _on_notification(self, message: dict[str, Any]) -> None:
+        method = message.get("method")
+        params = _dict(message.get("params"))
+        if method == "notifications/progress":
+            listener = self._listeners.get(params.get("progressToken"))  # type: ignore[arg-type]
+            if listener is not None:
+                await _deliver(listener, message)
+        elif method == "notifications/message":
+            if self.logs_to_callers and self._listeners:
+                for listener in list(self._listeners.values()):
+                    await _deliver(listener, message)
+            else:
+                self.log.write(b"[log] " + json.dumps(params)[:2000].encode() + b"\n")
+
+    async def _answer_server_request(self, message: dict[str, Any]) -> None:
+        """Requests from the server to its client: ping is answered; sampling, elicitation
+        and roots are not offered (the capabilities sent at initialize offer none)."""
+        if message.get("method") == "ping":
+            reply: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"], "result": {}}
+        else:
+            reply = {
+                "jsonrpc": "2.0",
+                "id": message["id"],
+                "error": {"code": -32601, "message": "not supported by the host"},
+            }
+        with contextlib.suppress(InstanceError):
+            await self._send(reply)
+
+    async def _read_stderr(self) -> None:
+        stderr = self.process.stderr
+        window_start, in_window = time.monotonic(), 0
+        while True:
+            chunk = await stderr.read(READ_CHUNK)
+            if not chunk:
+                return
+            now = time.monotonic()
+            if now - window_start > STDERR_WINDOW:
+                window_start, in_window = now, 0
+            in_window += len(chunk)
+            if in_window > STDERR_BURST:
+                self._kill(
+                    f"it wrote over {STDERR_BURST >> 20} MiB to stderr within {STDERR_WINDOW:g} s"
+                )
+                return
+            self.log.write(chunk)
+
+    async def _watch_exit(self) -> None:
+        outcome = await self.process.wait()
+        if outcome.reason in LIMITS:
+            how = f"was ended by its {outcome.reason} limit"
+        elif outcome.reason is not None:
+            how = f"was {outcome.reason}"
+        elif outcome.signal is not None:
+            how = f"was killed by {outcome.signal_name}"
+        else:
+            how = f"exited with code {outcome.exit_code}"
+        self._end(self.ended or f"it {how}")
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def _kill(self, why: str) -> None:
+        self.log.note(f"ended: {why}")
+        logger.warning("hosted server {} ended: {}", self.name, why)
+        self._end(why)
+        self.process.kill("killed")
+
+    def _end(self, why: str) -> None:
+        if self.ended is None:
+            self.ended = why
+        tail = self.log.last(500)
+        error = InstanceError(
+            f"server {self.name} failed during the call: {self.ended}"
+            + (f"; its last output on stderr: {tail}" if tail else "")
+        )
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def aclose(self, grace: float = 1.0) -> None:
+        """Stop it: stdin closed (stdio servers end at EOF), SIGTERM, then SIGKILL."""
+        if self.ended is None:
+            self.ended = "stopped"
+        stdin = self.process.stdin
+        if stdin is not None:
+            with contextlib.suppress(Exception):
+                stdin.close()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                await self.process.ended()
+        await self.process.terminate(grace=grace, reason="stopped")
+        await self.process.aclose()
+        for task in self._tasks:
+            task.cancel()
+        self._end(self.ended)
+
+
+async def _deliver(listener: Notify, message: dict[str, Any]) -> None:
+    try:
+        await listener(message)
+    except Exception as exc:  # (a client gone: its notifications have nowhere to go)
+        logger.debug("a hosted server's notification was not delivered: {}", exc)
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
