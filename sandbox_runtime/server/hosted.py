@@ -39,6 +39,7 @@ from sandbox_runtime.servers.host import owner_of
 
 PATH = re.compile(r"/servers/(?P<name>[a-z0-9][a-z0-9_-]{0,47})/mcp/?")
 PRINCIPAL_KEY = "srt.principal"
+RESERVED_META = "io.modelcontextprotocol/"
 SESSION_KEY = "srt.session"
 # Requests passed on to the instance (the handshake is answered here), and the type of
 # their results: the library fills in what each protocol era's result carries besides.
@@ -208,6 +209,12 @@ class Relay:
         session = scope.get(SESSION_KEY) or "default"
         owner = owner_of(entry, principal, str(session))
         params = dict(ctx.params or {})
+        if isinstance(params.get("_meta"), dict):
+            # The 2026 era's envelope is this endpoint's; the instance speaks the handshake
+            # era, whose servers refuse requests that carry it.
+            params["_meta"] = {
+                k: v for k, v in params["_meta"].items() if not k.startswith(RESERVED_META)
+            }
         caller_token = (
             (params.get("_meta") or {}).get("progressToken")
             if isinstance(params.get("_meta"), dict)
@@ -222,7 +229,7 @@ class Relay:
             answer = await services.router.run(
                 owner,
                 "server_request",
-                {"method": ctx.method, "params": params},
+                {"server": self.name, "method": ctx.method, "params": params},
                 relay if wants_progress else None,
             )
         except SandboxRuntimeError as exc:

@@ -51,6 +51,8 @@ class Entry:
     args: tuple[str, ...] = ()  # after the package's program, or the command
     # A command's host directory (its program and files), bound read-only at /opt/srt-server
     directory: str = ""
+    # Entries naming the same state share their state directory (per principal, or session)
+    state: str = ""
     url: str = ""  # a remote Streamable HTTP server
     headers: Mapping[str, str] = field(default_factory=dict)  # remote only; values may be refs
     env: Mapping[str, str] = field(default_factory=dict)  # given to the instance as they are
@@ -143,7 +145,7 @@ def parse_entry(name: str, table: Mapping[str, Any]) -> Entry:
 
 def _field(where: str, key: str, value: Any) -> Any:
     at = f"{where}.{key}"
-    if key in ("package", "url", "scope", "directory"):
+    if key in ("package", "url", "scope", "directory", "state"):
         return _text(at, value)
     if key in ("command", "args", "principals", "tools_allow", "tools_deny", "egress"):
         if isinstance(value, str) and key != "command" and key != "args":
@@ -229,6 +231,8 @@ def _check_entry(where: str, entry: Entry) -> None:
                 )
     elif entry.headers:
         raise CatalogError(f"{where}.headers: only a remote (url) server has headers")
+    if entry.state and not NAME.fullmatch(entry.state):
+        raise CatalogError(f"{where}.state: a name like a server's (a-z 0-9 _ -)")
     if entry.directory and (not entry.command or not entry.directory.startswith("/")):
         raise CatalogError(f"{where}.directory: an absolute host path, for a command entry only")
     if entry.scope not in SCOPES:

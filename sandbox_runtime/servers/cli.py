@@ -38,7 +38,7 @@ from sandbox_runtime.servers.installs import (
 PROG = "srt-mcp-server servers"
 LOG_LINES = 50
 # `add`'s options whose dest is the entry's field, taken as they are when given.
-SCALAR_FIELDS = "directory scope memory_mb cpus pids call_timeout idle_timeout warm".split()
+SCALAR_FIELDS = "directory state scope memory_mb cpus pids call_timeout idle_timeout warm".split()
 LIST_FIELDS = "principals tools_allow tools_deny egress".split()
 
 
@@ -168,6 +168,7 @@ def _build_add(p: argparse.ArgumentParser) -> None:
         help="a command's host directory (its program and files), bound read-only at "
         f"{INSTALL_MOUNT}",
     )
+    p.add_argument("--state", help="share the state directory of other entries naming it")
     p.add_argument("--scope", choices=SCOPES, help="one instance per principal (default), …")
     p.add_argument("--principal", dest="principals", action="append", help="who may use it")
     p.add_argument("--allow-tool", dest="tools_allow", action="append", help="only these tools")

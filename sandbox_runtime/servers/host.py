@@ -2,10 +2,12 @@
 stopped when idle, restarted after a crash with backoff, bounded in number, each in its own
 sandbox with its own workspace as its state directory.
 
-An instance belongs to an owner like a session does (the Router homes it): `srv:NAME` of the
-principal (scope "principal"), `srv:NAME:SESSION` (scope "session"), or `srv:NAME` of no
-principal (scope "shared"). Its workspace is that owner's, so its state persists across the
-instance's restarts and is nobody else's.
+An instance's state belongs to an owner like a session's does (the Router homes it):
+`srv:STATE` of the principal (scope "principal"), `srv:STATE:SESSION` (scope "session"), or
+`srv:STATE` of no principal (scope "shared"), where STATE is the entry's `state` or its name.
+Its workspace is that owner's, so its state persists across the instance's restarts and is
+nobody else's (entries naming one `state` share it: a git server and a filesystem server on
+one repository).
 """
 
 from __future__ import annotations
@@ -56,17 +58,17 @@ Progress = Callable[[int, str], Awaitable[None]]
 
 
 def owner_of(entry: Entry, principal: str, session: str) -> Owner:
-    """Whose instance a call of `principal` in `session` uses."""
+    """Whose instance a call of `principal` in `session` uses: the owner of its state (its
+    workspace, and its home replica). Entries naming the same `state` share it."""
+    state = f"srv:{entry.state or entry.name}"
     if entry.scope == "shared":
-        return Owner(SHARED, f"srv:{entry.name}")
+        return Owner(SHARED, state)
     if entry.scope == "session":
-        return Owner(principal, f"srv:{entry.name}:{session}")
-    return Owner(principal, f"srv:{entry.name}")
+        return Owner(principal, f"{state}:{session}")
+    return Owner(principal, state)
 
 
-def server_of(owner: Owner) -> str:
-    """The server name in an instance owner's session id."""
-    return owner.session_id.split(":")[1]
+Key = tuple[Owner, str]  # an instance: its state's owner and its server's name
 
 
 @dataclass
@@ -100,9 +102,9 @@ class ServerHost:
         self._catalog = Catalog()
         self._catalog_stamp: tuple[int, int] | None = None
         self.catalog_problem: str | None = None
-        self._instances: dict[Owner, Instance] = {}
-        self._entries: dict[Owner, Entry] = {}  # the entry each instance was started from
-        self._locks: dict[Owner, asyncio.Lock] = {}
+        self._instances: dict[Key, Instance] = {}
+        self._entries: dict[Key, Entry] = {}  # the entry each instance was started from
+        self._locks: dict[Key, asyncio.Lock] = {}
         self._states: dict[str, ServerState] = {}
         self._closed = False
 
@@ -141,12 +143,16 @@ class ServerHost:
     # -- requests (run on the instance owner's home replica) ---------------------------------
 
     async def request(
-        self, owner: Owner, method: str, params: dict[str, Any], progress: Progress | None
+        self,
+        owner: Owner,
+        name: str,
+        method: str,
+        params: dict[str, Any],
+        progress: Progress | None,
     ) -> dict[str, Any]:
         """Send one request to the owner's instance (started if needed): {"result": ...} or
         {"error": {code, message}}. Notifications for the caller (progress, logging) go to
         `progress` as (n, JSON text)."""
-        name = server_of(owner)
         entry = self.catalog().get(name)
         if entry is None:
             return _error(-32601, f"hosted server {name!r} was removed from the catalog")
@@ -202,16 +208,17 @@ class ServerHost:
     # -- instances ---------------------------------------------------------------------------
 
     async def _instance(self, entry: Entry, owner: Owner) -> Instance:
-        instance = self._instances.get(owner)
-        if instance is not None and instance.alive and self._entries.get(owner) == entry:
+        key = (owner, entry.name)
+        instance = self._instances.get(key)
+        if instance is not None and instance.alive and self._entries.get(key) == entry:
             return instance
-        lock = self._locks.setdefault(owner, asyncio.Lock())
+        lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
-            instance = self._instances.get(owner)
-            if instance is not None and instance.alive and self._entries.get(owner) == entry:
+            instance = self._instances.get(key)
+            if instance is not None and instance.alive and self._entries.get(key) == entry:
                 return instance
             if instance is not None:  # dead, or its entry changed: replaced
-                await self._stop(owner, "replaced" if instance.alive else None)
+                await self._stop(key, "replaced" if instance.alive else None)
             await self._backoff(entry.name)
             return await self._start(entry, owner)
 
@@ -257,10 +264,12 @@ class ServerHost:
         state.starts += 1
         self.metrics.server_starts.labels(entry.name, "ok").inc()
         self.metrics.server_start_seconds.labels(entry.name).observe(time.perf_counter() - started)
-        self._instances[owner] = instance
-        self._entries[owner] = entry
+        self._instances[(owner, entry.name)] = instance
+        self._entries[(owner, entry.name)] = entry
         self.metrics.server_instances.labels(entry.name).inc()
-        self.supervisor.spawn(f"server {entry.name} watch", self._watch(owner, instance))
+        self.supervisor.spawn(
+            f"server {entry.name} watch", self._watch((owner, entry.name), instance)
+        )
         instance.log.note(f"started for {owner.principal or '(shared)'}")
         logger.info(
             "hosted server {} started for {} in {:.0f} ms",
@@ -340,12 +349,12 @@ class ServerHost:
             )
         return [*installed.program, *entry.args], self.servers_dir / "install" / entry.name
 
-    async def _watch(self, owner: Owner, instance: Instance) -> None:
+    async def _watch(self, key: Key, instance: Instance) -> None:
         """When an instance dies unasked: counted as a crash (the backoff), reported."""
         why = await instance.exited()
-        if self._instances.get(owner) is instance:
-            del self._instances[owner]
-            self._entries.pop(owner, None)
+        if self._instances.get(key) is instance:
+            del self._instances[key]
+            self._entries.pop(key, None)
             self.metrics.server_instances.labels(instance.name).dec()
             if why != "stopped":
                 self.state(instance.name).crashes.append(time.monotonic())
@@ -364,7 +373,7 @@ class ServerHost:
         """At the replica's cap: stop the least recently used idle instance, or refuse."""
         if len(self._instances) < self.max_instances:
             return
-        idle = [(i.last_used, o) for o, i in self._instances.items() if i.busy == 0]
+        idle = [(i.last_used, k) for k, i in self._instances.items() if i.busy == 0]
         if not idle:
             raise LimitExceededError(
                 f"this replica runs {self.max_instances} hosted server instances, all busy "
@@ -372,9 +381,9 @@ class ServerHost:
             )
         await self._stop(min(idle)[1], "stopped to make room")
 
-    async def _stop(self, owner: Owner, why: str | None) -> None:
-        instance = self._instances.pop(owner, None)
-        self._entries.pop(owner, None)
+    async def _stop(self, key: Key, why: str | None) -> None:
+        instance = self._instances.pop(key, None)
+        self._entries.pop(key, None)
         if instance is None:
             return
         self.metrics.server_instances.labels(instance.name).dec()
@@ -393,25 +402,25 @@ class ServerHost:
         or was removed; start the shared ones kept warm."""
         catalog = self.catalog()
         now = time.monotonic()
-        for owner, instance in list(self._instances.items()):
+        for key, instance in list(self._instances.items()):
             entry = catalog.get(instance.name)
-            if entry is None or entry != self._entries.get(owner):
-                await self._stop(owner, "its catalog entry changed")
+            if entry is None or entry != self._entries.get(key):
+                await self._stop(key, "its catalog entry changed")
             elif instance.busy == 0 and now - instance.last_used > entry.idle_timeout:
-                await self._stop(owner, f"idle for {entry.idle_timeout:g} s")
+                await self._stop(key, f"idle for {entry.idle_timeout:g} s")
         for entry in catalog.entries.values():
             owner = owner_of(entry, SHARED, "")
-            if entry.warm and entry.kind != "remote" and owner not in self._instances:
+            if entry.warm and entry.kind != "remote" and (owner, entry.name) not in self._instances:
                 with contextlib.suppress(SandboxRuntimeError):
                     await self._instance(entry, owner)
 
     def workspaces_in_use(self) -> set[str]:
-        return {workspace_name(owner) for owner in self._instances}
+        return {workspace_name(owner) for owner, _ in self._instances}
 
     def status(self, name: str) -> dict[str, Any]:
         """One server's state on this replica (never a running state for a dead child)."""
         state = self.state(name)
-        alive = [i for o, i in self._instances.items() if i.name == name and i.alive]
+        alive = [i for i in self._instances.values() if i.name == name and i.alive]
         now = time.monotonic()
         return {
             "instances": len(alive),
@@ -424,7 +433,7 @@ class ServerHost:
     async def aclose(self) -> None:
         self._closed = True
         await asyncio.gather(
-            *(self._stop(owner, "server stopping") for owner in list(self._instances)),
+            *(self._stop(key, "server stopping") for key in list(self._instances)),
             return_exceptions=True,
         )
 

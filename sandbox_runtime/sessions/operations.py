@@ -224,10 +224,10 @@ async def server_request(
     parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
 ) -> dict[str, Any]:
     """One MCP request to a hosted server's instance of this owner (see servers.host)."""
-    method, params = args.get("method"), args.get("params")
-    if not isinstance(method, str) or not isinstance(params, dict):
+    name, method, params = args.get("server"), args.get("method"), args.get("params")
+    if not isinstance(name, str) or not isinstance(method, str) or not isinstance(params, dict):
         raise InvalidRequestError("malformed hosted server request")
-    return await parts.servers.request(owner, method, params, progress)
+    return await parts.servers.request(owner, name, method, params, progress)
 
 
 OPERATIONS: dict[str, Operation] = {
