@@ -314,6 +314,9 @@ class ClusterDispatch:
             await self.public(scope, receive, send)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+
+
 def _transport_security(
     settings: Settings, protection: bool | Literal["auto"], hosts: list[str] | None
 ) -> TransportSecuritySettings | None:
@@ -326,8 +329,8 @@ def _transport_security(
     if settings.host in ("127.0.0.1", "localhost", "::1"):
         return TransportSecuritySettings(
             enable_dns_rebinding_protection=True,
-            allowed_hosts=["127.0.0.1:*", "localhost:*", "[::1]:*"],
-            allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*"],
+            allowed_hosts=[f"{h}{p}" for h in LOOPBACK for p in ("", ":*")],
+            allowed_origins=[f"http://{h}{p}" for h in LOOPBACK for p in ("", ":*")],
         )
     return None
 
