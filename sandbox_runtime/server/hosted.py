@@ -34,6 +34,7 @@ from sandbox_runtime.app.services import Root
 from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.calls import ANONYMOUS
+from sandbox_runtime.server.plain_replies import answer_plainly
 from sandbox_runtime.servers.catalog import Entry
 from sandbox_runtime.servers.host import owner_of
 
@@ -152,6 +153,7 @@ class HostedServers:
                 f"hosted server {entry.name} sessions", _run(manager, running, stop)
             )
             await running.wait()
+            answer_plainly(manager, self.root.services.supervisor)
             app = StreamableHTTPASGIApp(manager)
             self._apps[entry.name] = (entry, app, stop)
             return app
@@ -168,7 +170,8 @@ class HostedServers:
             on_list_prompts=_unused,
             on_get_prompt=_unused,
         )
-        server.middleware.append(Relay(self.root, entry))
+        # (Only the relay: the library's default tracing middleware costs every call.)
+        server.middleware[:] = [Relay(self.root, entry)]
         return server
 
     async def aclose(self) -> None:
@@ -295,7 +298,9 @@ async def _relay_notification(
                     level,
                     params.get("data"),
                     name if isinstance(name, str) else None,
-                    related_request_id=ctx.request_id,
+                    # A request that asked for no progress may be answered by a JSON body
+                    # (plain_replies): its logging goes on the session's own stream.
+                    related_request_id=ctx.request_id if caller_token is not None else None,
                 )
     except Exception as exc:  # (the caller went away)
         logger.debug("hosted server notification not relayed: {}", exc)

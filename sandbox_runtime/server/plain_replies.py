@@ -12,9 +12,10 @@ terms, as the 2026-07-28 era already does:
   that keep proxies from closing an idle connection, then the reply as an SSE event. A
   client must accept both (the 406 for one that does not is unchanged).
 
-Only our tools run behind this, and none sends a message about a request that asked for
-no progress (no logging, no server-to-client requests), which is what makes a JSON body
-complete.
+Only our tools and the hosted servers' relay run behind this. None of our tools sends a
+message about a request that asked for no progress (no logging, no server-to-client
+requests), which is what makes a JSON body complete; the relay sends a hosted server's
+logging of such a request on the session's standalone stream instead.
 """
 
 from __future__ import annotations
@@ -54,7 +55,11 @@ def answer_plainly_where_possible(routes: list[BaseRoute], supervisor: Superviso
     """Make the legacy sessions of the MCP app with these routes answer per request (its
     lifespan must be running: the session manager is made there). A reply that turns into a
     stream is written by a task of `supervisor`."""
-    manager = _session_manager(routes)
+    answer_plainly(_session_manager(routes), supervisor)
+
+
+def answer_plainly(manager: StreamableHTTPSessionManager, supervisor: Supervisor) -> None:
+    """Make the legacy sessions of `manager` answer per request."""
     admit = manager._admit_session
 
     def admit_session(requestor: Any) -> StreamableHTTPServerTransport | None:
