@@ -118,11 +118,6 @@ class HostedServers:
         except SandboxRuntimeError as exc:
             await _plain(send, 404, str(exc))
             return
-        if entry.kind == "remote":
-            await _plain(
-                send, 501, f"server {name} is remote; proxying remote servers is not built yet"
-            )
-            return
         app = await self._app(entry)
         scope = dict(scope, path="/mcp", raw_path=b"/mcp")
         scope[PRINCIPAL_KEY] = principal
@@ -228,13 +223,17 @@ class Relay:
         async def relay(_: int, text: str) -> None:
             await _relay_notification(ctx, text, caller_token)
 
+        sink = relay if wants_progress else None
         try:
-            answer = await services.router.run(
-                owner,
-                "server_request",
-                {"server": self.name, "method": ctx.method, "params": params},
-                relay if wants_progress else None,
-            )
+            if entry.kind == "remote":  # (no state here: called from this replica)
+                answer = await services.servers.request(owner, self.name, ctx.method, params, sink)
+            else:
+                answer = await services.router.run(
+                    owner,
+                    "server_request",
+                    {"server": self.name, "method": ctx.method, "params": params},
+                    sink,
+                )
         except SandboxRuntimeError as exc:
             raise MCPError(-32603, str(exc)) from None
         if "error" in answer:

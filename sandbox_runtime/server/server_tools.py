@@ -53,8 +53,6 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                     problem = f"{installed.package} installed, {entry.package} configured"
                 else:
                     version = installed.version
-            elif entry.kind == "remote":
-                problem = "remote servers are not proxied yet"
             status = host.status(entry.name)
             listed.append(
                 HostedServer(

@@ -45,6 +45,7 @@ from sandbox_runtime.servers.catalog import (
 )
 from sandbox_runtime.servers.installs import read_installed
 from sandbox_runtime.servers.instance import Instance, InstanceError, LogSink, RemoteError
+from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.supervisor import Supervisor
 
 SWEEP_SECONDS = 5.0
@@ -102,7 +103,7 @@ class ServerHost:
         self._catalog = Catalog()
         self._catalog_stamp: tuple[int, int] | None = None
         self.catalog_problem: str | None = None
-        self._instances: dict[Key, Instance] = {}
+        self._instances: dict[Key, Instance | RemoteInstance] = {}
         self._entries: dict[Key, Entry] = {}  # the entry each instance was started from
         self._locks: dict[Key, asyncio.Lock] = {}
         self._states: dict[str, ServerState] = {}
@@ -207,7 +208,7 @@ class ServerHost:
 
     # -- instances ---------------------------------------------------------------------------
 
-    async def _instance(self, entry: Entry, owner: Owner) -> Instance:
+    async def _instance(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         key = (owner, entry.name)
         instance = self._instances.get(key)
         if instance is not None and instance.alive and self._entries.get(key) == entry:
@@ -241,7 +242,7 @@ class ServerHost:
             f"{CRASH_WINDOW:.0f} s ({state.last_error}); it may start again in {wait:.0f} s"
         )
 
-    async def _start(self, entry: Entry, owner: Owner) -> Instance:
+    async def _start(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         if self._closed:
             raise InstanceError("the server is shutting down")
         await self._make_room()
@@ -279,7 +280,18 @@ class ServerHost:
         )
         return instance
 
-    async def _spawn(self, entry: Entry, owner: Owner) -> Instance:
+    def _log(self, name: str) -> LogSink:
+        logs = self.servers_dir / "logs"
+        with contextlib.suppress(OSError):
+            logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return LogSink(logs / f"{name}.log")
+
+    async def _spawn(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
+        if entry.kind == "remote":
+            try:
+                return RemoteInstance(entry, self._log(entry.name))
+            except CatalogError as exc:
+                raise CatalogError(f"server {entry.name}: {exc}") from None
         argv, server_dir = self._program(entry)
         env = {"HOME": WORKSPACE, **entry.env}
         for var, ref in entry.secrets.items():
@@ -314,23 +326,18 @@ class ServerHost:
                 server_dir=server_dir,
             )
         )
-        logs = self.servers_dir / "logs"
-        with contextlib.suppress(OSError):
-            logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         return Instance(
             entry.name,
             process,
             max_message=entry.max_message_kb * 1024,
             call_timeout=entry.call_timeout,
-            log=LogSink(logs / f"{entry.name}.log"),
+            log=self._log(entry.name),
             supervisor=self.supervisor,
             logs_to_callers=entry.scope != "shared",
         )
 
     def _program(self, entry: Entry) -> tuple[list[str], Path | None]:
         """argv inside the sandbox, and the host directory bound at /opt/srt-server."""
-        if entry.kind == "remote":
-            raise InstanceError(f"server {entry.name} is remote: it has no instance here")
         if entry.kind == "command":
             directory = Path(entry.directory) if entry.directory else None
             if directory is not None and not directory.is_dir():
@@ -349,7 +356,7 @@ class ServerHost:
             )
         return [*installed.program, *entry.args], self.servers_dir / "install" / entry.name
 
-    async def _watch(self, key: Key, instance: Instance) -> None:
+    async def _watch(self, key: Key, instance: Instance | RemoteInstance) -> None:
         """When an instance dies unasked: counted as a crash (the backoff), reported."""
         why = await instance.exited()
         if self._instances.get(key) is instance:
@@ -410,7 +417,7 @@ class ServerHost:
                 await self._stop(key, f"idle for {entry.idle_timeout:g} s")
         for entry in catalog.entries.values():
             owner = owner_of(entry, SHARED, "")
-            if entry.warm and entry.kind != "remote" and (owner, entry.name) not in self._instances:
+            if entry.warm and (owner, entry.name) not in self._instances:
                 with contextlib.suppress(SandboxRuntimeError):
                     await self._instance(entry, owner)
 
