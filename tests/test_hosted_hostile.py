@@ -45,6 +45,8 @@ CATALOG = {
     ),
     "aliceonly": entry("echoenv.py", principals=["alice"]),
     "shared": entry("snoop.py", scope="shared"),
+    "persession": entry("snoop.py", scope="session"),
+    "broken": {"command": ["/bin/true"], "scope": "everyone"},  # left out; the others load
 }
 
 
@@ -297,3 +299,31 @@ async def test_who_may_use_what(server: ServerProcess) -> None:
         assert "aliceonly" not in names and "echoenv" in names, names
         assert all(s["endpoint"] == f"/servers/{s['name']}/mcp" for s in listed["servers"])
         assert "the-entry-secret" not in json.dumps(listed)
+
+
+async def test_session_scope_and_logging(server: ServerProcess) -> None:
+    """A session-scoped server has an instance per session (/s/SESSION/servers/NAME/mcp); a
+    server's logging reaches the caller; a broken catalog entry is left out, and said so."""
+    marks = {}
+    for session in ("one", "two"):
+        url = f"{server.base_url}/s/{session}/servers/persession/mcp"
+        async with open_client(url, ALICE) as conn:
+            await conn.client.call_tool("write_state", {"key": "who", "value": session})
+            marks[session] = text_of(await conn.client.call_tool("read_state", {"key": "who"}))
+    assert marks == {"one": "one", "two": "two"}, marks
+    logged: list[Any] = []
+
+    async def on_log(params: Any) -> None:
+        logged.append(params.data)
+
+    url = f"{server.base_url}/servers/giant/mcp"
+    async with open_client(url, BOB, logging_callback=on_log) as conn:
+        result = await conn.client.call_tool("many", {"count": 3})
+        assert "sent 3" in text_of(result), result
+        await eventually(lambda: len(logged) == 3, 5, "the log messages")
+    assert logged == ["message 0", "message 1", "message 2"], logged
+    async with open_client(server.url, ALICE) as conn:
+        listed = (await conn.client.call_tool("list_servers", {})).structured_content
+    assert listed is not None
+    assert "broken" not in {s["name"] for s in listed["servers"]}
+    assert "servers.broken.scope" in (listed["catalog_problem"] or ""), listed

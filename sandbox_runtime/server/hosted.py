@@ -35,13 +35,13 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.plain_replies import answer_plainly
+from sandbox_runtime.server.session_path import SCOPE_KEY as SESSION_KEY
 from sandbox_runtime.servers.catalog import Entry
 from sandbox_runtime.servers.host import owner_of
 
 PATH = re.compile(r"/servers/(?P<name>[a-z0-9][a-z0-9_-]{0,47})/mcp/?")
 PRINCIPAL_KEY = "srt.principal"
 RESERVED_META = "io.modelcontextprotocol/"
-SESSION_KEY = "srt.session"
 # Requests passed on to the instance (the handshake is answered here), and the type of
 # their results: the library fills in what each protocol era's result carries besides.
 PASSED_ON: dict[str, type[BaseModel]] = {

@@ -25,6 +25,7 @@ class HostedServer(BaseModel):
     tools_allow: list[str] = Field(default_factory=list)
     tools_deny: list[str] = Field(default_factory=list)
     instances_here: int = Field(0, description="Its instances running on this replica.")
+    crashes_recent: int = Field(0, description="Its instances that died here in 5 minutes.")
 
 
 class ServerList(BaseModel):
@@ -38,7 +39,8 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
     @mcp.tool
     async def list_servers(ctx: Context) -> ServerList:
         """The hosted MCP servers you may use: their endpoints (/servers/NAME/mcp, with the
-        same token), what they run, and whether they are ready."""
+        same token; /s/SESSION/servers/NAME/mcp for a session's own), what they run, and
+        whether they are ready."""
         host = root.services.servers
         principal = owner_of(ctx, None).principal
         listed = []
@@ -68,6 +70,7 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                     tools_allow=list(entry.tools_allow),
                     tools_deny=list(entry.tools_deny),
                     instances_here=status["instances"],
+                    crashes_recent=status["crashes_recent"],
                 )
             )
         return ServerList(servers=listed, catalog_problem=host.catalog_problem)

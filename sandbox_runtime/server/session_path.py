@@ -1,4 +1,6 @@
-"""`/s/{session}/mcp`: an MCP endpoint bound to one session, served by the `/mcp` app."""
+"""`/s/{session}/mcp`: an MCP endpoint bound to one session, served by the `/mcp` app; and
+`/s/{session}/servers/{name}/mcp`, a hosted server's endpoint in that session (its instance,
+for a server of scope "session")."""
 
 from __future__ import annotations
 
@@ -7,11 +9,14 @@ import re
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 SCOPE_KEY = "srt.session"  # the session named by the path, for the tools (server/tools.py)
-PATH = re.compile(r"/s/(?P<session>(?!\.+/)[A-Za-z0-9._:@-]{1,128})/mcp/?")  # fullmatch
+PATH = re.compile(
+    r"/s/(?P<session>(?!\.+/)[A-Za-z0-9._:@-]{1,128})(?P<rest>/servers/[a-z0-9_-]{1,48})?/mcp/?"
+)  # fullmatch
 
 
 class SessionPathMiddleware:
-    """Rewrites `/s/{session}/mcp` to `/mcp` and records the session in the request scope.
+    """Rewrites `/s/{session}/mcp` to `/mcp` (and `/s/{session}/servers/{name}/mcp` to
+    `/servers/{name}/mcp`) and records the session in the request scope.
 
     The path lets a proxy route by session (nginx hashes on it, so most calls reach the
     session's home directly); a malformed session segment is a 404 like any unknown path.
@@ -38,6 +43,7 @@ class SessionPathMiddleware:
                         {"type": "http.response.body", "body": b"no such session endpoint\n"}
                     )
                     return
-                scope = dict(scope, path="/mcp", raw_path=b"/mcp")
+                path = f"{match['rest'] or ''}/mcp"
+                scope = dict(scope, path=path, raw_path=path.encode())
                 scope[SCOPE_KEY] = match["session"]
         await self.app(scope, receive, send)

@@ -297,7 +297,9 @@ class Catalog:
         return Catalog({k: v for k, v in self.entries.items() if k != name})
 
 
-def parse_catalog(text: str, source: str = "catalog") -> Catalog:
+def parse_catalog(text: str, source: str = "catalog", broken: list[str] | None = None) -> Catalog:
+    """The catalog in `text`. Raises CatalogError; with `broken`, an entry that is not valid
+    is left out and its error added there instead (the others still load)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -313,11 +315,20 @@ def parse_catalog(text: str, source: str = "catalog") -> Catalog:
         raise CatalogError(f"{source}: servers must be a table of [servers.NAME] tables")
     if len(servers) > MAX_ENTRIES:
         raise CatalogError(f"{source}: at most {MAX_ENTRIES} servers")
-    return Catalog({name: parse_entry(name, table) for name, table in servers.items()})
+    entries = {}
+    for name, table in servers.items():
+        try:
+            entries[name] = parse_entry(name, table)
+        except CatalogError as exc:
+            if broken is None:
+                raise
+            broken.append(str(exc))
+    return Catalog(entries)
 
 
-def load_catalog(path: Path) -> Catalog:
-    """The catalog at `path` (none there: empty). Raises CatalogError."""
+def load_catalog(path: Path, broken: list[str] | None = None) -> Catalog:
+    """The catalog at `path` (none there: empty). Raises CatalogError (see parse_catalog for
+    `broken`)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -326,7 +337,7 @@ def load_catalog(path: Path) -> Catalog:
         raise CatalogError(f"{path}: cannot read it ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise CatalogError(f"{path}: not UTF-8 text") from None
-    return parse_catalog(text, str(path))
+    return parse_catalog(text, str(path), broken)
 
 
 def dump_catalog(catalog: Catalog) -> str:

@@ -120,13 +120,15 @@ class ServerHost:
         except OSError:
             stamp = None
         if stamp != self._catalog_stamp:
+            broken: list[str] = []
             try:
-                self._catalog = load_catalog(self.catalog_path)
-                self.catalog_problem = None
-            except CatalogError as exc:
-                if self.catalog_problem != str(exc):
-                    logger.error("hosted servers: catalog not loaded: {}", exc)
-                self.catalog_problem = str(exc)
+                # One broken entry is left out; the others load.
+                self._catalog = load_catalog(self.catalog_path, broken)
+                self.catalog_problem = "; ".join(broken) or None
+            except CatalogError as exc:  # (not TOML at all: the last good catalog stays)
+                self.catalog_problem = f"{exc} (the last good catalog is in use)"
+            if self.catalog_problem is not None:
+                logger.error("hosted servers: {}", self.catalog_problem)
             self._catalog_stamp = stamp
         return self._catalog
 
