@@ -110,6 +110,12 @@ class Settings(BaseSettings):
         description="Hosted MCP server instances running at once on this replica (each is a "
         "sandbox); a start past it stops the least recently used idle one, or is refused.",
     )
+    max_server_instances_per_principal: int = Field(
+        8,
+        ge=1,
+        description="Hosted MCP server instances one principal's calls may keep running on "
+        "this replica (shared instances are no one's).",
+    )
     runtime_requirements: Path | None = Field(
         None,
         description="A pip requirements file of extra packages for the runtime (installed by "

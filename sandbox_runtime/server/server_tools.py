@@ -6,8 +6,10 @@ from fastmcp import Context, FastMCP
 from pydantic import BaseModel, Field
 
 from sandbox_runtime.app.services import Root
+from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.calls import owner_of
 from sandbox_runtime.servers.installs import read_installed
+from sandbox_runtime.servers.launch import instance_limits, program
 
 
 class HostedServer(BaseModel):
@@ -55,6 +57,13 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                     problem = f"{installed.package} installed, {entry.package} configured"
                 else:
                     version = installed.version
+            if problem is None and entry.kind != "remote":
+                try:  # (what would refuse every start: its egress, its directory)
+                    instance_limits(entry, root.services.manager.limits)
+                    if entry.kind == "command":
+                        program(entry, host.servers_dir)
+                except SandboxRuntimeError as exc:
+                    problem = str(exc)
             status = host.status(entry.name)
             listed.append(
                 HostedServer(

@@ -31,6 +31,7 @@ NPM_SPEC = re.compile(
 )
 HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]{1,128}")
 MAX_ENTRIES = 64
+MAX_MESSAGE_KB = 65536
 MAX_TEXT = 4096  # one value (an argument, a URL, a variable's value)
 MAX_ITEMS = 128  # one list or table
 Scope = Literal["principal", "session", "shared"]
@@ -167,7 +168,11 @@ def _field(where: str, key: str, value: Any) -> Any:
             if not pattern.fullmatch(k):
                 raise CatalogError(f"{at}: {k!r} is not a valid name")
             _text(f"{at}.{k}", v)
+            if key == "headers" and v.startswith("file:") and not v[5:].startswith("/"):
+                raise CatalogError(f"{at}.{k}: file: takes an absolute path")
         return dict(value)
+    if key == "max_message_kb" and isinstance(value, int) and value > MAX_MESSAGE_KB:
+        raise CatalogError(f"{at}: at most {MAX_MESSAGE_KB} (64 MiB)")
     if key in ("memory_mb", "pids", "max_message_kb", "warm"):
         if (
             isinstance(value, bool)

@@ -19,7 +19,6 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from loguru import logger
@@ -34,17 +33,15 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.metrics import Metrics
-from sandbox_runtime.sandbox.host import WORKSPACE
 from sandbox_runtime.sandbox.spec import SandboxSpec
 from sandbox_runtime.servers.catalog import (
     Catalog,
     CatalogError,
     Entry,
     load_catalog,
-    resolve_secret,
 )
-from sandbox_runtime.servers.installs import read_installed
 from sandbox_runtime.servers.instance import Instance, InstanceError, LogSink, RemoteError
+from sandbox_runtime.servers.launch import environment, instance_limits, program
 from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.supervisor import Supervisor
 
@@ -74,7 +71,7 @@ Key = tuple[Owner, str]  # an instance: its state's owner and its server's name
 
 @dataclass
 class ServerState:
-    """What /health, `list_servers` and the operator see of one server on this replica."""
+    """What `list_servers` and the operator see of one server on this replica."""
 
     starts: int = 0
     crashes: list[float] = field(default_factory=list)  # when instances died unasked
@@ -100,6 +97,7 @@ class ServerHost:
         self.catalog_path = settings.servers_path()
         self.servers_dir = settings.servers_dir()
         self.max_instances = settings.max_server_instances
+        self.max_per_principal = settings.max_server_instances_per_principal
         self._catalog = Catalog()
         self._catalog_stamp: tuple[int, int] | None = None
         self.catalog_problem: str | None = None
@@ -107,6 +105,7 @@ class ServerHost:
         self._entries: dict[Key, Entry] = {}  # the entry each instance was started from
         self._locks: dict[Key, asyncio.Lock] = {}
         self._states: dict[str, ServerState] = {}
+        self._starting = 0
         self._closed = False
 
     # -- the catalog -------------------------------------------------------------------------
@@ -159,10 +158,10 @@ class ServerHost:
         entry = self.catalog().get(name)
         if entry is None:
             return _error(-32601, f"hosted server {name!r} was removed from the catalog")
-        label = str(params.get("name", "?")) if method == "tools/call" else method
-        if method == "tools/call" and not entry.allows_tool(label):
-            return _error(-32602, f"tool {label!r} is not available on server {name!r}")
-        label = self._label(name, label)
+        tool = str(params.get("name", "?")) if method == "tools/call" else method
+        if method == "tools/call" and not entry.allows_tool(tool):
+            return _error(-32602, f"tool {tool!r} is not available on server {name!r}")
+        label = "other"  # (until the server shows it has the tool: a caller names any)
         started = time.perf_counter()
         outcome = "ok"
         sent = 0
@@ -181,6 +180,7 @@ class ServerHost:
                 listener=listener if progress is not None else None,
                 within=entry.call_timeout,
             )
+            label = self._label(name, tool)
             if method == "tools/list":
                 result = _filtered(result, entry)
             elif method == "tools/call" and result.get("isError"):
@@ -192,6 +192,9 @@ class ServerHost:
         except (InstanceError, LimitExceededError, CatalogError, PolicyViolationError) as exc:
             outcome = "failed" if isinstance(exc, InstanceError) else "refused"
             return _error(-32603, str(exc))
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
         finally:
             elapsed = time.perf_counter() - started
             self.metrics.server_calls.labels(name, label, outcome).inc()
@@ -247,7 +250,14 @@ class ServerHost:
     async def _start(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         if self._closed:
             raise InstanceError("the server is shutting down")
-        await self._make_room()
+        await self._make_room(owner.principal)
+        self._starting += 1  # (counted against the cap from now: starts run at once)
+        try:
+            return await self._start_counted(entry, owner)
+        finally:
+            self._starting -= 1
+
+    async def _start_counted(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         state = self.state(entry.name)
         started = time.perf_counter()
         try:
@@ -255,14 +265,23 @@ class ServerHost:
             try:
                 await instance.initialize()
             except BaseException:
-                await instance.aclose(grace=0.2)
+                # Off this (perhaps cancelled) call's path: the process must end regardless.
+                self.supervisor.spawn(f"server {entry.name} stop", instance.aclose(grace=0.2))
                 raise
         except (RemoteError, InstanceError, SandboxRuntimeError, OSError) as exc:
-            text = f"could not start: {exc}"
-            self._failed(entry.name, text)
+            # What the server said stays with this caller (a shared instance's words may be
+            # about another principal); the status every principal sees says only what failed.
+            if isinstance(exc, RemoteError):
+                code = exc.error.get("code")
+                reason = f"its initialize failed (JSON-RPC error {code})"
+                told = f"{reason}: {str(exc)[:300]}" if entry.scope != "shared" else reason
+            else:
+                reason = told = str(exc)
+            state.crashes.append(time.monotonic())  # (a start that fails backs off too)
+            self._failed(entry.name, f"could not start: {reason}")
             self.metrics.server_starts.labels(entry.name, "failed").inc()
             if isinstance(exc, InstanceError | RemoteError):
-                raise InstanceError(f"server {entry.name} {text}") from None
+                raise InstanceError(f"server {entry.name} could not start: {told}") from None
             raise
         state.starts += 1
         self.metrics.server_starts.labels(entry.name, "ok").inc()
@@ -273,13 +292,9 @@ class ServerHost:
         self.supervisor.spawn(
             f"server {entry.name} watch", self._watch((owner, entry.name), instance)
         )
-        instance.log.note(f"started for {owner.principal or '(shared)'}")
-        logger.info(
-            "hosted server {} started for {} in {:.0f} ms",
-            entry.name,
-            owner.principal or "(shared)",
-            (time.perf_counter() - started) * 1000,
-        )
+        who, took = owner.principal or "(shared)", (time.perf_counter() - started) * 1000
+        instance.log.note(f"started for {who}")
+        logger.info("hosted server {} started for {} in {:.0f} ms", entry.name, who, took)
         return instance
 
     def _log(self, name: str) -> LogSink:
@@ -294,26 +309,9 @@ class ServerHost:
                 return RemoteInstance(entry, self._log(entry.name))
             except CatalogError as exc:
                 raise CatalogError(f"server {entry.name}: {exc}") from None
-        argv, server_dir = self._program(entry)
-        env = {"HOME": WORKSPACE, **entry.env}
-        for var, ref in entry.secrets.items():
-            try:
-                env[var] = resolve_secret(ref)
-            except CatalogError as exc:
-                raise CatalogError(f"server {entry.name}: {exc}") from None
-        try:
-            limits = self.manager.limits.tighten(
-                {
-                    "memory_mb": min(entry.memory_mb, self.manager.limits.memory_mb),
-                    "pids": min(entry.pids, self.manager.limits.pids),
-                    "cpu_cores": min(entry.cpus, self.manager.limits.cpu_cores),
-                    "network": list(entry.egress) if entry.egress else False,
-                }
-            )
-        except PolicyViolationError as exc:
-            raise PolicyViolationError(
-                f"server {entry.name}: {exc} (its egress must lie within SANDBOX_EGRESS_ALLOW)"
-            ) from None
+        argv, server_dir = program(entry, self.servers_dir)
+        env = environment(entry)
+        limits = instance_limits(entry, self.manager.limits)
         workspace, _ = await self.manager.workspaces.ensure(
             workspace_name(owner), owner.principal or None
         )
@@ -338,26 +336,6 @@ class ServerHost:
             logs_to_callers=entry.scope != "shared",
         )
 
-    def _program(self, entry: Entry) -> tuple[list[str], Path | None]:
-        """argv inside the sandbox, and the host directory bound at /opt/srt-server."""
-        if entry.kind == "command":
-            directory = Path(entry.directory) if entry.directory else None
-            if directory is not None and not directory.is_dir():
-                raise CatalogError(f"server {entry.name}: directory {directory} does not exist")
-            return [*entry.command, *entry.args], directory
-        installed = read_installed(self.servers_dir, entry.name)
-        if installed is None:
-            raise CatalogError(
-                f"server {entry.name} is not installed: run `srt-mcp-server servers install "
-                f"{entry.name}` (a start never downloads)"
-            )
-        if installed.package != entry.package:
-            raise CatalogError(
-                f"server {entry.name}: {installed.package} is installed but the catalog asks "
-                f"for {entry.package}: run `srt-mcp-server servers install {entry.name}`"
-            )
-        return [*installed.program, *entry.args], self.servers_dir / "install" / entry.name
-
     async def _watch(self, key: Key, instance: Instance | RemoteInstance) -> None:
         """When an instance dies unasked: counted as a crash (the backoff), reported."""
         why = await instance.exited()
@@ -378,15 +356,20 @@ class ServerHost:
         state.last_error, state.last_error_at = public, time.time()
         logger.warning("hosted server {}: {}", name, text)
 
-    async def _make_room(self) -> None:
-        """At the replica's cap: stop the least recently used idle instance, or refuse."""
-        if len(self._instances) < self.max_instances:
+    async def _make_room(self, principal: str) -> None:
+        """At the replica's cap, or the principal's (a shared instance is no one's): stop the
+        least recently used idle instance in that scope, or refuse."""
+        mine = [k for k in self._instances if principal and k[0].principal == principal]
+        if principal and len(mine) >= self.max_per_principal:
+            scope, cap = mine, "SANDBOX_MAX_SERVER_INSTANCES_PER_PRINCIPAL"
+        elif len(self._instances) + self._starting >= self.max_instances:
+            scope, cap = list(self._instances), "SANDBOX_MAX_SERVER_INSTANCES"
+        else:
             return
-        idle = [(i.last_used, k) for k, i in self._instances.items() if i.busy == 0]
+        idle = [(self._instances[k].last_used, k) for k in scope if self._instances[k].busy == 0]
         if not idle:
             raise LimitExceededError(
-                f"this replica runs {self.max_instances} hosted server instances, all busy "
-                "(SANDBOX_MAX_SERVER_INSTANCES); retry shortly"
+                f"{len(scope)} hosted server instances are running, all busy ({cap}); retry shortly"
             )
         await self._stop(min(idle)[1], "stopped to make room")
 
@@ -398,7 +381,10 @@ class ServerHost:
         self.metrics.server_instances.labels(instance.name).dec()
         if why:
             instance.log.note(why)
-        await instance.aclose()
+        # A task of its own: a caller cancelled meanwhile must not leave the process running.
+        await asyncio.shield(
+            self.supervisor.spawn(f"server {instance.name} stop", instance.aclose())
+        )
 
     # -- background: idle stop, warm starts ----------------------------------------------------
 

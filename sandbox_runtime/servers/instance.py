@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from sandbox_runtime.supervisor import Supervisor
 PROTOCOL_VERSION = "2025-11-25"
 LIMITS = ("memory", "cpu", "pids", "file_size", "timeout")
 JUNK_BYTES = 1 << 20  # non-JSON-RPC output tolerated on stdout, in all, before the end
-STDERR_TAIL = 16 * 1024  # kept in memory for errors and status
 STDERR_BURST = 8 << 20  # stderr within STDERR_WINDOW past which an instance is ended
 STDERR_WINDOW = 10.0
 LOG_MAX_BYTES = 4 << 20  # a log file rotates past this (one previous kept)
@@ -51,20 +49,13 @@ class RemoteError(SandboxRuntimeError):
 
 
 class LogSink:
-    """An instance's stderr: a bounded tail in memory and the server's log file on disk
-    (`<servers_dir>/logs/<name>.log`, rotated at LOG_MAX_BYTES)."""
+    """An instance's stderr and the host's notes about it, in the server's log file on disk
+    (`<servers_dir>/logs/<name>.log`, rotated at LOG_MAX_BYTES), for the operator only."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
-        self.tail: deque[bytes] = deque()
-        self._tail_bytes = 0
 
-    def write(self, data: bytes, *, kept: bool = True) -> None:
-        if kept:
-            self.tail.append(data)
-            self._tail_bytes += len(data)
-            while self._tail_bytes > STDERR_TAIL and len(self.tail) > 1:
-                self._tail_bytes -= len(self.tail.popleft())
+    def write(self, data: bytes) -> None:
         if self.path is None:
             return
         try:
@@ -72,17 +63,13 @@ class LogSink:
                 self.path.replace(self.path.with_suffix(".log.1"))
             with open(self.path, "ab") as f:
                 f.write(data)
-        except OSError as exc:  # (a full disk: the tail is still kept)
+        except OSError as exc:  # (a full disk: the instance goes on)
             logger.debug("server log {} not written: {}", self.path, exc)
 
     def note(self, text: str) -> None:
         """A line of the host's own about this instance (start, stop, why it was ended)."""
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.write(f"[srt {stamp}] {text}\n".encode(), kept=False)
-
-    def last(self, limit: int = 2000) -> str:
-        text = b"".join(self.tail).decode("utf-8", "replace")
-        return text[-limit:].strip()
+        self.write(f"[srt {stamp}] {text}\n".encode())
 
 
 class Instance:
@@ -255,7 +242,11 @@ class Instance:
                 if len(line) > self.max_message:
                     self._kill(f"it sent a message over {self.max_message // 1024} KiB")
                     return
-                await self._on_line(line)
+                try:
+                    await self._on_line(line)
+                except Exception as exc:  # (whatever it sent: never a reader left dead)
+                    self._kill(f"it broke the protocol ({type(exc).__name__})")
+                    return
                 if self.ended is not None:
                     return
             if len(buffer) > self.max_message:
@@ -269,6 +260,9 @@ class Instance:
             message = json.loads(line)
         except ValueError:
             message = None
+        except RecursionError:  # (it may be the answer a call waits for: end it, at once)
+            self._kill("it sent a message nested too deeply to read")
+            return
         if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
             self._junk += len(line) + 1
             if self._junk > JUNK_BYTES:
@@ -282,7 +276,8 @@ class Instance:
             else:
                 await self._on_notification(message)
             return
-        future = self._pending.get(message.get("id"))  # type: ignore[arg-type]
+        request_id = message.get("id")
+        future = self._pending.get(request_id) if type(request_id) is int else None
         if future is None or future.done():
             return  # (an answer to a cancelled or timed-out request)
         if isinstance(message.get("error"), dict):
@@ -296,7 +291,8 @@ class Instance:
         method = message.get("method")
         params = _dict(message.get("params"))
         if method == "notifications/progress":
-            listener = self._listeners.get(params.get("progressToken"))  # type: ignore[arg-type]
+            token = params.get("progressToken")
+            listener = self._listeners.get(token) if type(token) is int else None
             if listener is not None:
                 await _deliver(listener, message)
         elif method == "notifications/message":
@@ -361,10 +357,11 @@ class Instance:
     def _end(self, why: str) -> None:
         if self.ended is None:
             self.ended = why
-        tail = self.log.last(500)
+        # Its stderr stays in its log (`servers logs`): it may hold another principal's data
+        # (a shared instance) or the entry's secrets.
         error = InstanceError(
-            f"server {self.name} failed during the call: {self.ended}"
-            + (f"; its last output on stderr: {tail}" if tail else "")
+            f"server {self.name} failed during the call: {self.ended} "
+            "(its output is in the operator's log: srt-mcp-server servers logs)"
         )
         for future in self._pending.values():
             if not future.done():

@@ -1,0 +1,69 @@
+"""What an instance of a stdio entry is started with: its program, its environment (with its
+secrets resolved, here and only here) and its sandbox's limits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sandbox_runtime.domain.limits import SandboxLimits
+from sandbox_runtime.errors import PolicyViolationError
+from sandbox_runtime.sandbox.host import WORKSPACE
+from sandbox_runtime.servers.catalog import CatalogError, Entry, resolve_secret
+from sandbox_runtime.servers.installs import read_installed
+
+
+def program(entry: Entry, servers_dir: Path) -> tuple[list[str], Path | None]:
+    """argv inside the sandbox, and the host directory bound at /opt/srt-server (its
+    install, or a command's directory). Raises CatalogError (not installed, or not as the
+    catalog now asks: a start never downloads)."""
+    if entry.kind == "command":
+        directory = Path(entry.directory) if entry.directory else None
+        if directory is not None and not directory.is_dir():
+            raise CatalogError(f"server {entry.name}: directory {directory} does not exist")
+        return [*entry.command, *entry.args], directory
+    installed = read_installed(servers_dir, entry.name)
+    if installed is None:
+        raise CatalogError(
+            f"server {entry.name} is not installed: run `srt-mcp-server servers install "
+            f"{entry.name}` (a start never downloads)"
+        )
+    if installed.package != entry.package:
+        raise CatalogError(
+            f"server {entry.name}: {installed.package} is installed but the catalog asks "
+            f"for {entry.package}: run `srt-mcp-server servers install {entry.name}`"
+        )
+    return [*installed.program, *entry.args], servers_dir / "install" / entry.name
+
+
+def environment(entry: Entry) -> dict[str, str]:
+    """The entry's variables and its secrets' values (HOME is its state directory)."""
+    env = {"HOME": WORKSPACE, **entry.env}
+    for var, ref in entry.secrets.items():
+        try:
+            env[var] = resolve_secret(ref)
+        except CatalogError as exc:
+            raise CatalogError(f"server {entry.name}: {exc}") from None
+    return env
+
+
+def instance_limits(entry: Entry, ceiling: SandboxLimits) -> SandboxLimits:
+    """The server's sandbox ceiling, tightened to the entry's limits and egress names (its
+    egress must lie within the server's policy). Raises PolicyViolationError."""
+    if entry.egress and not ceiling.network:
+        raise PolicyViolationError(
+            f"server {entry.name} asks for egress to {', '.join(entry.egress)}, but this server "
+            "allows no network egress (SANDBOX_EGRESS_ALLOW)"
+        )
+    try:
+        return ceiling.tighten(
+            {
+                "memory_mb": min(entry.memory_mb, ceiling.memory_mb),
+                "pids": min(entry.pids, ceiling.pids),
+                "cpu_cores": min(entry.cpus, ceiling.cpu_cores),
+                "network": list(entry.egress) if entry.egress else False,
+            }
+        )
+    except PolicyViolationError as exc:
+        raise PolicyViolationError(
+            f"server {entry.name}: {exc} (its egress must lie within SANDBOX_EGRESS_ALLOW)"
+        ) from None
