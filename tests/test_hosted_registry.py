@@ -17,7 +17,7 @@ import pytest
 from mcp.types import TextContent, TextResourceContents
 from mcp_harness import ServerProcess, open_client, server_env, stop_all, stop_if_running
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # (its fixture installs five servers)
 
 ALICE, BOB = "registry-alice-token-0123456789", "registry-bob-token-0123456789"
 SECRET = "everything-secret-value-42"
