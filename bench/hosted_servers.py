@@ -72,7 +72,7 @@ def env_for(state: Path, port: int) -> dict[str, str]:
             "SANDBOX_PORT": str(port),
             "SANDBOX_HOST": "127.0.0.1",
             "SANDBOX_AUTH_TOKENS": tokens,
-            "SANDBOX_LOG_LEVEL": "WARNING",
+            "SANDBOX_LOG_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "WARNING"),
             "SANDBOX_WORKSPACE_MB": "64",
             "SANDBOX_MAX_SERVER_INSTANCES": "64",
         }
@@ -195,9 +195,10 @@ async def main() -> None:
     opts.state.mkdir(parents=True, exist_ok=True)
     install(opts.state)
     port = free_port()
-    server = subprocess.Popen(
-        [*CLI], env=env_for(opts.state, port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    with (opts.state / "server.log").open("wb") as log:
+        server = subprocess.Popen(
+            [*CLI], env=env_for(opts.state, port), stdout=subprocess.DEVNULL, stderr=log
+        )
     try:
         base = f"http://127.0.0.1:{port}"
         await healthy(f"{base}/health")

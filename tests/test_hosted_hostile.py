@@ -46,6 +46,7 @@ CATALOG = {
     "aliceonly": entry("echoenv.py", principals=["alice"]),
     "shared": entry("snoop.py", scope="shared"),
     "persession": entry("snoop.py", scope="session"),
+    "hog": entry("hog.py", memory_mb=64, pids=16),
     "broken": {"command": ["/bin/true"], "scope": "everyone"},  # left out; the others load
 }
 
@@ -327,3 +328,18 @@ async def test_session_scope_and_logging(server: ServerProcess) -> None:
     assert listed is not None
     assert "broken" not in {s["name"] for s in listed["servers"]}
     assert "servers.broken.scope" in (listed["catalog_problem"] or ""), listed
+
+
+async def test_a_server_past_its_limits_is_ended_or_held(server: ServerProcess) -> None:
+    """memory_mb=64: past it the kernel ends the instance and the call says so; pids=16: a
+    fork bomb is held at the limit and the server answers."""
+    url = f"{server.base_url}/servers/hog/mcp"
+    async with open_client(url, ALICE) as conn:
+        with pytest.raises(Exception) as failed:
+            await conn.client.call_tool("hog", {"mb": 512})
+        assert "memory limit" in message_of(failed.value), failed.value
+        await still_answering(server)
+        bombed = await conn.client.call_tool("forkbomb", {})
+        assert not bombed.is_error, text_of(bombed)
+        started = int(text_of(bombed).split()[1])
+        assert 0 < started < 16, bombed
