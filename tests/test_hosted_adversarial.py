@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mcp.types import TextContent
+from hosted_harness import message_of, text_of, toml
 from mcp_harness import ServerProcess, open_client, stop_all, stop_if_running, traversable_by_others
 
 pytestmark = pytest.mark.e2e
@@ -125,29 +125,6 @@ if __name__ == "__main__":
     server.methods["initialize"] = lambda p, c: init_error(p, c) or server.initialize(p, c)
     server.run()
 """
-
-
-def text_of(result: Any) -> str:
-    return "".join(b.text for b in result.content if isinstance(b, TextContent))
-
-
-def message_of(exc: BaseException) -> str:
-    if isinstance(exc, BaseExceptionGroup):
-        return " | ".join(message_of(e) for e in exc.exceptions)
-    return str(exc)
-
-
-def toml(catalog: dict[str, dict[str, Any]]) -> str:
-    lines = []
-    for name, table in catalog.items():
-        lines.append(f"[servers.{name}]")
-        for key, value in table.items():
-            if isinstance(value, dict):
-                inner = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items())
-                lines.append(f"{key} = {{ {inner} }}")
-            else:
-                lines.append(f"{key} = {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
 
 
 def scripts_dir(root: Path) -> Path:

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from mcp.types import TextContent
+from hosted_harness import message_of, text_of, toml
 from mcp_harness import ServerProcess, eventually, open_client, stop_all, stop_if_running
 
 pytestmark = pytest.mark.e2e
@@ -51,19 +51,6 @@ CATALOG = {
 }
 
 
-def toml(catalog: dict[str, dict[str, Any]]) -> str:
-    lines = []
-    for name, table in catalog.items():
-        lines.append(f"[servers.{name}]")
-        for key, value in table.items():
-            if isinstance(value, dict):
-                inner = ", ".join(f"{k} = {json.dumps(v)}" for k, v in value.items())
-                lines.append(f"{key} = {{ {inner} }}")
-            else:
-                lines.append(f"{key} = {json.dumps(value)}")
-    return "\n".join(lines) + "\n"
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     workdir = tmp_path_factory.mktemp("hosted")
@@ -85,17 +72,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         yield server
     finally:
         stop_all(stop_if_running(server))
-
-
-def message_of(exc: BaseException) -> str:
-    """The messages of an exception and of those grouped in it (the client's task groups)."""
-    if isinstance(exc, BaseExceptionGroup):
-        return " | ".join(message_of(e) for e in exc.exceptions)
-    return str(exc)
-
-
-def text_of(result: Any) -> str:
-    return "".join(b.text for b in result.content if isinstance(b, TextContent))
 
 
 async def still_answering(server: ServerProcess) -> None:

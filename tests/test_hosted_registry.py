@@ -11,10 +11,10 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from mcp.types import TextContent, TextResourceContents
+from hosted_harness import text_of
+from mcp.types import TextResourceContents
 from mcp_harness import ServerProcess, open_client, server_env, stop_all, stop_if_running
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]  # (its fixture installs five servers)
@@ -91,10 +91,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 def url(server: ServerProcess, name: str) -> str:
     return f"{server.base_url}/servers/{name}/mcp"
-
-
-def text_of(result: Any) -> str:
-    return "".join(b.text for b in result.content if isinstance(b, TextContent))
 
 
 @pytest.mark.parametrize("mode", ["legacy", "auto"])

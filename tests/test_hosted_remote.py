@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from mcp.types import TextContent
+from hosted_harness import text_of
 from mcp_harness import ServerProcess, free_port, open_client, stop_all, stop_if_running
 
 pytestmark = pytest.mark.e2e
@@ -65,10 +65,6 @@ def server(remote: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         yield server
     finally:
         stop_all(stop_if_running(server))
-
-
-def text_of(result: object) -> str:
-    return "".join(b.text for b in result.content if isinstance(b, TextContent))  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("mode", ["legacy", "auto"])

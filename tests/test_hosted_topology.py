@@ -7,10 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from mcp.types import TextContent
+from hosted_harness import text_of
 from mcp_harness import open_client
 from topology_harness import TOKEN, running_topology
 
@@ -26,10 +25,6 @@ directory = "{SCRIPTS}"
 command = ["/usr/bin/python3", "/opt/srt-server/giant.py"]
 directory = "{SCRIPTS}"
 """
-
-
-def text_of(result: Any) -> str:
-    return "".join(b.text for b in result.content if isinstance(b, TextContent))
 
 
 async def test_an_instance_homed_on_one_replica_is_used_through_the_other(

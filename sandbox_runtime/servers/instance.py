@@ -24,6 +24,12 @@ from sandbox_runtime.sandbox.process import SandboxProcess
 from sandbox_runtime.supervisor import Supervisor
 
 PROTOCOL_VERSION = "2025-11-25"
+# The host as a client: it offers no capabilities (no sampling, elicitation or roots).
+INITIALIZE = {
+    "protocolVersion": PROTOCOL_VERSION,
+    "capabilities": {},
+    "clientInfo": {"name": "sandbox_runtime", "version": "1"},
+}
 LIMITS = ("memory", "cpu", "pids", "file_size", "timeout")
 JUNK_BYTES = 1 << 20  # non-JSON-RPC output tolerated on stdout, in all, before the end
 STDERR_BURST = 8 << 20  # stderr within STDERR_WINDOW past which an instance is ended
@@ -128,11 +134,7 @@ class Instance:
     async def initialize(self) -> None:
         result = await self.request(
             "initialize",
-            {
-                "protocolVersion": PROTOCOL_VERSION,
-                "capabilities": {},
-                "clientInfo": {"name": "sandbox_runtime", "version": "1"},
-            },
+            dict(INITIALIZE),
             within=min(START_TIMEOUT, max(self.call_timeout, 5.0)),
         )
         self.server_info = _dict(result.get("serverInfo"))

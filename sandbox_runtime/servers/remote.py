@@ -19,6 +19,7 @@ import httpx2
 
 from sandbox_runtime.servers.catalog import Entry, resolve_secret
 from sandbox_runtime.servers.instance import (
+    INITIALIZE,
     PROTOCOL_VERSION,
     START_TIMEOUT,
     InstanceError,
@@ -66,11 +67,7 @@ class RemoteInstance:
     async def initialize(self) -> None:
         result = await self.request(
             "initialize",
-            {
-                "protocolVersion": PROTOCOL_VERSION,
-                "capabilities": {},
-                "clientInfo": {"name": "sandbox_runtime", "version": "1"},
-            },
+            dict(INITIALIZE),
             within=min(START_TIMEOUT, max(self.call_timeout, 5.0)),
         )
         version = result.get("protocolVersion")

@@ -1,0 +1,34 @@
+"""What the hosted-server tests share: a catalog written from a dict, and the text of results
+and of the client's errors."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mcp.types import CallToolResult, TextContent
+
+
+def toml(catalog: dict[str, dict[str, Any]]) -> str:
+    """A catalog file's text: [servers.NAME] tables of strings, numbers, lists and tables."""
+    lines = []
+    for name, table in catalog.items():
+        lines.append(f"[servers.{name}]")
+        for key, value in table.items():
+            if isinstance(value, dict):
+                inner = ", ".join(f"{json.dumps(k)} = {json.dumps(v)}" for k, v in value.items())
+                lines.append(f"{key} = {{ {inner} }}")
+            else:
+                lines.append(f"{key} = {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def text_of(result: CallToolResult) -> str:
+    return "".join(b.text for b in result.content if isinstance(b, TextContent))
+
+
+def message_of(exc: BaseException) -> str:
+    """The messages of an exception and of those grouped in it (the client's task groups)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return " | ".join(message_of(e) for e in exc.exceptions)
+    return str(exc)
