@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastmcp import Context, FastMCP
 from pydantic import BaseModel, Field
 
@@ -39,7 +41,12 @@ class ServerList(BaseModel):
 
 def register_server_tools(mcp: FastMCP, root: Root) -> None:
     @mcp.tool
-    async def list_servers(ctx: Context) -> ServerList:
+    async def list_servers(
+        ctx: Context,
+        server: Annotated[
+            str | None, Field(description="Only this server (by name); omitted: all of them.")
+        ] = None,
+    ) -> ServerList:
         """The hosted MCP servers you may use: their endpoints (/servers/NAME/mcp, with the
         same token; /s/SESSION/servers/NAME/mcp for a session's own), what they run, and
         whether they are ready."""
@@ -47,6 +54,8 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
         principal = owner_of(ctx, None).principal
         listed = []
         for entry in host.catalog().for_principal(principal):
+            if server is not None and entry.name != server:
+                continue
             problem: str | None = None
             version: str | None = None
             if entry.kind in ("pypi", "npm"):
