@@ -37,10 +37,12 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.manager import ExecutionManager
@@ -50,6 +52,8 @@ from sandbox_runtime.interpreters.runtime import MANIFEST
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox import BackendConfig, BubblewrapBackend
 from sandbox_runtime.sandbox.pool import SandboxPool
+from sandbox_runtime.servers.catalog import Entry
+from sandbox_runtime.servers.code_mode import BridgeMaker
 from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
@@ -183,6 +187,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         servers = ServerHost(settings, manager, metrics, supervisor)
         manager.workspaces.busy.append(servers.workspaces_in_use)
         router = Router(settings, Parts(manager, interpreters, signer, servers), cluster)
+        manager.bridges.append(_bridges(settings, servers, router))
         stack.push_async_callback(router.aclose)
         services = Services(
             settings,
@@ -237,6 +242,21 @@ async def _egress(
     backend.egress = egress
     logger.info("egress allowed: {}", policy.describe())
     return egress
+
+
+def _bridges(settings: Settings, servers: ServerHost, router: Router) -> BridgeMaker:
+    """Code mode's bridges: a call from code reaches an instance the way its endpoint does
+    (a stdio server's on its home replica through the Router, a remote one from here)."""
+
+    async def route(
+        owner: Owner, entry: Entry, method: str, params: dict[str, Any], progress: Any
+    ) -> dict[str, Any]:
+        if entry.kind == "remote":
+            return await servers.request(owner, entry.name, method, params, progress)
+        args = {"server": entry.name, "method": method, "params": params}
+        return await router.run(owner, "server_request", args, progress)
+
+    return BridgeMaker(servers, settings.state_dir / "bridges", route)
 
 
 def _spawn_fill(supervisor: Supervisor, workspaces: WorkspaceStore) -> None:

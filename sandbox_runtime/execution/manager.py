@@ -30,6 +30,7 @@ from sandbox_runtime.errors import (
     SandboxUnavailableError,
 )
 from sandbox_runtime.execution.cluster import Cluster
+from sandbox_runtime.execution.code_mode import Bridges, OpenBridge, bridged_env, open_bridge
 from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.network import denied_to, egress_of
 from sandbox_runtime.execution.reading import (
@@ -81,6 +82,7 @@ class ExecutionManager:
         self.supervisor = supervisor  # the owner of every background loop
         self.egress = egress
         self.egress_policy = settings.egress_policy()
+        self.bridges: list[Bridges] = []  # code mode's, from the composition root (or none)
         self.limits = settings.limits()
         # An execution's info copies it (most run with the server's limits: asdict is slow).
         self._limits_dict = self.limits.as_dict()
@@ -216,22 +218,29 @@ class ExecutionManager:
         )
         spawn_started = time.perf_counter()
         self._spawning[owner] = self._spawning.get(owner, 0) + 1  # (no await since: see busy)
+        bridge: OpenBridge | None = None
         try:
             workspace, _ = await self.workspaces.ensure(workspace_name(owner), owner.principal)
+            bridge = await open_bridge(self.bridges, owner, request.servers, execution)
             process = await self.pool.spawn(
                 SandboxSpec(
                     argv=argv,
                     workspace=workspace,
                     limits=limits,
-                    env=env,
+                    env=bridged_env(env, bridge),
                     cwd=cwd,
                     interactive=request.interactive,
                     timeout=timeout,
                     egress=egress,
                     on_denied=self.network_denied(execution),
+                    bridge_dir=bridge.directory if bridge is not None else None,
                 )
             )
+            if bridge is not None:
+                process.add_closer(bridge.aclose)
         except BaseException:
+            if bridge is not None:
+                await asyncio.shield(bridge.aclose())
             self.slots.give_back(owner)
             self.cluster.finished(execution)
             self.workspaces.check_damage(workspace_name(owner))  # (what failed may be its disk)

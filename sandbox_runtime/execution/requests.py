@@ -19,6 +19,8 @@ class ExecuteRequest:
     working_directory: str | None = None
     environment: dict[str, str] | None = None
     sandbox_config: dict[str, Any] | None = None
+    # Code mode: the hosted servers its code may call ("*": every one the principal may use)
+    servers: list[str] | None = None
 
 
 def command_argv(command: object) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from sandbox_runtime.domain.limits import MIB, SandboxLimits
 from sandbox_runtime.sandbox.egress_port import RELAY_PORT, SOCKET_DIR, SOCKET_NAME, EgressLease
 from sandbox_runtime.sandbox.host import (
+    BRIDGE_DIR,
     KERNEL_DIR,
     RELAY_PATH,
     RELAY_PYTHON,
@@ -163,6 +164,8 @@ def bwrap_args(
         args += ["--bind", str(spec.kernel_dir), KERNEL_DIR]
     if spec.server_dir is not None:
         args += ["--ro-bind", str(spec.server_dir), SERVER_DIR]
+    if spec.bridge_dir is not None:
+        args += ["--ro-bind", str(spec.bridge_dir), BRIDGE_DIR]
     if lease is not None:
         # Read-only: the socket is connectable (a socket's permission is not the mount's)
         # but the sandbox cannot put another in its place. The relay is init: no bwrap

@@ -212,7 +212,7 @@ class BubblewrapBackend:
         return (
             self.stub_problem is None
             and (spec.egress is None or not spec.egress.enabled)
-            and spec.kernel_dir is None is spec.server_dir
+            and spec.kernel_dir is None is spec.server_dir is spec.bridge_dir
             and not spec.loopback_inet
         )
 

@@ -36,6 +36,7 @@ STUB_PERL = "/usr/bin/perl"
 RUNTIME = "/opt/srt-runtime"
 KERNEL_DIR = "/run/srt-kernel"
 SERVER_DIR = "/opt/srt-server"  # a hosted MCP server's install, read-only
+BRIDGE_DIR = "/run/srt-bridge"  # code mode's socket and library, read-only
 # A sandbox with egress: its init is the relay (egress/relay.py, copied here into the root at
 # start) run by the host's Python, which /usr brings into every sandbox.
 RELAY_PROGRAM = Path(__file__).parents[1] / "egress" / "relay.py"
@@ -206,7 +207,7 @@ def build_root(root: Path) -> None:
     root.mkdir(mode=0o755)
     build_etc(root / "etc")
     for point in ("/usr", "/proc", "/dev", "/tmp", WORKSPACE, RUNTIME, KERNEL_DIR, SOCKET_DIR,
-                  SERVER_DIR):  # fmt: skip
+                  SERVER_DIR, BRIDGE_DIR):  # fmt: skip
         (root / point.lstrip("/")).mkdir(mode=0o755, parents=True)
     shutil.copyfile(RELAY_PROGRAM, root / RELAY_PATH.lstrip("/"))
     os.chmod(root / RELAY_PATH.lstrip("/"), 0o644)

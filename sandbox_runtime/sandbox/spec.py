@@ -55,6 +55,9 @@ class SandboxSpec:
     loopback_inet: bool = False
     # A host directory bound read-only at SERVER_DIR (a hosted MCP server's install); None: none
     server_dir: Path | None = None
+    # Code mode: a host directory (the bridge's socket, the mcp_servers library) bound
+    # read-only at BRIDGE_DIR; None: none
+    bridge_dir: Path | None = None
     # Egress through the host proxy under this policy (None, or one allowing nothing: none),
     # and who hears of its denials.
     egress: EgressPolicy | None = None

@@ -83,6 +83,15 @@ async def execute(
     return reply(structured, resource_links(owner, result.get("files")))
 
 
+ServersArg = Annotated[
+    list[str] | None,
+    Field(
+        description="Code mode: hosted MCP servers the command's code may call with `import "
+        'mcp_servers` (names, or ["*"]: every one you may use; see list_servers); omitted: none.'
+    ),
+]
+
+
 def register_tools(mcp: FastMCP, root: Root) -> None:
     """Add the execution tools to `mcp` (names and parameters of the earlier srt-mcp-server);
     they reach the running parts through `root`."""
@@ -100,6 +109,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         sandbox_config: SandboxConfigArg = None,
         wait_for_completion: WaitArg = True,
         session: SessionArg = None,
+        servers: ServersArg = None,
     ) -> ToolResult:
         """Run a command in a fresh sandbox; by default wait for it and return its output."""
         request = {
@@ -109,6 +119,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             "working_directory": working_directory,
             "environment": environment,
             "sandbox_config": sandbox_config,
+            **({"servers": servers} if servers is not None else {}),
         }
         return await execute(
             root.services, ctx, session, request, wait_for_completion, "execute_code"
@@ -124,6 +135,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         environment: EnvironmentArg = None,
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
+        servers: ServersArg = None,
     ) -> ToolResult:
         """Start a command in a fresh sandbox and return at once with its execution_id."""
         request = {
@@ -133,6 +145,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             "working_directory": working_directory,
             "environment": environment,
             "sandbox_config": sandbox_config,
+            **({"servers": servers} if servers is not None else {}),
         }
         return await execute(root.services, ctx, session, request, False, "execute_code_async")
 

@@ -55,6 +55,7 @@ REQUEST_FIELDS = frozenset(
         "working_directory",
         "environment",
         "sandbox_config",
+        "servers",
     )
 )
 

@@ -1,0 +1,322 @@
+"""Code mode's bridge: a Unix socket per sandbox through which code calls hosted servers.
+
+The socket is the sandbox's identity: a call that arrives on it is the execution's, for its
+principal and session, whatever the frame says. Each request is one frame (4-byte big-endian
+length, then JSON) on a connection of its own, answered by one frame. The host checks every
+call against what the execution may call (the principal's servers, narrowed by the call's own
+`servers=[...]`; an entry's tool filter), calls the server on the principal's behalf through
+the hosted-servers layer, and reports each call as a `tool_call` event of the execution.
+Bounded: frame size, calls, calls at once, bytes, and each call's time (its entry's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import shutil
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from sandbox_runtime.servers.catalog import Entry
+from sandbox_runtime.supervisor import scoped
+
+LIBRARY = Path(__file__).resolve().parent / "sandbox_lib" / "mcp_servers.py"
+SOCKET_NAME = "bridge.sock"
+MAX_FRAME = 4 << 20  # a request; answers are bounded by the servers' own message bounds
+PREVIEW = 200  # characters of arguments and results shown in a tool_call event
+
+# (server, method, params, progress) -> {"result": ...} | {"error": {...}}
+Call = Callable[[Entry, str, dict[str, Any], Any], Awaitable[dict[str, Any]]]
+# A finished call, for the execution's events: server, tool, ms, outcome, sizes, previews.
+OnCall = Callable[["CallRecord"], None]
+
+
+@dataclass(frozen=True)
+class BridgeLimits:
+    calls: int = 1000  # per execution
+    concurrent: int = 8
+    bytes: int = 64 << 20  # requests and answers, in all
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    server: str
+    tool: str
+    duration_ms: int
+    outcome: str  # ok, error (the tool's), refused (by the host), failed (the server's end)
+    sent: int
+    received: int
+    arguments: str
+    result: str
+
+
+@dataclass
+class Bridge:
+    """One sandbox's bridge: start() makes the socket in `directory` (bound into the sandbox
+    at /run/srt-bridge, with the library), aclose() ends it and its calls."""
+
+    directory: Path
+    entries: dict[str, Entry]  # what this execution may call, by name
+    call: Call
+    on_call: OnCall | None = None
+    limits: BridgeLimits = field(default_factory=BridgeLimits)
+    tools_cache: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    _server: asyncio.AbstractServer | None = None
+    _calls: int = 0
+    _bytes: int = 0
+    _active: set[asyncio.Future[Any]] = field(default_factory=set)
+
+    async def start(self) -> None:
+        self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        (self.directory / "python").mkdir(mode=0o755, exist_ok=True)
+        shutil.copyfile(LIBRARY, self.directory / "python" / LIBRARY.name)
+        (self.directory / "python" / LIBRARY.name).chmod(0o644)
+        path = self.directory / SOCKET_NAME
+        self._server = await asyncio.start_unix_server(self._serve, path=str(path))
+        path.chmod(0o666)  # (the sandbox's own uid connects; only this sandbox sees it)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for work in list(self._active):
+            work.cancel()
+        if self._active:
+            await asyncio.gather(*self._active, return_exceptions=True)
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"MCP_SERVERS_SOCKET": f"/run/srt-bridge/{SOCKET_NAME}"}
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        work = scoped(self._one(reader, writer))
+        self._active.add(work)
+        try:
+            await work
+        except (asyncio.CancelledError, ConnectionError):
+            pass
+        finally:
+            self._active.discard(work)
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(10):
+                (size,) = struct.unpack(">I", await reader.readexactly(4))
+                if size > MAX_FRAME:
+                    await _reply(writer, _refusal("protocol", f"a request over {MAX_FRAME} bytes"))
+                    return
+                body = await reader.readexactly(size)
+        except (TimeoutError, asyncio.IncompleteReadError):
+            return
+        try:
+            request = json.loads(body)
+        except (ValueError, RecursionError):
+            request = None
+        if not isinstance(request, dict):
+            await _reply(writer, _refusal("protocol", "a request is a JSON object"))
+            return
+        await _reply(writer, await self._answer(request, size))
+
+    async def _answer(self, request: dict[str, Any], size: int) -> dict[str, Any]:
+        op = request.get("op")
+        if op == "servers":
+            return _ok([{**e.describe(), "stubs": f"/run/srt-bridge/servers/{n}"}
+                        for n, e in self.entries.items()])  # fmt: skip
+        if op == "tools":
+            entry = self.entries.get(str(request.get("server")))
+            if entry is None:
+                return self._not_allowed(str(request.get("server")))
+            tools = await self._tools(entry)
+            return tools if isinstance(tools, dict) else _ok(tools)
+        if op == "search":
+            return _ok(await self._search(request))
+        if op == "call":
+            return await self._call(request, size)
+        return _refusal("protocol", f"unknown op {op!r} (servers, tools, search, call)")
+
+    def _not_allowed(self, name: str) -> dict[str, Any]:
+        return _refusal(
+            "not_allowed",
+            f"server {name!r} is not one this code may call (allowed: "
+            f"{', '.join(sorted(self.entries)) or 'none'})",
+        )
+
+    async def _tools(self, entry: Entry) -> list[dict[str, Any]] | dict[str, Any]:
+        """The entry's tools (as filtered for it), listed once per bridge."""
+        if entry.name in self.tools_cache:
+            return self.tools_cache[entry.name]
+        answer = await self.call(entry, "tools/list", {}, None)
+        if "error" in answer or not isinstance(answer.get("result"), dict):
+            error = answer.get("error") or {}
+            return _refusal("failed", str(error.get("message", "tools/list failed")))
+        tools = [t for t in answer["result"].get("tools", []) if isinstance(t, dict)]
+        self.tools_cache[entry.name] = tools
+        write_stubs(self.directory / "servers" / entry.name, entry.name, tools)
+        return tools
+
+    async def _search(self, request: dict[str, Any]) -> list[dict[str, Any]]:
+        words = [w for w in re.split(r"\W+", str(request.get("query", "")).lower()) if w]
+        detail = request.get("detail", "summary")
+        limit = request.get("limit")
+        limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else 20
+        found = []
+        for entry in self.entries.values():
+            tools = await self._tools(entry)
+            if isinstance(tools, dict):
+                continue
+            for tool in tools:
+                text = f"{entry.name} {tool.get('name', '')} {tool.get('description', '')}"
+                if all(w in text.lower() for w in words):
+                    found.append(describe_tool(entry.name, tool, str(detail)))
+        return found[: max(1, min(limit, 200))]
+
+    async def _call(self, request: dict[str, Any], size: int) -> dict[str, Any]:
+        name, tool = str(request.get("server")), str(request.get("tool"))
+        arguments = request.get("arguments") or {}
+        started = time.perf_counter()
+        entry = self.entries.get(name)
+        if entry is None:
+            answer = self._not_allowed(name)
+        elif not entry.allows_tool(tool):
+            answer = _refusal("not_allowed", f"tool {tool!r} of server {name!r} is not allowed")
+        elif not isinstance(arguments, dict):
+            answer = _refusal("invalid", "arguments must be an object")
+        elif self._calls >= self.limits.calls:
+            answer = _refusal("limit", f"this execution made {self.limits.calls} calls already")
+        elif len(self._active) > self.limits.concurrent:
+            answer = _refusal("limit", f"{self.limits.concurrent} calls at once at most")
+        elif self._bytes + size > self.limits.bytes:
+            answer = _refusal("limit", f"this execution moved {self.limits.bytes} bytes already")
+        else:
+            self._calls += 1
+            self._bytes += size
+            reply = await self.call(
+                entry, "tools/call", {"name": tool, "arguments": arguments}, None
+            )
+            answer = _ok(reply["result"]) if "result" in reply else _refusal(
+                "failed", str(reply.get("error", {}).get("message", "the call failed"))
+            )  # fmt: skip
+        received = len(json.dumps(answer.get("result", answer.get("error")), default=str))
+        self._bytes += received
+        self._report(name, tool, started, answer, size, received, arguments)
+        return answer
+
+    def _report(
+        self,
+        name: str,
+        tool: str,
+        started: float,
+        answer: dict[str, Any],
+        sent: int,
+        received: int,
+        arguments: Any,
+    ) -> None:
+        if answer.get("ok"):
+            outcome = "error" if answer["result"].get("isError") else "ok"
+        else:
+            outcome = "refused" if answer["error"]["kind"] != "failed" else "failed"
+        record = CallRecord(
+            server=name,
+            tool=tool,
+            duration_ms=round((time.perf_counter() - started) * 1000),
+            outcome=outcome,
+            sent=sent,
+            received=received,
+            arguments=json.dumps(arguments, default=str)[:PREVIEW],
+            result=json.dumps(answer.get("result", answer.get("error")), default=str)[:PREVIEW],
+        )
+        if self.on_call is not None:
+            try:
+                self.on_call(record)
+            except Exception:
+                logger.exception("a tool_call event was not recorded")
+
+
+def describe_tool(server: str, tool: dict[str, Any], detail: str) -> dict[str, Any]:
+    """A tool as search shows it: names, one-line summaries, or full schemas."""
+    out: dict[str, Any] = {"server": server, "tool": tool.get("name")}
+    if detail in ("summary", "full"):
+        description = str(tool.get("description") or "").strip()
+        out["summary"] = description.splitlines()[0][:200] if description else ""
+    if detail == "full":
+        out["description"] = tool.get("description")
+        out["input_schema"] = tool.get("inputSchema")
+        if tool.get("outputSchema") is not None:
+            out["output_schema"] = tool.get("outputSchema")
+    return out
+
+
+def _ok(result: Any) -> dict[str, Any]:
+    return {"ok": True, "result": result}
+
+
+def _refusal(kind: str, message: str) -> dict[str, Any]:
+    return {"ok": False, "error": {"kind": kind, "message": message}}
+
+
+async def _reply(writer: asyncio.StreamWriter, answer: dict[str, Any]) -> None:
+    body = json.dumps(answer, separators=(",", ":"), default=str).encode()
+    writer.write(struct.pack(">I", len(body)) + body)
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+
+
+def write_stubs(directory: Path, server: str, tools: list[dict[str, Any]]) -> None:
+    """A file per tool (its signature, argument types and description) and an index, so code
+    and agents read only the tools they need: /run/srt-bridge/servers/NAME/TOOL.py."""
+    try:
+        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+        index = [f'"""Tools of {server} (from mcp_servers import {server})."""']
+        for tool in tools[:500]:
+            name = str(tool.get("name", ""))
+            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+                continue
+            summary = str(tool.get("description") or "").strip().splitlines()
+            index.append(f"# {name}: {summary[0][:120] if summary else ''}")
+            (directory / f"{name}.py").write_text(stub(server, tool))
+        (directory / "__index__.py").write_text("\n".join(index) + "\n")
+    except OSError as exc:  # (stubs are a convenience: the calls work without them)
+        logger.debug("stubs of {} not written: {}", server, exc)
+
+
+JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "bool",
+              "array": "list", "object": "dict", "null": "None"}  # fmt: skip
+
+
+def stub(server: str, tool: dict[str, Any]) -> str:
+    """One tool as Python: `def NAME(*, arg: type = None) -> returns` and its description."""
+    raw = tool.get("inputSchema")
+    schema: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    raw = schema.get("properties")
+    properties: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    required = set(schema.get("required") or [])
+    params = []
+    for arg, spec in list(properties.items())[:100]:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", str(arg)):
+            continue
+        kind = spec.get("type") if isinstance(spec, dict) else None
+        hint = JSON_TYPES.get(kind, "object") if isinstance(kind, str) else "object"
+        params.append(f"{arg}: {hint}" + ("" if arg in required else " = None"))
+    output = tool.get("outputSchema")
+    returns = "dict" if isinstance(output, dict) else "object"
+    name = re.sub(r"\W", "_", str(tool.get("name")))
+    quote = '"' * 3
+    description = str(tool.get("description") or "").replace(quote, "'''")[:4000]
+    signature = f"*, {', '.join(params)}" if params else ""
+    lines = [
+        f"# from mcp_servers import {server}; {server}.{name}(...)",
+        f"def {name}({signature}) -> {returns}:",
+        f"    {quote}{description}{quote}",
+    ]
+    if isinstance(output, dict):
+        lines.append(f"# output schema: {json.dumps(output)[:2000]}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,233 @@
+"""Code mode: code in a sandbox calls hosted servers through its bridge (servers=[...] on
+execute_code), checked by the host against what the principal may call, each call a
+`tool_call` event; hostile code on the socket gets nowhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from hosted_harness import toml
+from mcp_harness import ServerProcess, open_client, stop_all, stop_if_running
+
+pytestmark = pytest.mark.e2e
+
+ALICE, BOB = "codemode-alice-token-0123456", "codemode-bob-token-0123456"
+SCRIPTS = Path(__file__).resolve().parent / "hosted_servers"
+
+
+def entry(script: str, **fields: Any) -> dict[str, Any]:
+    return {
+        "command": ["/usr/bin/python3", f"/opt/srt-server/{script}"],
+        "directory": str(SCRIPTS),
+        **fields,
+    }
+
+
+CATALOG = {
+    "echoenv": entry("echoenv.py", tools_deny=["env"]),
+    "snoop": entry("snoop.py"),
+    "aliceonly": entry("echoenv.py", principals=["alice"]),
+    "crash": entry("crash.py"),
+}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    workdir = tmp_path_factory.mktemp("codemode")
+    (workdir / "servers.toml").write_text(toml(CATALOG))
+    server = ServerProcess(
+        workdir,
+        {
+            "SANDBOX_AUTH_TOKENS": f"alice:{ALICE},bob:{BOB}",
+            "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
+            "SANDBOX_INTERPRETER_WARM": "",
+        },
+    )
+    try:
+        server.start()
+        yield server
+    finally:
+        stop_all(stop_if_running(server))
+
+
+async def run(
+    server: ServerProcess, code: str, servers: list[str] | None, token: str = ALICE, **extra: Any
+) -> dict[str, Any]:
+    arguments: dict[str, Any] = {"command": ["python3", "-c", code], **extra}
+    if servers is not None:
+        arguments["servers"] = servers
+    async with open_client(server.url, token) as conn:
+        result = await conn.call("execute_code", **arguments)
+    assert result.structured_content is not None, result
+    return dict(result.structured_content)
+
+
+def stdout(result: dict[str, Any]) -> str:
+    return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
+
+
+def tool_calls(result: dict[str, Any]) -> list[dict[str, Any]]:
+    return [e for e in result["output"] if e["type"] == "tool_call"]
+
+
+async def test_code_calls_a_hosted_server(server: ServerProcess) -> None:
+    code = """
+import json, mcp_servers
+from mcp_servers import echoenv
+print(json.dumps(echoenv.echo(text="from code")))
+print(json.dumps([s["name"] for s in mcp_servers.servers()]))
+print(json.dumps(sorted(t["name"] for t in echoenv.tools())))
+"""
+    result = await run(server, code, ["echoenv"])
+    assert result["exit_code"] == 0, result
+    lines = stdout(result).splitlines()
+    assert json.loads(lines[0]) == {"text": "from code"}
+    assert json.loads(lines[1]) == ["echoenv"]  # narrowed to what the call named
+    assert json.loads(lines[2]) == ["echo", "ok", "slow"]  # "env" is denied: not listed
+    (call,) = tool_calls(result)
+    assert call["name"] == "echoenv.echo" and call["reason"] == "ok", call
+    assert "from code" in call["message"]
+
+
+async def test_a_loop_of_calls_and_calls_at_once(server: ServerProcess) -> None:
+    code = """
+import json, concurrent.futures
+from mcp_servers import echoenv
+texts = [echoenv.echo(text=str(i))["text"] for i in range(100)]
+with concurrent.futures.ThreadPoolExecutor(6) as pool:
+    together = list(pool.map(lambda i: echoenv.echo(text=f"t{i}")["text"], range(12)))
+print(json.dumps([len(texts), texts[-1], sorted(together)[:2]]))
+"""
+    result = await run(server, code, ["*"])
+    assert result["exit_code"] == 0, result
+    assert json.loads(stdout(result)) == [100, "99", ["t0", "t1"]]
+    assert len(tool_calls(result)) == 112
+
+
+async def test_what_code_may_not_call_is_refused_inside_it(server: ServerProcess) -> None:
+    code = """
+import json, mcp_servers
+out = {}
+def attempt(key, fn):
+    try:
+        fn()
+        out[key] = "called"
+    except mcp_servers.BridgeError as exc:
+        out[key] = [exc.kind, str(exc)]
+attempt("denied tool", lambda: mcp_servers.server("echoenv").env())
+attempt("not named", lambda: mcp_servers.server("snoop").ok())
+attempt("not allowed", lambda: mcp_servers.server("aliceonly").ok())
+attempt("forged", lambda: mcp_servers._ask(
+    {"op": "call", "server": "aliceonly", "tool": "ok", "arguments": {}, "principal": "alice"}))
+print(json.dumps(out))
+"""
+    # bob names a server only alice may use (an attempt to widen): it is not there.
+    result = await run(server, code, ["echoenv", "aliceonly"], token=BOB)
+    out = json.loads(stdout(result))
+    assert out["denied tool"][0] == "not_allowed" and "env" in out["denied tool"][1], out
+    for key in ("not named", "not allowed", "forged"):
+        assert out[key][0] == "not_allowed", out
+    assert "allowed: echoenv" in out["not allowed"][1], out
+    assert {c["reason"] for c in tool_calls(result)} == {"refused"}
+    # Nothing reached aliceonly: no instance of it was started for bob (or anyone).
+    async with open_client(server.url, ALICE) as conn:
+        listed = (await conn.client.call_tool("list_servers", {})).structured_content
+    assert listed is not None
+    status = {s["name"]: s for s in listed["servers"]}
+    assert status["aliceonly"]["instances_here"] == 0, status
+
+
+async def test_without_servers_there_is_no_bridge(server: ServerProcess) -> None:
+    code = """
+import os
+try:
+    import mcp_servers
+    mcp_servers.servers()
+    print("bridged")
+except Exception as exc:
+    print(type(exc).__name__, os.path.exists("/run/srt-bridge/bridge.sock"))
+"""
+    result = await run(server, code, None)
+    assert stdout(result).strip() in ("ModuleNotFoundError False", "BridgeError False"), result
+
+
+async def test_tool_errors_and_crashes_raise_in_the_code(server: ServerProcess) -> None:
+    code = """
+import json, mcp_servers
+from mcp_servers import crash
+try:
+    crash.crash()
+except mcp_servers.BridgeError as exc:
+    print(json.dumps([exc.kind, str(exc)]))
+"""
+    result = await run(server, code, ["crash"])
+    kind, message = json.loads(stdout(result))
+    assert kind == "failed" and "exited with code 3" in message, message
+
+
+async def test_hostile_frames_leave_the_host_well(server: ServerProcess) -> None:
+    code = r"""
+import socket, struct, json, threading
+path = "/run/srt-bridge/bridge.sock"
+results = []
+def frame(payload):
+    s = socket.socket(socket.AF_UNIX); s.settimeout(15); s.connect(path)
+    s.sendall(payload)
+    try:
+        head = s.recv(4)
+        if len(head) == 4:
+            (n,) = struct.unpack(">I", head)
+            body = b""
+            while len(body) < n:
+                chunk = s.recv(n - len(body))
+                if not chunk: break
+                body += chunk
+            results.append(json.loads(body).get("error", {}).get("kind"))
+        else:
+            results.append("closed")
+    finally:
+        s.close()
+frame(struct.pack(">I", 11) + b"not json!!!")
+frame(struct.pack(">I", 1 << 30) + b"x" * 1000)           # a frame it says is 1 GiB
+frame(b"\x00\x00")                                          # half a header, then gone
+frame(struct.pack(">I", 9) + b'{"op":1}}')
+frame(struct.pack(">I", 20) + b'{"op":"call","server')     # less than it said
+threads = [threading.Thread(target=frame, args=(struct.pack(">I", 2) + b"[]",)) for _ in range(50)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(json.dumps(results[:5]), len(results))
+"""
+    result = await run(server, code, ["echoenv"], timeout_seconds=60)
+    assert result["exit_code"] == 0, result
+    first, count = stdout(result).rsplit(" ", 1)
+    assert json.loads(first)[:2] == ["protocol", "protocol"], first
+    assert int(count) == 55, count
+    assert httpx2.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    again = await run(server, "from mcp_servers import echoenv; print(echoenv.ok())", ["echoenv"])
+    assert stdout(again).strip() == "fine", again
+
+
+async def test_cancelling_the_execution_ends_its_calls(server: ServerProcess) -> None:
+    async with open_client(server.url, ALICE) as conn:
+        started = await conn.ok(
+            "execute_code_async",
+            command=["python3", "-c", "from mcp_servers import echoenv; echoenv.slow(seconds=60)"],
+            servers=["echoenv"],
+        )
+        execution_id = started["execution_id"]
+        await asyncio.sleep(1.5)
+        cancelled = await conn.ok("cancel_execution", execution_id=execution_id)
+        assert cancelled["success"], cancelled
+        status = await conn.ok("get_execution_status", execution_id=execution_id)
+        assert status["status"] == "cancelled", status
+        after = await conn.call(
+            "execute_code",
+            command=["python3", "-c", "from mcp_servers import echoenv; print(echoenv.ok())"],
+            servers=["echoenv"],
+        )
+        assert "fine" in json.dumps(after.structured_content), after
