@@ -231,3 +231,26 @@ async def test_cancelling_the_execution_ends_its_calls(server: ServerProcess) ->
             servers=["echoenv"],
         )
         assert "fine" in json.dumps(after.structured_content), after
+
+
+async def test_search_tools_finds_what_the_principal_may_call(server: ServerProcess) -> None:
+    async with open_client(server.url, BOB) as conn:
+        found = await conn.ok("search_tools", query="echo text", detail="full")
+        names = {(t["server"], t["tool"]) for t in found["tools"]}
+        assert ("echoenv", "echo") in names, found
+        assert all(s != "aliceonly" for s, _ in names), found  # not bob's to call
+        echo = next(t for t in found["tools"] if (t["server"], t["tool"]) == ("echoenv", "echo"))
+        assert echo["input_schema"]["properties"]["text"]["type"] == "string", echo
+        brief = await conn.ok("search_tools", query="", detail="names", server="echoenv")
+        assert {t["tool"] for t in brief["tools"]} == {"echo", "ok", "slow"}, brief
+        assert all("summary" not in t or t["summary"] is None for t in brief["tools"])
+    # The code finds the same, and the stub files are there for it to read.
+    code = """
+import json, os, mcp_servers
+found = mcp_servers.search("echo text", detail="names")
+print(json.dumps([found, sorted(os.listdir("/run/srt-bridge/servers/echoenv"))]))
+"""
+    result = await run(server, code, ["echoenv"], token=BOB)
+    found, files = json.loads(stdout(result))
+    assert {"server": "echoenv", "tool": "echo"} in found, found
+    assert "echo.py" in files and "__index__.py" in files and "env.py" not in files, files

@@ -34,7 +34,7 @@ from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
 from sandbox_runtime.server.plain_replies import answer_plainly_where_possible
 from sandbox_runtime.server.replies import ErrorResults
 from sandbox_runtime.server.schemas import make_portable
-from sandbox_runtime.server.server_tools import register_server_tools
+from sandbox_runtime.server.server_tools import register_search_tool, register_server_tools
 from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
 from sandbox_runtime.server.tools import register_tools
@@ -69,6 +69,7 @@ def build_mcp(settings: Settings, root: Root) -> FastMCP:
     register_interpreter_tools(mcp, root)
     register_file_tools(mcp, root)
     register_server_tools(mcp, root)
+    register_search_tool(mcp, root)
     return mcp
 
 

@@ -30,8 +30,9 @@ from mcp.shared.exceptions import MCPError
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from sandbox_runtime.app.services import Root
+from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.plain_replies import answer_plainly
@@ -225,15 +226,7 @@ class Relay:
 
         sink = relay if wants_progress else None
         try:
-            if entry.kind == "remote":  # (no state here: called from this replica)
-                answer = await services.servers.request(owner, self.name, ctx.method, params, sink)
-            else:
-                answer = await services.router.run(
-                    owner,
-                    "server_request",
-                    {"server": self.name, "method": ctx.method, "params": params},
-                    sink,
-                )
+            answer = await call_instance(services, owner, entry, ctx.method, params, sink)
         except SandboxRuntimeError as exc:
             raise MCPError(-32603, str(exc)) from None
         if "error" in answer:
@@ -249,6 +242,22 @@ class Relay:
                 f"{exc.error_count()} problem(s), first: {exc.errors()[0]['msg']} at "
                 f"{'.'.join(map(str, exc.errors()[0]['loc']))}",
             ) from None
+
+
+async def call_instance(
+    services: Services,
+    owner: Owner,
+    entry: Entry,
+    method: str,
+    params: dict[str, Any],
+    progress: Any,
+) -> dict[str, Any]:
+    """One request to `owner`'s instance of `entry`: a stdio server's on its home replica
+    (through the Router), a remote one from here (it keeps no state)."""
+    if entry.kind == "remote":
+        return await services.servers.request(owner, entry.name, method, params, progress)
+    args = {"server": entry.name, "method": method, "params": params}
+    return await services.router.run(owner, "server_request", args, progress)
 
 
 async def _relay_notification(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from fastmcp import Context, FastMCP
 from pydantic import BaseModel, Field
@@ -10,6 +10,9 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.app.services import Root
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.calls import owner_of
+from sandbox_runtime.server.hosted import call_instance
+from sandbox_runtime.servers.bridge import describe_tool, matches, query_words
+from sandbox_runtime.servers.host import owner_of as instance_owner
 from sandbox_runtime.servers.installs import read_installed
 from sandbox_runtime.servers.launch import instance_limits, program
 
@@ -92,3 +95,66 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                 )
             )
         return ServerList(servers=listed, catalog_problem=host.catalog_problem)
+
+
+class FoundTool(BaseModel):
+    server: str
+    tool: str
+    summary: str | None = Field(None, description="The first line of its description.")
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+    output_schema: dict[str, Any] | None = None
+
+
+class ToolSearch(BaseModel):
+    tools: list[FoundTool]
+    problems: list[str] = Field(
+        default_factory=list, description="Servers whose tools could not be listed, and why."
+    )
+
+
+def register_search_tool(mcp: FastMCP, root: Root) -> None:
+    @mcp.tool
+    async def search_tools(
+        ctx: Context,
+        query: Annotated[
+            str,
+            Field(
+                description="Words, all of which a tool's server, name "
+                "or description must contain; empty: every tool."
+            ),
+        ],
+        detail: Annotated[
+            Literal["names", "summary", "full"],
+            Field(description="names; summary (a line each); full (with input schemas)."),
+        ] = "summary",
+        server: Annotated[str | None, Field(description="Only this server's tools.")] = None,
+        limit: Annotated[int, Field(description="At most this many (1-200).")] = 20,
+    ) -> ToolSearch:
+        """Search the tools of the hosted MCP servers you may use, without loading every
+        schema: what to call through /servers/NAME/mcp or from code (servers=[...])."""
+        services = root.services
+        host = services.servers
+        principal = owner_of(ctx, None).principal
+        words = query_words(query)
+        found: list[FoundTool] = []
+        problems: list[str] = []
+        for entry in host.catalog().for_principal(principal):
+            if server is not None and entry.name != server:
+                continue
+            known = host.tool_lists.get(entry.name)
+            if known is not None and known[0] == entry:
+                tools = known[1]
+            else:  # (listed once: the principal's instance starts, as a first call would)
+                answer = await call_instance(
+                    services, instance_owner(entry, principal, "default"), entry,
+                    "tools/list", {}, None,
+                )  # fmt: skip
+                if "error" in answer:
+                    problems.append(f"{entry.name}: {answer['error'].get('message')}")
+                    continue
+                tools = answer["result"].get("tools") or []
+            for tool in tools:
+                if isinstance(tool, dict) and matches(words, entry, tool):
+                    found.append(FoundTool(**describe_tool(entry.name, tool, detail)))
+        return ToolSearch(tools=found[: max(1, min(limit, 200))], problems=problems)

@@ -69,6 +69,8 @@ class Bridge:
     on_call: OnCall | None = None
     limits: BridgeLimits = field(default_factory=BridgeLimits)
     tools_cache: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # The host's last tools/list of each server (servers/host.py tool_lists)
+    known_tools: dict[str, tuple[Entry, list[Any]]] = field(default_factory=dict)
     _server: asyncio.AbstractServer | None = None
     _calls: int = 0
     _bytes: int = 0
@@ -79,6 +81,9 @@ class Bridge:
         (self.directory / "python").mkdir(mode=0o755, exist_ok=True)
         shutil.copyfile(LIBRARY, self.directory / "python" / LIBRARY.name)
         (self.directory / "python" / LIBRARY.name).chmod(0o644)
+        for name, (entry, tools) in self.known_tools.items():
+            if self.entries.get(name) == entry:  # discovery files from the start
+                write_stubs(self.directory / "servers" / name, name, tools)
         path = self.directory / SOCKET_NAME
         self._server = await asyncio.start_unix_server(self._serve, path=str(path))
         path.chmod(0o666)  # (the sandbox's own uid connects; only this sandbox sees it)
@@ -154,6 +159,10 @@ class Bridge:
         """The entry's tools (as filtered for it), listed once per bridge."""
         if entry.name in self.tools_cache:
             return self.tools_cache[entry.name]
+        known = self.known_tools.get(entry.name)
+        if known is not None and known[0] == entry:
+            self.tools_cache[entry.name] = [t for t in known[1] if isinstance(t, dict)]
+            return self.tools_cache[entry.name]
         answer = await self.call(entry, "tools/list", {}, None)
         if "error" in answer or not isinstance(answer.get("result"), dict):
             error = answer.get("error") or {}
@@ -164,7 +173,7 @@ class Bridge:
         return tools
 
     async def _search(self, request: dict[str, Any]) -> list[dict[str, Any]]:
-        words = [w for w in re.split(r"\W+", str(request.get("query", "")).lower()) if w]
+        words = query_words(str(request.get("query", "")))
         detail = request.get("detail", "summary")
         limit = request.get("limit")
         limit = limit if isinstance(limit, int) and not isinstance(limit, bool) else 20
@@ -173,10 +182,9 @@ class Bridge:
             tools = await self._tools(entry)
             if isinstance(tools, dict):
                 continue
-            for tool in tools:
-                text = f"{entry.name} {tool.get('name', '')} {tool.get('description', '')}"
-                if all(w in text.lower() for w in words):
-                    found.append(describe_tool(entry.name, tool, str(detail)))
+            found += [
+                describe_tool(entry.name, t, str(detail)) for t in tools if matches(words, entry, t)
+            ]
         return found[: max(1, min(limit, 200))]
 
     async def _call(self, request: dict[str, Any], size: int) -> dict[str, Any]:
@@ -239,6 +247,16 @@ class Bridge:
                 self.on_call(record)
             except Exception:
                 logger.exception("a tool_call event was not recorded")
+
+
+def query_words(query: str) -> list[str]:
+    return [w for w in re.split(r"\W+", query.lower()) if w][:20]
+
+
+def matches(words: list[str], entry: Entry, tool: dict[str, Any]) -> bool:
+    """Every word of the query in the server's name, the tool's name or its description."""
+    text = f"{entry.name} {tool.get('name', '')} {tool.get('description', '')}".lower()
+    return all(w in text for w in words)
 
 
 def describe_tool(server: str, tool: dict[str, Any], detail: str) -> dict[str, Any]:

@@ -94,6 +94,14 @@ class Entry:
             return False
         return tool not in self.tools_deny
 
+    def filter_tools(self, listed: dict[str, Any]) -> dict[str, Any]:
+        """A tools/list result without the tools this entry does not allow."""
+        tools = listed.get("tools")
+        if not isinstance(tools, list) or not (self.tools_allow or self.tools_deny):
+            return listed
+        kept = [t for t in tools if isinstance(t, dict) and self.allows_tool(str(t.get("name")))]
+        return {**listed, "tools": kept}
+
     def describe(self) -> dict[str, Any]:
         """What a principal may see: no environment values, no secrets, no headers' values."""
         out: dict[str, Any] = {"name": self.name, "kind": self.kind, "scope": self.scope}

@@ -49,5 +49,6 @@ class BridgeMaker:
                 return {"error": {"code": -32603, "message": str(exc)}}
 
         bridge = Bridge(self.root / f"b-{secrets.token_hex(8)}", allowed, call, on_call)
+        bridge.known_tools = self.host.tool_lists
         await bridge.start()
         return bridge

@@ -105,6 +105,9 @@ class ServerHost:
         self._entries: dict[Key, Entry] = {}  # the entry each instance was started from
         self._locks: dict[Key, asyncio.Lock] = {}
         self._states: dict[str, ServerState] = {}
+        # The last tools/list of each server (filtered for its entry): what search and code
+        # mode's stubs read without starting an instance.
+        self.tool_lists: dict[str, tuple[Entry, list[Any]]] = {}
         self._starting = 0
         self._closed = False
 
@@ -170,7 +173,7 @@ class ServerHost:
             nonlocal sent
             if progress is not None:
                 sent += 1
-                await progress(sent, _json(message))
+                await progress(sent, json.dumps(message, separators=(",", ":")))
 
         try:
             instance = await self._instance(entry, owner)
@@ -182,7 +185,9 @@ class ServerHost:
             )
             label = self._label(name, tool)
             if method == "tools/list":
-                result = _filtered(result, entry)
+                result = entry.filter_tools(result)
+                if not params.get("cursor"):  # (discovery: search, stubs)
+                    self.tool_lists[name] = (entry, result.get("tools") or [])
             elif method == "tools/call" and result.get("isError"):
                 outcome = "error"
             return {"result": result}
@@ -435,15 +440,3 @@ class ServerHost:
 
 def _error(code: int, message: str) -> dict[str, Any]:
     return {"error": {"code": code, "message": message}}
-
-
-def _filtered(result: dict[str, Any], entry: Entry) -> dict[str, Any]:
-    tools = result.get("tools")
-    if not isinstance(tools, list) or not (entry.tools_allow or entry.tools_deny):
-        return result
-    kept = [t for t in tools if isinstance(t, dict) and entry.allows_tool(str(t.get("name")))]
-    return {**result, "tools": kept}
-
-
-def _json(message: dict[str, Any]) -> str:
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False)
