@@ -245,3 +245,46 @@ async def test_list_servers_and_status(server: ServerProcess) -> None:
     )
     assert logs.returncode == 0 and "started for" in logs.stdout, logs
     assert SECRET not in logs.stdout
+
+
+WORKFLOW = """
+import json
+from mcp_servers import everything, files, memory, time
+files.write_file(path="/workspace/todo.txt", content="buy milk\\nfix the bike\\ncall mom\\n")
+text = files.read_text_file(path="/workspace/todo.txt")
+text = text["content"] if isinstance(text, dict) else text
+items = [line for line in text.splitlines() if line.strip()]
+memory.create_entities(entities=[
+    {"name": item, "entityType": "todo", "observations": ["from todo.txt"]} for item in items
+])
+graph = memory.read_graph()
+total = everything["get-sum"](a=len(items), b=len(graph["entities"]))
+now = time.get_current_time(timezone="UTC")
+print(json.dumps({"items": len(items), "remembered": len(graph["entities"]),
+                  "sum": total, "timezone": now["timezone"]}))
+"""
+
+
+async def test_code_mode_over_the_registry_servers(server: ServerProcess) -> None:
+    """The README's worked example: read with one server, transform in Python, write with
+    another, and return a short summary; each call a tool_call event."""
+    async with open_client(server.url, BOB) as conn:
+        result = await conn.ok(
+            "execute_code", command=["python3", "-c", WORKFLOW], servers=["*"], timeout_seconds=120
+        )
+    out = "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
+    assert result["exit_code"] == 0, result
+    summary = json.loads(out)
+    assert summary["items"] == 3 and summary["remembered"] == 3, summary  # bob's own graph
+    assert "6" in str(summary["sum"]), summary
+    assert summary["timezone"] == "UTC"
+    calls = [e for e in result["output"] if e["type"] == "tool_call"]
+    assert [c["name"] for c in calls] == [
+        "files.write_file",
+        "files.read_text_file",
+        "memory.create_entities",
+        "memory.read_graph",
+        "everything.get-sum",
+        "time.get_current_time",
+    ], calls
+    assert all(c["reason"] == "ok" for c in calls), calls
