@@ -254,3 +254,25 @@ print(json.dumps([found, sorted(os.listdir("/run/srt-bridge/servers/echoenv"))])
     found, files = json.loads(stdout(result))
     assert {"server": "echoenv", "tool": "echo"} in found, found
     assert "echo.py" in files and "__index__.py" in files and "env.py" not in files, files
+
+
+async def test_run_code_calls_servers_and_keeps_what_it_got(server: ServerProcess) -> None:
+    """In an interpreter a call is awaitable (the kernel's loop runs); results stay in its
+    variables for later calls, which need no tool call to use them."""
+    async with open_client(server.url, ALICE) as conn:
+        first = await conn.ok(
+            "run_code",
+            code="from mcp_servers import echoenv\n"
+            "got = await echoenv.echo(text='kept')\nprint(got)",
+            servers=["echoenv"],
+        )
+        assert "{'text': 'kept'}" in stdout(first), first
+        assert [c["name"] for c in tool_calls(first)] == ["echoenv.echo"], first
+        later = await conn.ok("run_code", code="print(got['text'].upper())")
+        assert stdout(later).strip() == "KEPT" and not tool_calls(later), later
+        refused = await conn.ok(  # this call names no servers: its bridge is gone
+            "run_code",
+            code="import mcp_servers\ntry:\n    await echoenv.echo(text='x')\n"
+            "except mcp_servers.BridgeError as exc:\n    print(exc.kind)",
+        )
+        assert stdout(refused).strip() == "unavailable", refused

@@ -16,6 +16,9 @@ from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.sandbox.host import BRIDGE_DIR
 
 LIBRARY_PATH = f"{BRIDGE_DIR}/python"  # where `import mcp_servers` is found in the sandbox
+# The library itself (the servers layer's file, read here by path: no import crosses layers)
+LIBRARY = Path(__file__).resolve().parents[1] / "servers" / "sandbox_lib" / "mcp_servers.py"
+BRIDGE_ENV = {"MCP_SERVERS_SOCKET": f"{BRIDGE_DIR}/bridge.sock", "PYTHONPATH": LIBRARY_PATH}
 
 
 class OpenBridge(Protocol):
@@ -29,15 +32,24 @@ class OpenBridge(Protocol):
 
 class Bridges(Protocol):
     async def open(
-        self, owner: Owner, servers: list[str], on_call: Callable[[Any], None]
+        self,
+        owner: Owner,
+        servers: list[str],
+        on_call: Callable[[Any], None],
+        directory: Path | None = None,
     ) -> OpenBridge:
         """A started bridge for `owner`'s code to the servers named (narrowing what the
-        principal may call). Raises InvalidRequestError."""
+        principal may call), in a directory of its own or in `directory` (an interpreter's,
+        bound into its sandbox when it started). Raises InvalidRequestError."""
         ...
 
 
 async def open_bridge(
-    makers: list[Bridges], owner: Owner, servers: list[str] | None, execution: Execution
+    makers: list[Bridges],
+    owner: Owner,
+    servers: list[str] | None,
+    execution: Execution,
+    directory: Path | None = None,
 ) -> OpenBridge | None:
     """The execution's bridge, if it names servers. Raises InvalidRequestError."""
     if servers is None:
@@ -46,7 +58,7 @@ async def open_bridge(
         raise InvalidRequestError('servers must be a list of server names (["*"]: all)')
     if not makers:
         raise InvalidRequestError("this server hosts no MCP servers (servers=[...] needs some)")
-    return await makers[0].open(owner, servers, tool_calls_of(execution))
+    return await makers[0].open(owner, servers, tool_calls_of(execution), directory)
 
 
 def bridged_env(env: dict[str, str], bridge: OpenBridge | None) -> dict[str, str]:

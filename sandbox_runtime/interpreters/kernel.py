@@ -32,8 +32,17 @@ from jupyter_client.session import Session
 from loguru import logger
 
 from sandbox_runtime.domain.egress import EgressPolicy
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.supervisor import DeniedHandler
 from sandbox_runtime.errors import SandboxSpawnError
+from sandbox_runtime.execution.code_mode import (
+    BRIDGE_ENV,
+    LIBRARY,
+    Bridges,
+    OpenBridge,
+    open_bridge,
+)
+from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.interpreters import kernel_execute
 from sandbox_runtime.interpreters.kernel_execute import OnMessage
 from sandbox_runtime.interpreters.kernel_inbox import FLOODED, SIZE, Inbox, OnDropped
@@ -97,6 +106,8 @@ class SandboxedKernel:
         self.kernels_root = kernels_root
         self.env = dict(env or {})
         self.directory: Path | None = None
+        self.bridge_dir: Path | None = None
+        self.bridge: OpenBridge | None = None
         self.process: SandboxProcess | None = None
         self.session: Session | None = None  # signs requests, checks and decodes messages
         self.started_at = 0.0
@@ -107,6 +118,16 @@ class SandboxedKernel:
         # Why the server stopped this kernel itself (None: it did not); says so to the caller.
         self.end_reason: str | None = None
         self._stopping: asyncio.Task[None] | None = None
+
+    async def use_bridge(
+        self, makers: list[Bridges], owner: Owner, servers: list[str] | None, execution: Execution
+    ) -> None:
+        """This call's bridge (servers=[...]) in place of the last one's; none if it names
+        none. Raises InvalidRequestError."""
+        if self.bridge is not None:
+            bridge, self.bridge = self.bridge, None
+            await bridge.aclose()
+        self.bridge = await open_bridge(makers, owner, servers, execution, self.bridge_dir)
 
     @property
     def alive(self) -> bool:
@@ -150,7 +171,13 @@ class SandboxedKernel:
             f"{RUNTIME}/bin/python", "-I", f"{KERNEL_DIR}/{PIPE.name}", CONNECTION_FILE,
             str(MESSAGE_MAX_BYTES), "tcp" if self.spec.tcp else "ipc", "--", *kernel_argv,
         ]  # fmt: skip
-        env = {**KERNEL_ENV, **self.spec.env, **self.env}
+        # Code mode: a directory bound read-only at /run/srt-bridge with the mcp_servers library;
+        # a run_code call naming servers opens its bridge's socket there (use_bridge).
+        self.bridge_dir = self.kernels_root / f"b-{secrets.token_hex(8)}"
+        (self.bridge_dir / "python").mkdir(mode=0o755, parents=True)
+        self.bridge_dir.chmod(0o755)
+        shutil.copyfile(LIBRARY, self.bridge_dir / "python" / LIBRARY.name)
+        env = {**KERNEL_ENV, **BRIDGE_ENV, **self.spec.env, **self.env}
         self.started_at = time.monotonic()
         self.process = await self.backend.spawn(
             SandboxSpec(
@@ -163,6 +190,7 @@ class SandboxedKernel:
                 interactive=True,  # (stdin: the requests' pipe)
                 egress=self.egress,
                 on_denied=self._denied,
+                bridge_dir=self.bridge_dir,
             )
         )
         if self.backend.egress is not None:
@@ -327,8 +355,13 @@ class SandboxedKernel:
             await process.aclose()
         for task in self._drains:
             task.cancel()
+        if self.bridge is not None:
+            bridge, self.bridge = self.bridge, None
+            await bridge.aclose()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+        if self.bridge_dir is not None:
+            shutil.rmtree(self.bridge_dir, ignore_errors=True)
             self.directory = None
 
     # -- protocol ----------------------------------------------------------------------------

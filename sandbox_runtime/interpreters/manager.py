@@ -339,9 +339,11 @@ class InterpreterManager:
         timeout_seconds: float | None,
         environment: dict[str, str] | None,
         sandbox_config: dict[str, Any] | None = None,
+        servers: list[str] | None = None,
     ) -> tuple[Execution, str | None]:
         """Queue `code` on the owner's interpreter; the execution and the state_reset reason.
-        `sandbox_config` tightens the limits of an interpreter this call starts.
+        `sandbox_config` tightens the limits of an interpreter this call starts; `servers`
+        are the hosted servers its code may call (code mode: the interpreter's bridge).
 
         Raises InvalidRequestError, PolicyViolationError, LimitExceededError,
         SandboxUnavailableError, SandboxSpawnError.
@@ -353,6 +355,8 @@ class InterpreterManager:
         if len(code.encode("utf-8", "surrogatepass")) > MAX_CODE_BYTES:
             raise InvalidRequestError(f"code is over {MAX_CODE_BYTES} bytes")
         env = validate_env(environment)
+        if servers is not None and not self.manager.bridges:
+            raise InvalidRequestError("this server hosts no MCP servers (servers=[...] needs some)")
         limits = self.manager.limits.tighten(sandbox_config) if sandbox_config else None
         if limits is not None:
             self.manager.egress_of(limits)  # (refuses a widening before anything starts)
@@ -369,6 +373,7 @@ class InterpreterManager:
         interpreter.waiting += 1  # claimed before any await: _make_room never evicts it now
         try:
             execution = await self.manager.register_call(owner, language, code, timeout_seconds)
+            await interpreter.kernel.use_bridge(self.manager.bridges, owner, servers, execution)
         except BaseException:
             interpreter.waiting -= 1
             raise

@@ -15,6 +15,7 @@ from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
 from sandbox_runtime.server.tools import (
     ExecutionResult,
+    ServersArg,
     SessionArg,
     TimeoutArg,
     WaitArg,
@@ -155,6 +156,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
         environment: EnvironmentArg = None,
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
+        servers: ServersArg = None,
     ) -> ToolResult:
         """Run code in the session's persistent interpreter (variables, imports and the working
         directory survive between calls, as in a notebook). Plots come back as images."""
@@ -164,6 +166,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
             "timeout_seconds": timeout_seconds,
             "environment": environment,
             "sandbox_config": sandbox_config,
+            **({"servers": servers} if servers is not None else {}),
             "wait": wait_for_completion,
         }
         return await _run_code(root.services, ctx, session, args, "run_code")
@@ -177,6 +180,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
         environment: EnvironmentArg = None,
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
+        servers: ServersArg = None,
     ) -> ToolResult:
         """Start code in the session's interpreter and return at once with its execution_id
         (poll it with get_execution_output; answer input() with send_stdin)."""
@@ -186,6 +190,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
             "timeout_seconds": timeout_seconds,
             "environment": environment,
             "sandbox_config": sandbox_config,
+            **({"servers": servers} if servers is not None else {}),
             "wait": False,
         }
         return await _run_code(root.services, ctx, session, args, "run_code_async")

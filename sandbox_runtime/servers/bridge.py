@@ -25,10 +25,10 @@ from typing import Any
 
 from loguru import logger
 
+from sandbox_runtime.execution.code_mode import LIBRARY
 from sandbox_runtime.servers.catalog import Entry
 from sandbox_runtime.supervisor import scoped
 
-LIBRARY = Path(__file__).resolve().parent / "sandbox_lib" / "mcp_servers.py"
 SOCKET_NAME = "bridge.sock"
 MAX_FRAME = 4 << 20  # a request; answers are bounded by the servers' own message bounds
 PREVIEW = 200  # characters of arguments and results shown in a tool_call event
@@ -68,6 +68,7 @@ class Bridge:
     call: Call
     on_call: OnCall | None = None
     limits: BridgeLimits = field(default_factory=BridgeLimits)
+    owns_directory: bool = True  # (an interpreter's directory is bound: kept, emptied)
     tools_cache: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # The host's last tools/list of each server (servers/host.py tool_lists)
     known_tools: dict[str, tuple[Entry, list[Any]]] = field(default_factory=dict)
@@ -85,6 +86,7 @@ class Bridge:
             if self.entries.get(name) == entry:  # discovery files from the start
                 write_stubs(self.directory / "servers" / name, name, tools)
         path = self.directory / SOCKET_NAME
+        path.unlink(missing_ok=True)  # (an interpreter's previous bridge)
         self._server = await asyncio.start_unix_server(self._serve, path=str(path))
         path.chmod(0o666)  # (the sandbox's own uid connects; only this sandbox sees it)
 
@@ -95,7 +97,10 @@ class Bridge:
             work.cancel()
         if self._active:
             await asyncio.gather(*self._active, return_exceptions=True)
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.owns_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        else:
+            (self.directory / SOCKET_NAME).unlink(missing_ok=True)
 
     @property
     def env(self) -> dict[str, str]:

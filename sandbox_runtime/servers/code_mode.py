@@ -32,7 +32,11 @@ class BridgeMaker:
         root.mkdir(mode=0o711, parents=True, exist_ok=True)
 
     async def open(
-        self, owner: Owner, servers: list[str], on_call: Callable[[Any], None]
+        self,
+        owner: Owner,
+        servers: list[str],
+        on_call: Callable[[Any], None],
+        directory: Path | None = None,
     ) -> Bridge:
         allowed = {e.name: e for e in self.host.catalog().for_principal(owner.principal)}
         if servers != ["*"]:
@@ -48,7 +52,8 @@ class BridgeMaker:
             except SandboxRuntimeError as exc:
                 return {"error": {"code": -32603, "message": str(exc)}}
 
-        bridge = Bridge(self.root / f"b-{secrets.token_hex(8)}", allowed, call, on_call)
+        place = directory or self.root / f"b-{secrets.token_hex(8)}"
+        bridge = Bridge(place, allowed, call, on_call, owns_directory=directory is None)
         bridge.known_tools = self.host.tool_lists
         await bridge.start()
         return bridge

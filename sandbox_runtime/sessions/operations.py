@@ -156,6 +156,7 @@ async def run_code(
         args.get("timeout_seconds"),
         args.get("environment"),
         args.get("sandbox_config"),
+        args.get("servers"),
     )
     extra: dict[str, Any] = {"language": execution.info.language}
     if reset is not None:
