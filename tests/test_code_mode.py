@@ -34,6 +34,7 @@ CATALOG = {
     "snoop": entry("snoop.py"),
     "aliceonly": entry("echoenv.py", principals=["alice"]),
     "crash": entry("crash.py"),
+    "giant": entry("giant.py"),
 }
 
 
@@ -276,3 +277,18 @@ async def test_run_code_calls_servers_and_keeps_what_it_got(server: ServerProces
             "except mcp_servers.BridgeError as exc:\n    print(exc.kind)",
         )
         assert stdout(refused).strip() == "unavailable", refused
+
+
+async def test_a_large_result_is_also_kept_as_a_workspace_file(server: ServerProcess) -> None:
+    code = """
+import json, glob
+from mcp_servers import giant
+text = giant.giant(mb=0.25)
+kept = glob.glob("/workspace/.mcp_results/giant.giant.*.json")
+print(json.dumps([len(text), len(json.load(open(kept[0]))["content"][0]["text"])]))
+"""
+    result = await run(server, code, ["giant"])
+    got, kept = json.loads(stdout(result))
+    assert got == kept == 256 * 1024, (got, kept)
+    (call,) = tool_calls(result)
+    assert "kept in /workspace/.mcp_results/giant.giant." in call["message"], call

@@ -32,6 +32,7 @@ from sandbox_runtime.supervisor import scoped
 SOCKET_NAME = "bridge.sock"
 MAX_FRAME = 4 << 20  # a request; answers are bounded by the servers' own message bounds
 PREVIEW = 200  # characters of arguments and results shown in a tool_call event
+LARGE_RESULT = 64 * 1024  # bytes past which a result is also kept as a workspace file
 
 # (server, method, params, progress) -> {"result": ...} | {"error": {...}}
 Call = Callable[[Entry, str, dict[str, Any], Any], Awaitable[dict[str, Any]]]
@@ -219,6 +220,10 @@ class Bridge:
                 "failed", str(reply.get("error", {}).get("message", "the call failed"))
             )  # fmt: skip
         received = len(json.dumps(answer.get("result", answer.get("error")), default=str))
+        if answer.get("ok") and received > LARGE_RESULT:
+            # Kept as a file of the workspace too (the library writes it, in the sandbox): a
+            # later call or the agent reads it there instead of calling the tool again.
+            answer["file"] = f"/workspace/.mcp_results/{name}.{tool}.{self._calls}.json"
         self._bytes += received
         self._report(name, tool, started, answer, size, received, arguments)
         return answer
@@ -245,7 +250,9 @@ class Bridge:
             sent=sent,
             received=received,
             arguments=json.dumps(arguments, default=str)[:PREVIEW],
-            result=json.dumps(answer.get("result", answer.get("error")), default=str)[:PREVIEW],
+            result=f"kept in {answer['file']}"
+            if "file" in answer
+            else json.dumps(answer.get("result", answer.get("error")), default=str)[:PREVIEW],
         )
         if self.on_call is not None:
             try:

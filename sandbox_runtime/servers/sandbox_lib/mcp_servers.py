@@ -77,7 +77,18 @@ def _ask(request: dict) -> Any:
     if not answer.get("ok"):
         error = answer.get("error") or {}
         raise BridgeError(str(error.get("kind", "error")), str(error.get("message", answer)))
+    if isinstance(answer.get("file"), str):  # a large result: kept in the workspace too
+        _keep(answer["file"], answer.get("result"))
     return answer.get("result")
+
+
+def _keep(path: str, result: Any) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f)
+    except OSError:
+        pass  # (a full or read-only workspace: the value is still returned)
 
 
 def _value(result: dict) -> Any:
