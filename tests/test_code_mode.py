@@ -292,3 +292,40 @@ print(json.dumps([len(text), len(json.load(open(kept[0]))["content"][0]["text"])
     assert got == kept == 256 * 1024, (got, kept)
     (call,) = tool_calls(result)
     assert "kept in /workspace/.mcp_results/giant.giant." in call["message"], call
+
+
+JS = """
+import { echoenv, search, server, BridgeError } from "mcp_servers";
+const got = await echoenv.echo({ text: "from js" });
+let refused = null;
+try { await echoenv.env({}); } catch (err) { refused = [err.name, err.kind]; }
+const found = await search("echo text", "names");
+const ok = await server("echoenv").ok();
+console.log(JSON.stringify({ got, refused, found: found.length > 0, ok }));
+"""
+
+
+async def test_javascript_calls_servers(server: ServerProcess) -> None:
+    async with open_client(server.url, ALICE) as conn:
+        result = await conn.ok(
+            "execute_code", command=["node", "--input-type=module", "-e", JS], servers=["echoenv"]
+        )
+    assert result["exit_code"] == 0, result
+    assert json.loads(stdout(result)) == {
+        "got": {"text": "from js"},
+        "refused": ["BridgeError", "not_allowed"],
+        "found": True,
+        "ok": "fine",
+    }, result
+
+
+async def test_typescript_in_run_code_calls_servers(server: ServerProcess) -> None:
+    code = (
+        'import { echoenv } from "/node_modules/mcp_servers/index.mjs";  // (Deno)\n'
+        'const got: { text: string } = await echoenv.echo({ text: "from ts" });\n'
+        "console.log(got.text);"
+    )
+    async with open_client(server.url, ALICE) as conn:
+        result = await conn.ok("run_code", code=code, language="typescript", servers=["echoenv"])
+    assert stdout(result).strip() == "from ts", result
+    assert [c["name"] for c in tool_calls(result)] == ["echoenv.echo"], result

@@ -16,8 +16,15 @@ from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.sandbox.host import BRIDGE_DIR
 
 LIBRARY_PATH = f"{BRIDGE_DIR}/python"  # where `import mcp_servers` is found in the sandbox
-# The library itself (the servers layer's file, read here by path: no import crosses layers)
+# The libraries (the servers layer's files, read here by path: no import crosses layers)
 LIBRARY = Path(__file__).resolve().parents[1] / "servers" / "sandbox_lib" / "mcp_servers.py"
+JS_LIBRARY = LIBRARY.with_suffix(".mjs")
+JS_RESERVED = frozenset(
+    "BridgeError ToolError server servers search default await break case catch class const "
+    "continue debugger delete do else enum export extends false finally for function if "
+    "import in instanceof let new null return static super switch this throw true try typeof "
+    "var void while with yield".split()
+)
 BRIDGE_ENV = {"MCP_SERVERS_SOCKET": f"{BRIDGE_DIR}/bridge.sock", "PYTHONPATH": LIBRARY_PATH}
 
 
@@ -92,3 +99,26 @@ def tool_calls_of(execution: Execution) -> Callable[[Any], None]:
         )
 
     return record
+
+
+def write_library(directory: Path, servers: list[str]) -> None:
+    """The libraries in a bridge's directory: `python/mcp_servers.py`, and
+    `node_modules/mcp_servers` (bound at /node_modules, so `import ... from "mcp_servers"`
+    resolves from anywhere) with a named export per server that is an identifier."""
+    python = directory / "python"
+    python.mkdir(mode=0o755, parents=True, exist_ok=True)
+    (python / LIBRARY.name).write_bytes(LIBRARY.read_bytes())
+    package = directory / "node_modules" / "mcp_servers"
+    package.mkdir(mode=0o755, parents=True, exist_ok=True)
+    exports = [
+        f'export const {name} = server("{name}");'
+        for name in servers
+        if name.isidentifier() and name.isascii() and name not in JS_RESERVED
+    ]
+    source = JS_LIBRARY.read_text() + "\n" + "\n".join(exports) + "\n"
+    (package / "index.mjs").write_text(source)
+    (package / "package.json").write_text(
+        '{"name": "mcp_servers", "type": "module", "main": "index.mjs", "exports": "./index.mjs"}\n'
+    )
+    for path in (directory, python, directory / "node_modules", package):
+        path.chmod(0o755)

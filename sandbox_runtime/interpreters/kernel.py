@@ -37,10 +37,10 @@ from sandbox_runtime.egress.supervisor import DeniedHandler
 from sandbox_runtime.errors import SandboxSpawnError
 from sandbox_runtime.execution.code_mode import (
     BRIDGE_ENV,
-    LIBRARY,
     Bridges,
     OpenBridge,
     open_bridge,
+    write_library,
 )
 from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.interpreters import kernel_execute
@@ -174,9 +174,7 @@ class SandboxedKernel:
         # Code mode: a directory bound read-only at /run/srt-bridge with the mcp_servers library;
         # a run_code call naming servers opens its bridge's socket there (use_bridge).
         self.bridge_dir = self.kernels_root / f"b-{secrets.token_hex(8)}"
-        (self.bridge_dir / "python").mkdir(mode=0o755, parents=True)
-        self.bridge_dir.chmod(0o755)
-        shutil.copyfile(LIBRARY, self.bridge_dir / "python" / LIBRARY.name)
+        write_library(self.bridge_dir, [])
         env = {**KERNEL_ENV, **BRIDGE_ENV, **self.spec.env, **self.env}
         self.started_at = time.monotonic()
         self.process = await self.backend.spawn(

@@ -164,8 +164,9 @@ def bwrap_args(
         args += ["--bind", str(spec.kernel_dir), KERNEL_DIR]
     if spec.server_dir is not None:
         args += ["--ro-bind", str(spec.server_dir), SERVER_DIR]
-    if spec.bridge_dir is not None:
+    if spec.bridge_dir is not None:  # (and its JavaScript package where imports find it)
         args += ["--ro-bind", str(spec.bridge_dir), BRIDGE_DIR]
+        args += ["--ro-bind", str(spec.bridge_dir / "node_modules"), "/node_modules"]
     if lease is not None:
         # Read-only: the socket is connectable (a socket's permission is not the mount's)
         # but the sandbox cannot put another in its place. The relay is init: no bwrap

@@ -207,7 +207,7 @@ def build_root(root: Path) -> None:
     root.mkdir(mode=0o755)
     build_etc(root / "etc")
     for point in ("/usr", "/proc", "/dev", "/tmp", WORKSPACE, RUNTIME, KERNEL_DIR, SOCKET_DIR,
-                  SERVER_DIR, BRIDGE_DIR):  # fmt: skip
+                  SERVER_DIR, BRIDGE_DIR, "/node_modules"):  # fmt: skip
         (root / point.lstrip("/")).mkdir(mode=0o755, parents=True)
     shutil.copyfile(RELAY_PROGRAM, root / RELAY_PATH.lstrip("/"))
     os.chmod(root / RELAY_PATH.lstrip("/"), 0o644)

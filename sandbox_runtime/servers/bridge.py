@@ -25,7 +25,7 @@ from typing import Any
 
 from loguru import logger
 
-from sandbox_runtime.execution.code_mode import LIBRARY
+from sandbox_runtime.execution.code_mode import write_library
 from sandbox_runtime.servers.catalog import Entry
 from sandbox_runtime.supervisor import scoped
 
@@ -80,9 +80,7 @@ class Bridge:
 
     async def start(self) -> None:
         self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        (self.directory / "python").mkdir(mode=0o755, exist_ok=True)
-        shutil.copyfile(LIBRARY, self.directory / "python" / LIBRARY.name)
-        (self.directory / "python" / LIBRARY.name).chmod(0o644)
+        write_library(self.directory, list(self.entries))
         for name, (entry, tools) in self.known_tools.items():
             if self.entries.get(name) == entry:  # discovery files from the start
                 write_stubs(self.directory / "servers" / name, name, tools)

@@ -1,0 +1,109 @@
+// Call the hosted MCP servers from JavaScript or TypeScript in the sandbox (code mode).
+//
+//   import { memory, server, search, servers } from "mcp_servers";
+//   const graph = await memory.read_graph();
+//   const sum = await server("everything")["get-sum"]({ a: 1, b: 2 });
+//
+// A call resolves to the tool's structured content when it has one, else its text (one
+// text block), else its content blocks. A tool error rejects with ToolError; a call the host
+// refuses (a server or tool not allowed, a limit) with BridgeError (`kind` says why).
+// Calls go over a Unix socket to the host, which checks each and calls the server on the
+// principal's behalf: no credential is in this sandbox. Node's standard library only.
+import net from "node:net";
+
+const SOCKET = process.env.MCP_SERVERS_SOCKET ?? "/run/srt-bridge/bridge.sock";
+const MAX_FRAME = 64 * 1024 * 1024;
+
+export class BridgeError extends Error {
+  constructor(kind, message) {
+    super(message);
+    this.name = "BridgeError";
+    this.kind = kind;
+  }
+}
+
+export class ToolError extends Error {
+  constructor(message, result) {
+    super(message);
+    this.name = "ToolError";
+    this.result = result;
+  }
+}
+
+function ask(request) {
+  return new Promise((resolve, reject) => {
+    const sock = net.createConnection({ path: SOCKET });
+    const chunks = [];
+    let have = 0;
+    sock.on("connect", () => {
+      const body = Buffer.from(JSON.stringify(request));
+      const head = Buffer.alloc(4);
+      head.writeUInt32BE(body.length);
+      sock.write(Buffer.concat([head, body]));
+    });
+    sock.on("data", (data) => {
+      chunks.push(data);
+      have += data.length;
+      if (have < 4) return;
+      const buffer = Buffer.concat(chunks);
+      const size = buffer.readUInt32BE(0);
+      if (size > MAX_FRAME) {
+        sock.destroy();
+        reject(new BridgeError("protocol", `an answer of ${size} bytes`));
+      } else if (buffer.length >= 4 + size) {
+        sock.destroy();
+        let answer;
+        try {
+          answer = JSON.parse(buffer.subarray(4, 4 + size).toString("utf8"));
+        } catch (err) {
+          reject(new BridgeError("protocol", String(err)));
+          return;
+        }
+        if (answer.ok) resolve(answer.result);
+        else {
+          const error = answer.error ?? {};
+          reject(new BridgeError(String(error.kind ?? "error"), String(error.message ?? "refused")));
+        }
+      }
+    });
+    sock.on("error", (err) =>
+      reject(new BridgeError("unavailable", `no MCP servers bridge in this sandbox (${SOCKET}: ${err.message})`)),
+    );
+  });
+}
+
+function value(result) {
+  const content = result.content ?? [];
+  const texts = content.filter((b) => b.type === "text").map((b) => b.text ?? "");
+  if (result.isError) throw new ToolError(texts.join("\n") || "the tool failed", result);
+  if (result.structuredContent !== undefined && result.structuredContent !== null) {
+    return result.structuredContent;
+  }
+  if (content.length === 1 && texts.length === 1) return texts[0];
+  return content;
+}
+
+/** A server: each property is one of its tools, an async function of its arguments. */
+export function server(name) {
+  return new Proxy(
+    {},
+    {
+      get(_target, tool) {
+        if (typeof tool !== "string" || tool === "then") return undefined;
+        if (tool === "tools") return () => ask({ op: "tools", server: name });
+        return async (args = {}) =>
+          value(await ask({ op: "call", server: name, tool, arguments: args }));
+      },
+    },
+  );
+}
+
+/** The servers this code may call. */
+export function servers() {
+  return ask({ op: "servers" });
+}
+
+/** Tools whose name or description has every word of `query`; detail: names, summary, full. */
+export function search(query, detail = "summary", limit = 20) {
+  return ask({ op: "search", query, detail, limit });
+}
