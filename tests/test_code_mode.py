@@ -329,3 +329,38 @@ async def test_typescript_in_run_code_calls_servers(server: ServerProcess) -> No
         result = await conn.ok("run_code", code=code, language="typescript", servers=["echoenv"])
     assert stdout(result).strip() == "from ts", result
     assert [c["name"] for c in tool_calls(result)] == ["echoenv.echo"], result
+
+
+async def test_code_cannot_reach_another_sandboxs_bridge(server: ServerProcess) -> None:
+    """Each sandbox sees only its own bridge directory: another execution's socket (and the
+    host's directory of them) is not there to connect to."""
+    async with open_client(server.url, ALICE) as conn:
+        holder = await conn.ok(
+            "execute_code_async",
+            command=["python3", "-c", "import time; time.sleep(30)"],
+            servers=["echoenv"],
+        )
+        bridges = server.state_dir / "bridges"
+        others = [str(p / "bridge.sock") for p in bridges.iterdir()]
+        assert others, "the holding execution's bridge is on the host"
+        code = f"""
+import json, os, socket
+seen = {{}}
+for path in {others!r} + ["{bridges}"]:
+    try:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(path)
+        seen[path] = "connected"
+    except OSError as exc:
+        seen[path] = type(exc).__name__
+print(json.dumps([seen, sorted(os.listdir("/run/srt-bridge"))]))
+"""
+        result = await run(server, code, ["echoenv"], token=BOB)
+        seen, listing = json.loads(stdout(result))
+        assert "connected" not in seen.values(), seen
+        assert listing == ["bridge.sock", "node_modules", "python", "servers"] or listing == [
+            "bridge.sock",
+            "node_modules",
+            "python",
+        ], listing
+        await conn.ok("cancel_execution", execution_id=holder["execution_id"])

@@ -288,3 +288,29 @@ async def test_code_mode_over_the_registry_servers(server: ServerProcess) -> Non
         "time.get_current_time",
     ], calls
     assert all(c["reason"] == "ok" for c in calls), calls
+
+
+async def test_run_code_over_the_registry_servers(server: ServerProcess) -> None:
+    """In an interpreter: a progress-emitting tool, a tool error, calls at once, and results
+    kept in its variables for the next call."""
+    code = """
+import asyncio, mcp_servers
+from mcp_servers import everything, time
+done = await everything["trigger-long-running-operation"](duration=1, steps=2)
+sums = await asyncio.gather(*(everything["get-sum"](a=i, b=i) for i in range(8)))
+try:
+    await time.convert_time(source_timezone="Nowhere/Atlantis", time="12:00",
+                            target_timezone="UTC")
+    failed = None
+except mcp_servers.ToolError as exc:
+    failed = str(exc)
+print(done[:40], len(sums), bool(failed))
+"""
+    async with open_client(server.url, ALICE) as conn:
+        first = await conn.ok("run_code", code=code, servers=["everything", "time"])
+        out = "".join(e.get("data", "") for e in first["output"] if e["type"] == "stdout")
+        assert "Long running operation completed" in out and out.strip().endswith("8 True"), first
+        calls = [e for e in first["output"] if e["type"] == "tool_call"]
+        assert len(calls) == 10 and calls[-1]["reason"] == "error", calls
+        later = await conn.ok("run_code", code="print(sums[3])")
+        assert "6" in "".join(e.get("data", "") for e in later["output"]), later
