@@ -32,6 +32,7 @@ from sandbox_runtime.supervisor import scoped
 SOCKET_NAME = "bridge.sock"
 MAX_FRAME = 4 << 20  # a request; answers are bounded by the servers' own message bounds
 PREVIEW = 200  # characters of arguments and results shown in a tool_call event
+MAX_CONNECTIONS = 64  # open at once per bridge; more are closed at once
 LARGE_RESULT = 64 * 1024  # bytes past which a result is also kept as a workspace file
 
 # (server, method, params, progress) -> {"result": ...} | {"error": {...}}
@@ -106,6 +107,9 @@ class Bridge:
         return {"MCP_SERVERS_SOCKET": f"/run/srt-bridge/{SOCKET_NAME}"}
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self._active) >= MAX_CONNECTIONS:  # (each holds a descriptor of the host's)
+            writer.close()
+            return
         work = scoped(self._one(reader, writer))
         self._active.add(work)
         try:
