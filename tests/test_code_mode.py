@@ -364,3 +364,27 @@ print(json.dumps([seen, sorted(os.listdir("/run/srt-bridge"))]))
             "python",
         ], listing
         await conn.ok("cancel_execution", execution_id=holder["execution_id"])
+
+
+async def test_a_stub_says_what_a_tool_without_an_output_schema_returned(
+    server: ServerProcess,
+) -> None:
+    stub_of_ok = "print(open('/run/srt-bridge/servers/echoenv/ok.py').read())"
+    first = await run(
+        server, f"from mcp_servers import echoenv\nechoenv.ok()\n{stub_of_ok}", ["echoenv"]
+    )
+    assert "def ok() -> str:  # returns: seen: one text block" in stdout(first), first
+    later = await run(server, stub_of_ok, ["echoenv"])  # a new bridge: known from the start
+    assert "def ok() -> str:  # returns: seen: one text block" in stdout(later), later
+    others = await run(server, stub_of_ok, ["echoenv"], token=BOB)  # not bob's to know
+    assert "def ok() -> object:  # returns: not seen yet" in stdout(others), others
+    echo = await run(server, "print(open('/run/srt-bridge/servers/echoenv/echo.py').read())",
+                     ["echoenv"])  # fmt: skip
+    assert "-> dict:" in stdout(echo) and "# output schema:" in stdout(echo), echo
+    compiled = await run(
+        server,
+        "import glob\nfiles = glob.glob('/run/srt-bridge/servers/*/*.py')\n"
+        "[compile(open(f).read(), f, 'exec') for f in files]\nprint(len(files))",
+        ["*"],
+    )
+    assert compiled["exit_code"] == 0 and int(stdout(compiled)) >= 4, compiled  # valid Python

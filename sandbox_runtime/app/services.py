@@ -256,7 +256,11 @@ def _bridges(settings: Settings, servers: ServerHost, router: Router) -> BridgeM
         args = {"server": entry.name, "method": method, "params": params}
         return await router.run(owner, "server_request", args, progress)
 
-    return BridgeMaker(servers, settings.state_dir / "bridges", route)
+    maker = BridgeMaker(servers, settings.state_dir / "bridges", route)
+    backend = servers.manager.backend
+    if backend.unavailable_reason is None:
+        maker.owner_ids = (backend.sandbox_uid, backend.sandbox_gid)
+    return maker
 
 
 def _spawn_fill(supervisor: Supervisor, workspaces: WorkspaceStore) -> None:

@@ -37,6 +37,7 @@ class CallRun:
         self.task: asyncio.Task[None] | None = None
         self.call: asyncio.Future[Any] | None = None  # the kernel's execute, once it runs
         self.lost_state = False
+        self.servers: list[str] | None = None  # code mode: what its code may call
 
     async def write_stdin(self, data: str, close: bool) -> int:
         if not isinstance(data, str):
@@ -78,8 +79,12 @@ async def run_call(
             interpreter.current = execution
             execution.begin_call()
             try:
+                # Its bridge, for its run only: a call queued behind it has its own.
+                kernel, makers = interpreter.kernel, interpreters.manager.bridges
+                await kernel.use_bridge(makers, execution.owner, run.servers, execution)
                 await _execute(interpreters, interpreter, run, code)
             finally:
+                await interpreter.kernel.use_bridge([], execution.owner, None, execution)
                 interpreter.current = None
                 interpreter.busy = False
                 interpreter.last_used = time.monotonic()

@@ -358,9 +358,10 @@ class SandboxedKernel:
             await bridge.aclose()
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
         if self.bridge_dir is not None:
             shutil.rmtree(self.bridge_dir, ignore_errors=True)
-            self.directory = None
+            self.bridge_dir = None
 
     # -- protocol ----------------------------------------------------------------------------
 

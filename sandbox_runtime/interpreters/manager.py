@@ -373,11 +373,11 @@ class InterpreterManager:
         interpreter.waiting += 1  # claimed before any await: _make_room never evicts it now
         try:
             execution = await self.manager.register_call(owner, language, code, timeout_seconds)
-            await interpreter.kernel.use_bridge(self.manager.bridges, owner, servers, execution)
         except BaseException:
             interpreter.waiting -= 1
             raise
         run = CallRun(execution)
+        run.servers = servers
         execution.runner = run
         work = run_call(self, interpreter, run, env_prelude(spec, env) + code)
         run.task = self.supervisor.spawn(f"run_code {execution.execution_id}", work)

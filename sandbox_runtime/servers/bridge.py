@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import shutil
 import struct
@@ -71,9 +72,12 @@ class Bridge:
     on_call: OnCall | None = None
     limits: BridgeLimits = field(default_factory=BridgeLimits)
     owns_directory: bool = True  # (an interpreter's directory is bound: kept, emptied)
+    owner_ids: tuple[int, int] | None = None  # the sandbox user's uid and gid
     tools_cache: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # The host's last tools/list of each server (servers/host.py tool_lists)
     known_tools: dict[str, tuple[Entry, list[Any]]] = field(default_factory=dict)
+    # What tools without an output schema were seen to return, by "server.tool" (shared)
+    seen_returns: dict[str, str] = field(default_factory=dict)
     _server: asyncio.AbstractServer | None = None
     _calls: int = 0
     _bytes: int = 0
@@ -84,11 +88,14 @@ class Bridge:
         write_library(self.directory, list(self.entries))
         for name, (entry, tools) in self.known_tools.items():
             if self.entries.get(name) == entry:  # discovery files from the start
-                write_stubs(self.directory / "servers" / name, name, tools)
+                write_stubs(self.directory / "servers" / name, name, tools, self.seen_returns)
         path = self.directory / SOCKET_NAME
         path.unlink(missing_ok=True)  # (an interpreter's previous bridge)
         self._server = await asyncio.start_unix_server(self._serve, path=str(path))
-        path.chmod(0o666)  # (the sandbox's own uid connects; only this sandbox sees it)
+        # Only the sandbox's user may connect (a host user could read the path off /proc).
+        if self.owner_ids is not None and os.geteuid() == 0:
+            os.chown(path, *self.owner_ids)
+        path.chmod(0o600)
 
     async def aclose(self) -> None:
         if self._server is not None:
@@ -177,7 +184,7 @@ class Bridge:
             return _refusal("failed", str(error.get("message", "tools/list failed")))
         tools = [t for t in answer["result"].get("tools", []) if isinstance(t, dict)]
         self.tools_cache[entry.name] = tools
-        write_stubs(self.directory / "servers" / entry.name, entry.name, tools)
+        write_stubs(self.directory / "servers" / entry.name, entry.name, tools, self.seen_returns)
         return tools
 
     async def _search(self, request: dict[str, Any]) -> list[dict[str, Any]]:
@@ -222,13 +229,38 @@ class Bridge:
                 "failed", str(reply.get("error", {}).get("message", "the call failed"))
             )  # fmt: skip
         received = len(json.dumps(answer.get("result", answer.get("error")), default=str))
+        if answer.get("ok") and f"{name}.{tool}" not in self.seen_returns and entry is not None:
+            self._note_returns(entry, tool, answer["result"])
         if answer.get("ok") and received > LARGE_RESULT:
             # Kept as a file of the workspace too (the library writes it, in the sandbox): a
             # later call or the agent reads it there instead of calling the tool again.
-            answer["file"] = f"/workspace/.mcp_results/{name}.{tool}.{self._calls}.json"
+            answer["file"] = (
+                f"/workspace/.mcp_results/{name}.{tool}.{self.directory.name}-{self._calls}.json"
+            )
         self._bytes += received
         self._report(name, tool, started, answer, size, received, arguments)
         return answer
+
+    def _note_returns(self, entry: Entry, tool: str, result: Any) -> None:
+        """A tool without an output schema: what it returned, for its stub from now on."""
+        listed = {t.get("name"): t for t in self.tools_cache.get(entry.name, [])}
+        if tool not in listed or listed[tool].get("outputSchema") is not None:
+            return
+        if not isinstance(result, dict) or result.get("isError"):
+            return
+        content = result.get("content") or []
+        if isinstance(result.get("structuredContent"), dict):
+            seen = f"dict|seen: keys {', '.join(sorted(result['structuredContent']))[:200]}"
+        elif len(content) == 1 and content[0].get("type") == "text":
+            seen = "str|seen: one text block"
+        else:
+            kinds = sorted({str(b.get("type")) for b in content if isinstance(b, dict)})
+            seen = f"list|seen: content blocks ({', '.join(kinds)})"
+        if len(self.seen_returns) < 10_000:
+            self.seen_returns[f"{entry.name}.{tool}"] = seen
+        write_stubs(
+            self.directory / "servers" / entry.name, entry.name, [listed[tool]], self.seen_returns
+        )
 
     def _report(
         self,
@@ -302,7 +334,9 @@ async def _reply(writer: asyncio.StreamWriter, answer: dict[str, Any]) -> None:
         await writer.drain()
 
 
-def write_stubs(directory: Path, server: str, tools: list[dict[str, Any]]) -> None:
+def write_stubs(
+    directory: Path, server: str, tools: list[dict[str, Any]], seen: dict[str, str]
+) -> None:
     """A file per tool (its signature, argument types and description) and an index, so code
     and agents read only the tools they need: /run/srt-bridge/servers/NAME/TOOL.py."""
     try:
@@ -314,8 +348,9 @@ def write_stubs(directory: Path, server: str, tools: list[dict[str, Any]]) -> No
                 continue
             summary = str(tool.get("description") or "").strip().splitlines()
             index.append(f"# {name}: {summary[0][:120] if summary else ''}")
-            (directory / f"{name}.py").write_text(stub(server, tool))
-        (directory / "__index__.py").write_text("\n".join(index) + "\n")
+            (directory / f"{name}.py").write_text(stub(server, tool, seen.get(f"{server}.{name}")))
+        if len(tools) > 1 or not (directory / "__index__.py").exists():
+            (directory / "__index__.py").write_text("\n".join(index) + "\n")
     except OSError as exc:  # (stubs are a convenience: the calls work without them)
         logger.debug("stubs of {} not written: {}", server, exc)
 
@@ -324,7 +359,7 @@ JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "
               "array": "list", "object": "dict", "null": "None"}  # fmt: skip
 
 
-def stub(server: str, tool: dict[str, Any]) -> str:
+def stub(server: str, tool: dict[str, Any], seen: str | None = None) -> str:
     """One tool as Python: `def NAME(*, arg: type = None) -> returns` and its description."""
     raw = tool.get("inputSchema")
     schema: dict[str, Any] = raw if isinstance(raw, dict) else {}
@@ -339,14 +374,16 @@ def stub(server: str, tool: dict[str, Any]) -> str:
         hint = JSON_TYPES.get(kind, "object") if isinstance(kind, str) else "object"
         params.append(f"{arg}: {hint}" + ("" if arg in required else " = None"))
     output = tool.get("outputSchema")
-    returns = "dict" if isinstance(output, dict) else "object"
+    returns, _, note = (
+        "dict" if isinstance(output, dict) else seen or "object|not seen yet"
+    ).partition("|")
     name = re.sub(r"\W", "_", str(tool.get("name")))
     quote = '"' * 3
     description = str(tool.get("description") or "").replace(quote, "'''")[:4000]
     signature = f"*, {', '.join(params)}" if params else ""
     lines = [
         f"# from mcp_servers import {server}; {server}.{name}(...)",
-        f"def {name}({signature}) -> {returns}:",
+        f"def {name}({signature}) -> {returns}:" + (f"  # returns: {note}" if note else ""),
         f"    {quote}{description}{quote}",
     ]
     if isinstance(output, dict):

@@ -28,6 +28,8 @@ class BridgeMaker:
         self.host = host
         self.root = root
         self.route = route
+        self.seen_returns: dict[str, dict[str, str]] = {}  # principal -> what tools returned
+        self.owner_ids: tuple[int, int] | None = None  # the sandbox user's (set by the root)
         shutil.rmtree(root, ignore_errors=True)  # (a previous run's)
         root.mkdir(mode=0o711, parents=True, exist_ok=True)
 
@@ -55,5 +57,8 @@ class BridgeMaker:
         place = directory or self.root / f"b-{secrets.token_hex(8)}"
         bridge = Bridge(place, allowed, call, on_call, owns_directory=directory is None)
         bridge.known_tools = self.host.tool_lists
+        # (What one principal's calls returned is not shown in another's stubs.)
+        bridge.seen_returns = self.seen_returns.setdefault(owner.principal, {})
+        bridge.owner_ids = self.owner_ids
         await bridge.start()
         return bridge

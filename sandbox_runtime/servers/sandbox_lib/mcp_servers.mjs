@@ -9,7 +9,9 @@
 // refuses (a server or tool not allowed, a limit) with BridgeError (`kind` says why).
 // Calls go over a Unix socket to the host, which checks each and calls the server on the
 // principal's behalf: no credential is in this sandbox. Node's standard library only.
+import fs from "node:fs";
 import net from "node:net";
+import path from "node:path";
 
 const SOCKET = process.env.MCP_SERVERS_SOCKET ?? "/run/srt-bridge/bridge.sock";
 const MAX_FRAME = 64 * 1024 * 1024;
@@ -59,7 +61,10 @@ function ask(request) {
           reject(new BridgeError("protocol", String(err)));
           return;
         }
-        if (answer.ok) resolve(answer.result);
+        if (answer.ok) {
+          if (typeof answer.file === "string") keep(answer.file, answer.result);
+          resolve(answer.result);
+        }
         else {
           const error = answer.error ?? {};
           reject(new BridgeError(String(error.kind ?? "error"), String(error.message ?? "refused")));
@@ -70,6 +75,17 @@ function ask(request) {
       reject(new BridgeError("unavailable", `no MCP servers bridge in this sandbox (${SOCKET}: ${err.message})`)),
     );
   });
+}
+
+// A large result, kept in the workspace too (the host names the file): a later call or the
+// agent reads it there instead of calling the tool again.
+function keep(file, result) {
+  try {
+    fs.mkdirSync(path.dirname(file), { recursive: true });
+    fs.writeFileSync(file, JSON.stringify(result));
+  } catch {
+    // (a full or read-only workspace: the value is still returned)
+  }
 }
 
 function value(result) {
