@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from hosted_servers import CLI, env_for, free_port, healthy, token
+from hosted_servers import CLI, env_for, serving, token
 from test_hosted_registry import WORKFLOW
 
 PACKAGES = {
@@ -174,14 +173,7 @@ async def main() -> None:
     opts = parser.parse_args()
     opts.state.mkdir(parents=True, exist_ok=True)
     install(opts.state)
-    port = free_port()
-    with (opts.state / "server.log").open("wb") as log:
-        server = subprocess.Popen(
-            [*CLI], env=env_for(opts.state, port), stdout=subprocess.DEVNULL, stderr=log
-        )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        await healthy(f"{base}/health")
+    async with serving(opts.state) as base:
         await execute(base, token(0), LOOP)  # (the instance started, the pool warm)
         looped = json.loads(stdout(await execute(base, token(0), LOOP)))
         direct = await direct_echo(base, 100)
@@ -200,12 +192,6 @@ async def main() -> None:
         print(f"tool by tool (every server's tools/list, every call)  {by_tool:8d}")
         print(f"code mode (the code, 6 tools' schemas, its result)    {in_code:8d}")
         print(f"saved                                                 {1 - in_code / by_tool:8.0%}")
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 if __name__ == "__main__":

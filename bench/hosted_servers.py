@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +188,26 @@ def ms(values: list[float], q: float = 0.5) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] * 1000
 
 
+@contextlib.asynccontextmanager
+async def serving(state: Path) -> AsyncIterator[str]:
+    """The server on `state` (its log in state/server.log), healthy: its base URL."""
+    port = free_port()
+    with (state / "server.log").open("wb") as log:
+        server = subprocess.Popen(
+            [*CLI], env=env_for(state, port), stdout=subprocess.DEVNULL, stderr=log
+        )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        await healthy(f"{base}/health")
+        yield base
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=200)
@@ -194,14 +216,7 @@ async def main() -> None:
     opts = parser.parse_args()
     opts.state.mkdir(parents=True, exist_ok=True)
     install(opts.state)
-    port = free_port()
-    with (opts.state / "server.log").open("wb") as log:
-        server = subprocess.Popen(
-            [*CLI], env=env_for(opts.state, port), stdout=subprocess.DEVNULL, stderr=log
-        )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        await healthy(f"{base}/health")
+    async with serving(opts.state) as base:
         rows = []
         for n, (name, (_, _, tool, args, target)) in enumerate(SERVERS.items()):
             url = f"{base}/servers/{name}/mcp"
@@ -235,12 +250,6 @@ async def main() -> None:
             "targets: overhead <= 2 ms p50; cold <= 1000 ms (Python), <= 1500 ms (Node); "
             "direct = the same program on the host over stdio (cold: start to first answer)"
         )
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
 
 
 if __name__ == "__main__":
