@@ -314,3 +314,30 @@ print(done[:40], len(sums), bool(failed))
         assert len(calls) == 10 and calls[-1]["reason"] == "error", calls
         later = await conn.ok("run_code", code="print(sums[3])")
         assert "6" in "".join(e.get("data", "") for e in later["output"]), later
+
+
+async def test_typescript_and_a_loop_over_the_registry_servers(server: ServerProcess) -> None:
+    """TypeScript (Deno, run_code) calls memory and time; Python makes 100 calls in a loop."""
+    ts = (
+        'import { memory, time } from "/node_modules/mcp_servers/index.mjs";\n'
+        "await memory.create_entities({ entities: [\n"
+        '  { name: "ts-note", entityType: "note", observations: ["from TypeScript"] }] });\n'
+        "const graph: { entities: { name: string }[] } = await memory.read_graph();\n"
+        'const now: { timezone: string } = await time.get_current_time({ timezone: "UTC" });\n'
+        "console.log(graph.entities.some((e) => e.name === 'ts-note'), now.timezone);"
+    )
+    loop = (
+        "from mcp_servers import everything\n"
+        "echoed = [await everything.echo(message=str(i)) for i in range(100)]\n"
+        "print(len(echoed), echoed[-1])"
+    )
+    async with open_client(server.url, ALICE) as conn:
+        typed = await conn.ok(
+            "run_code", code=ts, language="typescript", servers=["memory", "time"]
+        )
+        out = "".join(e.get("data", "") for e in typed["output"] if e["type"] == "stdout")
+        assert out.strip() == "true UTC", typed
+        looped = await conn.ok("run_code", code=loop, servers=["everything"], timeout_seconds=60)
+        out = "".join(e.get("data", "") for e in looped["output"] if e["type"] == "stdout")
+        assert out.startswith("100 Echo: 99"), looped
+        assert len([e for e in looped["output"] if e["type"] == "tool_call"]) == 100
