@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import json
 import re
 from collections.abc import Mapping
@@ -34,6 +32,7 @@ from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.server.auth import PrincipalTokenVerifier
 from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.plain_replies import answer_plainly
 from sandbox_runtime.server.session_path import SCOPE_KEY as SESSION_KEY
@@ -76,28 +75,21 @@ class HostedServers:
         self.root = root
         self.security = security
         tokens = settings.tokens()
-        self._digests = [
-            (hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest(), p)
-            for t, p in tokens.items()
-        ]
-        self._open = not tokens
+        self._verifier = PrincipalTokenVerifier(tokens) if tokens else None
         self._apps: dict[str, tuple[Entry, StreamableHTTPASGIApp, asyncio.Event]] = {}
         self._lock = asyncio.Lock()
 
-    def principal(self, scope: Scope) -> str | None:
-        if self._open:
+    async def principal(self, scope: Scope) -> str | None:
+        """The bearer token's principal, as /mcp's auth finds it (None: refused)."""
+        if self._verifier is None:
             return ANONYMOUS
         for key, value in scope.get("headers", []):
             if key == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 if scheme.lower() != "bearer":
                     return None
-                offered = hashlib.sha256(token.strip().encode("utf-8", "surrogatepass")).digest()
-                match = None
-                for digest, principal in self._digests:
-                    if hmac.compare_digest(digest, offered):
-                        match = principal
-                return match
+                found = await self._verifier.verify_token(token.strip())
+                return found.client_id if found is not None else None
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -105,7 +97,7 @@ class HostedServers:
         if match is None:
             await _plain(send, 404, "no such endpoint: hosted servers are at /servers/NAME/mcp")
             return
-        principal = self.principal(scope)
+        principal = await self.principal(scope)
         if principal is None:
             await _plain(send, 401, "invalid token")  # (PlainAuthErrors words it)
             return

@@ -166,16 +166,9 @@ class Instance:
             )
         self._next_id += 1
         request_id = self._next_id
-        params = dict(params or {})
+        params = with_own_token(params, request_id if listener is not None else None)
         if listener is not None:
-            # Our own progress token: the caller's (or another caller's) never reaches it.
-            meta = dict(_dict(params.get("_meta")))
-            meta["progressToken"] = request_id
-            params["_meta"] = meta
             self._listeners[request_id] = listener
-        elif "_meta" in params:
-            meta = {k: v for k, v in _dict(params["_meta"]).items() if k != "progressToken"}
-            params["_meta"] = meta
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         self.last_used = time.monotonic()
@@ -392,6 +385,18 @@ async def _deliver(listener: Notify, message: dict[str, Any]) -> None:
         await listener(message)
     except Exception as exc:  # (a client gone: its notifications have nowhere to go)
         logger.debug("a hosted server's notification was not delivered: {}", exc)
+
+
+def with_own_token(params: dict[str, Any] | None, token: int | None) -> dict[str, Any]:
+    """`params` with our own progress token (`token`), or none: the caller's (or another
+    caller's) never reaches the server."""
+    params = dict(params or {})
+    meta = {k: v for k, v in _dict(params.pop("_meta", None)).items() if k != "progressToken"}
+    if token is not None:
+        meta["progressToken"] = token
+    if meta:
+        params["_meta"] = meta
+    return params
 
 
 def _dict(value: Any) -> dict[str, Any]:

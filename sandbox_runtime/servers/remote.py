@@ -26,6 +26,7 @@ from sandbox_runtime.servers.instance import (
     LogSink,
     Notify,
     RemoteError,
+    with_own_token,
 )
 
 MAX_IN_FLIGHT = 64
@@ -88,13 +89,7 @@ class RemoteInstance:
             raise InstanceError(f"server {self.name} has {MAX_IN_FLIGHT} requests waiting")
         self._next_id += 1
         request_id = self._next_id
-        params = dict(params or {})
-        meta = {k: v for k, v in dict(params.get("_meta") or {}).items() if k != "progressToken"}
-        if listener is not None:
-            meta["progressToken"] = request_id
-        params.pop("_meta", None)
-        if meta:
-            params["_meta"] = meta
+        params = with_own_token(params, request_id if listener is not None else None)
         message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
         limit = within if within is not None else self.call_timeout
         self._in_flight += 1
