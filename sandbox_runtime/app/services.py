@@ -58,6 +58,9 @@ from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
 from sandbox_runtime.sessions.router import Router
+from sandbox_runtime.snapshots.service import Snapshots
+from sandbox_runtime.snapshots.stores import open_store
+from sandbox_runtime.snapshots.triggers import Triggers
 from sandbox_runtime.supervisor import Supervisor
 from sandbox_runtime.workspaces.store import WorkspaceStore, loop_devices_under
 
@@ -101,15 +104,24 @@ class Services:
     signer: FileUrlSigner
     servers: ServerHost
     router: Router
+    snapshots: Snapshots
+    triggers: Triggers
     closing: Closing
 
     async def stop(self) -> None:
-        """Stop the executions (politely, then by force), meanwhile releasing this replica's
-        sessions and stopping its interpreters; then close the sandboxes, the egress proxy,
-        the workspaces and the cluster (the mirror's final flush, the heartbeat dropped).
-        Idempotent: the signal handler calls it before the server drains its connections,
-        the lifespan's end again."""
-        meanwhile = [self.cluster.release_homes, self.interpreters.aclose, self.servers.aclose]
+        """Stop the executions (politely, then by force), meanwhile snapshotting this
+        replica's changed sessions (with Redis: others will take them over) and then
+        releasing them, and stopping its interpreters; then close the sandboxes, the egress
+        proxy, the workspaces and the cluster (the mirror's final flush, the heartbeat
+        dropped). Idempotent: the signal handler calls it before the server drains its
+        connections, the lifespan's end again."""
+
+        async def release() -> None:
+            if self.settings.redis_url:
+                await self.triggers.drain()
+            await self.cluster.release_homes()
+
+        meanwhile = [release, self.interpreters.aclose, self.servers.aclose]
         await self.manager.shutdown(meanwhile)
         await self.closing.run()
 
@@ -186,7 +198,30 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         signer = FileUrlSigner(url_key(settings))
         servers = ServerHost(settings, manager, metrics, supervisor)
         manager.workspaces.busy.append(servers.workspaces_in_use)
-        router = Router(settings, Parts(manager, interpreters, signer, servers), cluster)
+        snapshots = Snapshots(
+            open_store(
+                settings.snapshot_store,
+                settings.state_dir / "snapshots",
+                endpoint=settings.snapshot_s3_endpoint,
+                region=settings.snapshot_s3_region,
+                timeout=settings.snapshot_store_timeout,
+            ),
+            workspaces,
+            settings.state_dir / "snapshot-staging",
+            metrics.registry,
+            keep=settings.snapshot_keep,
+            ttl_seconds=settings.snapshot_ttl_seconds,
+            quota_bytes=settings.snapshot_quota_mb * 1024 * 1024,
+            max_per_principal=settings.snapshot_max_per_principal,
+        )
+        parts = Parts(manager, interpreters, signer, servers, snapshots)
+        router = Router(settings, parts, cluster)
+        triggers = Triggers(
+            snapshots,
+            lambda: [owner for _, owner in router.placements.homed_at(settings.replica_id)],
+            settings.snapshot_idle_seconds,
+            settings.snapshot_drain_seconds,
+        )
         manager.bridges.append(_bridges(settings, servers, router))
         stack.push_async_callback(router.aclose)
         services = Services(
@@ -199,6 +234,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             signer,
             servers,
             router,
+            snapshots,
+            triggers,
             closing,
         )
         await cluster.start(manager)
@@ -208,6 +245,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         router.start()
         interpreters.start()
         servers.start()
+        if snapshots.enabled and settings.snapshot_idle_seconds > 0:
+            supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
         yield services
 

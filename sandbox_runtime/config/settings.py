@@ -356,6 +356,59 @@ class Settings(BaseSettings):
         Path("/var/lib/sandbox-runtime"),
         description="Server state: workspaces live in `<state_dir>/workspaces`.",
     )
+    snapshot_store: str = Field(
+        "",
+        description="Where session snapshots are kept: a directory (any shared filesystem, for "
+        "a cluster), `s3://bucket/prefix` (S3 or any S3-compatible server; credentials from "
+        "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN), or `none`; default "
+        "`<state_dir>/snapshots` (one machine).",
+    )
+    snapshot_s3_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("SANDBOX_SNAPSHOT_S3_ENDPOINT", "AWS_ENDPOINT_URL"),
+        description="The S3 endpoint of an S3-compatible server, e.g. http://minio:9000 "
+        "(env SANDBOX_SNAPSHOT_S3_ENDPOINT or AWS_ENDPOINT_URL); default: AWS.",
+    )
+    snapshot_s3_region: str = Field(
+        "us-east-1",
+        validation_alias=AliasChoices("SANDBOX_SNAPSHOT_S3_REGION", "AWS_REGION"),
+        description="The bucket's region (env SANDBOX_SNAPSHOT_S3_REGION or AWS_REGION).",
+    )
+    snapshot_store_timeout: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="Seconds one request to the snapshot store may take before it counts as "
+        "down (snapshots are then delayed; a restore starts the session empty).",
+    )
+    snapshot_idle_seconds: int = Field(
+        120,
+        ge=0,
+        description="Snapshot a session this long after its last use, if it changed since its "
+        "last snapshot (0: only on demand and on stop).",
+    )
+    snapshot_drain_seconds: int = Field(
+        30,
+        ge=0,
+        le=3600,
+        description="On SIGTERM, with Redis: time to snapshot the sessions changed since their "
+        "last snapshot before they are released to other replicas (0: none).",
+    )
+    snapshot_keep: int = Field(
+        5, ge=1, le=1000, description="Snapshots kept per session (the newest)."
+    )
+    snapshot_ttl_seconds: int = Field(
+        7 * 86400, ge=60, description="Snapshots older than this are removed."
+    )
+    snapshot_quota_mb: int = Field(
+        10240,
+        ge=1,
+        description="Bytes of snapshots a token (principal) may keep, in MiB (stored, after "
+        "deduplication and compression); the oldest go first.",
+    )
+    snapshot_max_per_principal: int = Field(
+        100, ge=1, le=10000, description="Snapshots a token (principal) may keep."
+    )
     bwrap_path: str | None = Field(None, description="bubblewrap binary (default: from PATH).")
     cgroup_favordynmods: bool = Field(
         True,

@@ -223,6 +223,14 @@ class InterpreterManager:
             self._stopping[task] = workspace_name(key[0])
             task.add_done_callback(lambda done: self._stopping.pop(done, None))
 
+    def forget_owner(self, owner: Owner, reason: str) -> list[str]:
+        """Stop every interpreter of `owner` (its next call says `state_reset: reason`): the
+        languages stopped."""
+        keys = [key for key in self._interpreters if key[0] == owner]
+        for key in keys:
+            self._forget(key, reason)
+        return [language for _, language in keys]
+
     def interpreter_died(self, interpreter: Interpreter, killed: bool) -> None:
         """A call found its interpreter's kernel dead (`killed`: by the call's own stop): it
         is forgotten, if it is still the one of its owner and language."""

@@ -37,6 +37,7 @@ from sandbox_runtime.server.schemas import make_portable
 from sandbox_runtime.server.server_tools import register_search_tool, register_server_tools
 from sandbox_runtime.server.session_path import SessionPathMiddleware
 from sandbox_runtime.server.session_tag import SessionTagMiddleware
+from sandbox_runtime.server.snapshot_tools import register_snapshot_tools
 from sandbox_runtime.server.tools import register_tools
 from sandbox_runtime.sessions.listener import ClusterApp
 
@@ -70,6 +71,7 @@ def build_mcp(settings: Settings, root: Root) -> FastMCP:
     register_file_tools(mcp, root)
     register_server_tools(mcp, root)
     register_search_tool(mcp, root)
+    register_snapshot_tools(mcp, root)
     return mcp
 
 

@@ -9,6 +9,12 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.state.keys import session_key
 
 
+class RestoredFrom(BaseModel):
+    snapshot_id: str
+    taken_at: float = Field(description="Unix time the snapshot was taken.")
+    trigger: str | None = Field(None, description="on_demand, idle, drain or fork.")
+
+
 class SessionReset(BaseModel):
     """Told to the caller whose operation found the session's state gone and started afresh."""
 
@@ -32,6 +38,16 @@ class SessionReset(BaseModel):
         "the operator, and the session starts with an empty workspace."
     )
     previous_replica: str = Field(description="The replica that held the session's state.")
+    restored_from: RestoredFrom | None = Field(
+        default=None,
+        description="The snapshot the workspace was restored from (files and installed "
+        "packages as they were then); absent: it starts empty.",
+    )
+    lost: str | None = Field(default=None, description="What a restore could not bring back.")
+    restore_failed: str | None = Field(
+        default=None,
+        description="Why the session's snapshot could not be restored (it starts empty).",
+    )
 
 
 class SessionRecord(BaseModel):

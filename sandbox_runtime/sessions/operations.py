@@ -26,6 +26,8 @@ from sandbox_runtime.files.operations import changed_files, coarse_now
 from sandbox_runtime.files.urls import FileUrlSigner
 from sandbox_runtime.interpreters.manager import InterpreterManager
 from sandbox_runtime.servers.host import ServerHost
+from sandbox_runtime.sessions import snapshot_ops
+from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.supervisor import scoped
 
 PROGRESS_INTERVAL = 0.2  # at most five output notifications a second per call
@@ -43,6 +45,7 @@ class Parts:
     interpreters: InterpreterManager
     signer: FileUrlSigner
     servers: ServerHost
+    snapshots: Snapshots
 
 
 Operation = Callable[[Parts, Owner, dict[str, Any], Progress | None], Awaitable[dict]]
@@ -233,6 +236,8 @@ async def server_request(
 
 
 OPERATIONS: dict[str, Operation] = {
+    "snapshot": snapshot_ops.snapshot,
+    "restore": snapshot_ops.restore,
     "server_request": server_request,
     "execute": execute,
     "run_code": run_code,

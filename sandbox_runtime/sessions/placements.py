@@ -4,9 +4,11 @@ sessions it holds when Redis lost them. Bounded: the least recently placed are f
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.errors import OwnerUnavailableError
 
 MAX_REMEMBERED = 100_000
 
@@ -28,3 +30,25 @@ class Placements:
     def homed_at(self, replica_id: str) -> list[tuple[str, Owner]]:
         """(session key, owner) of every session last placed on `replica_id`."""
         return [(key, owner) for key, (home, owner) in self._homes.items() if home == replica_id]
+
+    def serve_without_store(
+        self, key: str, replica_id: str, exc: Exception, last_contact: float | None, ttl: float
+    ) -> None:
+        """Whether this replica may serve session `key` while the store is down (raises
+        OwnerUnavailableError if not): only a session it last saw homed here, while its last
+        heartbeat lives; until then no other replica can take it (they wait for its heartbeat
+        to expire, or for its records after the store restarted empty). Nothing else: a new
+        home it cannot record could be another's too."""
+        last = self.get(key)
+        if last is not None and last[0] == replica_id:
+            if last_contact is not None and time.monotonic() - last_contact < ttl:
+                return
+            raise OwnerUnavailableError(
+                f"the shared store is unavailable ({type(exc).__name__}) for longer than a "
+                f"heartbeat ({ttl} s): this replica can no longer be sure it is still this "
+                "session's home; retry shortly"
+            ) from exc
+        raise OwnerUnavailableError(
+            f"the shared store is unavailable ({type(exc).__name__}) and this replica is not "
+            "known to be this session's home; retry shortly"
+        ) from exc

@@ -187,7 +187,17 @@ class Router:
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the
         retention period, or this replica came back without its state directory)."""
-        existed = await self._ensure_workspace(owner)
+        snapshots = self.parts.snapshots
+        await snapshots.settled(owner)  # (a restore under way here: after it)
+        workspaces, name = self.manager.workspaces, workspace_name(owner)
+        restored: dict[str, Any] = {}
+        if workspaces.is_ready(name) or workspaces.exists(name):
+            existed = await self._ensure_workspace(owner)
+        else:  # gone: made again, and its newest snapshot restored, before anything runs
+            async with snapshots.gate(owner):
+                existed = await self._ensure_workspace(owner)
+                if existed is False:
+                    restored = await snapshots.take_over(owner)
         key = session_key(owner.principal, owner.session_id)
         if existed is None:
             return None  # (not mounted now: no verdict yet)
@@ -195,27 +205,17 @@ class Router:
             self._unmade.discard(key)
             return None
         self.metrics.sessions.labels("workspace_removed").inc()
-        return SessionReset(reason="workspace_removed", previous_replica=self.replica_id)
+        return SessionReset(
+            reason="workspace_removed", previous_replica=self.replica_id, **restored
+        )
 
     def _place_without_store(self, key: str, exc: Exception) -> Placement:
         # Without the store, this replica still serves the sessions it last saw homed here,
-        # while its last heartbeat lives: until then no other replica can take them (they
-        # wait for its heartbeat to expire, or for its records after the store restarted
-        # empty). Nothing else: a new home it cannot record could be another's too.
-        last = self.placements.get(key)
-        contact = self.cluster.last_contact
-        if last is not None and last[0] == self.replica_id:
-            if contact is not None and time.monotonic() - contact < self.settings.heartbeat_ttl:
-                return Placement(True, self.replica_id)
-            raise OwnerUnavailableError(
-                f"the shared store is unavailable ({type(exc).__name__}) for longer than a "
-                f"heartbeat ({self.settings.heartbeat_ttl} s): this replica can no longer be "
-                "sure it is still this session's home; retry shortly"
-            ) from exc
-        raise OwnerUnavailableError(
-            f"the shared store is unavailable ({type(exc).__name__}) and this replica is not "
-            "known to be this session's home; retry shortly"
-        ) from exc
+        # while its last heartbeat lives (see Placements.serve_without_store).
+        self.placements.serve_without_store(
+            key, self.replica_id, exc, self.cluster.last_contact, self.settings.heartbeat_ttl
+        )
+        return Placement(True, self.replica_id)
 
     def _record_here(
         self, owner: Owner, previous: SessionRecord | None, now: float
@@ -242,6 +242,14 @@ class Router:
         store is no longer in `epoch`)."""
         if not self.manager.accepting:
             raise SandboxSpawnError("this replica is shutting down; retry on another replica")
+        if previous is None:
+            return await self._claim_now(owner, None, reason, epoch)
+        async with self.parts.snapshots.gate(owner):  # (its calls wait for its restore)
+            return await self._claim_now(owner, previous, reason, epoch)
+
+    async def _claim_now(
+        self, owner: Owner, previous: SessionRecord | None, reason: str, epoch: str | None
+    ) -> Placement | None:
         now = time.time()
         record = self._record_here(owner, previous, now)
         try:
@@ -283,11 +291,9 @@ class Router:
         logger.warning(
             "session re-homed here from replica {} ({})", previous.home, reason.replace("_", " ")
         )
-        return Placement(
-            True,
-            self.replica_id,
-            reset=SessionReset(reason=reason, previous_replica=previous.home),  # type: ignore[arg-type]
-        )
+        restored = await self.parts.snapshots.take_over(owner)
+        reset = SessionReset(reason=reason, previous_replica=previous.home, **restored)  # type: ignore[arg-type]
+        return Placement(True, self.replica_id, reset=reset)
 
     async def _ensure_workspace(self, owner: Owner) -> bool | None:
         """Whether the owner's workspace was already there (it is now, if it can be); None
@@ -373,7 +379,7 @@ class Router:
         if checked is not None and owed is None:  # (repaired or set aside: see workspaces)
             owed = SessionReset(reason=checked, previous_replica=self.replica_id)  # type: ignore[arg-type]
         if owed is not None:
-            result["session_reset"] = owed.model_dump()
+            result["session_reset"] = owed.model_dump(exclude_none=True)
             if "state_reset" in result:  # the interpreter was lost with the session
                 result["state_reset"] = {"reason": "rehomed"}
         return result

@@ -148,6 +148,14 @@ class StoreState:
             if name in self._ready:
                 self._ready[name] = time.monotonic()
 
+    def last_used(self, name: str) -> float | None:
+        """When the workspace was last used this run (monotonic; None: not ready now)."""
+        return self._ready.get(name)
+
+    def in_use(self) -> set[str]:
+        """Workspaces something uses now (executions, kernels, host-side file operations)."""
+        return self._in_use()
+
     def _in_use(self) -> set[str]:
         names = set(self._holds)
         for busy in self.busy:

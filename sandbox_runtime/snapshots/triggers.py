@@ -1,0 +1,100 @@
+"""When snapshots are taken by themselves: after a session has been idle a while, and when
+the replica stops (SIGTERM), before its sessions are released to other replicas.
+
+A store that is down delays these snapshots (the next idle pass tries again); it never holds
+up a call: they run beside the calls, each workspace held mounted only while it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from loguru import logger
+
+from sandbox_runtime.domain.owner import Owner, workspace_name
+from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.snapshots.service import Snapshots
+
+MAX_PER_PASS = 32  # idle snapshots per pass (the rest wait for the next)
+
+
+class Triggers:
+    def __init__(
+        self,
+        snapshots: Snapshots,
+        sessions_here: Callable[[], list[Owner]],
+        idle_seconds: float,
+        drain_seconds: float,
+    ) -> None:
+        self.snapshots = snapshots
+        self.sessions_here = sessions_here
+        self.idle_seconds = idle_seconds
+        self.drain_seconds = drain_seconds
+        self._failing_since: float | None = None
+
+    @property
+    def interval(self) -> float:
+        return max(1.0, min(30.0, self.idle_seconds / 4))
+
+    def _due(self, idle_seconds: float) -> list[Owner]:
+        busy = self.snapshots.workspaces.in_use()
+        seen: set[str] = set()
+        due = []
+        for owner in self.sessions_here():
+            name = workspace_name(owner)
+            if name in seen or name in busy:
+                continue
+            seen.add(name)
+            if self.snapshots.changed_since_snapshot(owner, idle_seconds):
+                due.append(owner)
+        return due
+
+    async def idle_pass(self) -> int:
+        """Snapshot the sessions idle at least `idle_seconds` and changed since their last
+        snapshot: how many were taken."""
+        if not self.snapshots.enabled or self.idle_seconds <= 0:
+            return 0
+        taken = 0
+        for owner in self._due(self.idle_seconds)[:MAX_PER_PASS]:
+            try:
+                await self.snapshots.take(owner, "idle")
+                taken += 1
+            except SandboxRuntimeError as exc:
+                if self._failing_since is None:
+                    self._failing_since = time.monotonic()
+                    logger.warning("idle snapshot delayed: {}", exc)
+                return taken
+        if taken and self._failing_since is not None:
+            logger.info("idle snapshots are taken again")
+            self._failing_since = None
+        return taken
+
+    async def drain(self) -> int:
+        """The replica is stopping: snapshot every session changed since its last snapshot,
+        within `drain_seconds`: how many were taken."""
+        if not self.snapshots.enabled or self.drain_seconds <= 0:
+            return 0
+        due = self._due(0.0)
+        if not due:
+            return 0
+        logger.info("stopping: snapshotting {} sessions first", len(due))
+        taken = 0
+        try:
+            async with asyncio.timeout(self.drain_seconds):
+                for owner in due:
+                    try:
+                        await self.snapshots.take(owner, "drain")
+                        taken += 1
+                    except SandboxRuntimeError as exc:
+                        logger.warning("a session was not snapshotted before stopping: {}", exc)
+        except TimeoutError:
+            logger.warning(
+                "stopping: {} of {} sessions snapshotted within {} s (SANDBOX_SNAPSHOT_DRAIN_"
+                "SECONDS); the rest come back from their last snapshot",
+                taken,
+                len(due),
+                self.drain_seconds,
+            )
+        return taken
