@@ -9,6 +9,10 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.state.keys import session_key
 
 
+def _absent(value: object) -> bool:
+    return value is None
+
+
 class RestoredFrom(BaseModel):
     snapshot_id: str
     taken_at: float = Field(description="Unix time the snapshot was taken.")
@@ -40,12 +44,16 @@ class SessionReset(BaseModel):
     previous_replica: str = Field(description="The replica that held the session's state.")
     restored_from: RestoredFrom | None = Field(
         default=None,
+        exclude_if=_absent,
         description="The snapshot the workspace was restored from (files and installed "
         "packages as they were then); absent: it starts empty.",
     )
-    lost: str | None = Field(default=None, description="What a restore could not bring back.")
+    lost: str | None = Field(
+        default=None, exclude_if=_absent, description="What a restore could not bring back."
+    )
     restore_failed: str | None = Field(
         default=None,
+        exclude_if=_absent,
         description="Why the session's snapshot could not be restored (it starts empty).",
     )
 

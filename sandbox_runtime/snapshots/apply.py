@@ -167,10 +167,16 @@ class _Dirs:
         fd = self._fds.get(parts)
         if fd is not None:
             return fd
-        parent = self.fd(parts[:-1])
-        fd = os.open(parts[-1], DIR_FLAGS, dir_fd=parent)
-        self.add(parts, fd)
-        return self._fds.get(parts, fd)
+        # (from the nearest open ancestor, level by level: no recursion, a tree may be
+        # nested deeper than Python's recursion limit)
+        depth = len(parts) - 1
+        while parts[:depth] not in self._fds:
+            depth -= 1
+        fd = self._fds[parts[:depth]]
+        for level in range(depth + 1, len(parts) + 1):
+            fd = os.open(parts[level - 1], DIR_FLAGS, dir_fd=fd)
+            self.add(parts[:level], fd)  # (closes only older ones than this)
+        return fd
 
     def close(self) -> None:
         for fd in self._fds.values():

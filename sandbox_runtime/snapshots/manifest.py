@@ -150,7 +150,7 @@ def validate(manifest: Any, bounds: Bounds) -> tuple[list[Entry], dict[str, list
             raise ManifestError(f"{b'/'.join(parts)[:100]!r} is listed before its directory")
         seen.add(parts)
         mode = _int(raw, "m", 0, 0o7777) & MODE_BITS
-        mtime = _int(raw, "mt", -(1 << 62), 1 << 62)
+        mtime = _int(raw, "mt", -(1 << 63), (1 << 63) - 1)  # (any time ext4 holds)
         if kind == "d":
             directories.add(parts)
             entries.append(Entry("d", parts, mode, mtime))

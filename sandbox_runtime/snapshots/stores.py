@@ -221,6 +221,8 @@ class S3Store:
         try:
             async with asyncio.timeout(self.timeout):
                 return await work
+        except ObjectMissingError:
+            raise
         except FileNotFoundError as exc:
             raise ObjectMissingError(f"snapshot object missing: {_first_line(exc)}") from None
         except (Exception, TimeoutError) as exc:
@@ -241,18 +243,15 @@ class S3Store:
     async def get(self, key: str, max_bytes: int) -> bytes:
         import obstore
 
+        check_key(key)  # (here: a ValueError inside _call would be "unavailable")
+
         async def fetch() -> bytes:
-            result = await obstore.get_async(self._store, check_key(key))
+            result = await obstore.get_async(self._store, key)
             if int(result.meta["size"]) > max_bytes:
                 raise ObjectMissingError(f"snapshot object {key} is larger than it may be")
             return bytes(await result.bytes_async())
 
-        try:
-            return await self._call(fetch())
-        except StoreUnavailableError as exc:
-            if "larger than it may be" in str(exc):
-                raise ObjectMissingError(str(exc)) from None
-            raise
+        return await self._call(fetch())
 
     async def local(self, key: str, staging: Path, max_bytes: int) -> Path:
         data = await self.get(key, max_bytes)
@@ -267,6 +266,8 @@ class S3Store:
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         import obstore
+
+        check_key(prefix.rstrip("/"))
 
         async def collect() -> list[ObjectInfo]:
             found: list[ObjectInfo] = []
