@@ -8,6 +8,7 @@ real S3-compatible server (moto's standalone server), the official MCP client.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
@@ -299,3 +300,54 @@ async def test_s3_store_and_a_store_that_goes_down(
         assert "snapshot store" in refused, refused
         assert time.monotonic() - started < 30, "a store that does not answer is given up on"
         assert "test-secret" not in server.stderr_text()
+
+
+async def test_a_corrupt_snapshot_starts_the_session_empty_and_says_why(
+    tmp_path: Path, redis_server: RedisServer, serve: Servers
+) -> None:
+    store = tmp_path / "shared-store"
+    a = serve.add(replica(tmp_path, redis_server, str(store), f"ca-{uuid.uuid4().hex[:6]}"))
+    b = serve.add(replica(tmp_path, redis_server, str(store), f"cb-{uuid.uuid4().hex[:6]}"))
+    session = f"c-{uuid.uuid4().hex[:8]}"
+    async with open_client(a.url, TOKEN, "auto") as on_a:
+        await fill_session(on_a, session)
+        await on_a.ok("snapshot_session", session=session)
+    packs = [p for p in store.rglob("packs/*") if p.is_file()]
+    assert packs, "the snapshot's data is in packs"
+    for pack in packs:  # one byte flipped in each: every chunk check fails
+        data = bytearray(pack.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        pack.write_bytes(bytes(data))
+    a.kill()
+    async with open_client(b.url, TOKEN, "auto") as on_b:
+        result = await rehomed(on_b, session, "ls -A | wc -l")
+        reset = result["session_reset"]
+        assert reset["reason"] == "home_lost" and "restored_from" not in reset, reset
+        assert "checksum" in reset["restore_failed"] or "decompress" in reset["restore_failed"]
+        assert stdout_of(result) == "0\n", "not half-restored: the workspace is empty"
+    assert b.metric(TOKEN, "srt_snapshot_restores_total", 'outcome="failed"') >= 1
+
+
+async def test_idle_sessions_are_snapshotted_once_per_change(serve: Servers) -> None:
+    server = serve("idle", SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_SNAPSHOT_IDLE_SECONDS="2")
+    session = f"i-{uuid.uuid4().hex[:8]}"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        await conn.ok("execute_code", command="echo one > one.txt", session=session)
+
+        async def idle_snapshots() -> list[dict[str, Any]] | None:
+            listed = await conn.ok("list_snapshots", session=session)
+            found = [s for s in listed["snapshots"] if s["trigger"] == "idle"]
+            return found or None
+
+        first = await eventually(idle_snapshots, 30, "an idle snapshot", interval=0.5)
+        assert first[0]["files"] == 1
+        await asyncio.sleep(5)  # (idle, unchanged: no second snapshot)
+        assert len(await idle_snapshots() or []) == 1
+        await conn.ok("execute_code", command="echo two > two.txt", session=session)
+        await eventually(
+            lambda: _more_than(idle_snapshots, 1), 30, "a second idle snapshot", interval=0.5
+        )
+
+
+async def _more_than(listing: Any, count: int) -> bool:
+    return len(await listing() or []) > count
