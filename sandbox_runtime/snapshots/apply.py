@@ -46,7 +46,11 @@ class Chunks:
         pack, offset, stored, length, compressed = self.table[name]
         fd = self._fds.get(pack)
         if fd is None:
-            fd = self._fds[pack] = os.open(self.pack_path(pack), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                fd = os.open(self.pack_path(pack), os.O_RDONLY | os.O_CLOEXEC)
+            except (FileNotFoundError, KeyError):
+                raise ManifestError(f"pack {pack} of the snapshot is missing") from None
+            self._fds[pack] = fd
         data = os.pread(fd, stored, offset)
         if len(data) != stored:
             raise ManifestError(f"pack {pack} is shorter than its manifest says")

@@ -20,6 +20,7 @@ import hashlib
 import os
 import secrets
 import stat
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from sandbox_runtime.snapshots.manifest import (
 )
 
 PACK_TARGET = 16 * 1024 * 1024
+RECENT_NS = 50_000_000  # (ext4's coarsest timestamp tick is a jiffy, 1-10 ms)
 SAMPLE = 4096  # bytes tried from the start and the middle (zlib: ~20 MB/s on random data)
 SKIPPED_AT_ROOT = ("lost+found",)
 UPLOAD_PREFIX = ".srt-upload-"  # (workspaces.paths: partial uploads are not workspace data)
@@ -59,6 +61,9 @@ class Captured:
     reused_files: int = 0
     changed_while_read: int = 0
     skipped: dict[str, int] = field(default_factory=dict)
+    # A file changed this recently (ctime) is read again next time whatever its signature
+    # says: a write within the same timestamp tick as this read would not change it.
+    recent_ns: int = 0
 
 
 class Packer:
@@ -135,7 +140,7 @@ def capture(
     staging.mkdir(mode=0o700, parents=True, exist_ok=True)
     packer = Packer(staging, known)
     reusable = _reusable(previous)
-    result = Captured({}, [])
+    result = Captured({}, [], recent_ns=time.time_ns() - RECENT_NS)
     entries: list[dict[str, Any]] = []
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
@@ -279,9 +284,11 @@ def _file(
             result.changed_while_read += 1
             return None
         sig = [st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size]
+        if st.st_ctime_ns >= result.recent_ns:
+            sig = [0, 0, 0, -1]  # (too recent to trust: read again next time)
         base = {**base, "m": st.st_mode & MODE_BITS, "mt": st.st_mtime_ns}
         old = reusable.get(path)
-        if old is not None and old.get("sig") == sig and _reuse(old, packer):
+        if old is not None and sig[3] >= 0 and old.get("sig") == sig and _reuse(old, packer):
             held = sum(x[1] for x in old["x"])
             _count(result, held, bounds)
             result.reused_files += 1
