@@ -508,12 +508,9 @@ def report(results: dict[str, Results], setup: Setup, s3_skipped: str) -> None:
             )
     if s3_skipped:
         print(f"{'s3':<10} skipped: {s3_skipped}")
-    # Placeholder: "restore on takeover: latency added to the session's first call" (its
-    # home replica gone, another replica restores the newest snapshot before running the
-    # call) needs two server replicas and a shared store; it is measured separately, not
-    # here. Its row would go here, with its own target.
-    print(f"{'takeover':<10} restore-on-takeover added latency of the first call: not measured "
-          "here (needs two replicas)")  # fmt: skip
+    # Restore on takeover (the latency a restore adds to a session's first call after its
+    # home died) needs two replicas and Redis: bench/bench_takeover.py measures it.
+    print(f"{'takeover':<10} what a restore adds to the first call: bench/bench_takeover.py")
     print()
     first = next(iter(results.values()))
     print(
