@@ -208,10 +208,12 @@ def test_round_trip_keeps_files_modes_times_dirs_links_and_odd_names(
     assert captured.bytes == sum(e.get("s", 0) for e in manifest["entries"])  # (none sparse)
     assert entry_at(manifest, "shadow")["l"] == "/etc/shadow"
     odd = [e for e in manifest["entries"] if "pb" in e]
-    assert {base64.b64decode(e["pb"]) for e in odd} == {
+    assert {base64.b64decode(e["pb"]) for e in odd} == {  # (not UTF-8, or control characters)
         b"\xc3(",
         b"\xc3(/caf\xe9.txt",
         b"bad\xff\xfe.bin",
+        b"dir\nwith\nnewlines",
+        b"dir\nwith\nnewlines/file\nname",
     }
     assert base64.b64decode(entry_at(manifest, "odd-target")["lb"]) == b"\xff\xfe-target"
     assert {ref[4] for ref in manifest["chunks"].values()} == {0, 1}  # both kinds stored

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import hashlib
 import io
+import os
 import subprocess
 import sys
 import time
@@ -343,7 +344,9 @@ async def test_idle_sessions_are_snapshotted_once_per_change(serve: Servers) -> 
         assert first[0]["files"] == 1
         await asyncio.sleep(5)  # (idle, unchanged: no second snapshot)
         assert len(await idle_snapshots() or []) == 1
-        await conn.ok("execute_code", command="echo two > two.txt", session=session)
+        # (written by an interpreter, which stays alive: a live kernel does not keep its
+        # session from being snapshotted once idle)
+        await conn.ok("run_code", code="open('two.txt', 'w').write('two')", session=session)
         await eventually(
             lambda: _more_than(idle_snapshots, 1), 30, "a second idle snapshot", interval=0.5
         )
@@ -351,3 +354,31 @@ async def test_idle_sessions_are_snapshotted_once_per_change(serve: Servers) -> 
 
 async def _more_than(listing: Any, count: int) -> bool:
     return len(await listing() or []) > count
+
+
+async def test_packs_a_newer_snapshot_reuses_survive_the_pruning_of_the_older_one(
+    serve: Servers,
+) -> None:
+    """Session x's second snapshot reuses the packs of its first; session y's snapshot prunes
+    x's first (one snapshot per token) when those packs are past their grace period: x's
+    second snapshot must still restore."""
+    server = serve("gc", SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_SNAPSHOT_MAX_PER_PRINCIPAL="1")
+    store = server.state_dir / "snapshots"
+    x, y = f"x-{uuid.uuid4().hex[:6]}", f"y-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        script = "head -c 1000000 /dev/urandom > big; sha256sum big > big.sum"
+        await conn.ok("execute_code", command=script, session=x)
+        await conn.ok("snapshot_session", session=x)
+        old = time.time() - 7200
+        for pack in store.rglob("packs/*"):
+            os.utime(pack, (old, old))  # (written two hours ago)
+        await conn.ok("execute_code", command="echo y > y.txt", session=y)
+        await conn.ok("snapshot_session", session=y)  # (prunes x's first)
+        await conn.ok("execute_code", command="echo small > small.txt", session=x)
+        second = await conn.ok("snapshot_session", session=x)
+        await conn.ok("execute_code", command="rm -f big small.txt", session=x)
+        await conn.ok("restore_session", snapshot_id=second["snapshot_id"], session=x)
+        checked = await conn.ok(
+            "execute_code", command="sha256sum -c --quiet big.sum && cat small.txt", session=x
+        )
+        assert stdout_of(checked) == "small\n", checked

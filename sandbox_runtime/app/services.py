@@ -117,9 +117,11 @@ class Services:
         connections, the lifespan's end again."""
 
         async def release() -> None:
-            if self.settings.redis_url:
-                await self.triggers.drain()
-            await self.cluster.release_homes()
+            try:
+                if self.settings.redis_url:
+                    await self.triggers.drain()
+            finally:
+                await self.cluster.release_homes()
 
         meanwhile = [release, self.interpreters.aclose, self.servers.aclose]
         await self.manager.shutdown(meanwhile)
@@ -213,12 +215,15 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             ttl_seconds=settings.snapshot_ttl_seconds,
             quota_bytes=settings.snapshot_quota_mb * 1024 * 1024,
             max_per_principal=settings.snapshot_max_per_principal,
+            restore_seconds=settings.snapshot_store_timeout * 4,
+            supervisor=supervisor,
         )
         parts = Parts(manager, interpreters, signer, servers, snapshots)
         router = Router(settings, parts, cluster)
         triggers = Triggers(
             snapshots,
             lambda: [owner for _, owner in router.placements.homed_at(settings.replica_id)],
+            manager.workspaces_in_use,
             settings.snapshot_idle_seconds,
             settings.snapshot_drain_seconds,
         )

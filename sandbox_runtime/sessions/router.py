@@ -187,7 +187,7 @@ class Router:
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:
         """For a session homed here: a reset if its workspace is gone (removed after the
         retention period, or this replica came back without its state directory)."""
-        snapshots = self.parts.snapshots
+        snapshots, key = self.parts.snapshots, session_key(owner.principal, owner.session_id)
         await snapshots.settled(owner)  # (a restore under way here: after it)
         workspaces, name = self.manager.workspaces, workspace_name(owner)
         restored: dict[str, Any] = {}
@@ -196,9 +196,8 @@ class Router:
         else:  # gone: made again, and its newest snapshot restored, before anything runs
             async with snapshots.gate(owner):
                 existed = await self._ensure_workspace(owner)
-                if existed is False:
+                if existed is False and key not in self._unmade:
                     restored = await snapshots.take_over(owner)
-        key = session_key(owner.principal, owner.session_id)
         if existed is None:
             return None  # (not mounted now: no verdict yet)
         if existed or key in self._unmade:
@@ -210,8 +209,7 @@ class Router:
         )
 
     def _place_without_store(self, key: str, exc: Exception) -> Placement:
-        # Without the store, this replica still serves the sessions it last saw homed here,
-        # while its last heartbeat lives (see Placements.serve_without_store).
+        # (Only the sessions it last saw homed here, while its heartbeat lives: see Placements.)
         self.placements.serve_without_store(
             key, self.replica_id, exc, self.cluster.last_contact, self.settings.heartbeat_ttl
         )
@@ -291,8 +289,10 @@ class Router:
         logger.warning(
             "session re-homed here from replica {} ({})", previous.home, reason.replace("_", " ")
         )
+        reset = SessionReset(reason=reason, previous_replica=previous.home)  # type: ignore[arg-type]
+        self.owe(owner, reset)  # (told even if this caller gives up during the restore)
         restored = await self.parts.snapshots.take_over(owner)
-        reset = SessionReset(reason=reason, previous_replica=previous.home, **restored)  # type: ignore[arg-type]
+        reset = reset.model_copy(update=restored)
         return Placement(True, self.replica_id, reset=reset)
 
     async def _ensure_workspace(self, owner: Owner) -> bool | None:
@@ -373,6 +373,7 @@ class Router:
         key = session_key(owner.principal, owner.session_id)
         if reset is not None:
             self.owe(owner, reset)
+        await self.parts.snapshots.settled(owner)  # (placed without the store: not yet waited)
         result = await OPERATIONS[op](self.parts, owner, args, progress)
         owed = self._owed.pop(key, None)
         checked = self.manager.workspaces.take_reset(workspace_name(owner))

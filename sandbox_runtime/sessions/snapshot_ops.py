@@ -15,8 +15,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sandbox_runtime.domain.owner import Owner, workspace_name
-from sandbox_runtime.errors import InvalidRequestError, LimitExceededError
-from sandbox_runtime.snapshots.service import LOST, restored_from
+from sandbox_runtime.errors import InvalidRequestError
+from sandbox_runtime.snapshots.records import LOST, restored_from
 
 if TYPE_CHECKING:
     from sandbox_runtime.sessions.operations import Parts, Progress
@@ -47,22 +47,22 @@ async def restore(
             "an execution is running in this session: wait for it or cancel it, then restore"
         )
     temp = f"restore-{secrets.token_hex(12)}"
+    trigger = args.get("trigger") or "on_demand"
     async with snapshots.gate(owner):
-        applied = await snapshots.restore(owner, meta, args.get("trigger") or "on_demand", temp)
+        # First the whole snapshot, in a workspace of its own: a failure changes nothing.
+        applied = await snapshots.restore(owner, meta, trigger, temp)
         try:
             stopped = parts.interpreters.forget_owner(owner, "restored")
             deadline = time.monotonic() + IN_USE_WAIT_SECONDS
             while name in workspaces.in_use() and time.monotonic() < deadline:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)  # (kernels stopping: nothing to wait on but polling)
+                await asyncio.sleep(0.05)  # (its interpreters stopping)
             if name in workspaces.in_use():
                 raise InvalidRequestError("the session is in use: retry the restore shortly")
             if workspaces.exists(name):
                 await workspaces.remove(name)
             if not await workspaces.adopt(temp, name, owner.principal):
-                raise LimitExceededError(
-                    "the restored workspace could not take the session's place (a mount cap, "
-                    "or a call started meanwhile): retry"
-                )
+                # (a mount cap): the snapshot is written again where the session's files were
+                applied = await snapshots.restore(owner, meta, trigger)
         finally:
             if workspaces.exists(temp):
                 await workspaces.remove(temp)

@@ -36,9 +36,12 @@ from sandbox_runtime.snapshots.manifest import (
     ManifestError,
     encode_path,
     encode_target,
+    max_manifest_bytes,
 )
 
 PACK_TARGET = 16 * 1024 * 1024
+ENTRY_BYTES = 160  # an entry's JSON besides its path and extents (at most)
+EXTENT_BYTES = 96  # one extent's JSON
 RECENT_NS = 50_000_000  # (ext4's coarsest timestamp tick is a jiffy, 1-10 ms)
 SAMPLE = 4096  # bytes tried from the start and the middle (zlib: ~20 MB/s on random data)
 SKIPPED_AT_ROOT = ("lost+found",)
@@ -64,6 +67,7 @@ class Captured:
     # A file changed this recently (ctime) is read again next time whatever its signature
     # says: a write within the same timestamp tick as this read would not change it.
     recent_ns: int = 0
+    manifest_bytes: int = 0  # an upper bound of the manifest's JSON, kept as it grows
 
 
 class Packer:
@@ -175,7 +179,8 @@ def _walk(
     """Depth first, a directory before what it holds, without recursion (a workspace may be
     nested deeper than Python's recursion limit): one descriptor open per level, and levels
     are bounded by MAX_PATH_BYTES (a longer path is left out: no manifest may hold it)."""
-    stack: list[tuple[int, tuple[str, ...], Iterator[str]]] = [(root_fd, (), _names(root_fd))]
+    first = _names(root_fd, bounds.max_entries)
+    stack: list[tuple[int, tuple[str, ...], Iterator[str]]] = [(root_fd, (), first)]
     try:
         while stack:
             dir_fd, prefix, names = stack[-1]
@@ -194,9 +199,16 @@ def _walk(
                 os.close(dir_fd)
 
 
-def _names(dir_fd: int) -> Iterator[str]:
+def _names(dir_fd: int, room: int) -> Iterator[str]:
+    """A directory's names, sorted; CaptureError past `room` (the entries still allowed: a
+    directory of millions of hard links must not be read whole into memory first)."""
+    names = []
     with os.scandir(dir_fd) as listing:
-        return iter(sorted(e.name for e in listing))
+        for entry in listing:
+            names.append(entry.name)
+            if len(names) > room:
+                raise CaptureError("the workspace holds more entries than it may keep")
+    return iter(sorted(names))
 
 
 def _entry(
@@ -218,9 +230,11 @@ def _entry(
             f"the workspace holds more than {bounds.max_entries} entries: too many to keep"
         )
     path = "/".join((*prefix, name))
-    if len(path.encode("utf-8", "surrogateescape")) > MAX_PATH_BYTES:
+    size = len(path.encode("utf-8", "surrogateescape"))
+    if size > MAX_PATH_BYTES:
         result.skipped["long_path"] = result.skipped.get("long_path", 0) + 1
         return None
+    _grow(result, size * 4 // 3 + ENTRY_BYTES, bounds)  # (base64 at worst, and the fields)
     try:
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
@@ -234,7 +248,7 @@ def _entry(
             result.changed_while_read += 1
             return None
         try:
-            names = _names(child)
+            names = _names(child, bounds.max_entries - len(entries))
         except BaseException:
             os.close(child)
             raise
@@ -250,11 +264,13 @@ def _entry(
         if target:
             entries.append({"t": "l", **base, **encode_target(target)})
             result.links += 1
+            _grow(result, len(target.encode("utf-8", "surrogateescape")) * 4 // 3, bounds)
     elif stat.S_ISREG(st.st_mode):
         entry = _file(dir_fd, name, path, base, packer, reusable, bounds, result)
         if entry is not None:
             entries.append(entry)
             result.files += 1
+            _grow(result, EXTENT_BYTES * len(entry["x"]), bounds)
     else:
         kind = "fifo" if stat.S_ISFIFO(st.st_mode) else (
             "socket" if stat.S_ISSOCK(st.st_mode) else "device")  # fmt: skip
@@ -316,6 +332,12 @@ def _file(
         return {"t": "f", **base, "s": size, "x": extents, "sig": sig}
     finally:
         os.close(fd)
+
+
+def _grow(result: Captured, size: int, bounds: Bounds) -> None:
+    result.manifest_bytes += size
+    if result.manifest_bytes > max_manifest_bytes(bounds):
+        raise CaptureError("the workspace's names and files are too many to keep in one manifest")
 
 
 def _reuse(old: dict[str, Any], packer: Packer) -> bool:

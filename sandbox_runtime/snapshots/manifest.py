@@ -52,20 +52,34 @@ class Bounds:
     max_entries: int
 
 
-def encode_path(path: str) -> dict[str, str]:
-    """A path (surrogate-escaped str from the filesystem) as manifest fields."""
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def max_manifest_bytes(bounds: Bounds) -> int:
+    """The largest manifest (JSON) a workspace within `bounds` may have: what a restore
+    accepts, so what a capture may make."""
+    return bounds.max_entries * 2048 + 1024 * 1024
+
+
+def _encoded(text: str, key: str) -> dict[str, str]:
+    """Text from the filesystem (surrogate-escaped str) as a manifest field: as it is when
+    it is UTF-8 without control characters (JSON would spell each as 6 bytes), else the
+    base64 of its bytes under `key`+"b"."""
     try:
-        return {"p": path.encode("utf-8").decode("utf-8")}
+        if not CONTROL.search(text):
+            return {key: text.encode("utf-8").decode("utf-8")}
     except UnicodeEncodeError:
-        raw = path.encode("utf-8", "surrogateescape")
-        return {"pb": base64.b64encode(raw).decode("ascii")}
+        pass
+    raw = text.encode("utf-8", "surrogateescape")
+    return {f"{key}b": base64.b64encode(raw).decode("ascii")}
+
+
+def encode_path(path: str) -> dict[str, str]:
+    return _encoded(path, "p")
 
 
 def encode_target(target: str) -> dict[str, str]:
-    try:
-        return {"l": target.encode("utf-8").decode("utf-8")}
-    except UnicodeEncodeError:
-        return {"lb": base64.b64encode(target.encode("utf-8", "surrogateescape")).decode()}
+    return _encoded(target, "l")
 
 
 def _raw(entry: dict[str, Any], text_key: str, b64_key: str) -> bytes:

@@ -10,8 +10,8 @@ A snapshot is, under the principal's prefix `v1/<hash of principal>/` of the sto
     latest/<ws>.json    the newest snapshot of a session (a hint: the metas decide)
 
 Snapshot ids are 128 random bits; every look-up is under the caller's own prefix, so another
-principal can neither list, restore nor fork them. Packs no snapshot needs are removed an
-hour after they were written (a snapshot being written elsewhere may not have its meta yet).
+principal can neither list, restore nor fork them. Retention and what no snapshot needs:
+retention.py (a snapshot being written names the packs it needs in `pending/<sid>.json`).
 """
 
 from __future__ import annotations
@@ -27,42 +27,42 @@ import shutil
 import time
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from loguru import logger
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from sandbox_runtime.domain.owner import Owner, workspace_name
-from sandbox_runtime.errors import InvalidRequestError, LimitExceededError, SandboxRuntimeError
+from sandbox_runtime.errors import InvalidRequestError, SandboxRuntimeError
 from sandbox_runtime.snapshots.apply import Applied, apply, packs_of
 from sandbox_runtime.snapshots.capture import PACK_TARGET, Captured, capture
-from sandbox_runtime.snapshots.manifest import MAX_STORED_CHUNK, Bounds, ManifestError
+from sandbox_runtime.snapshots.gates import Gates
+from sandbox_runtime.snapshots.manifest import (
+    MAX_STORED_CHUNK,
+    Bounds,
+    ManifestError,
+    max_manifest_bytes,
+)
+from sandbox_runtime.snapshots.records import (
+    LOST,
+    SnapshotMetrics,
+    loads,
+    packs_needed,
+    public,
+    restored_from,
+)
+from sandbox_runtime.snapshots.retention import prune
 from sandbox_runtime.snapshots.stores import ObjectMissingError, ObjectStore, StoreUnavailableError
+from sandbox_runtime.supervisor import Supervisor
 from sandbox_runtime.workspaces.store import WorkspaceStore
 
 SNAPSHOT_ID = re.compile(r"snap-[0-9a-f]{32}")
 META_MAX = 64 * 1024
 MANIFEST_MAX = 256 * 1024 * 1024
 PACK_MAX = PACK_TARGET + MAX_STORED_CHUNK
-PACK_GRACE_SECONDS = 3600.0
 CACHED_MANIFESTS = 8
-LOST = "changes made after the snapshot was taken, and interpreter state (variables, imports)"
-
-
-class SnapshotMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
-        self.taken = Counter("srt_snapshots_total", "Snapshots attempted, by trigger and "
-                             "outcome.", ["trigger", "outcome"], registry=r)  # fmt: skip
-        self.seconds = Histogram("srt_snapshot_seconds", "Time to take a snapshot.",
-                                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
-                                 registry=r)  # fmt: skip
-        self.stored = Counter("srt_snapshot_stored_bytes_total", "Bytes stored for the first "
-                              "time (new chunks, compressed).", registry=r)  # fmt: skip
-        self.restores = Counter("srt_snapshot_restores_total", "Restores, by trigger and "
-                                "outcome.", ["trigger", "outcome"], registry=r)  # fmt: skip
+SLOTS = 2  # captures and restores running at once
 
 
 def _digest(*parts: str) -> str:
@@ -83,6 +83,8 @@ class Snapshots:
         ttl_seconds: float = 7 * 86400,
         quota_bytes: int = 10 * 1024**3,
         max_per_principal: int = 100,
+        restore_seconds: float = 120.0,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self.store = store
         self.workspaces = workspaces
@@ -92,9 +94,13 @@ class Snapshots:
         self.keep, self.ttl, self.quota = keep, ttl_seconds, quota_bytes
         self.max_per_principal = max_per_principal
         self._locks: dict[str, asyncio.Lock] = {}
-        self._gates: dict[str, asyncio.Event] = {}
+        self.gates = Gates()
         self._taken: dict[str, float] = {}  # workspace -> when its last snapshot ended
         self._manifests: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # Captures and restores at once (each a thread reading or writing a whole workspace).
+        self._slots = asyncio.Semaphore(SLOTS)
+        self.restore_seconds = restore_seconds
+        self.supervisor = supervisor
 
     @property
     def enabled(self) -> bool:
@@ -116,24 +122,16 @@ class Snapshots:
             self._locks = {n: lk for n, lk in self._locks.items() if lk.locked()}
         return self._locks.setdefault(name, asyncio.Lock())
 
-    # -- a session's calls wait for its restore ----------------------------------------------
+    # -- a session's calls wait for its restore (gates.py) ----------------------------------
 
-    @contextlib.asynccontextmanager
-    async def gate(self, owner: Owner) -> AsyncIterator[None]:
-        """While held, `settled(owner)` waits: the session's workspace is being replaced."""
-        name = workspace_name(owner)
-        while (other := self._gates.get(name)) is not None:
-            await other.wait()
-        event = self._gates[name] = asyncio.Event()
-        try:
-            yield
-        finally:
-            del self._gates[name]
-            event.set()
+    def gate(self, owner: Owner) -> contextlib.AbstractAsyncContextManager[None]:
+        return self.gates.hold(workspace_name(owner))
 
     async def settled(self, owner: Owner) -> None:
-        while (event := self._gates.get(workspace_name(owner))) is not None:
-            await event.wait()
+        await self.gates.settled(workspace_name(owner))
+
+    def replacing(self, owner: Owner) -> bool:
+        return self.gates.is_open(workspace_name(owner))
 
     # -- taking ------------------------------------------------------------------------------
 
@@ -154,7 +152,8 @@ class Snapshots:
         started = time.perf_counter()
         outcome = "failed"
         try:
-            async with self._lock(name):
+            async with self._lock(name), self._slots:
+                await self.settled(owner)
                 meta = await self._take(store, owner, name, trigger)
             outcome = "ok"
             return meta
@@ -167,23 +166,25 @@ class Snapshots:
 
     async def _take(self, store: ObjectStore, owner: Owner, name: str, trigger: str) -> dict:
         prefix = self._prefix(owner.principal)
+        replaced = self.gates.replaced(name)
         previous = await self._previous(store, owner)
-        path, _ = await self.workspaces.ensure(name, owner.principal, ahead=True)
-        staging = self.staging / secrets.token_hex(8)
         snapshot_id = f"snap-{secrets.token_hex(16)}"
+        pending = f"{prefix}/pending/{snapshot_id}.json"
         try:
-            with self.workspaces.hold(name):
-                known = previous.get("chunks", {}) if previous else {}
-                captured: Captured = await asyncio.to_thread(
-                    capture, path, staging, self._bounds(), previous, known
+            captured = await self._capture_and_upload(store, owner, name, prefix, pending, previous)
+            if captured is None:  # a pack it reused was removed meantime: all of it, afresh
+                captured = await self._capture_and_upload(store, owner, name, prefix, pending)
+            if captured is None:
+                raise ManifestError("the store lost packs while the snapshot was written")
+            if self.replacing(owner) or self.gates.replaced(name) != replaced:
+                raise ManifestError(
+                    "the session's workspace was replaced (restored) while it was being "
+                    "snapshotted: this snapshot is not kept; take another"
                 )
-            for pack, pack_path in captured.packs:
-                await store.put_file(f"{prefix}/packs/{pack}", pack_path)
             body = zlib.compress(json.dumps(captured.manifest, separators=(",", ":")).encode(), 6)
             if len(body) > MANIFEST_MAX:
                 raise ManifestError("the workspace's manifest is too large to keep")
             await store.put(f"{prefix}/manifests/{snapshot_id}.z", body)
-            packs = sorted({ref[0] for ref in captured.manifest["chunks"].values()})
             meta = {
                 "snapshot_id": snapshot_id,
                 "session": owner.session_id,
@@ -197,13 +198,14 @@ class Snapshots:
                 "manifest_bytes": len(body),
                 "skipped": captured.skipped,
                 "changed_while_read": captured.changed_while_read,
-                "packs": packs,
+                "packs": packs_needed(captured.manifest),
             }
             await store.put(f"{prefix}/meta/{snapshot_id}.json", json.dumps(meta).encode())
             latest = {"snapshot_id": snapshot_id, "taken_at": meta["taken_at"]}
             await store.put(f"{prefix}/latest/{name}.json", json.dumps(latest).encode())
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(SandboxRuntimeError):
+                await store.delete(pending)
         self._taken[name] = time.monotonic()
         self._cache(name, captured.manifest)
         self.metrics.stored.inc(captured.new_bytes)
@@ -214,7 +216,41 @@ class Snapshots:
             await self.prune(owner.principal, keep_id=snapshot_id)
         except SandboxRuntimeError as exc:
             logger.warning("snapshots not pruned: {}", exc)
-        return _public(meta)
+        return public(meta)
+
+    async def _capture_and_upload(
+        self,
+        store: ObjectStore,
+        owner: Owner,
+        name: str,
+        prefix: str,
+        pending: str,
+        previous: dict[str, Any] | None = None,
+    ) -> Captured | None:
+        """Capture the workspace and upload its new packs; None when a pack it reuses from
+        `previous` is no longer in the store (pruned meanwhile, here or on another replica).
+
+        The packs it needs are recorded first (`pending`): prune keeps them while that record
+        is young, so none can go between the check below and the snapshot's meta."""
+        path, _ = await self.workspaces.ensure(name, owner.principal, ahead=True)
+        staging = self.staging / secrets.token_hex(8)
+        try:
+            with self.workspaces.hold(name):
+                known = previous.get("chunks", {}) if previous else {}
+                captured: Captured = await asyncio.to_thread(
+                    capture, path, staging, self._bounds(), previous, known
+                )
+            needed = packs_needed(captured.manifest)
+            await store.put(pending, json.dumps({"packs": needed}).encode())
+            for pack, pack_path in captured.packs:
+                await store.put_file(f"{prefix}/packs/{pack}", pack_path)
+            stored = {info.key.rsplit("/", 1)[-1] for info in await store.list(f"{prefix}/packs")}
+            if not set(needed) <= stored:
+                self._manifests.pop(name, None)
+                return None
+            return captured
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _cache(self, name: str, manifest: dict[str, Any]) -> None:
         self._manifests[name] = manifest
@@ -243,7 +279,7 @@ class Snapshots:
             raise InvalidRequestError("snapshot_id must be an id list_snapshots gave")
         key = f"{self._prefix(principal)}/meta/{snapshot_id}.json"
         try:
-            return _loads(await store.get(key, META_MAX))
+            return loads(await store.get(key, META_MAX))
         except ObjectMissingError:
             raise InvalidRequestError(f"there is no snapshot {snapshot_id} of yours") from None
 
@@ -252,7 +288,7 @@ class Snapshots:
         store = self._need_store()
         prefix = self._prefix(owner.principal)
         with contextlib.suppress(ObjectMissingError, ManifestError):
-            hint = _loads(await store.get(f"{prefix}/latest/{workspace_name(owner)}.json", 4096))
+            hint = loads(await store.get(f"{prefix}/latest/{workspace_name(owner)}.json", 4096))
             with contextlib.suppress(InvalidRequestError):
                 return await self.meta(owner.principal, str(hint.get("snapshot_id")))
         found = await self.list(owner.principal, owner.session_id)
@@ -264,7 +300,7 @@ class Snapshots:
         metas = []
         for info in await store.list(f"{self._prefix(principal)}/meta"):
             with contextlib.suppress(ObjectMissingError, ManifestError):
-                meta = _loads(await store.get(info.key, META_MAX))
+                meta = loads(await store.get(info.key, META_MAX))
                 if session is None or meta.get("session") == session:
                     metas.append(meta)
         metas.sort(key=lambda m: float(m.get("taken_at") or 0), reverse=True)
@@ -273,14 +309,14 @@ class Snapshots:
     async def _manifest(self, store: ObjectStore, principal: str, snapshot_id: str) -> dict:
         body = await store.get(f"{self._prefix(principal)}/manifests/{snapshot_id}.z", MANIFEST_MAX)
         inflater = zlib.decompressobj()
-        limit = self._bounds().max_entries * 2048 + 1024 * 1024
+        limit = max_manifest_bytes(self._bounds())
         try:
             text = inflater.decompress(body, limit)
         except zlib.error:
             raise ManifestError(f"the manifest of {snapshot_id} is corrupt") from None
         if inflater.unconsumed_tail:
             raise ManifestError(f"the manifest of {snapshot_id} is larger than it may be")
-        return _loads(text)
+        return loads(text)
 
     # -- restoring ---------------------------------------------------------------------------
 
@@ -297,20 +333,14 @@ class Snapshots:
         prefix = self._prefix(owner.principal)
         outcome = "failed"
         try:
-            manifest = await self._manifest(store, owner.principal, meta["snapshot_id"])
-            bounds = self._bounds()
-            local: dict[str, Path] = {}
-            for pack in await asyncio.to_thread(packs_of, manifest, bounds):
-                local[pack] = await store.local(f"{prefix}/packs/{pack}", staging, PACK_MAX)
-            path, _ = await self.workspaces.ensure(name, owner.principal, ahead=True)
-            with self.workspaces.hold(name):
-                applied = await asyncio.to_thread(
-                    apply, path, manifest, bounds, local.__getitem__, self._owner_ids()
-                )
-            self._cache(workspace_name(owner), manifest)
-            self._taken[workspace_name(owner)] = time.monotonic()
+            async with self._slots:
+                applied = await self._restore(store, owner, meta, name, prefix, staging)
             outcome = "ok"
             return applied
+        except TimeoutError:
+            raise StoreUnavailableError(
+                f"the snapshot could not be restored within {self.restore_seconds:g} s"
+            ) from None
         except ObjectMissingError as exc:
             raise ManifestError(f"snapshot {meta['snapshot_id']} is incomplete: {exc}") from None
         except OSError as exc:
@@ -322,6 +352,32 @@ class Snapshots:
             self.metrics.restores.labels(trigger, outcome).inc()
             if outcome != "ok":
                 await self._wipe(name, owner.principal, again=name == workspace_name(owner))
+
+    async def _restore(
+        self,
+        store: ObjectStore,
+        owner: Owner,
+        meta: dict[str, Any],
+        name: str,
+        prefix: str,
+        staging: Path,
+    ) -> Applied:
+        """Fetch the manifest and packs (within the restore's deadline: the store may hang),
+        then write the workspace (local: not cut off half-way by a deadline)."""
+        async with asyncio.timeout(self.restore_seconds):
+            manifest = await self._manifest(store, owner.principal, meta["snapshot_id"])
+            bounds = self._bounds()
+            local: dict[str, Path] = {}
+            for pack in await asyncio.to_thread(packs_of, manifest, bounds):
+                local[pack] = await store.local(f"{prefix}/packs/{pack}", staging, PACK_MAX)
+        path, _ = await self.workspaces.ensure(name, owner.principal, ahead=True)
+        with self.workspaces.hold(name):
+            applied = await asyncio.to_thread(
+                apply, path, manifest, bounds, local.__getitem__, self._owner_ids()
+            )
+        self._cache(workspace_name(owner), manifest)
+        self._taken[workspace_name(owner)] = time.monotonic()
+        return applied
 
     def _owner_ids(self) -> tuple[int, int] | None:
         uid, gid = self.workspaces.uid, self.workspaces.gid
@@ -341,12 +397,26 @@ class Snapshots:
         and lost, or restore_failed ({}: no snapshot, or snapshots are off)."""
         if self.store is None:
             return {}
+        work = self._take_over(owner)
+        if self.supervisor is None:
+            return await work
+        # A caller that gives up (cancelled) must not end the restore half-way, nor the gate
+        # its session's other calls wait at: the restore runs on, and the gate with it.
+        task = self.supervisor.spawn("restore a session", work)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
+            raise
+
+    async def _take_over(self, owner: Owner) -> dict[str, Any]:
         try:
             meta = await self.latest(owner)
             if meta is None:
                 return {}
             applied = await self.restore(owner, meta, "takeover")
-        except (ManifestError, StoreUnavailableError) as exc:
+        except Exception as exc:  # a takeover never fails the call: it starts empty
             logger.warning("a session's snapshot was not restored: {}", exc)
             return {"restore_failed": f"{exc}; the session starts with an empty workspace"}
         logger.info("session restored from snapshot {} ({} files, {} bytes)",
@@ -356,73 +426,16 @@ class Snapshots:
     # -- retention ---------------------------------------------------------------------------
 
     async def prune(self, principal: str, keep_id: str = "") -> int:
-        """Apply retention to the principal's snapshots (the last `keep` per session, none
-        older than the TTL, at most `max_per_principal`, within the byte quota; `keep_id`
-        stays unless it alone is over the quota): how many were removed. Then remove packs
-        no snapshot needs."""
+        """Apply retention to the principal's snapshots (see retention.prune): how many were
+        removed."""
         store = self._need_store()
-        prefix = self._prefix(principal)
-        metas = await self.list(principal)
-        now = time.time()
-        doomed: list[dict[str, Any]] = []
-        kept: list[dict[str, Any]] = []
-        per_session: dict[str, int] = {}
-        for meta in metas:  # newest first
-            count = per_session[str(meta.get("session"))] = per_session.get(
-                str(meta.get("session")), 0) + 1  # fmt: skip
-            expired = float(meta.get("taken_at") or 0) + self.ttl < now
-            if meta["snapshot_id"] != keep_id and (count > self.keep or expired):
-                doomed.append(meta)
-            else:
-                kept.append(meta)
-        packs = {info.key.rsplit("/", 1)[-1]: info for info in await store.list(f"{prefix}/packs")}
-
-        def held(metas: list[dict[str, Any]]) -> int:
-            needed = {p for m in metas for p in m.get("packs", ())}
-            return sum(packs[p].size for p in needed if p in packs)
-
-        while len(kept) > 1 and (len(kept) > self.max_per_principal or held(kept) > self.quota):
-            oldest = next(m for m in reversed(kept) if m["snapshot_id"] != keep_id)
-            kept.remove(oldest)
-            doomed.append(oldest)
-        if held(kept) > self.quota and keep_id:
-            doomed.extend(m for m in kept if m["snapshot_id"] == keep_id)
-            kept = [m for m in kept if m["snapshot_id"] != keep_id]
-        for meta in doomed:
-            await store.delete(f"{prefix}/meta/{meta['snapshot_id']}.json")
-            await store.delete(f"{prefix}/manifests/{meta['snapshot_id']}.z")
-        needed = {p for m in kept for p in m.get("packs", ())}
-        for pack, info in packs.items():
-            if pack not in needed and info.modified + PACK_GRACE_SECONDS < now:
-                await store.delete(info.key)
-        if keep_id and any(m["snapshot_id"] == keep_id for m in doomed):
-            raise LimitExceededError(
-                f"the snapshot is larger than this token's snapshot quota ({self.quota} bytes)"
-                " and was not kept"
-            )
-        return len(doomed)
-
-
-def restored_from(meta: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "snapshot_id": meta["snapshot_id"],
-        "taken_at": meta.get("taken_at"),
-        "trigger": meta.get("trigger"),
-    }
-
-
-def _public(meta: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in meta.items() if k != "packs"}
-
-
-def _loads(data: bytes) -> dict[str, Any]:
-    try:
-        value = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        raise ManifestError("a snapshot object is not valid JSON") from None
-    if not isinstance(value, dict):
-        raise ManifestError("a snapshot object is not a JSON object")
-    return value
-
-
-Sessions = Callable[[], list[Owner]]
+        return await prune(
+            store,
+            self._prefix(principal),
+            await self.list(principal),
+            keep=self.keep,
+            ttl=self.ttl,
+            quota=self.quota,
+            max_count=self.max_per_principal,
+            keep_id=keep_id,
+        )

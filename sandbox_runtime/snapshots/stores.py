@@ -19,11 +19,24 @@ import re
 import secrets
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from loguru import logger
+
 from sandbox_runtime.errors import SandboxRuntimeError
+
+# The stores' own threads: a store that hangs (a hard-mounted NFS that stopped answering)
+# holds these, never the threads the rest of the server uses for file and mount work.
+STORE_THREADS = 4
+_executor = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="snapshot-store")
+
+
+async def in_store_thread(fn: Any, *args: Any) -> Any:
+    return await asyncio.get_running_loop().run_in_executor(_executor, fn, *args)
+
 
 KEY = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}){0,7}")
 TEMP_PREFIX = ".tmp-"
@@ -80,7 +93,7 @@ class DirectoryStore:
     def __init__(self, root: Path, timeout: float) -> None:
         self.root = root
         self.timeout = timeout
-        self.describe = f"directory {root}"
+        self.describe = "directory"  # (its path stays out of what callers are told)
 
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -88,12 +101,15 @@ class DirectoryStore:
     async def _run(self, fn: Any, *args: Any) -> Any:
         try:
             async with asyncio.timeout(self.timeout):
-                return await asyncio.to_thread(fn, *args)
+                return await in_store_thread(fn, *args)
         except FileNotFoundError as exc:
-            raise ObjectMissingError(f"snapshot object missing: {exc.filename}") from None
+            name = str(exc.filename or "?").removeprefix(f"{self.root}/")  # (no host paths)
+            raise ObjectMissingError(f"snapshot object missing: {name}") from None
         except (OSError, TimeoutError) as exc:
+            logger.warning("snapshot store {} failed: {}", self.root, exc)
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "timed out"
             raise StoreUnavailableError(
-                f"the snapshot store ({self.describe}) failed: {_first_line(exc)}"
+                f"the snapshot store ({self.describe}) failed: {type(exc).__name__}: {reason}"
             ) from None
 
     def _prepare(self, path: Path) -> Path:
@@ -143,11 +159,16 @@ class DirectoryStore:
             raise ObjectMissingError(f"snapshot object {key} is larger than it may be")
         return data
 
-    def _local_sync(self, key: str, max_bytes: int) -> Path:
+    def _local_sync(self, key: str, staging: Path, max_bytes: int) -> Path:
+        """A copy in `staging` (read under the store's timeout: a restore then reads only
+        local files, which a hung shared filesystem cannot stall)."""
         path = self._path(key)
         if path.stat().st_size > max_bytes:
             raise ObjectMissingError(f"snapshot object {key} is larger than it may be")
-        return path
+        staging.mkdir(mode=0o700, parents=True, exist_ok=True)
+        copy = staging / key.replace("/", "_")
+        shutil.copyfile(path, copy)
+        return copy
 
     def _list_sync(self, prefix: str) -> list[ObjectInfo]:
         base = self._path(prefix.rstrip("/"))
@@ -176,7 +197,7 @@ class DirectoryStore:
         return await self._run(self._get_sync, key, max_bytes)
 
     async def local(self, key: str, staging: Path, max_bytes: int) -> Path:
-        return await self._run(self._local_sync, key, max_bytes)
+        return await self._run(self._local_sync, key, staging, max_bytes)
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         """Objects directly under `prefix` (one level: keys are made that way)."""
@@ -236,9 +257,9 @@ class S3Store:
         await self._call(obstore.put_async(self._store, check_key(key), data))
 
     async def put_file(self, key: str, path: Path) -> None:
-        data = await asyncio.to_thread(path.read_bytes)
+        data = await in_store_thread(path.read_bytes)
         await self.put(key, data)
-        await asyncio.to_thread(path.unlink, missing_ok=True)
+        await in_store_thread(lambda: path.unlink(missing_ok=True))
 
     async def get(self, key: str, max_bytes: int) -> bytes:
         import obstore
@@ -261,7 +282,7 @@ class S3Store:
             staging.mkdir(mode=0o700, parents=True, exist_ok=True)
             path.write_bytes(data)
 
-        await asyncio.to_thread(write)
+        await in_store_thread(write)
         return path
 
     async def list(self, prefix: str) -> list[ObjectInfo]:

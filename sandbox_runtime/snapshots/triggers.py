@@ -14,7 +14,6 @@ from collections.abc import Callable
 from loguru import logger
 
 from sandbox_runtime.domain.owner import Owner, workspace_name
-from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.snapshots.service import Snapshots
 
 MAX_PER_PASS = 32  # idle snapshots per pass (the rest wait for the next)
@@ -25,11 +24,13 @@ class Triggers:
         self,
         snapshots: Snapshots,
         sessions_here: Callable[[], list[Owner]],
+        busy: Callable[[], set[str]],
         idle_seconds: float,
         drain_seconds: float,
     ) -> None:
         self.snapshots = snapshots
         self.sessions_here = sessions_here
+        self.busy = busy  # workspaces a running execution uses (a kernel alone does not count)
         self.idle_seconds = idle_seconds
         self.drain_seconds = drain_seconds
         self._failing_since: float | None = None
@@ -39,12 +40,12 @@ class Triggers:
         return max(1.0, min(30.0, self.idle_seconds / 4))
 
     def _due(self, idle_seconds: float) -> list[Owner]:
-        busy = self.snapshots.workspaces.in_use()
+        busy = self.busy()
         seen: set[str] = set()
         due = []
         for owner in self.sessions_here():
             name = workspace_name(owner)
-            if name in seen or name in busy:
+            if name in seen or name in busy or self.snapshots.replacing(owner):
                 continue
             seen.add(name)
             if self.snapshots.changed_since_snapshot(owner, idle_seconds):
@@ -61,7 +62,7 @@ class Triggers:
             try:
                 await self.snapshots.take(owner, "idle")
                 taken += 1
-            except SandboxRuntimeError as exc:
+            except Exception as exc:  # (a store down, a full disk: tried again next pass)
                 if self._failing_since is None:
                     self._failing_since = time.monotonic()
                     logger.warning("idle snapshot delayed: {}", exc)
@@ -87,7 +88,7 @@ class Triggers:
                     try:
                         await self.snapshots.take(owner, "drain")
                         taken += 1
-                    except SandboxRuntimeError as exc:
+                    except Exception as exc:  # (the others are still tried)
                         logger.warning("a session was not snapshotted before stopping: {}", exc)
         except TimeoutError:
             logger.warning(
