@@ -292,7 +292,7 @@ class Router:
         reset = SessionReset(reason=reason, previous_replica=previous.home)  # type: ignore[arg-type]
         self.owe(owner, reset)  # (told even if this caller gives up during the restore)
         restored = await self.parts.snapshots.take_over(owner)
-        reset = reset.model_copy(update=restored)
+        reset = SessionReset.model_validate({**reset.model_dump(), **restored})
         return Placement(True, self.replica_id, reset=reset)
 
     async def _ensure_workspace(self, owner: Owner) -> bool | None:
