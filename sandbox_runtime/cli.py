@@ -33,6 +33,7 @@ FLAG_TO_SETTING = {
     "allow_unauthenticated": "allow_unauthenticated",
     "allowed_hosts": "allowed_hosts",
     "console": "console",
+    "role": "role",
 }
 
 
@@ -80,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--state-dir", help="SANDBOX_STATE_DIR")
     parser.add_argument("--sandbox-user", help="SANDBOX_SANDBOX_USER")
     parser.add_argument("--allowed-hosts", help="SANDBOX_ALLOWED_HOSTS")
+    parser.add_argument(
+        "--role",
+        choices=["all", "api", "worker"],
+        help="all (default): one process serves MCP and runs sandboxes; api: MCP only, "
+        "sessions placed on workers; worker: sandboxes only (SANDBOX_ROLE)",
+    )
     parser.add_argument(
         "--no-console",
         dest="console",

@@ -57,6 +57,7 @@ from sandbox_runtime.servers.code_mode import BridgeMaker
 from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
+from sandbox_runtime.sessions.queue import PlacementQueue
 from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import open_store
@@ -170,7 +171,10 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             blanks=settings.workspace_pool,
         )
         closing.add(workspaces.aclose)
-        backend.start()  # finds the sandbox user, or says why sandboxes cannot run
+        if settings.role == "api":  # (an api replica runs nothing: its sessions live on workers)
+            backend.unavailable_reason = API_ROLE
+        else:
+            backend.start()  # finds the sandbox user, or says why sandboxes cannot run
         egress = await _egress(settings, backend, metrics, supervisor)
         if egress is not None:
             closing.add(egress.aclose)
@@ -219,7 +223,10 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             supervisor=supervisor,
         )
         parts = Parts(manager, interpreters, signer, servers, snapshots)
-        router = Router(settings, parts, cluster)
+        queue = _queue(settings, cluster)
+        if queue is not None:
+            closing.add(queue.redis.aclose)
+        router = Router(settings, parts, cluster, queue if settings.role == "api" else None)
         triggers = Triggers(
             snapshots,
             lambda: [owner for _, owner in router.placements.homed_at(settings.replica_id)],
@@ -248,12 +255,50 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         stack.push_async_callback(services.stop)
         await cluster.check(starting=True)
         router.start()
-        interpreters.start()
-        servers.start()
+        if settings.role != "api":
+            interpreters.start()
+            servers.start()
+        if queue is not None and settings.role == "worker":
+            _serve_placements(settings, supervisor, queue, router)
         if snapshots.enabled and settings.snapshot_idle_seconds > 0:
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
         yield services
+
+
+API_ROLE = "this replica's role is api: its sessions run on workers"
+
+
+def _queue(settings: Settings, cluster: LocalCluster) -> PlacementQueue | None:
+    """The placement queue of split roles (None: role all)."""
+    if settings.role == "all" or not isinstance(cluster, RedisCluster):
+        return None
+    from sandbox_runtime.state.redis_store import redis_client
+
+    # A client of its own: its reads block (BLPOP, XREADGROUP) longer than the store's timeout.
+    wait = settings.placement_wait_seconds
+    redis = redis_client(
+        settings.redis_url or "",
+        decode_responses=True,
+        socket_connect_timeout=2.0,
+        socket_timeout=max(wait, 2.0) + 5.0,
+    )
+    return PlacementQueue(redis, "", settings.replica_id, wait)
+
+
+def _serve_placements(
+    settings: Settings, supervisor: Supervisor, queue: PlacementQueue, router: Router
+) -> None:
+    """A worker takes new sessions from the queue while it has room for more."""
+
+    async def take(owner: Owner) -> str:
+        return (await router.place(owner)).home
+
+    def has_room() -> bool:
+        here = len(router.placements.homed_at(settings.replica_id))
+        return router.manager.accepting and here < settings.worker_max_sessions
+
+    supervisor.run("placements", lambda: queue.serve(take, has_room))
 
 
 def _cluster(

@@ -356,6 +356,24 @@ class Settings(BaseSettings):
         Path("/var/lib/sandbox-runtime"),
         description="Server state: workspaces live in `<state_dir>/workspaces`.",
     )
+    role: str = Field(
+        "all",
+        pattern=r"^(all|api|worker)$",
+        description="all: serve MCP and run sandboxes (one process does both); api: serve MCP, "
+        "the console and file URLs, and run nothing (sessions are placed on workers); worker: "
+        "run sandboxes, interpreters and hosted servers for api replicas, on the cluster port "
+        "only. api and worker need REDIS_URL and SANDBOX_CLUSTER_SECRET.",
+    )
+    worker_max_sessions: int = Field(
+        200, ge=1, description="A worker takes no new session past this many homed on it."
+    )
+    placement_wait_seconds: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        description="How long an api replica waits for a worker to take a new session before "
+        "the call fails with 'no worker capacity'.",
+    )
     snapshot_store: str = Field(
         "",
         description="Where session snapshots are kept: a directory (any shared filesystem, for "
@@ -486,6 +504,11 @@ class Settings(BaseSettings):
         secret = self.cluster_secret.get_secret_value() if self.cluster_secret else ""
         if secret and len(secret) < 16:
             raise ValueError("SANDBOX_CLUSTER_SECRET must be at least 16 characters")
+        if self.role != "all" and (not self.redis_url or not secret):
+            raise ValueError(
+                f"SANDBOX_ROLE={self.role} needs REDIS_URL and SANDBOX_CLUSTER_SECRET (api and "
+                "worker replicas find each other through Redis)"
+            )
         if self.redis_url and self.cluster_port is not None and self.cluster_port != 0:
             if self.cluster_port == self.port:
                 raise ValueError("SANDBOX_CLUSTER_PORT must differ from SANDBOX_PORT")

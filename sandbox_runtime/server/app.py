@@ -165,7 +165,7 @@ def create_app(
             return JSONResponse({"status": "starting", "version": __version__}, status_code=503)
         services = root.services
         current = services.manager
-        sandbox = current.backend.unavailable_reason
+        sandbox = current.backend.unavailable_reason if settings.role != "api" else None
         redis = services.cluster.store_status
         cluster = services.cluster.problem or services.cluster.clock_problem
         if not current.egress_policy.enabled:
@@ -190,6 +190,7 @@ def create_app(
             "version": __version__,
             "replica_id": current.replica_id,
             "running_executions": current.running_count,
+            "role": settings.role,
             "sandbox": "ok" if sandbox is None else f"unavailable: {sandbox}",
             "redis": redis,
             "mirror_backlog": services.cluster.backlog,
@@ -233,8 +234,14 @@ def create_app(
             return JSONResponse({"ready": False, "reasons": ["starting"]}, status_code=503)
         current = root.services.manager
         reasons = []
-        if current.backend.unavailable_reason is not None:
+        if current.backend.unavailable_reason is not None and settings.role != "api":
             reasons.append(f"sandbox: {current.backend.unavailable_reason}")
+        if settings.role == "api":
+            try:
+                if not await root.services.cluster.live_workers():
+                    reasons.append("no live worker: new sessions cannot be placed")
+            except Exception as exc:  # (the store: reported below too)
+                reasons.append(f"workers unknown: {type(exc).__name__}")
         disk = current.workspaces.disk.status()
         if disk.low:
             reasons.append(
@@ -280,7 +287,8 @@ def create_app(
     if cluster_port is None:
         return served
     cluster = ClusterApp(lambda: root.services.router, {CLUSTER_PREFIX: files})
-    return ClusterDispatch(served, cluster, cluster_port)
+    probes = PROBES if settings.role == "worker" else ()  # (a worker serves only this port)
+    return ClusterDispatch(served, cluster, cluster_port, probes)
 
 
 class PrefixDispatch:
@@ -304,20 +312,25 @@ class ClusterDispatch:
     """Sends requests that arrived on the cluster port to the cluster app, all else to the
     public app (lifespan included)."""
 
-    def __init__(self, public: ASGIApp, cluster: ASGIApp, cluster_port: int) -> None:
+    def __init__(
+        self, public: ASGIApp, cluster: ASGIApp, cluster_port: int, probes: tuple[str, ...] = ()
+    ) -> None:
         self.public = public
         self.cluster = cluster
         self.cluster_port = cluster_port
+        self.probes = probes  # paths of the public app served on the cluster port too
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         server = scope.get("server")
-        if scope["type"] == "http" and server is not None and server[1] == self.cluster_port:
+        on_cluster = server is not None and server[1] == self.cluster_port
+        if scope["type"] == "http" and on_cluster and scope["path"] not in self.probes:
             await self.cluster(scope, receive, send)
         else:
             await self.public(scope, receive, send)
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+PROBES = ("/health", "/ready", "/metrics")
 
 
 def _transport_security(

@@ -59,20 +59,24 @@ async def serve(settings: Settings) -> int:
     sockets: list[socket.socket] | None = None
     cluster_port: int | None = None
     cluster_address = ""
-    if settings.redis_url and settings.cluster_secret is not None:
-        # Several replicas share the store: listen for their forwarded calls too.
+    if settings.redis_url and settings.cluster_secret is not None and settings.role != "api":
+        # Several replicas share the store: listen for their forwarded calls too (a worker:
+        # only for them, and its probes).
         cluster_host, port = settings.cluster_bind()
-        try:
-            public = bind(settings.host, settings.port)
-        except OSError as exc:
-            logger.error(
-                "cannot listen on {}:{} (SANDBOX_PORT): {}", settings.host, settings.port, exc
-            )
-            return 1
+        public = None
+        if settings.role == "all":
+            try:
+                public = bind(settings.host, settings.port)
+            except OSError as exc:
+                logger.error(
+                    "cannot listen on {}:{} (SANDBOX_PORT): {}", settings.host, settings.port, exc
+                )
+                return 1
         try:
             cluster = bind(cluster_host, port)
         except OSError as exc:
-            public.close()
+            if public is not None:
+                public.close()
             logger.error(
                 "cannot listen on {}:{} for other replicas (SANDBOX_CLUSTER_HOST / "
                 "SANDBOX_CLUSTER_PORT, default the public port + 1): {}",
@@ -81,7 +85,7 @@ async def serve(settings: Settings) -> int:
                 exc,
             )
             return 1
-        sockets = [public, cluster]
+        sockets = [public, cluster] if public is not None else [cluster]
         cluster_port = cluster.getsockname()[1]
         cluster_address = settings.cluster_advertise or f"{advertised(cluster_host)}:{cluster_port}"
         logger.info(

@@ -197,7 +197,12 @@ class LocalCluster:
         return {
             "cluster_address": self.address,
             "cluster_key_id": self.signer.key_id if self.signer else None,
+            "role": self.settings.role,
         }
+
+    async def live_workers(self) -> list[str]:
+        """Replicas that run sessions (role worker or all) whose heartbeat lives: this one."""
+        return [self.replica_id] if self.settings.role != "api" else []
 
 
 class RedisCluster(LocalCluster):
@@ -284,6 +289,10 @@ class RedisCluster(LocalCluster):
         if self.mirror.connected:
             return "ok"
         return f"unavailable: {self.mirror.last_error or 'not connected yet'}"
+
+    async def live_workers(self) -> list[str]:
+        beats = await self.store.replica_beats()
+        return sorted(r for r, beat in beats.items() if beat.get("role", "all") != "api")
 
     async def unreachable(self) -> str | None:
         try:

@@ -1,10 +1,9 @@
 """The Router: where a session's operations run, here or on the session's home replica.
 
-Session-bound operations (those that use the session's state) run on the session's home
-replica: here, or forwarded to it over the cluster channel. A session without a home gets
-this replica; one whose home died or stopped is re-homed here with a fresh workspace, and the
-answer says so (`session_reset`). Reads and control of executions, wherever they run, are
-`Router.executions` (executions.py). With one replica and no Redis all of this is local.
+Session-bound operations run on the session's home: here, or forwarded over the cluster
+channel. A session without a live home gets this replica (an api replica's: a worker, through
+the placement queue); a re-homed one says so (`session_reset`, with its snapshot restored).
+Reads and control of executions, wherever they run, are `Router.executions`.
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ RECLAIM_SESSION_LIMIT = 2**31
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an operation runs: here (with a reset if the session just moved here), or on
-    `home` at `address`."""
+    """Where an operation runs: here (with a reset if it just moved here), or at `address`."""
 
     local: bool
     home: str
@@ -58,7 +56,7 @@ class Placement:
 class Router:
     """Routes session-bound operations to their home and serves reads from anywhere."""
 
-    def __init__(self, settings: Settings, parts: Parts, cluster: LocalCluster) -> None:
+    def __init__(self, settings: Settings, parts: Parts, cluster: LocalCluster, queue: Any = None):
         self.settings = settings
         self.parts = parts
         self.manager = manager = parts.manager
@@ -81,6 +79,7 @@ class Router:
         # making is no reset.
         self._unmade: set[str] = set()
         self.placements = Placements()
+        self.queue = queue  # an api replica's PlacementQueue: workers home its sessions
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -147,19 +146,16 @@ class Router:
         raise OwnerUnavailableError("this session's home kept changing; retry shortly")
 
     async def _reclaim_all(self) -> int:
-        """Claim again every session homed here that the store has no record of. Raises what
-        the store raises."""
-        pending = self.placements.homed_at(self.replica_id)
+        """Claim again every session homed here that the store has no record of."""
         restored = 0
-        for key, owner in pending:
+        for key, owner in self.placements.homed_at(self.replica_id):
             if not self.manager.accepting:
                 break  # (stopping: its sessions are being released)
             restored += await self._reclaim(key, owner)
         return restored
 
     async def _reclaim(self, key: str, owner: Owner) -> bool:
-        """Claim `owner`'s session here if the store has no record of it; learn of a home
-        elsewhere otherwise. Raises what the store raises."""
+        """Claim `owner`'s session here if the store has none of it (else learn its home)."""
         still_here = self.placements.get(key) == (self.replica_id, owner)
         if not still_here or not self.manager.workspaces.exists(workspace_name(owner)):
             return False  # placed elsewhere meanwhile, or its workspace is gone
@@ -240,6 +236,9 @@ class Router:
         store is no longer in `epoch`)."""
         if not self.manager.accepting:
             raise SandboxSpawnError("this replica is shutting down; retry on another replica")
+        if self.queue is not None:  # (a worker claims it: found by the next lookup)
+            await self.queue.place(owner)
+            return None
         if previous is None:
             return await self._claim_now(owner, None, reason, epoch)
         async with self.parts.snapshots.gate(owner):  # (its calls wait for its restore)
@@ -293,6 +292,7 @@ class Router:
         self.owe(owner, reset)  # (told even if this caller gives up during the restore)
         restored = await self.parts.snapshots.take_over(owner)
         reset = SessionReset.model_validate({**reset.model_dump(), **restored})
+        self.owe(owner, reset)
         return Placement(True, self.replica_id, reset=reset)
 
     async def _ensure_workspace(self, owner: Owner) -> bool | None:

@@ -1,0 +1,163 @@
+"""Placing sessions on workers through a Redis Stream (split roles: DESIGN §16).
+
+An api replica never homes a session. A session that has no live home is put on the stream
+`placements` as a request; the workers read it through one consumer group, each only while it
+has room for another session (pull: a full worker takes nothing, so the load spreads by
+capacity, with no scheduler). The worker that reads a request claims the session (or finds it
+claimed meanwhile) and answers on the request's reply list, which the api replica waits on
+with a blocking pop, a bounded time: no worker answering within SANDBOX_PLACEMENT_WAIT_SECONDS
+is "no worker capacity". A request a worker read and never acknowledged (it died) is claimed
+by another worker once it has been idle RECLAIM_IDLE_SECONDS; a request whose caller has
+given up (past its deadline) is dropped unanswered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from loguru import logger
+
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.errors import LimitExceededError, OwnerUnavailableError
+
+GROUP = "srt-workers"
+RECLAIM_IDLE_SECONDS = 5.0
+MAX_QUEUED = 10_000  # the stream's length, trimmed approximately
+REPLY_TTL_SECONDS = 60
+READ_BLOCK_MS = 2000
+
+Take = Callable[[Owner], Awaitable[str]]
+
+
+class PlacementQueue:
+    def __init__(self, redis: Any, prefix: str, replica_id: str, wait_seconds: float) -> None:
+        self.redis = redis
+        self.stream = f"{prefix}srt:placements"
+        self.replies = f"{prefix}srt:placement-reply:"
+        self.replica_id = replica_id
+        self.wait_seconds = wait_seconds
+        self.served = 0
+
+    # -- the api's side ----------------------------------------------------------------------
+
+    async def place(self, owner: Owner) -> str:
+        """Ask the workers to home `owner`'s session: the worker that did. Raises
+        LimitExceededError (no worker took it in time), OwnerUnavailableError (no store)."""
+        request = secrets.token_hex(12)
+        reply = self.replies + request
+        deadline = time.time() + self.wait_seconds
+        fields = {
+            "principal": owner.principal,
+            "session": owner.session_id,
+            "reply": reply,
+            "deadline": f"{deadline:.3f}",
+            "from": self.replica_id,
+        }
+        try:
+            await self.redis.xadd(self.stream, fields, maxlen=MAX_QUEUED, approximate=True)
+            answer = await self.redis.blpop([reply], timeout=self.wait_seconds)
+        except Exception as exc:  # the store failed
+            raise OwnerUnavailableError(
+                f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
+            ) from exc
+        if answer is None:
+            raise LimitExceededError(
+                f"no worker capacity: no worker took this session within {self.wait_seconds:g} s "
+                "(SANDBOX_PLACEMENT_WAIT_SECONDS); retry shortly"
+            )
+        body = json.loads(answer[1])
+        if "error" in body:
+            raise LimitExceededError(str(body["error"]))
+        return str(body["home"])
+
+    async def depth(self) -> tuple[int, float]:
+        """(requests waiting or being placed, age in seconds of the oldest): for autoscalers."""
+        try:
+            info = await self.redis.xinfo_groups(self.stream)
+        except Exception:
+            return 0, 0.0
+        lag = 0
+        for group in info:
+            name = group.get("name")
+            if (name.decode() if isinstance(name, bytes) else name) == GROUP:
+                lag = int(group.get("lag") or 0) + int(group.get("pending") or 0)
+        oldest = 0.0
+        if lag:
+            first = await self.redis.xrange(self.stream, count=1)
+            if first:
+                millis = int(str(first[0][0], "ascii").split("-")[0]) if isinstance(
+                    first[0][0], bytes) else int(str(first[0][0]).split("-")[0])  # fmt: skip
+                oldest = max(0.0, time.time() - millis / 1000)
+        return lag, oldest
+
+    # -- the worker's side -------------------------------------------------------------------
+
+    async def _group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
+        except Exception as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    async def serve(self, take: Take, has_room: Callable[[], bool]) -> None:
+        """Take placement requests while there is room, until cancelled (a worker's loop)."""
+        await self._group()
+        while True:
+            if not has_room():
+                await asyncio.sleep(0.2)
+                continue
+            entries = await self._reclaimed()
+            if not entries:
+                read = await self.redis.xreadgroup(
+                    GROUP, self.replica_id, {self.stream: ">"}, count=1, block=READ_BLOCK_MS
+                )
+                entries = [e for _, stream_entries in read or [] for e in stream_entries]
+            for entry_id, fields in entries:
+                await self._answer(take, entry_id, fields)
+
+    async def _reclaimed(self) -> list[Any]:
+        """Requests another worker read and never acknowledged (it died), idle long enough."""
+        found = await self.redis.xautoclaim(
+            self.stream,
+            GROUP,
+            self.replica_id,
+            min_idle_time=int(RECLAIM_IDLE_SECONDS * 1000),
+            start_id="0-0",
+            count=1,
+        )
+        claimed = found[1] if isinstance(found, list | tuple) and len(found) > 1 else []
+        if claimed:
+            logger.info("placement: took over a request another worker left unanswered")
+        return list(claimed)
+
+    async def _answer(self, take: Take, entry_id: Any, raw: dict[Any, Any]) -> None:
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        try:
+            if float(fields.get("deadline") or 0) < time.time():
+                return  # (its caller has given up)
+            if not fields["reply"].startswith(self.replies):
+                raise KeyError("reply")  # (a forged request must not name any other key)
+            owner = Owner(fields["principal"], fields["session"])
+            try:
+                body: dict[str, str] = {"home": await take(owner)}
+            except Exception as exc:  # this worker cannot: say why
+                body = {"error": str(exc)}
+            self.served += 1
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.lpush(fields["reply"], json.dumps(body))
+            pipe.expire(fields["reply"], REPLY_TTL_SECONDS)
+            await pipe.execute()
+        except KeyError:
+            logger.warning("placement: a malformed request was dropped")
+        finally:
+            await self.redis.xack(self.stream, GROUP, entry_id)
+            await self.redis.xdel(self.stream, entry_id)
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
