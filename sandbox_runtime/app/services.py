@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ from sandbox_runtime.servers.code_mode import BridgeMaker
 from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
-from sandbox_runtime.sessions.queue import PlacementQueue
+from sandbox_runtime.sessions.queue import PlacementQueue, QueueMetrics
 from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import open_store
@@ -108,6 +109,7 @@ class Services:
     snapshots: Snapshots
     triggers: Triggers
     closing: Closing
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self) -> None:
         """Stop the executions (politely, then by force), meanwhile snapshotting this
@@ -116,6 +118,10 @@ class Services:
         proxy, the workspaces and the cluster (the mirror's final flush, the heartbeat
         dropped). Idempotent: the signal handler calls it before the server drains its
         connections, the lifespan's end again."""
+
+        self.stopping.set()
+        if self.settings.role == "worker":
+            await self._let_executions_finish()
 
         async def release() -> None:
             try:
@@ -127,6 +133,16 @@ class Services:
         meanwhile = [release, self.interpreters.aclose, self.servers.aclose]
         await self.manager.shutdown(meanwhile)
         await self.closing.run()
+
+    async def _let_executions_finish(self) -> None:
+        """A draining worker takes no new session; what runs on it may finish, within
+        SANDBOX_WORKER_DRAIN_SECONDS (then it is stopped as on any replica)."""
+        deadline = time.monotonic() + self.settings.worker_drain_seconds
+        running = self.manager.running_count
+        if running:
+            logger.info("draining: {} executions may finish first", running)
+        while self.manager.running_count and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.2)
 
 
 @contextlib.asynccontextmanager
@@ -258,8 +274,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         if settings.role != "api":
             interpreters.start()
             servers.start()
-        if queue is not None and settings.role == "worker":
-            _serve_placements(settings, supervisor, queue, router)
+        if queue is not None:
+            _serve_placements(settings, supervisor, queue, router, services)
         if snapshots.enabled and settings.snapshot_idle_seconds > 0:
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
@@ -287,17 +303,37 @@ def _queue(settings: Settings, cluster: LocalCluster) -> PlacementQueue | None:
 
 
 def _serve_placements(
-    settings: Settings, supervisor: Supervisor, queue: PlacementQueue, router: Router
+    settings: Settings,
+    supervisor: Supervisor,
+    queue: PlacementQueue,
+    router: Router,
+    services: Services,
 ) -> None:
-    """A worker takes new sessions from the queue while it has room for more."""
+    """A worker takes new sessions from the queue while it has room for more (none once it
+    is stopping); an api replica reports the queue's depth for autoscalers."""
+    metrics = QueueMetrics(router.metrics.registry)
+    if settings.role == "api":
+
+        async def measure() -> None:
+            depth, oldest = await queue.depth()
+            metrics.depth.set(depth)
+            metrics.oldest.set(oldest)
+
+        supervisor.every("placement queue depth", 5.0, measure, at_once=True)
+        return
+
+    def homed() -> int:
+        return len(router.placements.homed_at(settings.replica_id))
 
     async def take(owner: Owner) -> str:
         return (await router.place(owner)).home
 
     def has_room() -> bool:
-        here = len(router.placements.homed_at(settings.replica_id))
-        return router.manager.accepting and here < settings.worker_max_sessions
+        accepting = router.manager.accepting and not services.stopping.is_set()
+        return accepting and homed() < settings.worker_max_sessions
 
+    metrics.sessions.set_function(homed)
+    metrics.capacity.set(settings.worker_max_sessions)
     supervisor.run("placements", lambda: queue.serve(take, has_room))
 
 

@@ -367,6 +367,13 @@ class Settings(BaseSettings):
     worker_max_sessions: int = Field(
         200, ge=1, description="A worker takes no new session past this many homed on it."
     )
+    worker_drain_seconds: int = Field(
+        60,
+        ge=0,
+        le=86400,
+        description="On SIGTERM, how long a worker lets its running executions finish before "
+        "it stops them (it takes no new session meanwhile).",
+    )
     placement_wait_seconds: float = Field(
         10.0,
         gt=0,

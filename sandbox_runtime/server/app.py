@@ -133,7 +133,9 @@ def create_app(
     hosted = HostedServers(settings, root, _transport_security(settings, protection, hosts))
     mcp_app = mcp.http_app(
         path="/mcp",
-        stateless_http=False,
+        # An api replica keeps no transport sessions: behind a balancer with no affinity,
+        # the next request of a legacy-era client may reach any replica.
+        stateless_http=settings.role == "api",
         json_response=False,
         host_origin_protection=protection,
         allowed_hosts=hosts,

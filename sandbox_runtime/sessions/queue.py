@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from loguru import logger
+from prometheus_client import CollectorRegistry, Gauge
 
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import LimitExceededError, OwnerUnavailableError
@@ -32,6 +33,21 @@ REPLY_TTL_SECONDS = 60
 READ_BLOCK_MS = 2000
 
 Take = Callable[[Owner], Awaitable[str]]
+
+
+class QueueMetrics:
+    """What an autoscaler reads: the queue (on api replicas) and the room (on workers)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.depth = Gauge("srt_placement_queue_depth", "New sessions waiting for a worker "
+                           "(unread or being placed).", registry=r)  # fmt: skip
+        self.oldest = Gauge("srt_placement_queue_oldest_seconds", "Age of the oldest waiting "
+                            "placement request.", registry=r)  # fmt: skip
+        self.sessions = Gauge("srt_worker_sessions", "Sessions homed on this worker.",
+                              registry=r)  # fmt: skip
+        self.capacity = Gauge("srt_worker_capacity_sessions", "Sessions this worker takes at "
+                              "most (SANDBOX_WORKER_MAX_SESSIONS).", registry=r)  # fmt: skip
 
 
 class PlacementQueue:
