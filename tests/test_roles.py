@@ -59,3 +59,23 @@ async def test_sessions_are_placed_on_workers_and_reached_from_any_api(
     }
     assert homes <= {w1.settings["SANDBOX_REPLICA_ID"], w2.settings["SANDBOX_REPLICA_ID"]}, homes
     assert not list((a1.state_dir / "workspaces").glob("ws-*")), "an api replica holds no workspace"
+
+
+@pytest.mark.parametrize("era", ["auto", "legacy"])
+async def test_through_round_robin_nginx_both_eras(tmp_path: Path, era: str) -> None:
+    from split_harness import TOKEN as SPLIT_TOKEN
+    from split_harness import running_split
+
+    with running_split(tmp_path) as split:
+        session = f"n-{uuid.uuid4().hex[:6]}"
+        async with open_client(split.nginx.url, SPLIT_TOKEN, era) as conn:  # type: ignore[arg-type]
+            for i in range(6):  # (round robin: every call may reach another api replica)
+                result = await conn.ok(
+                    "execute_code", command=f"echo {i} >> log; cat log | wc -l", session=session
+                )
+                assert stdout_of(result).strip() == str(i + 1), result
+            ran = await conn.ok("run_code", code="x = 41", session=session)
+            ran = await conn.ok("run_code", code="print(x + 1)", session=session)
+            assert stdout_of(ran) == "42\n"
+            listed = await conn.ok("list_files", session=session)
+            assert [e["path"] for e in listed["entries"]] == ["log"]
