@@ -47,7 +47,13 @@ class ControlChannel:
 
     # -- sending ------------------------------------------------------------------------------
 
-    async def send(self, info: ExecutionInfo, request: dict[str, Any], owner: Owner) -> dict:
+    async def send(
+        self,
+        info: ExecutionInfo,
+        request: dict[str, Any],
+        owner: Owner,
+        wait_seconds: float = CONTROL_WAIT_SECONDS,
+    ) -> dict:
         """Send a control request to the replica that runs `info`; its answer, or raises the
         error it answered with, or OwnerUnavailableError."""
         if info.status.finished:
@@ -77,9 +83,7 @@ class ControlChannel:
             "session_id": owner.session_id,
         }
         try:
-            reply = await self.channel.control(
-                info.replica_id, address, call, CONTROL_WAIT_SECONDS, who
-            )
+            reply = await self.channel.control(info.replica_id, address, call, wait_seconds, who)
         except OwnerUnavailableError:
             self.metrics.control.labels(op, "no_answer").inc()
             raise
@@ -135,6 +139,21 @@ class ControlChannel:
                 execution, str(request.get("data", "")), bool(request.get("close"))
             )
             return {"bytes_written": written, "info": execution.info.model_dump(mode="json")}
+        if op == "read":  # (a long-poll: answered from memory as soon as there is news)
+            page = await self.manager.read_output(
+                owner,
+                execution_id,
+                request.get("after", 0),
+                request.get("limit", 1000),
+                request.get("wait", 0),
+            )
+            return {
+                "info": page.info.model_dump(mode="json"),
+                "events": [event.model_dump(mode="json") for event in page.events],
+                "next_cursor": page.next_cursor,
+                "has_more": page.has_more,
+                "first_available": page.first_available,
+            }
         if op == "cancel":
             was_finished = await self.manager.cancel_local(execution, bool(request.get("force")))
             return {"was_finished": was_finished, "info": execution.info.model_dump(mode="json")}

@@ -12,7 +12,7 @@ from typing import Any
 
 from loguru import logger
 
-from sandbox_runtime.domain.models import ExecutionInfo, ExecutionStatus, shown_id
+from sandbox_runtime.domain.models import ExecutionInfo, ExecutionStatus, OutputEvent, shown_id
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import (
     ExecutionNotFoundError,
@@ -25,7 +25,8 @@ from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.state.keys import session_key
 from sandbox_runtime.state.store import StateStore, incarnation_gone
 
-REMOTE_POLL_SECONDS = 0.05  # long-poll interval for executions owned by another replica
+REMOTE_POLL_SECONDS = 0.05  # long-poll interval, when the replica running it cannot be asked
+READ_SLACK_SECONDS = 5.0  # past a forwarded read's own wait
 
 
 class NowhereElse:
@@ -123,8 +124,20 @@ class InTheStore(NowhereElse):
     async def read(
         self, owner: Owner, info: ExecutionInfo, after: int, limit: int, wait: float
     ) -> OutputPage:
-        """Events of another replica's execution after the cursor, from the store; with
-        `wait`, polled for up to that long."""
+        """Events of another replica's execution after the cursor: with `wait`, from that
+        replica (it answers as soon as there is news, from memory: fresher than the store),
+        else, or when it cannot be asked, from the store (polled for up to `wait`)."""
+        if wait > 0 and not info.status.finished and self.sender.channel is not None:
+            request = {"op": "read", "after": after, "limit": limit, "wait": wait}
+            with contextlib.suppress(SandboxRuntimeError):
+                reply = await self.sender.send(info, request, owner, wait + READ_SLACK_SECONDS)
+                return OutputPage(
+                    info=ExecutionInfo.model_validate(reply["info"]),
+                    events=[OutputEvent.model_validate(e) for e in reply["events"]],
+                    next_cursor=int(reply["next_cursor"]),
+                    has_more=bool(reply["has_more"]),
+                    first_available=int(reply["first_available"]),
+                )
         deadline = time.monotonic() + wait
         while True:
             try:
