@@ -334,6 +334,10 @@ def _serve_placements(
 
     metrics.sessions.set_function(homed)
     metrics.capacity.set(settings.worker_max_sessions)
+    router.cluster.capacity = lambda: {
+        "sessions": homed(),
+        "capacity": settings.worker_max_sessions,
+    }
     supervisor.run("placements", lambda: queue.serve(take, has_room))
 
 

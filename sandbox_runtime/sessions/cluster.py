@@ -59,6 +59,8 @@ class LocalCluster:
         address: str = "",
     ) -> None:
         self.settings = settings
+        # A worker's room, for its heartbeat (set by the composition root): sessions, capacity.
+        self.capacity: Callable[[], dict[str, int]] | None = None
         self.metrics = metrics
         self.supervisor = supervisor
         self.replica_id = settings.replica_id
@@ -198,6 +200,7 @@ class LocalCluster:
             "cluster_address": self.address,
             "cluster_key_id": self.signer.key_id if self.signer else None,
             "role": self.settings.role,
+            **(self.capacity() if self.capacity is not None else {}),
         }
 
     async def live_workers(self) -> list[str]:
