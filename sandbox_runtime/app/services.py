@@ -121,6 +121,7 @@ class Services:
 
         self.stopping.set()
         if self.settings.role == "worker":
+            self.manager.draining = True  # (stdin, cancel and reads still reach it)
             await self._let_executions_finish()
 
         async def release() -> None:
@@ -189,6 +190,9 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         closing.add(workspaces.aclose)
         if settings.role == "api":  # (an api replica runs nothing: its sessions live on workers)
             backend.unavailable_reason = API_ROLE
+            # Never started, the workspaces would not make their root; /health and /ready
+            # measure the state filesystem there (a missing root reads as a full disk).
+            workspaces.root.mkdir(parents=True, exist_ok=True)
         else:
             backend.start()  # finds the sandbox user, or says why sandboxes cannot run
         egress = await _egress(settings, backend, metrics, supervisor)

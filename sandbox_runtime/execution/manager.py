@@ -96,6 +96,7 @@ class ExecutionManager:
         self.slots = Slots(settings, metrics, cluster, lambda: len(self._running))
         self._spawning: dict[Owner, int] = {}  # executions between workspace and _running
         self._accepting = False
+        self.draining = False  # a worker stopping: its sessions' new calls go elsewhere later
         self._shutdown: asyncio.Task[None] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------

@@ -39,6 +39,14 @@ class _Server(uvicorn.Server):
                 )
             except (SandboxRuntimeError, RuntimeError):  # starting, or closed: nothing to stop
                 AppStatus.should_exit = True
+            if self._stopping is not None and self.root.services.settings.role == "worker":
+                # A draining worker keeps its cluster listener until it has stopped: api
+                # replicas still reach its running executions (stdin, cancel, output). A
+                # second signal stops listening at once.
+                self._stopping.add_done_callback(
+                    lambda _: super(_Server, self).handle_exit(sig, frame)
+                )
+                return
         super().handle_exit(sig, frame)
 
     async def _stop_executions(self) -> None:

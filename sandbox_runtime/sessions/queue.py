@@ -134,7 +134,19 @@ class PlacementQueue:
                 )
                 entries = [e for _, stream_entries in read or [] for e in stream_entries]
             for entry_id, fields in entries:
+                if not has_room():  # (stopping, or full, since the read: another worker's)
+                    await self._requeue(entry_id, fields)
+                    continue
                 await self._answer(take, entry_id, fields)
+
+    async def _requeue(self, entry_id: Any, fields: dict[Any, Any]) -> None:
+        """Put back a request read by a worker that can no longer take it: a blocked read
+        is handed an entry even after its worker began to stop (SIGTERM: draining)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xadd(self.stream, fields, maxlen=MAX_QUEUED, approximate=True)
+        pipe.xack(self.stream, GROUP, entry_id)
+        pipe.xdel(self.stream, entry_id)
+        await pipe.execute()
 
     async def _reclaimed(self) -> list[Any]:
         """Requests another worker read and never acknowledged (it died), idle long enough."""

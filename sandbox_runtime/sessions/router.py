@@ -427,7 +427,7 @@ class Router:
             or not isinstance(args, dict)
         ):
             raise InvalidRequestError("malformed forwarded call")
-        if not self.manager.accepting:
+        if not self.manager.accepting or self.manager.draining:
             raise HomeMovedError(f"replica {self.replica_id} is shutting down")
         owner = Owner(principal, session_id)
         found = await self.sessions.lookup(
