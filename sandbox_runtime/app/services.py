@@ -42,6 +42,7 @@ from typing import Any
 
 from loguru import logger
 
+from sandbox_runtime.app.roles import API_ROLE, placement_queue, serve_placements
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.supervisor import EgressProxy
@@ -58,7 +59,6 @@ from sandbox_runtime.servers.code_mode import BridgeMaker
 from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions.cluster import LocalCluster, RedisCluster
 from sandbox_runtime.sessions.operations import Parts
-from sandbox_runtime.sessions.queue import PlacementQueue, QueueMetrics
 from sandbox_runtime.sessions.router import Router
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import open_store
@@ -243,7 +243,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             supervisor=supervisor,
         )
         parts = Parts(manager, interpreters, signer, servers, snapshots)
-        queue = _queue(settings, cluster)
+        queue = placement_queue(settings, cluster)
         if queue is not None:
             closing.add(queue.redis.aclose)
         router = Router(settings, parts, cluster, queue if settings.role == "api" else None)
@@ -279,70 +279,11 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             interpreters.start()
             servers.start()
         if queue is not None:
-            _serve_placements(settings, supervisor, queue, router, services)
+            serve_placements(settings, supervisor, queue, router, services)
         if snapshots.enabled and settings.snapshot_idle_seconds > 0:
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
         yield services
-
-
-API_ROLE = "this replica's role is api: its sessions run on workers"
-
-
-def _queue(settings: Settings, cluster: LocalCluster) -> PlacementQueue | None:
-    """The placement queue of split roles (None: role all)."""
-    if settings.role == "all" or not isinstance(cluster, RedisCluster):
-        return None
-    from sandbox_runtime.state.redis_store import redis_client
-
-    # A client of its own: its reads block (BLPOP, XREADGROUP) longer than the store's timeout.
-    wait = settings.placement_wait_seconds
-    redis = redis_client(
-        settings.redis_url or "",
-        decode_responses=True,
-        socket_connect_timeout=2.0,
-        socket_timeout=max(wait, 2.0) + 5.0,
-    )
-    return PlacementQueue(redis, "", settings.replica_id, wait)
-
-
-def _serve_placements(
-    settings: Settings,
-    supervisor: Supervisor,
-    queue: PlacementQueue,
-    router: Router,
-    services: Services,
-) -> None:
-    """A worker takes new sessions from the queue while it has room for more (none once it
-    is stopping); an api replica reports the queue's depth for autoscalers."""
-    metrics = QueueMetrics(router.metrics.registry)
-    if settings.role == "api":
-
-        async def measure() -> None:
-            depth, oldest = await queue.depth()
-            metrics.depth.set(depth)
-            metrics.oldest.set(oldest)
-
-        supervisor.every("placement queue depth", 5.0, measure, at_once=True)
-        return
-
-    def homed() -> int:
-        return len(router.placements.homed_at(settings.replica_id))
-
-    async def take(owner: Owner) -> str:
-        return (await router.place(owner)).home
-
-    def has_room() -> bool:
-        accepting = router.manager.accepting and not services.stopping.is_set()
-        return accepting and homed() < settings.worker_max_sessions
-
-    metrics.sessions.set_function(homed)
-    metrics.capacity.set(settings.worker_max_sessions)
-    router.cluster.capacity = lambda: {
-        "sessions": homed(),
-        "capacity": settings.worker_max_sessions,
-    }
-    supervisor.run("placements", lambda: queue.serve(take, has_room))
 
 
 def _cluster(
