@@ -54,6 +54,7 @@ from sandbox_runtime.config.parsing import inode_count
 from sandbox_runtime.snapshots.apply import apply, packs_of
 from sandbox_runtime.snapshots.capture import Captured, capture
 from sandbox_runtime.snapshots.manifest import Bounds
+from sandbox_runtime.snapshots.records import meta_of
 from sandbox_runtime.snapshots.service import MANIFEST_MAX, PACK_MAX
 from sandbox_runtime.snapshots.stores import DirectoryStore, ObjectStore, S3Store
 from sandbox_runtime.workspaces import images
@@ -249,22 +250,7 @@ async def take(
         if len(body) > MANIFEST_MAX:
             raise BenchFailure("the manifest is over MANIFEST_MAX")
         await store.put(f"{prefix}/manifests/{snapshot_id}.z", body)
-        packs = sorted({ref[0] for ref in captured.manifest["chunks"].values()})
-        meta = {
-            "snapshot_id": snapshot_id,
-            "session": "bench",
-            "taken_at": time.time(),
-            "trigger": "bench",
-            "files": captured.files,
-            "directories": captured.directories,
-            "symlinks": captured.links,
-            "size_bytes": captured.bytes,
-            "stored_bytes": captured.new_bytes,
-            "manifest_bytes": len(body),
-            "skipped": captured.skipped,
-            "changed_while_read": captured.changed_while_read,
-            "packs": packs,
-        }
+        meta = meta_of(snapshot_id, "bench", "bench", captured, len(body))
         await store.put(f"{prefix}/meta/{snapshot_id}.json", json.dumps(meta).encode())
         latest = {"snapshot_id": snapshot_id, "taken_at": meta["taken_at"]}
         await store.put(f"{prefix}/latest/bench.json", json.dumps(latest).encode())

@@ -4,6 +4,7 @@ snapshot's meta as callers see it, and JSON objects read back from the store (ch
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -32,6 +33,27 @@ def restored_from(meta: dict[str, Any]) -> dict[str, Any]:
         "snapshot_id": meta["snapshot_id"],
         "taken_at": meta.get("taken_at"),
         "trigger": meta.get("trigger"),
+    }
+
+
+def meta_of(
+    snapshot_id: str, session: str, trigger: str, captured: Any, manifest_bytes: int
+) -> dict[str, Any]:
+    """A snapshot's meta: what list_snapshots shows, and the packs it needs."""
+    return {
+        "snapshot_id": snapshot_id,
+        "session": session,
+        "taken_at": time.time(),
+        "trigger": trigger,
+        "files": captured.files,
+        "directories": captured.directories,
+        "symlinks": captured.links,
+        "size_bytes": captured.bytes,
+        "stored_bytes": captured.new_bytes,
+        "manifest_bytes": manifest_bytes,
+        "skipped": captured.skipped,
+        "changed_while_read": captured.changed_while_read,
+        "packs": packs_needed(captured.manifest),
     }
 
 

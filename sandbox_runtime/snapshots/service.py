@@ -48,6 +48,7 @@ from sandbox_runtime.snapshots.records import (
     LOST,
     SnapshotMetrics,
     loads,
+    meta_of,
     packs_needed,
     public,
     restored_from,
@@ -185,21 +186,7 @@ class Snapshots:
             if len(body) > MANIFEST_MAX:
                 raise ManifestError("the workspace's manifest is too large to keep")
             await store.put(f"{prefix}/manifests/{snapshot_id}.z", body)
-            meta = {
-                "snapshot_id": snapshot_id,
-                "session": owner.session_id,
-                "taken_at": time.time(),
-                "trigger": trigger,
-                "files": captured.files,
-                "directories": captured.directories,
-                "symlinks": captured.links,
-                "size_bytes": captured.bytes,
-                "stored_bytes": captured.new_bytes,
-                "manifest_bytes": len(body),
-                "skipped": captured.skipped,
-                "changed_while_read": captured.changed_while_read,
-                "packs": packs_needed(captured.manifest),
-            }
+            meta = meta_of(snapshot_id, owner.session_id, trigger, captured, len(body))
             await store.put(f"{prefix}/meta/{snapshot_id}.json", json.dumps(meta).encode())
             latest = {"snapshot_id": snapshot_id, "taken_at": meta["taken_at"]}
             await store.put(f"{prefix}/latest/{name}.json", json.dumps(latest).encode())

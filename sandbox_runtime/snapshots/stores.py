@@ -118,30 +118,33 @@ class DirectoryStore:
         return path.parent / f"{TEMP_PREFIX}{secrets.token_hex(8)}"
 
     def _put_sync(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        temp = self._prepare(path)
-        try:
+        def write(temp: Path) -> None:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
-                os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(temp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
+
+        self._place(key, write)
 
     def _put_file_sync(self, key: str, source: Path) -> None:
-        path = self._path(key)
-        temp = self._prepare(path)
-        try:
+        def move(temp: Path) -> None:
             try:
                 os.rename(source, temp)  # (same filesystem: no copy)
             except OSError:
                 shutil.copyfile(source, temp)
+
+        self._place(key, move)
+
+    def _place(self, key: str, make: Any) -> None:
+        """Make the object in a temporary file beside it, sync it, rename it into place: a
+        reader sees the whole object or none."""
+        path = self._path(key)
+        temp = self._prepare(path)
+        try:
+            make(temp)
             fd = os.open(temp, os.O_RDONLY)
             try:
                 os.fsync(fd)
