@@ -205,7 +205,7 @@ def serve(
     A fixture whose servers use another module fixture (`redis_server`, a netlab) asks for that
     one before `serve`: pytest tears fixtures down in the reverse order of their setup, so the
     servers stop before what they use goes."""
-    with Servers(tmp_path_factory.mktemp) as servers:
+    with Servers(tmp_path_factory.mktemp, release=True) as servers:
         yield servers
 
 

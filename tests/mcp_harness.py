@@ -289,9 +289,10 @@ class Servers:
     `running_topology` hold one for their servers.
     """
 
-    def __init__(self, workdirs: Callable[[str], Path]) -> None:
+    def __init__(self, workdirs: Callable[[str], Path], release: bool = False) -> None:
         self.workdirs = workdirs
         self.started: list[ServerProcess] = []
+        self.release = release  # give back their workspace images' disk when closed
 
     def __call__(
         self, name: str = "server", *, workdir: Path | None = None, **settings: str
@@ -310,12 +311,31 @@ class Servers:
 
     def close(self) -> None:
         stop_all(*(server.close for server in self.started))
+        for server in self.started if self.release else ():
+            release_disk(server.state_dir)
 
     def __enter__(self) -> Servers:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def release_disk(state_dir: Path) -> None:
+    """Give back the disk a stopped server's workspace images hold (each allocated in full:
+    a whole run's would fill a CI machine's disk); its logs stay for a failed test's report.
+    A killed server's images may still be mounted: those are detached first."""
+    from sandbox_runtime.workspaces.images import mounts_under, umount
+
+    root = state_dir / "workspaces"
+    if not root.is_dir():
+        return
+    for point in mounts_under(root):
+        with contextlib.suppress(OSError):
+            umount(point)
+    for image in root.glob("*.img"):
+        with contextlib.suppress(OSError):
+            image.unlink()
 
 
 @contextlib.contextmanager

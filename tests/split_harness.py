@@ -82,7 +82,7 @@ def running_split(
     worker_list = [
         worker_process(tmp_path, redis, f"wk{i}{suffix}", **settings) for i in range(workers)
     ]
-    servers = Servers(lambda name: tmp_path / name)
+    servers = Servers(lambda name: tmp_path / name, release=True)
     nginx: SplitNginx | None = None
     try:
         with ThreadPoolExecutor(apis + workers) as pool:

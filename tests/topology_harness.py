@@ -85,7 +85,7 @@ def running_topology(tmp_path: Path, count: int = 3, **settings: str) -> Iterato
     replicas = {rid: replica_server(tmp_path, redis, rid, **settings) for rid in rids}
     dirs = [s.state_dir for s in replicas.values()]
     assert len(set(dirs)) == len(dirs), "replicas must not share a state directory"
-    servers = Servers(lambda name: tmp_path / name)
+    servers = Servers(lambda name: tmp_path / name, release=True)
     nginx: Nginx | None = None
     try:
         with ThreadPoolExecutor(count) as pool:

@@ -52,7 +52,7 @@ class ControlChannel:
         info: ExecutionInfo,
         request: dict[str, Any],
         owner: Owner,
-        wait_seconds: float = CONTROL_WAIT_SECONDS,
+        wait_seconds: float | None = None,
     ) -> dict:
         """Send a control request to the replica that runs `info`; its answer, or raises the
         error it answered with, or OwnerUnavailableError."""
@@ -83,7 +83,8 @@ class ControlChannel:
             "session_id": owner.session_id,
         }
         try:
-            reply = await self.channel.control(info.replica_id, address, call, wait_seconds, who)
+            wait = CONTROL_WAIT_SECONDS if wait_seconds is None else wait_seconds
+            reply = await self.channel.control(info.replica_id, address, call, wait, who)
         except OwnerUnavailableError:
             self.metrics.control.labels(op, "no_answer").inc()
             raise
