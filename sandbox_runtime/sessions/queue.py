@@ -99,15 +99,13 @@ class PlacementQueue:
             return 0, 0.0
         lag = 0
         for group in info:
-            name = group.get("name")
-            if (name.decode() if isinstance(name, bytes) else name) == GROUP:
+            if _text(group.get("name")) == GROUP:
                 lag = int(group.get("lag") or 0) + int(group.get("pending") or 0)
         oldest = 0.0
         if lag:
             first = await self.redis.xrange(self.stream, count=1)
             if first:
-                millis = int(str(first[0][0], "ascii").split("-")[0]) if isinstance(
-                    first[0][0], bytes) else int(str(first[0][0]).split("-")[0])  # fmt: skip
+                millis = int(_text(first[0][0]).split("-")[0])  # (an entry id: MILLIS-SEQ)
                 oldest = max(0.0, time.time() - millis / 1000)
         return lag, oldest
 
