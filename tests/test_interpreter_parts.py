@@ -173,3 +173,25 @@ def test_the_environment_becomes_each_languages_own_code() -> None:
     assert env_prelude(spec("typescript", "deno"), {"A": "1"}) == 'Deno.env.set("A", "1");\n'
     with pytest.raises(InvalidRequestError, match="not supported for r"):
         env_prelude(spec("r", "ir"), env)
+
+
+def test_relay_gives_a_tcp_kernel_ports_no_connect_retry_can_take() -> None:
+    """The relay's connect retries take ephemeral source ports while the kernel starts: the
+    kernel's listen ports come from below that range, distinct, skipping one already taken."""
+    import importlib.util
+    import socket
+    from pathlib import Path
+
+    import sandbox_runtime.interpreters as package
+
+    path = Path(package.__file__).parent / "runtime_files" / "srt_kernel_pipe.py"
+    spec = importlib.util.spec_from_file_location("srt_kernel_pipe", path)
+    assert spec is not None and spec.loader is not None
+    relay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(relay)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", relay.LISTEN_FIRST))
+        ports = relay._listen_ports(5)
+    assert len(set(ports)) == 5 and relay.LISTEN_FIRST not in ports
+    assert all(1024 <= port < low for port in ports)

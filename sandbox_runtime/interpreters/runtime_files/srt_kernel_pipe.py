@@ -43,10 +43,34 @@ KINDS = {"iopub": zmq.SUB, "shell": zmq.DEALER, "stdin": zmq.DEALER, "control": 
 DELIM = b"<IDS|MSG>"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+LISTEN_FIRST = 10000  # the kernel's ports: below the ephemeral range (32768 and up by default)
+
+
+def _listen_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports the kernel can listen on, outside the ephemeral range.
+
+    The relay connects while the kernel is still starting, and every connect retry takes an
+    ephemeral source port: a listen port drawn from that same range (bind to port 0) can be
+    taken by one of those retries before the kernel binds it (AddrInUse). The sandbox's
+    network namespace is its own, so the ports below the range are free unless the code took
+    one; each is checked, and all are held until all are found.
+    """
+    held: list[socket.socket] = []
+    try:
+        for port in range(LISTEN_FIRST, LISTEN_FIRST + 1000):
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            held.append(sock)
+            if len(held) == count:
+                return [int(s.getsockname()[1]) for s in held]
+        raise OSError("no free loopback ports for the kernel")
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def _kernel_file(host_file: str, transport: str) -> tuple[str, dict]:
@@ -55,7 +79,9 @@ def _kernel_file(host_file: str, transport: str) -> tuple[str, dict]:
         info = json.load(src)
     if transport != "tcp":
         return host_file, info
-    ports = {f"{name}_port": _free_port() for name in (*CHANNELS, "hb")}
+    names = (*CHANNELS, "hb")
+    found = _listen_ports(len(names))
+    ports = {f"{name}_port": found[i] for i, name in enumerate(names)}
     info = dict(info, transport="tcp", ip="127.0.0.1", **ports)
     tcp_file = "/tmp/.srt-kernel-tcp.json"
     with open(tcp_file, "w") as out:
