@@ -222,6 +222,10 @@ class SandboxedKernel:
                 return
             except TimeoutError:
                 pass
+            except KernelDiedError as exc:
+                raise SandboxSpawnError(
+                    f"the {self.spec.language} interpreter ended while starting: {exc}"
+                ) from exc
             finally:
                 self.inbox.release(msg_id)
             if time.monotonic() >= deadline:
