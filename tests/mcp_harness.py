@@ -342,7 +342,7 @@ def release_disk(state_dir: Path) -> None:
 def running_server(workdir: Path, **settings: str) -> Iterator[ServerProcess]:
     """A started, healthy server, stopped (exit asserted, leftovers killed) at the end."""
     with Servers(lambda _: workdir) as servers:
-        yield servers(**settings)
+        yield servers.add(ServerProcess(workdir, settings))
 
 
 # -- host processes ---------------------------------------------------------------------------
