@@ -123,6 +123,8 @@ class Pair:
     caller: ControlChannel  # replica B: controls them
     caller_manager: FakeManager
     address: str
+    channel: ChannelClient  # replica B's
+    clients: list[tuple[str, int]]  # each request's (host, port) at the listener, in order
 
 
 @pytest.fixture
@@ -131,7 +133,14 @@ async def pair() -> AsyncIterator[Pair]:
     a, b = FakeManager("ra"), FakeManager("rb")
     served_control = ControlChannel(store, a, ChannelClient(ClusterSigner(SECRET, "ra")))  # type: ignore[arg-type]
     served = Served(ClusterSigner(SECRET, "ra"), served_control)  # (one signer: its nonces)
-    app = ClusterApp(lambda: served)
+    cluster = ClusterApp(lambda: served)
+    clients: list[tuple[str, int]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            clients.append(tuple(scope["client"]))
+        await cluster(scope, receive, send)
+
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     address = f"127.0.0.1:{sock.getsockname()[1]}"
@@ -145,7 +154,7 @@ async def pair() -> AsyncIterator[Pair]:
     channel = ChannelClient(ClusterSigner(SECRET, "rb"))
     caller = ControlChannel(store, b, channel)  # type: ignore[arg-type]
     try:
-        yield Pair(store, a, caller, b, address)
+        yield Pair(store, a, caller, b, address, channel, clients)
     finally:
         await channel.aclose()
         server.should_exit = True
@@ -172,6 +181,21 @@ async def test_stdin_and_cancel_reach_the_execution_on_the_other_replica(pair: P
     assert ExecutionInfo.model_validate(reply["info"]).status is ExecutionStatus.CANCELLED
     assert count(pair.caller_manager, "stdin", "ok") == count(pair.caller_manager, "cancel", "ok")
     assert count(pair.caller_manager, "cancel", "ok") == 1
+
+
+async def test_calls_and_control_go_down_one_kept_alive_connection(pair: Pair) -> None:
+    """An answer ends its response in the same write and the caller reads the response to its
+    end: the next call reuses the connection (a new one per call cost each forwarded call a
+    connect and the listener a new connection)."""
+    for n in range(5):
+        reply = await pair.channel.call("ra", pair.address, {"op": f"op{n}"}, None, 5)
+        assert reply == {"echo": f"op{n}"}
+    execution = pair.owner_manager.start()
+    for _ in range(3):
+        await pair.caller.send(execution.info, {"op": "stdin", "data": "a"}, OWNER)
+    assert execution.stdin == ["a"] * 3
+    assert len(pair.clients) == 8
+    assert len(set(pair.clients)) == 1, f"{len(set(pair.clients))} connections for 8 calls"
 
 
 async def test_the_owners_refusal_is_raised_again_on_the_caller(pair: Pair) -> None:

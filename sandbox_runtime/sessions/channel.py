@@ -80,7 +80,11 @@ class ChannelClient:
                 timeout=httpx2.Timeout(
                     READ_TIMEOUT, connect=CONNECT_TIMEOUT, write=BODY_TIMEOUT, pool=POOL_TIMEOUT
                 ),
-                limits=httpx2.Limits(max_connections=256, max_keepalive_connections=32),
+                # An idle connection is closed here well before the listener's keep-alive
+                # (75 s) ends it, so a call is never sent on one the other side is closing.
+                limits=httpx2.Limits(
+                    max_connections=256, max_keepalive_connections=32, keepalive_expiry=30.0
+                ),
             )
             for _ in range(2)
         )
@@ -181,9 +185,14 @@ class ChannelClient:
                             f"{resp.status_code}): are both replicas given the same "
                             "SANDBOX_CLUSTER_SECRET?"
                         )
+                    answer: dict[str, Any] | None = None
+                    # (Read to the body's end, which comes with the answer: a response left
+                    # unread closes its connection, and the next call would open another.)
                     async for raw in resp.aiter_lines():
                         if not raw:
                             continue  # a keepalive
+                        if answer is not None:
+                            raise ValueError("more after the answer")
                         message = json.loads(raw)
                         if "progress" in message:
                             if progress is not None:
@@ -191,7 +200,9 @@ class ChannelClient:
                                 with contextlib.suppress(Exception):
                                     await progress(int(seq), str(text))
                             continue
-                        return self._answer(target, nonce_of(signature), message)
+                        answer = message
+                    if answer is not None:
+                        return self._answer(target, nonce_of(signature), answer)
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise HomeUnreachableError(
                 f"{who} ({address}) does not answer ({type(exc).__name__})"

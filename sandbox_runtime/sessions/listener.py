@@ -160,10 +160,12 @@ async def _answer(
             "headers": [(b"content-type", b"application/x-ndjson")],
         }
     )
-    lines: asyncio.Queue[bytes | None] = asyncio.Queue()
+    # (line, whether it is the last): the answer ends the body in the same write, so the
+    # caller reads the whole response with it and its connection is kept for the next call.
+    lines: asyncio.Queue[tuple[bytes, bool]] = asyncio.Queue()
 
     async def progress(seq: int, text: str) -> None:
-        lines.put_nowait(_line({"progress": [seq, text]}))
+        lines.put_nowait((_line({"progress": [seq, text]}), False))
 
     async def run() -> None:
         try:
@@ -178,9 +180,8 @@ async def _answer(
         answer = json.dumps(reply, ensure_ascii=False).encode()
         mac = signer.sign_answer(nonce, answer)
         lines.put_nowait(
-            json.dumps({"answer": answer.decode(), "answer_mac": mac}).encode() + b"\n"
+            (json.dumps({"answer": answer.decode(), "answer_mac": mac}).encode() + b"\n", True)
         )
-        lines.put_nowait(None)
 
     async def watch_disconnect() -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -201,11 +202,10 @@ async def _answer(
             if getter not in done:  # the caller went away: stop serving it
                 getter.cancel()
                 break
-            line = getter.result()
-            if line is None:
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            line, last = getter.result()
+            await send({"type": "http.response.body", "body": line, "more_body": not last})
+            if last:
                 break
-            await send({"type": "http.response.body", "body": line, "more_body": True})
     finally:
         for task in (worker, watcher):
             task.cancel()
