@@ -4,6 +4,7 @@ choice, the egress narrowing; and the local cluster's running limit. No sandbox,
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from sandbox_runtime.execution.requests import checked_timeout, command_argv
 from sandbox_runtime.execution.retention import evicted
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sessions.cluster import LocalCluster
-from sandbox_runtime.sessions.placements import Placements
+from sandbox_runtime.sessions.placements import Placement, Placements, RecentHomes
 from sandbox_runtime.supervisor import Supervisor
 
 pytestmark = pytest.mark.unit
@@ -121,6 +122,27 @@ def test_placements_forget_the_least_recently_placed_first() -> None:
     assert placements.get("a") is None and placements.get("c") is None
     assert [key for key, _ in placements.homed_at("r1")] == ["d", "e"]
     assert placements.get("b") == ("r2", Owner("p", "b"))
+
+
+def test_a_recent_home_lives_its_second_unrenewed_and_a_failed_call_forgets_it() -> None:
+    homes = RecentHomes(seconds=0.2, limit=2)
+    there = Placement(False, "w1", "127.0.0.1:1")
+    with homes.trying("s1", there):
+        pass
+    assert homes.get("s1") == there
+    homes.remember("s1", Placement(False, "w2", "127.0.0.1:2"))  # (not renewed by use)
+    assert homes.get("s1") == there
+    with pytest.raises(LookupError), homes.trying("s1", there):
+        raise LookupError("the home refused it")
+    assert homes.get("s1") is None  # any failure: looked up again
+    homes.remember("s2", there)
+    homes.remember("here", Placement(True, "me"))  # (a local home is never cached)
+    assert homes.get("here") is None
+    homes.remember("s3", there)
+    homes.remember("s4", there)
+    assert homes.get("s2") is None and homes.get("s4") == there  # bounded: oldest first
+    time.sleep(0.25)
+    assert homes.get("s3") is None and homes.get("s4") is None  # expired
 
 
 async def test_the_local_cluster_counts_running_executions_per_principal(tmp_path: Path) -> None:

@@ -1,16 +1,78 @@
 """Where this replica last saw each session placed: for a Redis outage (it goes on serving the
 sessions it holds while its heartbeat lives) and for publishing again the records of the
-sessions it holds when Redis lost them. Bounded: the least recently placed are forgotten."""
+sessions it holds when Redis lost them. Bounded: the least recently placed are forgotten.
+Beside it: the remote homes this replica's forwarded calls just reached (RecentHomes)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import OwnerUnavailableError
+from sandbox_runtime.sessions.models import SessionReset
 
 MAX_REMEMBERED = 100_000
+RECENT_HOME_SECONDS = 1.0  # a remote home answered within this: the next call skips the store
+MAX_RECENT_HOMES = 10_000
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an operation runs: here (with a reset if it just moved here), or at `address`."""
+
+    local: bool
+    home: str
+    address: str = ""
+    reset: SessionReset | None = None
+
+
+class RecentHomes:
+    """The remote homes that answered this replica's forwarded calls in the last second: a
+    session's next call there skips the store's lookup (an api replica forwards every call).
+
+    Stale is safe: the home checks that it is still the home (the store's record, on every
+    forwarded call) and answers `not_home` if not, and a call that fails in any way forgets
+    the entry, so the retry looks the session up again. An entry lives one second, well
+    inside a heartbeat's TTL, and is not renewed by use: a home whose heartbeat expired is
+    looked up again within it. Bounded in count; the oldest are dropped first."""
+
+    def __init__(self, seconds: float = RECENT_HOME_SECONDS, limit: int = MAX_RECENT_HOMES):
+        self.seconds = seconds
+        self.limit = limit
+        self._homes: OrderedDict[str, tuple[float, Placement]] = OrderedDict()
+
+    def get(self, key: str) -> Placement | None:
+        entry = self._homes.get(key)
+        if entry is None:
+            return None
+        if entry[0] <= time.monotonic():
+            del self._homes[key]
+            return None
+        return entry[1]
+
+    def remember(self, key: str, placement: Placement) -> None:
+        if placement.local or key in self._homes:
+            return  # (not renewed by use: see the class)
+        self._homes[key] = (time.monotonic() + self.seconds, placement)
+        while len(self._homes) > self.limit:
+            self._homes.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        self._homes.pop(key, None)
+
+    @contextlib.contextmanager
+    def trying(self, key: str, placement: Placement) -> Iterator[None]:
+        """Around a call forwarded to `placement`: remembered if it succeeds, else forgotten."""
+        try:
+            yield
+        except BaseException:
+            self.forget(key)
+            raise
+        self.remember(key, placement)
 
 
 class Placements:

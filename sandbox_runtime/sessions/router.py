@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from loguru import logger
@@ -33,7 +32,7 @@ from sandbox_runtime.sessions.cluster import LocalCluster
 from sandbox_runtime.sessions.executions import ExecutionAccess
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
 from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress, wait_bound
-from sandbox_runtime.sessions.placements import Placements
+from sandbox_runtime.sessions.placements import Placement, Placements, RecentHomes
 from sandbox_runtime.state.keys import session_key
 
 # A session's record lives twice the retention period past its last use: it outlives the
@@ -41,16 +40,6 @@ from sandbox_runtime.state.keys import session_key
 RECORD_LIFE_FACTOR = 2
 PLACEMENT_ATTEMPTS = 4  # lookups per operation (a home may move or stop meanwhile)
 RECLAIM_SESSION_LIMIT = 2**31
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where an operation runs: here (with a reset if it just moved here), or at `address`."""
-
-    local: bool
-    home: str
-    address: str = ""
-    reset: SessionReset | None = None
 
 
 class Router:
@@ -79,6 +68,7 @@ class Router:
         # making is no reset.
         self._unmade: set[str] = set()
         self.placements = Placements()
+        self.recent_homes = RecentHomes()  # (where this replica's forwarded calls went)
         self.queue = queue  # an api replica's PlacementQueue: workers home its sessions
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -319,8 +309,9 @@ class Router:
         if op not in OPERATIONS:
             raise InvalidRequestError(f"unknown operation {op!r}")
         last_error: Exception | None = None
+        key = session_key(owner.principal, owner.session_id)
         for _ in range(PLACEMENT_ATTEMPTS):
-            placement = await self.place(owner)
+            placement = self.recent_homes.get(key) or await self.place(owner)
             if placement.local:
                 return await self._run_here(owner, op, args, progress, placement.reset)
             assert self.channel is not None  # a remote home implies a secret (see place)
@@ -332,13 +323,14 @@ class Router:
             }
             started = time.perf_counter()
             try:
-                result = await self.channel.call(
-                    placement.home,
-                    placement.address,
-                    call,
-                    progress,
-                    wait_bound(args, self.settings.max_timeout),
-                )
+                with self.recent_homes.trying(key, placement):
+                    result = await self.channel.call(
+                        placement.home,
+                        placement.address,
+                        call,
+                        progress,
+                        wait_bound(args, self.settings.max_timeout),
+                    )
             except HomeMovedError as exc:
                 self.metrics.forwarded.labels(op, "moved").inc()
                 last_error = exc
@@ -430,13 +422,18 @@ class Router:
         if not self.manager.accepting or self.manager.draining:
             raise HomeMovedError(f"replica {self.replica_id} is shutting down")
         owner = Owner(principal, session_id)
-        found = await self.sessions.lookup(
-            session_key(principal, session_id),
-            self.replica_id,
-            time.time(),
-            self._record_ttl,
-            take=True,
-        )
+        try:
+            found = await self.sessions.lookup(
+                session_key(principal, session_id),
+                self.replica_id,
+                time.time(),
+                self._record_ttl,
+                take=True,
+            )
+        except Exception as exc:  # (the caller skipped its own lookup: see RecentHomes)
+            raise OwnerUnavailableError(
+                f"the shared store is unavailable ({type(exc).__name__}); retry shortly"
+            ) from exc
         if not found.touched or found.record is None:
             raise HomeMovedError(f"replica {self.replica_id} is not this session's home")
         self.placements.remember(session_key(principal, session_id), self.replica_id, owner)
