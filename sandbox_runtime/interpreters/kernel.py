@@ -212,6 +212,14 @@ class SandboxedKernel:
         """Until the kernel answers a kernel_info request on shell AND its iopub status for it
         arrives: a SUB socket misses what is published before its subscription reaches the
         publisher (slower through the relay), so output would be lost otherwise."""
+        try:
+            await self._handshake()
+        except KernelDiedError as exc:
+            raise SandboxSpawnError(
+                f"the {self.spec.language} interpreter ended while starting: {exc}"
+            ) from exc
+
+    async def _handshake(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
         while True:
             msg_id = self.send("shell", "kernel_info_request", {})
@@ -222,10 +230,6 @@ class SandboxedKernel:
                 return
             except TimeoutError:
                 pass
-            except KernelDiedError as exc:
-                raise SandboxSpawnError(
-                    f"the {self.spec.language} interpreter ended while starting: {exc}"
-                ) from exc
             finally:
                 self.inbox.release(msg_id)
             if time.monotonic() >= deadline:
