@@ -125,6 +125,7 @@ class Pair:
     address: str
     channel: ChannelClient  # replica B's
     clients: list[tuple[str, int]]  # each request's (host, port) at the listener, in order
+    cut: list[bool]  # [True]: the listener drops the next request's connection unanswered
 
 
 @pytest.fixture
@@ -135,10 +136,15 @@ async def pair() -> AsyncIterator[Pair]:
     served = Served(ClusterSigner(SECRET, "ra"), served_control)  # (one signer: its nonces)
     cluster = ClusterApp(lambda: served)
     clients: list[tuple[str, int]] = []
+    cut: list[bool] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             clients.append(tuple(scope["client"]))
+            if cut and cut.pop():  # (as a listener closing its idle connections would)
+                for connection in list(server.server_state.connections):
+                    connection.transport.abort()
+                return
         await cluster(scope, receive, send)
 
     sock = socket.socket()
@@ -154,7 +160,7 @@ async def pair() -> AsyncIterator[Pair]:
     channel = ChannelClient(ClusterSigner(SECRET, "rb"))
     caller = ControlChannel(store, b, channel)  # type: ignore[arg-type]
     try:
-        yield Pair(store, a, caller, b, address, channel, clients)
+        yield Pair(store, a, caller, b, address, channel, clients, cut)
     finally:
         await channel.aclose()
         server.should_exit = True
@@ -196,6 +202,22 @@ async def test_calls_and_control_go_down_one_kept_alive_connection(pair: Pair) -
     assert execution.stdin == ["a"] * 3
     assert len(pair.clients) == 8
     assert len(set(pair.clients)) == 1, f"{len(set(pair.clients))} connections for 8 calls"
+
+
+async def test_a_connection_closed_under_a_call_before_it_began_is_retried_once(
+    pair: Pair,
+) -> None:
+    """The listener's side of a kept-alive connection closes as a call goes out on it: no
+    response began, so nothing ran; the call is sent once more on a new connection. Twice in
+    a row is a clear error, not an unknown outcome."""
+    assert await pair.channel.call("ra", pair.address, {"op": "a"}, None, 5) == {"echo": "a"}
+    pair.cut.append(True)
+    assert await pair.channel.call("ra", pair.address, {"op": "b"}, None, 5) == {"echo": "b"}
+    assert len(pair.clients) == 3 and len(set(pair.clients)) == 2  # (the retry: a new one)
+    pair.cut.extend([True, True])
+    with pytest.raises(OwnerUnavailableError, match=r"broke off before it began.*retry shortly"):
+        await pair.channel.call("ra", pair.address, {"op": "c"}, None, 5)
+    assert await pair.channel.call("ra", pair.address, {"op": "d"}, None, 5) == {"echo": "d"}
 
 
 async def test_the_owners_refusal_is_raised_again_on_the_caller(pair: Pair) -> None:

@@ -63,6 +63,10 @@ class HomeUnreachableError(OwnerUnavailableError):
     """The home replica's cluster address refused or timed out before taking the call."""
 
 
+class _Unstarted(Exception):
+    """The connection broke before the other replica's response began (see ChannelClient)."""
+
+
 class HomeFrozenError(OwnerUnavailableError):
     """The home took the call, then went silent (frozen, cut off): the outcome is unknown."""
 
@@ -168,41 +172,21 @@ class ChannelClient:
     ) -> dict[str, Any]:
         """POST `call` to `path` on replica `target`; its signed answer, verified."""
         body = json.dumps(call).encode()
-        signature = self.signer.sign_call(target, path, body)
-        headers = {SIGNATURE_HEADER: signature, "content-type": "application/json"}
         url = f"http://{address}{path}"
         try:
             async with asyncio.timeout(wait_seconds):
-                async with self.http.stream("POST", url, content=body, headers=headers) as resp:
-                    if resp.status_code == 403 and (skew := await _refused_skew(resp)):
-                        raise OwnerUnavailableError(
-                            f"replica {target} refused a forwarded call: "
-                            + describe_skew(skew, "this replica's", f"{target}'s")
-                        )
-                    if resp.status_code != 200:
-                        raise OwnerUnavailableError(
-                            f"replica {target} refused a forwarded call (HTTP "
-                            f"{resp.status_code}): are both replicas given the same "
-                            "SANDBOX_CLUSTER_SECRET?"
-                        )
-                    answer: dict[str, Any] | None = None
-                    # (Read to the body's end, which comes with the answer: a response left
-                    # unread closes its connection, and the next call would open another.)
-                    async for raw in resp.aiter_lines():
-                        if not raw:
-                            continue  # a keepalive
-                        if answer is not None:
-                            raise ValueError("more after the answer")
-                        message = json.loads(raw)
-                        if "progress" in message:
-                            if progress is not None:
-                                seq, text = message["progress"]
-                                with contextlib.suppress(Exception):
-                                    await progress(int(seq), str(text))
-                            continue
-                        answer = message
-                    if answer is not None:
-                        return self._answer(target, nonce_of(signature), answer)
+                try:
+                    return await self._exchange(target, url, path, body, progress)
+                except _Unstarted:
+                    # A kept-alive connection the other side closed as this call went out on
+                    # it (a replica stopping closes its idle ones): no response began, and the
+                    # listener begins it before it runs the call, so nothing ran. Once more,
+                    # on a new connection, signed anew.
+                    return await self._exchange(target, url, path, body, progress)
+        except _Unstarted as exc:
+            raise OwnerUnavailableError(
+                f"the call to {who} broke off before it began ({exc.__cause__!r}); retry shortly"
+            ) from None
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
             raise HomeUnreachableError(
                 f"{who} ({address}) does not answer ({type(exc).__name__})"
@@ -232,6 +216,52 @@ class ChannelClient:
                 else f"{who} did not answer in time"
             ) from None
         raise OwnerUnavailableError(f"replica {target} ended a forwarded call without an answer")
+
+    async def _exchange(
+        self, target: str, url: str, path: str, body: bytes, progress: Progress | None
+    ) -> dict[str, Any]:
+        """One signed POST and its answer. Raises _Unstarted when the connection broke before
+        a response began, OwnerUnavailableError for a refusal, and what httpx2 raises."""
+        signature = self.signer.sign_call(target, path, body)
+        headers = {SIGNATURE_HEADER: signature, "content-type": "application/json"}
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                resp = await stack.enter_async_context(
+                    self.http.stream("POST", url, content=body, headers=headers)
+                )
+            except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.WriteError) as exc:
+                raise _Unstarted from exc
+            if resp.status_code == 403 and (skew := await _refused_skew(resp)):
+                raise OwnerUnavailableError(
+                    f"replica {target} refused a forwarded call: "
+                    + describe_skew(skew, "this replica's", f"{target}'s")
+                )
+            if resp.status_code != 200:
+                raise OwnerUnavailableError(
+                    f"replica {target} refused a forwarded call (HTTP {resp.status_code}): are "
+                    "both replicas given the same SANDBOX_CLUSTER_SECRET?"
+                )
+            answer: dict[str, Any] | None = None
+            # (Read to the body's end, which comes with the answer: a response left unread
+            # closes its connection, and the next call would open another.)
+            async for raw in resp.aiter_lines():
+                if not raw:
+                    continue  # a keepalive
+                if answer is not None:
+                    raise ValueError("more after the answer")
+                message = json.loads(raw)
+                if "progress" in message:
+                    if progress is not None:
+                        seq, text = message["progress"]
+                        with contextlib.suppress(Exception):
+                            await progress(int(seq), str(text))
+                    continue
+                answer = message
+            if answer is None:
+                raise OwnerUnavailableError(
+                    f"replica {target} ended a forwarded call without an answer"
+                )
+            return self._answer(target, nonce_of(signature), answer)
 
     def _answer(self, target: str, nonce: str, message: dict[str, Any]) -> dict[str, Any]:
         """A replica's signed answer, once its proof is checked."""
