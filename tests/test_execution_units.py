@@ -127,19 +127,26 @@ def test_placements_forget_the_least_recently_placed_first() -> None:
 def test_a_recent_home_lives_its_second_unrenewed_and_a_failed_call_forgets_it() -> None:
     homes = RecentHomes(seconds=0.2, limit=2)
     there = Placement(False, "w1", "127.0.0.1:1")
-    with homes.trying("s1", there):
+    with homes.trying("s1", there, time.monotonic()):
         pass
     assert homes.get("s1") == there
-    homes.remember("s1", Placement(False, "w2", "127.0.0.1:2"))  # (not renewed by use)
-    assert homes.get("s1") == there
-    with pytest.raises(LookupError), homes.trying("s1", there):
+    homes.remember("s1", Placement(False, "w2", "127.0.0.1:2"), time.monotonic())
+    assert homes.get("s1") == there  # (not renewed by use)
+    with pytest.raises(LookupError), homes.trying("s1", there, None):
         raise LookupError("the home refused it")
     assert homes.get("s1") is None  # any failure: looked up again
-    homes.remember("s2", there)
-    homes.remember("here", Placement(True, "me"))  # (a local home is never cached)
+    with homes.trying("s1", there, None):  # (came from the cache, forgotten meanwhile)
+        pass
+    assert homes.get("s1") is None
+    with homes.trying("s1", there, time.monotonic() - 0.3):  # a call longer than the life
+        pass
+    assert homes.get("s1") is None  # (counted from the lookup, not from the call's end)
+    now = time.monotonic()
+    homes.remember("s2", there, now)
+    homes.remember("here", Placement(True, "me"), now)  # (a local home is never cached)
     assert homes.get("here") is None
-    homes.remember("s3", there)
-    homes.remember("s4", there)
+    homes.remember("s3", there, now)
+    homes.remember("s4", there, now)
     assert homes.get("s2") is None and homes.get("s4") == there  # bounded: oldest first
     time.sleep(0.25)
     assert homes.get("s3") is None and homes.get("s4") is None  # expired

@@ -37,8 +37,9 @@ class RecentHomes:
     Stale is safe: the home checks that it is still the home (the store's record, on every
     forwarded call) and answers `not_home` if not, and a call that fails in any way forgets
     the entry, so the retry looks the session up again. An entry lives one second, well
-    inside a heartbeat's TTL, and is not renewed by use: a home whose heartbeat expired is
-    looked up again within it. Bounded in count; the oldest are dropped first."""
+    inside a heartbeat's TTL, counted from the lookup that found the home (not from the end of
+    a long call) and not renewed by use: a home whose heartbeat expired is looked up again
+    within it. Bounded in count; the oldest are dropped first."""
 
     def __init__(self, seconds: float = RECENT_HOME_SECONDS, limit: int = MAX_RECENT_HOMES):
         self.seconds = seconds
@@ -54,10 +55,12 @@ class RecentHomes:
             return None
         return entry[1]
 
-    def remember(self, key: str, placement: Placement) -> None:
-        if placement.local or key in self._homes:
+    def remember(self, key: str, placement: Placement, found_at: float) -> None:
+        """`placement`, found by a lookup at `found_at` (time.monotonic())."""
+        expires = found_at + self.seconds
+        if placement.local or key in self._homes or expires <= time.monotonic():
             return  # (not renewed by use: see the class)
-        self._homes[key] = (time.monotonic() + self.seconds, placement)
+        self._homes[key] = (expires, placement)
         while len(self._homes) > self.limit:
             self._homes.popitem(last=False)
 
@@ -65,14 +68,16 @@ class RecentHomes:
         self._homes.pop(key, None)
 
     @contextlib.contextmanager
-    def trying(self, key: str, placement: Placement) -> Iterator[None]:
-        """Around a call forwarded to `placement`: remembered if it succeeds, else forgotten."""
+    def trying(self, key: str, placement: Placement, found_at: float | None) -> Iterator[None]:
+        """Around a call forwarded to `placement`: remembered if it succeeds (found by a lookup
+        at `found_at`; None: it came from here), else forgotten."""
         try:
             yield
         except BaseException:
             self.forget(key)
             raise
-        self.remember(key, placement)
+        if found_at is not None:
+            self.remember(key, placement, found_at)
 
 
 class Placements:

@@ -311,7 +311,8 @@ class Router:
         last_error: Exception | None = None
         key = session_key(owner.principal, owner.session_id)
         for _ in range(PLACEMENT_ATTEMPTS):
-            placement = self.recent_homes.get(key) or await self.place(owner)
+            recent, found_at = self.recent_homes.get(key), time.monotonic()
+            placement = recent or await self.place(owner)
             if placement.local:
                 return await self._run_here(owner, op, args, progress, placement.reset)
             assert self.channel is not None  # a remote home implies a secret (see place)
@@ -323,7 +324,7 @@ class Router:
             }
             started = time.perf_counter()
             try:
-                with self.recent_homes.trying(key, placement):
+                with self.recent_homes.trying(key, placement, None if recent else found_at):
                     result = await self.channel.call(
                         placement.home,
                         placement.address,
