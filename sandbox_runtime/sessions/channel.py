@@ -215,7 +215,6 @@ class ChannelClient:
                 if path == CONTROL_PATH
                 else f"{who} did not answer in time"
             ) from None
-        raise OwnerUnavailableError(f"replica {target} ended a forwarded call without an answer")
 
     async def _exchange(
         self, target: str, url: str, path: str, body: bytes, progress: Progress | None
