@@ -33,7 +33,7 @@ from sandbox_runtime.sessions import control as control_module
 from sandbox_runtime.sessions import signing
 from sandbox_runtime.sessions.channel import CALL_PATH, CONTROL_PATH, ChannelClient
 from sandbox_runtime.sessions.control import ControlChannel
-from sandbox_runtime.sessions.listener import ClusterApp
+from sandbox_runtime.sessions.listener import MAX_QUEUED_PROGRESS, ClusterApp
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.state.store import Beat, MemoryStore
 from sandbox_runtime.supervisor import Supervisor
@@ -113,6 +113,8 @@ class Served:
     control: ControlChannel | None
 
     async def serve_forwarded(self, call: dict[str, Any], progress: Any) -> dict[str, Any]:
+        for seq in range(int(call.get("progress", 0) and call.get("lines", 0))):
+            await progress(seq, "x" * 100)  # (all at once: the caller has read none yet)
         return {"echo": call.get("op")}
 
 
@@ -218,6 +220,19 @@ async def test_a_connection_closed_under_a_call_before_it_began_is_retried_once(
     with pytest.raises(OwnerUnavailableError, match=r"broke off before it began.*retry shortly"):
         await pair.channel.call("ra", pair.address, {"op": "c"}, None, 5)
     assert await pair.channel.call("ra", pair.address, {"op": "d"}, None, 5) == {"echo": "d"}
+
+
+async def test_progress_a_caller_has_not_read_is_bounded_and_the_answer_still_comes(
+    pair: Pair,
+) -> None:
+    seen: list[int] = []
+
+    async def progress(seq: int, text: str) -> None:
+        seen.append(seq)
+
+    call = {"op": "flood", "lines": 1000}
+    assert await pair.channel.call("ra", pair.address, call, progress, 5) == {"echo": "flood"}
+    assert seen == list(range(MAX_QUEUED_PROGRESS))
 
 
 async def test_the_owners_refusal_is_raised_again_on_the_caller(pair: Pair) -> None:

@@ -37,6 +37,9 @@ from sandbox_runtime.sessions.signing import ClockSkewError, ClusterSigner, Sign
 from sandbox_runtime.supervisor import scoped
 
 PATHS = (CALL_PATH, CONTROL_PATH)
+# Progress lines waiting for a caller that reads slowly: past this, new ones are dropped (each
+# is a glimpse of output the caller can still read in full by polling; the answer always goes).
+MAX_QUEUED_PROGRESS = 32
 
 
 class Served(Protocol):
@@ -165,7 +168,8 @@ async def _answer(
     lines: asyncio.Queue[tuple[bytes, bool]] = asyncio.Queue()
 
     async def progress(seq: int, text: str) -> None:
-        lines.put_nowait((_line({"progress": [seq, text]}), False))
+        if lines.qsize() < MAX_QUEUED_PROGRESS:
+            lines.put_nowait((_line({"progress": [seq, text]}), False))
 
     async def run() -> None:
         try:
