@@ -30,6 +30,8 @@ BRIDGE_ENV = {"MCP_SERVERS_SOCKET": f"{BRIDGE_DIR}/bridge.sock", "PYTHONPATH": L
 
 class OpenBridge(Protocol):
     directory: Path
+    # An interpreter's: the cell whose requests it answers (see servers/bridge.py)
+    cell: str | None
 
     @property
     def env(self) -> dict[str, str]: ...

@@ -73,6 +73,12 @@ KERNEL_ENV = {
 }
 
 
+CELL_WATCH = {
+    "code": "import mcp_servers", "silent": True, "store_history": False,
+    "user_expressions": {}, "allow_stdin": False, "stop_on_error": False,
+}  # fmt: skip
+
+
 class KernelDiedError(Exception):
     """The kernel process ended (crashed, killed, out of memory) during an operation."""
 
@@ -123,11 +129,19 @@ class SandboxedKernel:
         self, makers: list[Bridges], owner: Owner, servers: list[str] | None, execution: Execution
     ) -> None:
         """This call's bridge (servers=[...]) in place of the last one's; none if it names
-        none. Raises InvalidRequestError."""
+        none. It answers only its cell's code (cell_sent), not what an earlier cell left
+        running. Raises InvalidRequestError."""
         if self.bridge is not None:
             bridge, self.bridge = self.bridge, None
             await bridge.aclose()
         self.bridge = await open_bridge(makers, owner, servers, execution, self.bridge_dir)
+        if self.bridge is not None:
+            self.bridge.cell = ""  # (no cell's yet: before any request can be read)
+
+    def cell_sent(self, msg_id: str) -> None:
+        """The cell's execute request went: its bridge answers that cell's requests."""
+        if self.bridge is not None:
+            self.bridge.cell = msg_id
 
     @property
     def alive(self) -> bool:
@@ -207,6 +221,12 @@ class SandboxedKernel:
         except BaseException:
             await self.stop()
             raise
+        if self.spec.language == "python":
+            # The library follows cells from the start (mcp_servers.py): a thread started by
+            # any cell carries it, even one started before the cell's code imported it.
+            # (Silent: no history, no count; its answers, wanted by nobody, are dropped.)
+            with contextlib.suppress(KernelDiedError):
+                self.send("shell", "execute_request", CELL_WATCH)
 
     async def _wait_ready(self) -> None:
         """Until the kernel answers a kernel_info request on shell AND its iopub status for it

@@ -41,6 +41,7 @@ async def execute(
     }  # fmt: skip
     inbox = kernel.inbox
     msg_id = kernel.send("shell", "execute_request", content)
+    kernel.cell_sent(msg_id)
     inbox.want(msg_id)
     reported = inbox.dropped_bytes
 

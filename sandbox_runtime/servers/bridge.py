@@ -7,6 +7,8 @@ call against what the execution may call (the principal's servers, narrowed by t
 `servers=[...]`; an entry's tool filter), calls the server on the principal's behalf through
 the hosted-servers layer, and reports each call as a `tool_call` event of the execution.
 Bounded: frame size, calls, calls at once, bytes, and each call's time (its entry's).
+An interpreter's bridge is one cell's: a request that says it comes from another cell (code
+an earlier cell left running) is refused, and neither counted nor reported.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ MAX_FRAME = 4 << 20  # a request; answers are bounded by the servers' own messag
 PREVIEW = 200  # characters of arguments and results shown in a tool_call event
 MAX_CONNECTIONS = 64  # open at once per bridge; more are closed at once
 LARGE_RESULT = 64 * 1024  # bytes past which a result is also kept as a workspace file
+ENDED = (
+    "the run_code call that allowed these servers has ended (this code was left running by "
+    "it); call them from a run_code call that names servers=[...]"
+)
 
 # (server, method, params, progress) -> {"result": ...} | {"error": {...}}
 Call = Callable[[Entry, str, dict[str, Any], Any], Awaitable[dict[str, Any]]]
@@ -78,6 +84,9 @@ class Bridge:
     known_tools: dict[str, tuple[Entry, list[Any]]] = field(default_factory=dict)
     # What tools without an output schema were seen to return, by "server.tool" (shared)
     seen_returns: dict[str, str] = field(default_factory=dict)
+    # An interpreter's cell (its execute request's id; "" until it is sent): a request that
+    # names another cell is refused. None: not a cell's (an execution's), nothing checked.
+    cell: str | None = None
     _server: asyncio.AbstractServer | None = None
     _calls: int = 0
     _bytes: int = 0
@@ -147,6 +156,8 @@ class Bridge:
         await _reply(writer, await self._answer(request, size))
 
     async def _answer(self, request: dict[str, Any], size: int) -> dict[str, Any]:
+        if self.cell is not None and "cell" in request and request["cell"] != self.cell:
+            return _refusal("ended", ENDED)  # (not this cell's: not its calls, nor its events)
         op = request.get("op")
         if op == "servers":
             return _ok([{**e.describe(), "stubs": f"/run/srt-bridge/servers/{n}"}

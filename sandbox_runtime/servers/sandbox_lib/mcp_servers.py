@@ -17,19 +17,40 @@ event loop (a Jupyter kernel's cell) a call returns an awaitable instead: `await
 Calls go over a Unix socket to the host, which checks each against what the execution may
 call and calls the server on its behalf: no credential is in this sandbox. Standard library
 only (any Python 3.8+).
+
+In a run_code interpreter (a Jupyter kernel) a call's bridge is its cell's: each request says
+which cell its code belongs to, and the host answers only the running cell's. The cell's own
+code and the asyncio tasks it creates belong to it (a context variable, set when each cell
+starts); a thread to the cell that started it, work handed to a thread pool to the cell that
+handed it over, a process to the cell during which it started (MCP_SERVERS_CELL in its
+environment).
+What a cell left running gets BridgeError kind `ended` once its cell is over.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import socket
 import struct
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 SOCKET = os.environ.get("MCP_SERVERS_SOCKET", "/run/srt-bridge/bridge.sock")
 MAX_FRAME = 64 << 20
+CELL_ENV = "MCP_SERVERS_CELL"  # the cell (execute request) that started this process
+ENDED = (
+    "the run_code call that allowed these servers has ended (this code was left running by "
+    "it); call them from a run_code call that names servers=[...]"
+)
+# The cell the running code belongs to (in an interpreter; see the module's docstring).
+_CELL: contextvars.ContextVar[str | None] = contextvars.ContextVar("mcp_servers_cell", default=None)
+_current: str | None = None  # the cell the interpreter runs now (None: between cells)
+_watching = False  # cells are followed (this process is a Jupyter kernel)
 __all__ = ["BridgeError", "ToolError", "search", "server", "servers"]
 
 
@@ -60,14 +81,34 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
+def _cell() -> str | None:
+    """The cell the calling code belongs to: its context's, else its thread's, else its
+    process's (None outside an interpreter: an execution's code is all its own)."""
+    cell = _CELL.get()
+    if cell is None:
+        cell = getattr(threading.current_thread(), "_mcp_servers_cell", None)
+    return cell if cell is not None else os.environ.get(CELL_ENV) or None
+
+
 def _ask(request: dict) -> Any:
+    cell = _cell()
+    if cell is not None:
+        request = {**request, "cell": cell}
     body = json.dumps(request, separators=(",", ":")).encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         try:
             sock.connect(SOCKET)
         except OSError as exc:
+            if _watching and cell != _current:
+                raise BridgeError("ended", ENDED) from None
+            if _watching:
+                why = " (this run_code call names no servers: servers=[...])"
+            elif cell is not None:  # (a process a cell started: which is the case it can't know)
+                why = " (the run_code call that started it named no servers, or has ended)"
+            else:
+                why = ""
             raise BridgeError(
-                "unavailable", f"no MCP servers bridge in this sandbox ({SOCKET}: {exc})"
+                "unavailable", f"no MCP servers bridge in this sandbox ({SOCKET}: {exc}){why}"
             ) from None
         sock.sendall(struct.pack(">I", len(body)) + body)
         (size,) = struct.unpack(">I", _recv_exact(sock, 4))
@@ -118,7 +159,8 @@ class Tool:
     def __call__(self, **arguments: Any) -> Any:
         loop = _running_loop()
         if loop is not None:  # (a kernel's cell: awaitable, the loop left free meanwhile)
-            return loop.run_in_executor(None, lambda: self.call_sync(**arguments))
+            run = contextvars.copy_context().run  # (the thread calls as this code's cell)
+            return loop.run_in_executor(None, lambda: run(self.call_sync, **arguments))
         return self.call_sync(**arguments)
 
     def call_sync(self, **arguments: Any) -> Any:
@@ -177,6 +219,66 @@ def search(query: str, detail: str = "summary", limit: int = 20) -> list[dict]:
     """Tools whose name or description matches `query` (words, any order). detail: "names",
     "summary" (one line each) or "full" (with schemas)."""
     return list(_ask({"op": "search", "query": query, "detail": detail, "limit": limit}))
+
+
+def _watch_cells() -> None:
+    """In a Jupyter kernel (IPython's): mark each cell's code with the cell (its execute
+    request's id, which the host's bridge for that cell expects), and make threads carry
+    the cell that started them and thread-pool work the cell that handed it over."""
+    global _watching
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    kernel = getattr(shell, "kernel", None)
+    if shell is None or kernel is None or _watching:
+        return
+    _watching = True
+
+    def started(info: Any = None) -> None:
+        global _current
+        try:
+            parent = kernel.get_parent("shell")
+            if parent.get("content", {}).get("silent"):
+                return  # (the host's own request: not a cell)
+            cell = str(parent["header"]["msg_id"])
+        except Exception:
+            return
+        _current = cell
+        _CELL.set(cell)
+        os.environ[CELL_ENV] = cell  # (processes started from now carry it)
+
+    def ended(result: Any = None) -> None:
+        global _current
+        _current = None
+
+    shell.events.register("pre_run_cell", started)
+    shell.events.register("post_run_cell", ended)
+    start, submit = threading.Thread.start, ThreadPoolExecutor.submit
+
+    def start_in_cell(self: threading.Thread) -> None:
+        self._mcp_servers_cell = _cell()  # type: ignore[attr-defined]
+        start(self)
+
+    def submit_in_cell(self: ThreadPoolExecutor, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        cell = _cell()
+        if cell is None:
+            return submit(self, fn, *args, **kwargs)
+
+        def run() -> Any:
+            token = _CELL.set(cell)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _CELL.reset(token)
+
+        return submit(self, run)
+
+    threading.Thread.start = start_in_cell  # type: ignore[method-assign]
+    ThreadPoolExecutor.submit = submit_in_cell  # type: ignore[method-assign, assignment]
+    if threading.current_thread() is threading.main_thread():
+        started()  # (imported in a cell: it is that cell's)
+
+
+_watch_cells()
 
 
 def __getattr__(name: str) -> Server:  # `from mcp_servers import time`
