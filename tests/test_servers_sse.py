@@ -10,6 +10,8 @@ import json
 import pytest
 
 from sandbox_runtime.servers.catalog import missing_secret, parse_entry, shown_url, url_secrets
+from sandbox_runtime.servers.instance import InstanceError, LogSink
+from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.servers.sse import EventReader, EventTooLargeError
 
 pytestmark = pytest.mark.unit
@@ -104,3 +106,14 @@ def test_a_missing_secret_is_named_never_its_value(tmp_path: object) -> None:
     stdio = parse_entry("near", {"command": ["/bin/x"], "secrets": {"K": "file:/nonexistent/k"}})
     problem = missing_secret(stdio, {})
     assert problem is not None and problem.startswith("secret file:/nonexistent/k: cannot read")
+
+
+async def test_a_url_that_does_not_parse_is_not_quoted() -> None:
+    """httpx's InvalidURL quotes the "port", which here is the start of a password."""
+    remote = RemoteInstance(parse_entry("far", {"url": "http://u:pa55/x@host/mcp"}), LogSink(None))
+    try:
+        with pytest.raises(InstanceError) as failed:
+            await remote.request("tools/list", {})
+        assert str(failed.value) == "server far: its URL does not parse"
+    finally:
+        await remote.aclose()

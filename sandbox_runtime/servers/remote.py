@@ -124,6 +124,8 @@ class RemoteInstance:
         except asyncio.CancelledError:
             self._cancel(request_id, "cancelled by the client")
             raise
+        except httpx2.InvalidURL:  # (its text may quote a password's characters)
+            raise InstanceError(f"server {self.name}: its URL does not parse") from None
         except httpx2.HTTPError as exc:
             raise InstanceError(
                 f"server {self.name} ({self.shown}): {self._scrub(f'{type(exc).__name__}: {exc}')}"
@@ -139,7 +141,7 @@ class RemoteInstance:
         await self._send_only("POST", body)
 
     async def _send_only(self, method: str, body: bytes | None = None) -> None:
-        with contextlib.suppress(httpx2.HTTPError, TimeoutError):
+        with contextlib.suppress(Exception):  # (best effort: its failure is not the caller's)
             async with asyncio.timeout(NOTIFY_TIMEOUT):
                 request = self.http.build_request(
                     method, self.url, content=body, headers=self._headers()
