@@ -86,6 +86,7 @@ async def call(
 ) -> None:
     tool = params.get("name")
     if tool in ("endless_line", "endless_event"):
+        stats["endless_sent"] = 0  # (set when this reply stops)
         gone = asyncio.get_running_loop().create_task(receive())  # (http.disconnect)
         await start_stream(send)
         await send({"type": "http.response.body", "body": b"data: ", "more_body": True})
