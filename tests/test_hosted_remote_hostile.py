@@ -157,6 +157,16 @@ async def test_raw_line_separators_inside_json_strings_pass(server: ServerProces
     assert text_of(result) == "one\u2028two\u2029three\x85four", result
 
 
+async def test_an_encoded_reply_is_refused(server: ServerProcess) -> None:
+    """Asked for identity, a remote that compresses anyway is refused: bytes read are bytes
+    held only when nothing inflates them."""
+    async with open_client(far(server), ALICE) as conn:
+        with pytest.raises(Exception) as failed:
+            await conn.client.call_tool("gzipped", {})
+    assert "sent a gzip-encoded reply" in message_of(failed.value), failed.value
+    await answers_promptly(server, ALICE)
+
+
 async def test_a_call_and_a_cancellation_never_answered_do_not_hold_the_caller(
     server: ServerProcess, remote: int
 ) -> None:

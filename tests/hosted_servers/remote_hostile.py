@@ -10,6 +10,7 @@ POST /mcp speaks just enough MCP (initialize, tools/list, tools/call) to be call
 - u2028 {}: a valid answer whose text holds raw U+2028, U+2029 and U+0085;
 - hang {}: never answers; and `notifications/cancelled` is never answered either;
 - denied {}: HTTP 500 whose body echoes the request's query and Authorization header;
+- gzipped {}: a gzip-encoded answer, though asked for none (a bomb could hide in one);
 - echo {text}: answers at once (the control).
 
 GET /stats: what it saw and did ({"cancels": N, "hangs": N, "endless_sent": BYTES (of the
@@ -19,6 +20,7 @@ last endless reply), "queries": [...]}).
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import sys
 from typing import Any
@@ -36,6 +38,7 @@ TOOLS = [
         ("u2028", "Answers with raw line separators in a JSON string."),
         ("hang", "Never answers."),
         ("denied", "HTTP 500, echoing what it was sent."),
+        ("gzipped", "A gzip-encoded answer."),
         ("echo", "Answers at once."),
     )
 ]
@@ -104,6 +107,12 @@ async def call(
     elif tool == "hang":
         stats["hangs"] += 1
         await asyncio.Event().wait()
+    elif tool == "gzipped":
+        message = {"jsonrpc": "2.0", "id": request_id, "result": {"content": []}}
+        extra = [(b"content-encoding", b"gzip")]
+        await start_stream(send, extra)
+        body = gzip.compress(b"data: " + json.dumps(message).encode() + b"\n\n")
+        await send({"type": "http.response.body", "body": body})
     elif tool == "denied":
         token = dict(scope["headers"]).get(b"authorization", b"").decode()
         seen = f"denied: query {scope['query_string'].decode()} auth {token}"
