@@ -51,15 +51,16 @@ def test_unicode_line_breaks_inside_json_survive() -> None:
 
 def test_an_endless_line_is_refused_at_the_limit_without_holding_it() -> None:
     reader = EventReader(64 * 1024, "server far")
-    chunk = b"x" * 4096
+    chunk = b"x" * 4000
     reader.feed(b"data: ")
-    fed = 6
+    fed, held = 6, 0
     with pytest.raises(EventTooLargeError, match="server far sent an event over 64 KiB"):
         while fed < 10 * 1024 * 1024:
             reader.feed(chunk)
             fed += len(chunk)
-    assert fed <= 64 * 1024
-    assert len(reader._line) <= 64 * 1024  # (never held past the limit)
+            held = max(held, len(reader._line))
+    assert fed <= 64 * 1024 and held <= 64 * 1024, (fed, held)  # (refused as it crossed)
+    assert fed + len(chunk) > 64 * 1024  # (and not before)
 
 
 def test_an_endless_event_of_short_lines_is_refused_at_the_limit() -> None:
@@ -69,7 +70,7 @@ def test_an_endless_event_of_short_lines_is_refused_at_the_limit() -> None:
         while fed < 10 * 1024 * 1024:
             reader.feed(b"data: " + b"y" * 100 + b"\n")
             fed += 107
-    assert fed <= 64 * 1024
+    assert fed <= 64 * 1024 < fed + 107, fed  # (refused as the event crossed the limit)
 
 
 def test_events_under_the_limit_pass_however_many() -> None:
