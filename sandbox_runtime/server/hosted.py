@@ -7,6 +7,10 @@ raw, to the caller's instance through the Router (which runs it on the instance'
 replica, forwarding when that is another one): the instance's results and errors come back
 as they are, its progress and logging notifications are relayed to the caller, and a
 cancelled request is cancelled in the instance.
+
+A transport session belongs to the principal whose token opened it, as on /mcp: the
+request's scope carries that principal as the library's authenticated user, and the session
+manager answers another principal's requests naming the session 404 "Session not found".
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import Any
 
 from loguru import logger
 from mcp import types as mt
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp.server.lowlevel.server import Server
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
@@ -79,8 +85,9 @@ class HostedServers:
         self._apps: dict[str, tuple[Entry, StreamableHTTPASGIApp, asyncio.Event]] = {}
         self._lock = asyncio.Lock()
 
-    async def principal(self, scope: Scope) -> str | None:
-        """The bearer token's principal, as /mcp's auth finds it (None: refused)."""
+    async def principal(self, scope: Scope) -> str | AccessToken | None:
+        """The bearer token, as /mcp's auth finds it (its client_id is the principal; None:
+        refused; ANONYMOUS when the server has no tokens)."""
         if self._verifier is None:
             return ANONYMOUS
         for key, value in scope.get("headers", []):
@@ -88,8 +95,7 @@ class HostedServers:
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 if scheme.lower() != "bearer":
                     return None
-                found = await self._verifier.verify_token(token.strip())
-                return found.client_id if found is not None else None
+                return await self._verifier.verify_token(token.strip())
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -97,10 +103,11 @@ class HostedServers:
         if match is None:
             await _plain(send, 404, "no such endpoint: hosted servers are at /servers/NAME/mcp")
             return
-        principal = await self.principal(scope)
-        if principal is None:
+        token = await self.principal(scope)
+        if token is None:
             await _plain(send, 401, "invalid token")  # (PlainAuthErrors words it)
             return
+        principal = token if isinstance(token, str) else token.client_id
         if not self.root.running:
             await _plain(send, 503, "the server is starting or stopping")
             return
@@ -114,6 +121,8 @@ class HostedServers:
         app = await self._app(entry)
         scope = dict(scope, path="/mcp", raw_path=b"/mcp")
         scope[PRINCIPAL_KEY] = principal
+        if not isinstance(token, str):  # (the session manager binds a session to its user)
+            scope["user"] = AuthenticatedUser(token)
         await app(scope, receive, send)
 
     async def _app(self, entry: Entry) -> StreamableHTTPASGIApp:

@@ -12,6 +12,7 @@ from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.calls import owner_of
 from sandbox_runtime.server.hosted import call_instance
 from sandbox_runtime.servers.bridge import describe_tool, matches, query_words
+from sandbox_runtime.servers.catalog import missing_secret, shown_url
 from sandbox_runtime.servers.host import owner_of as instance_owner
 from sandbox_runtime.servers.installs import read_installed
 from sandbox_runtime.servers.launch import instance_limits, program
@@ -24,7 +25,9 @@ class HostedServer(BaseModel):
     scope: str = Field(
         description="principal: an instance of your own; session: one per session; shared."
     )
-    source: str | None = Field(None, description="The package or URL it runs.")
+    source: str | None = Field(
+        None, description="The package it runs, or its URL (scheme://host[:port]/path)."
+    )
     installed: str | None = Field(None, description="The installed version (pypi, npm).")
     ready: bool = Field(description="Whether a call can start it now.")
     problem: str | None = Field(None, description="Why not, or its last failure here.")
@@ -69,6 +72,8 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                     problem = f"{installed.package} installed, {entry.package} configured"
                 else:
                     version = installed.version
+            if problem is None:  # (a start would fail on it; the reference names no value)
+                problem = missing_secret(entry)
             if problem is None and entry.kind != "remote":
                 try:  # (what would refuse every start: its egress, its directory)
                     instance_limits(entry, root.services.manager.limits)
@@ -83,7 +88,7 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                     endpoint=f"/servers/{entry.name}/mcp",
                     kind=entry.kind,
                     scope=entry.scope,
-                    source=entry.package or entry.url or None,
+                    source=entry.package or (shown_url(entry.url) if entry.url else None),
                     installed=version,
                     ready=problem is None,
                     problem=problem or status["last_error"],

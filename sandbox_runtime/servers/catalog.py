@@ -4,7 +4,8 @@ one TOML file (`SANDBOX_SERVERS_FILE`).
 An entry is a stdio server named by package (`pypi:NAME[==VERSION]`, `npm:NAME[@VERSION]`)
 or by a local command, or a remote Streamable HTTP server named by URL. Secrets are
 references (`env:NAME` or `file:PATH`), resolved only when an instance starts or a remote is
-called: the catalog, `servers list` and `list_servers` never hold or show their values.
+called: the catalog, `servers list` and `list_servers` never hold or show their values. A
+remote's URL is shown to principals without its user, password, query or fragment.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from sandbox_runtime.errors import InvalidRequestError
 
@@ -108,7 +110,7 @@ class Entry:
         if self.package:
             out["package"] = self.package
         if self.url:
-            out["url"] = self.url
+            out["url"] = shown_url(self.url)
         if self.tools_allow:
             out["tools_allow"] = list(self.tools_allow)
         if self.tools_deny:
@@ -273,7 +275,9 @@ def resolve_secret(ref: str, environ: Mapping[str, str] | None = None) -> str:
     environ = os.environ if environ is None else environ
     if ref.startswith("env:"):
         if ref[4:] not in environ:
-            raise CatalogError(f"secret {ref}: the server's environment has no {ref[4:]}")
+            raise CatalogError(
+                f"secret {ref} is not set (the server's environment has no {ref[4:]})"
+            )
         return environ[ref[4:]]
     if ref.startswith("file:"):
         try:
@@ -285,6 +289,47 @@ def resolve_secret(ref: str, environ: Mapping[str, str] | None = None) -> str:
             raise CatalogError(f"secret {ref}: longer than {MAX_TEXT} bytes")
         return value.strip("\r\n")
     return ref  # (a literal: headers may hold one)
+
+
+def missing_secret(entry: Entry, environ: Mapping[str, str] | None = None) -> str | None:
+    """Why a secret the entry references (its `secrets`, its headers' env:/file: values)
+    cannot be had now, naming the reference; None when each can."""
+    refs = [*entry.secrets.values()]
+    refs += [v for v in entry.headers.values() if v.startswith(("env:", "file:"))]
+    for ref in refs:
+        try:
+            resolve_secret(ref, environ)
+        except CatalogError as exc:
+            return str(exc)
+    return None
+
+
+def shown_url(url: str) -> str:
+    """`url` as principals may see it: scheme://host[:port]/path, without user, password,
+    query or fragment (they may hold credentials)."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", parts.port
+    except ValueError:  # (a port that is not a number: the user part may be in it)
+        return "(a URL that does not parse)"
+    if ":" in host:
+        host = f"[{host}]"
+    path = parts.path if "@" not in parts.path else "/…"  # (a password holding a /)
+    return urlunsplit((parts.scheme, host if port is None else f"{host}:{port}", path, "", ""))
+
+
+def url_secrets(url: str) -> list[str]:
+    """The parts of `url` that shown_url leaves out, as written and decoded (what an
+    error's text must not hold)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return [url]
+    userinfo = parts.netloc.rpartition("@")[0]
+    found = [userinfo, *userinfo.split(":", 1), parts.query, parts.fragment]
+    found += [pair.partition("=")[2] for pair in parts.query.split("&")]
+    found += [unquote(v) for v in found]
+    return sorted({v for v in found if v}, key=len, reverse=True)
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,12 @@
 at our endpoint), the entry's headers out (secrets resolved here, never shown).
 
 One remote session per instance owner (as a stdio instance is one process), initialized on
-first use. Replies come as a JSON body or an SSE stream; both are read with the same bounds
-as a stdio instance's messages, and notifications on the stream go to the caller.
+first use. Replies come as a JSON body or an SSE stream; both are read as raw bytes with the
+same bounds as a stdio instance's messages (an SSE line or event is refused as it crosses
+them, see sse.py), and notifications on the stream go to the caller. Every wait on the remote
+has a deadline; a cancellation is sent in the background, never holding the caller. Errors
+show the URL as principals may see it (no user, password or query) and never a header's
+value.
 """
 
 from __future__ import annotations
@@ -11,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import httpx2
 
-from sandbox_runtime.servers.catalog import Entry, resolve_secret
+from sandbox_runtime.servers.catalog import Entry, resolve_secret, shown_url, url_secrets
 from sandbox_runtime.servers.instance import (
     INITIALIZE,
     PROTOCOL_VERSION,
@@ -28,8 +33,14 @@ from sandbox_runtime.servers.instance import (
     RemoteError,
     with_own_token,
 )
+from sandbox_runtime.servers.sse import EventReader
 
 MAX_IN_FLIGHT = 64
+# A notification (a cancellation, `initialized`) or the closing DELETE waits this long for
+# the remote's answer's headers; the answer's body is never read.
+NOTIFY_TIMEOUT = 5.0
+MAX_ERROR_TEXT = 300  # characters of a remote's HTTP error body shown in an error
+URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 
 
 class RemoteInstance:
@@ -38,12 +49,19 @@ class RemoteInstance:
     def __init__(self, entry: Entry, log: LogSink, environ: Mapping[str, str] | None = None):
         self.name = entry.name
         self.url = entry.url
+        self.shown = shown_url(entry.url)  # (what errors show)
         self.max_message = entry.max_message_kb * 1024
         self.call_timeout = entry.call_timeout
         self.log = log
         self.headers = {k: resolve_secret(v, environ) for k, v in entry.headers.items()}
+        # Never shown in an error (the remote may echo them; httpx may quote them)
+        self._hidden = [
+            *(v for v in url_secrets(entry.url) if len(v) >= 4),
+            *(v for v in self.headers.values() if len(v) >= 8),
+        ]
         self.headers["accept"] = "application/json, text/event-stream"
         self.headers["content-type"] = "application/json"
+        self.headers["accept-encoding"] = "identity"  # (bytes read are bytes held)
         self.http = httpx2.AsyncClient(timeout=httpx2.Timeout(entry.call_timeout, connect=10.0))
         self.session_id: str | None = None
         self.protocol = PROTOCOL_VERSION
@@ -52,6 +70,7 @@ class RemoteInstance:
         self._ended = asyncio.Event()
         self._next_id = 0
         self._in_flight = 0
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def alive(self) -> bool:
@@ -98,30 +117,55 @@ class RemoteInstance:
             async with asyncio.timeout(limit):
                 return await self._post(message, request_id, listener)
         except TimeoutError:
-            await self._cancel(request_id, "timed out")
+            self._cancel(request_id, "timed out")
             raise InstanceError(
-                f"server {self.name} ({self.url}) did not answer {method} within {limit:g} s"
+                f"server {self.name} ({self.shown}) did not answer {method} within {limit:g} s"
             ) from None
         except asyncio.CancelledError:
-            await asyncio.shield(self._cancel(request_id, "cancelled by the client"))
+            self._cancel(request_id, "cancelled by the client")
             raise
+        except httpx2.InvalidURL:  # (its text may quote a password's characters)
+            raise InstanceError(f"server {self.name}: its URL does not parse") from None
         except httpx2.HTTPError as exc:
-            raise InstanceError(f"server {self.name} ({self.url}): {exc}") from None
+            raise InstanceError(
+                f"server {self.name} ({self.shown}): {self._scrub(f'{type(exc).__name__}: {exc}')}"
+            ) from None
         finally:
             self._in_flight -= 1
             self.last_used = time.monotonic()
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
-        with contextlib.suppress(httpx2.HTTPError):
-            message = {"jsonrpc": "2.0", "method": method, "params": params}
-            response = await self.http.post(self.url, json=message, headers=self._headers())
-            await response.aclose()
+        """Best effort, within NOTIFY_TIMEOUT: the answer's status is all that is awaited."""
+        message = {"jsonrpc": "2.0", "method": method, "params": params}
+        body = json.dumps(message, separators=(",", ":")).encode()
+        await self._send_only("POST", body)
 
-    async def _cancel(self, request_id: int, reason: str) -> None:
-        if self.alive:
-            await self.notify(
-                "notifications/cancelled", {"requestId": request_id, "reason": reason}
-            )
+    async def _send_only(self, method: str, body: bytes | None = None) -> None:
+        with contextlib.suppress(Exception):  # (best effort: its failure is not the caller's)
+            async with asyncio.timeout(NOTIFY_TIMEOUT):
+                request = self.http.build_request(
+                    method, self.url, content=body, headers=self._headers()
+                )
+                response = await self.http.send(request, stream=True)
+                await response.aclose()  # (unread: whatever it sends is not held)
+
+    def _cancel(self, request_id: int, reason: str) -> None:
+        """Tell the remote, in the background: the caller is not held by a remote that
+        does not answer (the notification has its own deadline)."""
+        if not self.alive or len(self._background) >= MAX_IN_FLIGHT:
+            return  # (best effort: past that many unanswered, the remote is not listening)
+        params = {"requestId": request_id, "reason": reason}
+        task = asyncio.get_running_loop().create_task(
+            self.notify("notifications/cancelled", params)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _scrub(self, text: str) -> str:
+        """`text` without the URL's credentials and query, or a header's value."""
+        for value in self._hidden:
+            text = text.replace(value, "…")
+        return URL_IN_TEXT.sub(lambda m: shown_url(m.group(0)), text)
 
     def _headers(self) -> dict[str, str]:
         headers = dict(self.headers)
@@ -142,52 +186,52 @@ class RemoteInstance:
                 raise InstanceError(
                     f"server {self.name}: the remote server ended its session; retry"
                 )
+            encoding = response.headers.get("content-encoding", "").strip().lower() or "identity"
             if response.status_code >= 400:
-                text = (await _read_capped(response, 2000, cut=True)).decode("utf-8", "replace")
+                text = ""
+                if encoding == "identity":
+                    raw = await _read_capped(response, 2000, cut=True)
+                    text = self._scrub(raw.decode("utf-8", "replace").strip())
                 raise InstanceError(
-                    f"server {self.name} ({self.url}) answered HTTP {response.status_code}: "
-                    f"{text.strip()[:300]}"
+                    f"server {self.name} ({self.shown}) answered HTTP {response.status_code}: "
+                    f"{text[:MAX_ERROR_TEXT]}"
+                )
+            if encoding != "identity":  # (asked for identity: a decoded body is unbounded)
+                raise InstanceError(
+                    f"server {self.name} sent a {encoding[:40]}-encoded reply (asked for none)"
                 )
             if message["method"] == "initialize":
                 self.session_id = response.headers.get("mcp-session-id")
             kind = response.headers.get("content-type", "").split(";")[0].strip()
             if kind == "application/json":
-                answer = json.loads(await _read_capped(response, self.max_message))
+                answer = _json(
+                    await _read_capped(response, self.max_message, who=f"server {self.name}")
+                )
+                if answer is None:
+                    raise InstanceError(f"server {self.name} sent a reply that is not JSON")
                 return self._result(answer, request_id)
             if kind == "text/event-stream":
                 return await self._from_stream(response, request_id, listener)
-            raise InstanceError(f"server {self.name} answered with {kind or 'no content type'}")
+            raise InstanceError(
+                f"server {self.name} answered with {kind[:60] or 'no content type'}"
+            )
         finally:
             await response.aclose()
 
     async def _from_stream(
         self, response: httpx2.Response, request_id: int, listener: Notify | None
     ) -> dict[str, Any]:
-        data: list[str] = []
-        size = 0
-        async for line in response.aiter_lines():
-            size += len(line)
-            if size > self.max_message:
-                raise InstanceError(
-                    f"server {self.name} sent an event over {self.max_message // 1024} KiB"
-                )
-            if line.startswith("data:"):
-                data.append(line[5:].lstrip(" "))
-                continue
-            if line or not data:
-                continue
-            event, data, size = "\n".join(data), [], 0
-            try:
-                message = json.loads(event)
-            except ValueError:
-                continue
-            if not isinstance(message, dict):
-                continue
-            if message.get("id") == request_id and "method" not in message:
-                return self._result(message, request_id)
-            if "method" in message and "id" not in message and listener is not None:
-                with contextlib.suppress(Exception):
-                    await listener(message)
+        events = EventReader(self.max_message, f"server {self.name}")
+        async for chunk in response.aiter_raw():
+            for event in events.feed(chunk):
+                message = _json(event)
+                if not isinstance(message, dict):
+                    continue
+                if message.get("id") == request_id and "method" not in message:
+                    return self._result(message, request_id)
+                if "method" in message and "id" not in message and listener is not None:
+                    with contextlib.suppress(Exception):
+                        await listener(message)
         raise InstanceError(f"server {self.name} ended its reply without an answer")
 
     def _result(self, answer: Any, request_id: int) -> dict[str, Any]:
@@ -208,18 +252,32 @@ class RemoteInstance:
         if self.session_id is not None and self.ended is None:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(grace):
-                    await self.http.delete(self.url, headers=self._headers())
+                    await self._send_only("DELETE")
         self._end("stopped")
-        await self.http.aclose()
+        for task in list(self._background):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(grace):
+                await self.http.aclose()
 
 
-async def _read_capped(response: httpx2.Response, limit: int, cut: bool = False) -> bytes:
-    """The body, at most `limit` bytes: cut there (`cut`), else refused."""
+async def _read_capped(
+    response: httpx2.Response, limit: int, cut: bool = False, who: str = "the server"
+) -> bytes:
+    """The body, at most `limit` bytes: cut there (`cut`), else refused before it is held."""
     out = bytearray()
-    async for chunk in response.aiter_bytes():
-        out += chunk
-        if len(out) > limit:
+    async for chunk in response.aiter_raw():
+        if len(out) + len(chunk) > limit:
             if cut:
-                return bytes(out[:limit])
-            raise InstanceError(f"a reply over {limit // 1024} KiB")
+                return bytes(out + chunk[: limit - len(out)])
+            raise InstanceError(f"{who} sent a reply over {limit // 1024} KiB")
+        out += chunk
     return bytes(out)
+
+
+def _json(data: bytes) -> Any:
+    """The JSON value in `data` (None: not JSON, or nested past the parser's depth)."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
+        return None
