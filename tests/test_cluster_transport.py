@@ -8,6 +8,7 @@ executions are stand-ins (no sandbox), so these run without bwrap.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -29,9 +30,11 @@ from sandbox_runtime.errors import (
     OwnerUnavailableError,
 )
 from sandbox_runtime.metrics import Metrics
+from sandbox_runtime.server.heads import HeadTimeoutProtocol
 from sandbox_runtime.sessions import control as control_module
+from sandbox_runtime.sessions import listener as listener_module
 from sandbox_runtime.sessions import signing
-from sandbox_runtime.sessions.channel import CALL_PATH, CONTROL_PATH, ChannelClient
+from sandbox_runtime.sessions.channel import CALL_PATH, CONTROL_PATH, ChannelClient, HomeMovedError
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.sessions.listener import MAX_QUEUED_PROGRESS, ClusterApp
 from sandbox_runtime.sessions.signing import ClusterSigner
@@ -42,6 +45,8 @@ pytestmark = pytest.mark.unit
 
 SECRET = "the-cluster-secret-of-these-tests"
 OWNER = Owner("alice", "s:one")
+INCARNATION = "a0" * 16  # replica A's process, in its heartbeat
+HEAD_TIMEOUT = 0.5  # the listener's, shortened for these tests
 
 
 @dataclass
@@ -128,6 +133,8 @@ class Pair:
     channel: ChannelClient  # replica B's
     clients: list[tuple[str, int]]  # each request's (host, port) at the listener, in order
     cut: list[bool]  # [True]: the listener drops the next request's connection unanswered
+    cluster: ClusterApp
+    served: Served
 
 
 @pytest.fixture
@@ -135,7 +142,8 @@ async def pair() -> AsyncIterator[Pair]:
     store = MemoryStore()
     a, b = FakeManager("ra"), FakeManager("rb")
     served_control = ControlChannel(store, a, ChannelClient(ClusterSigner(SECRET, "ra")))  # type: ignore[arg-type]
-    served = Served(ClusterSigner(SECRET, "ra"), served_control)  # (one signer: its nonces)
+    # (One signer: its nonces; its process is INCARNATION.)
+    served = Served(ClusterSigner(SECRET, "ra", INCARNATION), served_control)
     cluster = ClusterApp(lambda: served)
     clients: list[tuple[str, int]] = []
     cut: list[bool] = []
@@ -152,17 +160,18 @@ async def pair() -> AsyncIterator[Pair]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     address = f"127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning"))
+    protocol = type("ShortHeads", (HeadTimeoutProtocol,), {"head_timeout": HEAD_TIMEOUT})
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="warning", http=protocol))
     serving = asyncio.ensure_future(server.serve(sockets=[sock]))
     for _ in range(500):
         if server.started:
             break
         await asyncio.sleep(0.01)
-    await store.write([], Beat("ra", {"cluster_address": address}, 30))
+    await store.write([], Beat("ra", {"cluster_address": address, "incarnation": INCARNATION}, 30))
     channel = ChannelClient(ClusterSigner(SECRET, "rb"))
     caller = ControlChannel(store, b, channel)  # type: ignore[arg-type]
     try:
-        yield Pair(store, a, caller, b, address, channel, clients, cut)
+        yield Pair(store, a, caller, b, address, channel, clients, cut, cluster, served)
     finally:
         await channel.aclose()
         server.should_exit = True
@@ -196,7 +205,7 @@ async def test_calls_and_control_go_down_one_kept_alive_connection(pair: Pair) -
     end: the next call reuses the connection (a new one per call cost each forwarded call a
     connect and the listener a new connection)."""
     for n in range(5):
-        reply = await pair.channel.call("ra", pair.address, {"op": f"op{n}"}, None, 5)
+        reply = await pair.channel.call("ra", pair.address, INCARNATION, {"op": f"op{n}"}, None, 5)
         assert reply == {"echo": f"op{n}"}
     execution = pair.owner_manager.start()
     for _ in range(3):
@@ -212,14 +221,20 @@ async def test_a_connection_closed_under_a_call_before_it_began_is_retried_once(
     """The listener's side of a kept-alive connection closes as a call goes out on it: no
     response began, so nothing ran; the call is sent once more on a new connection. Twice in
     a row is a clear error, not an unknown outcome."""
-    assert await pair.channel.call("ra", pair.address, {"op": "a"}, None, 5) == {"echo": "a"}
+    assert await pair.channel.call("ra", pair.address, INCARNATION, {"op": "a"}, None, 5) == {
+        "echo": "a"
+    }
     pair.cut.append(True)
-    assert await pair.channel.call("ra", pair.address, {"op": "b"}, None, 5) == {"echo": "b"}
+    assert await pair.channel.call("ra", pair.address, INCARNATION, {"op": "b"}, None, 5) == {
+        "echo": "b"
+    }
     assert len(pair.clients) == 3 and len(set(pair.clients)) == 2  # (the retry: a new one)
     pair.cut.extend([True, True])
     with pytest.raises(OwnerUnavailableError, match=r"broke off before it began.*retry shortly"):
-        await pair.channel.call("ra", pair.address, {"op": "c"}, None, 5)
-    assert await pair.channel.call("ra", pair.address, {"op": "d"}, None, 5) == {"echo": "d"}
+        await pair.channel.call("ra", pair.address, INCARNATION, {"op": "c"}, None, 5)
+    assert await pair.channel.call("ra", pair.address, INCARNATION, {"op": "d"}, None, 5) == {
+        "echo": "d"
+    }
 
 
 async def test_progress_a_caller_has_not_read_is_bounded_and_the_answer_still_comes(
@@ -231,7 +246,9 @@ async def test_progress_a_caller_has_not_read_is_bounded_and_the_answer_still_co
         seen.append(seq)
 
     call = {"op": "flood", "lines": 1000}
-    assert await pair.channel.call("ra", pair.address, call, progress, 5) == {"echo": "flood"}
+    assert await pair.channel.call("ra", pair.address, INCARNATION, call, progress, 5) == {
+        "echo": "flood"
+    }
     assert seen == list(range(MAX_QUEUED_PROGRESS))
 
 
@@ -335,24 +352,32 @@ async def test_forged_stale_misdirected_or_replayed_control_calls_are_refused(
     real = time.time()
     with monkeypatch.context() as m:  # signed ten minutes ago
         m.setattr(signing.time, "time", lambda: real - 600)
-        stale = signer.sign_call("ra", CONTROL_PATH, body)
+        stale = signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body)
     refused = [
         None,
         "v1,1,abc,def",
-        ClusterSigner("a-different-secret-0123456789", "x").sign_call("ra", CONTROL_PATH, body),
-        signer.sign_call("another-replica", CONTROL_PATH, body),
-        signer.sign_call("ra", CALL_PATH, body),  # a forwarded call's proof, not a control's
-        signer.sign_call("ra", CONTROL_PATH, body.replace(b"true", b"false")),
+        signer.sign_call("ra", INCARNATION, "PUT", CONTROL_PATH, body),
+        signer.sign_call("ra", "an-earlier-process", "POST", CONTROL_PATH, body),
+        ClusterSigner("a-different-secret-0123456789", "x").sign_call(
+            "ra", INCARNATION, "POST", CONTROL_PATH, body
+        ),
+        signer.sign_call("another-replica", INCARNATION, "POST", CONTROL_PATH, body),
+        signer.sign_call(
+            "ra", INCARNATION, "POST", CALL_PATH, body
+        ),  # a forwarded call's proof, not a control's
+        signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body.replace(b"true", b"false")),
         stale,
     ]
     for header in refused:
         response = await post(pair.address, CONTROL_PATH, body, header)
         assert response.status_code == 403, (header, response.text)
     assert (await post(pair.address, CONTROL_PATH, body, stale)).text.startswith("clock-skew ")
+    earlier = signer.sign_call("ra", "an-earlier-process", "POST", CONTROL_PATH, body)
+    assert (await post(pair.address, CONTROL_PATH, body, earlier)).text == "restarted\n"
     assert execution.cancelled == [], "a refused call was acted on"
     refusals = pair.owner_manager.metrics.registry.get_sample_value("srt_control_refused_total")
-    assert refusals == len(refused) + 1
-    genuine = signer.sign_call("ra", CONTROL_PATH, body)
+    assert refusals == len(refused) + 2
+    genuine = signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body)
     first = await post(pair.address, CONTROL_PATH, body, genuine)
     assert first.status_code == 200 and answer_of(first)["result"]["was_finished"] is False
     replayed = await post(pair.address, CONTROL_PATH, body, genuine)
@@ -361,24 +386,153 @@ async def test_forged_stale_misdirected_or_replayed_control_calls_are_refused(
     # Another owner's genuine call learns nothing: its id reads as unknown.
     other = json.dumps({**call, "principal": "mallory"}).encode()
     response = await post(
-        pair.address, CONTROL_PATH, other, signer.sign_call("ra", CONTROL_PATH, other)
+        pair.address,
+        CONTROL_PATH,
+        other,
+        signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, other),
     )
     assert answer_of(response)["error"]["error"] == "ExecutionNotFoundError"
 
 
-async def test_a_control_call_that_is_too_big_or_cut_short_is_refused(pair: Pair) -> None:
+async def test_a_control_call_that_is_too_big_or_cut_short_is_refused(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(listener_module, "BODY_TIMEOUT", 0.5)
     signer = ClusterSigner(SECRET, "intruder")
-    body = b"{}"
+    big = b"x" * (17 * 2**20)
+    for length, header, status in (
+        # signed for its 17 MiB: refused for its size before a byte of body is read
+        (len(big), signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, big), b" 413 "),
+        # signed for 2 bytes, 100 MB announced: not the call signed
+        (10**8, signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, b"{}"), b" 403 "),
+    ):
+        answer, _ = await head_only(pair.address, length, header)
+        assert status in answer, answer
+    # A body that stops coming: its deadline, then 400.
+    body = b'{"op": "cancel"}'
+    header = signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body)
     host, port = pair.address.rsplit(":", 1)
     reader, writer = await asyncio.open_connection(host, int(port))
-    try:  # 100 MB announced with a valid header: refused before a byte of body is read
-        header = signer.sign_call("ra", CONTROL_PATH, body)
+    try:
         writer.write(
-            f"POST {CONTROL_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n"
+            f"POST {CONTROL_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
             f"x-srt-cluster-signature: {header}\r\n\r\n".encode()
+            + body[:5]
         )
         await writer.drain()
         status = await asyncio.wait_for(reader.readline(), 5)
-        assert b" 413 " in status, status
+        assert b" 400 " in status, status
     finally:
         writer.close()
+
+
+async def head_only(address: str, length: int, header: str | None) -> tuple[bytes, bytes]:
+    """Send a POST's head announcing `length` bytes of body and none of them: (the status
+    line, what followed until the listener closed the connection)."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    signature = f"x-srt-cluster-signature: {header}\r\n" if header else ""
+    try:
+        writer.write(
+            f"POST {CONTROL_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
+            f"{signature}\r\n".encode()
+        )
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 5)
+        rest = await asyncio.wait_for(reader.read(), 5)  # (b"" at once: closed)
+        return status, rest
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("length", [0, 1024, 16 * 2**20])
+async def test_unsigned_or_forged_calls_are_refused_before_any_body_is_sent(
+    pair: Pair, length: int
+) -> None:
+    """Without the secret a caller gets a refusal while it has sent no byte of its body, and
+    the connection is closed: the listener never waits for, reads or holds a body for it."""
+    body = b"x" * min(length, 1024)
+    genuine = ClusterSigner(SECRET, "rb").sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body)
+    forged = genuine.split(",")
+    forged[4], forged[5] = str(length), "0" * 64  # (a fresh time, a made-up MAC)
+    for header in (None, ",".join(forged)):
+        status, rest = await head_only(pair.address, length, header)
+        assert b" 403 " in status, status
+        assert rest.endswith(b"forbidden\n"), rest
+    assert pair.cluster.budget.held == 0
+
+
+async def test_bodies_read_at_once_are_bounded_across_connections(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body waits for room among those being read (a signed caller's); past the wait, 503."""
+    monkeypatch.setattr(listener_module, "BODY_TIMEOUT", 2.0)
+    monkeypatch.setattr(listener_module, "ROOM_WAIT_SECONDS", 0.3)
+    pair.cluster.budget.limit = 1000
+    signer = ClusterSigner(SECRET, "rb")
+    body = json.dumps({"op": "cancel", "pad": "x" * 700}).encode()
+    host, port = pair.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:  # a genuine call that sends its head and half its body, then stalls
+        header = signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body)
+        writer.write(
+            f"POST {CONTROL_PATH} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"x-srt-cluster-signature: {header}\r\n\r\n".encode()
+            + body[:300]
+        )
+        await writer.drain()
+        for _ in range(100):
+            if pair.cluster.budget.held:
+                break
+            await asyncio.sleep(0.01)
+        assert pair.cluster.budget.held == len(body)
+        second = signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body)
+        response = await post(pair.address, CONTROL_PATH, body, second)
+        assert response.status_code == 503 and "too many call bodies" in response.text
+        assert b" 400 " in await asyncio.wait_for(reader.readline(), 5)  # (its own deadline)
+    finally:
+        writer.close()
+    assert pair.cluster.budget.held == 0
+    third = signer.sign_call("ra", INCARNATION, "POST", CONTROL_PATH, body)
+    assert (await post(pair.address, CONTROL_PATH, body, third)).status_code == 200
+
+
+async def test_a_call_made_for_the_process_before_a_restart_is_looked_up_again(
+    pair: Pair,
+) -> None:
+    """A replica that restarted is a new incarnation: a proof naming the one before is refused
+    (the caller's lookup predates the restart), and the caller looks the home up again."""
+    pair.served.signer = ClusterSigner(SECRET, "ra", "b1" * 16)  # (its nonces are new too)
+    with pytest.raises(HomeMovedError, match="restarted since it was looked up"):
+        await pair.channel.call("ra", pair.address, INCARNATION, {"op": "x"}, None, 5)
+    execution = pair.owner_manager.start()
+    with pytest.raises(OwnerUnavailableError, match="restarted since it was looked up"):
+        await pair.caller.send(execution.info, {"op": "cancel"}, OWNER)  # (an old heartbeat)
+    assert execution.cancelled == []
+    beat = {"cluster_address": pair.address, "incarnation": "b1" * 16}  # (its next beat)
+    await pair.store.heartbeat("ra", beat, 30)
+    await pair.caller.send(execution.info, {"op": "cancel"}, OWNER)
+    assert execution.cancelled == [False]
+
+
+async def test_a_head_sent_too_slowly_is_cut(pair: Pair) -> None:
+    host, port = pair.address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    started = time.monotonic()
+    try:
+        for byte in f"POST {CONTROL_PATH} HTTP/1.1\r\nHost: x\r\n".encode():
+            if writer.is_closing() or reader.at_eof():
+                break
+            writer.write(bytes([byte]))
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+            with contextlib.suppress(TimeoutError):
+                if await asyncio.wait_for(reader.read(1), 0.05) == b"":
+                    break  # closed by the listener
+        assert time.monotonic() - started < HEAD_TIMEOUT + 1.5
+        assert await asyncio.wait_for(reader.read(), 2) == b""
+    finally:
+        writer.close()
+    assert pair.clients == []  # (no request ever reached the app)
+    # A kept-alive connection's next head has its own deadline; a prompt one is served.
+    assert await pair.channel.call("ra", pair.address, INCARNATION, {"op": "a"}, None, 5)

@@ -650,6 +650,11 @@ def cluster_address(topology: Topology, rid: str) -> str:
     return str(beat["cluster_address"])
 
 
+def incarnation_of(topology: Topology, rid: str) -> str:
+    """The process replica `rid` runs as now (its heartbeat's): proofs for it name it."""
+    return str(json.loads(topology.redis.cli_raw("get", f"replica:{rid}"))["incarnation"])
+
+
 @pytest.fixture(scope="module")
 def topology(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Topology]:
     with running_topology(
@@ -768,20 +773,21 @@ async def test_the_cluster_file_path_needs_a_peer_signature(topology: Topology) 
         _, token, name = parts_of(get)
         path = f"/cluster/v1/files/{token}/{name}"
         address = cluster_address(topology, home)
+        inc = incarnation_of(topology, home)
         wrong_secret = ClusterSigner("a-different-secret-0123456789", "x")
         for headers in (
             {},
             {"x-srt-cluster-signature": "v1,1,abc,def"},
-            {"x-srt-cluster-signature": wrong_secret.sign_call(home, path, b"GET")},
+            {"x-srt-cluster-signature": wrong_secret.sign_call(home, inc, "GET", path, None)},
             # Signed right, but for another replica, or another method.
             {
                 "x-srt-cluster-signature": ClusterSigner(CLUSTER_SECRET, "x").sign_call(
-                    other, path, b"GET"
+                    other, inc, "GET", path, None
                 )
             },
             {
                 "x-srt-cluster-signature": ClusterSigner(CLUSTER_SECRET, "x").sign_call(
-                    home, path, b"PUT"
+                    home, inc, "PUT", path, None
                 )
             },
         ):
@@ -792,7 +798,7 @@ async def test_the_cluster_file_path_needs_a_peer_signature(topology: Topology) 
         unsigned_put = await client.put(f"http://{address}{put_path}", content=b"intruder")
         assert unsigned_put.status_code == 403
         # The same request signed by a peer is served: the refusals were the signature's.
-        signed = ClusterSigner(CLUSTER_SECRET, "x").sign_call(home, path, b"GET")
+        signed = ClusterSigner(CLUSTER_SECRET, "x").sign_call(home, inc, "GET", path, None)
         served = await client.get(
             f"http://{address}{path}", headers={"x-srt-cluster-signature": signed}
         )

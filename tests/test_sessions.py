@@ -75,6 +75,11 @@ def cluster_address(topology: Topology, rid: str) -> str:
     return str(beat["cluster_address"])
 
 
+def incarnation_of(topology: Topology, rid: str) -> str:
+    """The process replica `rid` runs as now (its heartbeat's): proofs for it name it."""
+    return str(json.loads(topology.redis.cli_raw("get", f"replica:{rid}"))["incarnation"])
+
+
 async def test_fifty_sessions_at_once_each_read_back_their_file_through_nginx(
     topology: Topology,
 ) -> None:
@@ -256,6 +261,7 @@ async def test_forged_or_replayed_control_calls_to_the_cluster_port_do_nothing(
     home = next(iter(topology.replicas))
     session = unique("forge")
     address = cluster_address(topology, home)
+    inc = incarnation_of(topology, home)
     url = f"http://{address}/cluster/v1/control"
     async with open_client(topology.replicas[home].url, TOKEN, "auto") as conn:
         started = await conn.ok(
@@ -272,22 +278,24 @@ async def test_forged_or_replayed_control_calls_to_the_cluster_port_do_nothing(
         real_time = time.time
         time.time = lambda: real_time() - 600  # type: ignore[assignment]  # signed long ago
         try:
-            stale = intruder.sign_call(home, "/cluster/v1/control", cancel)
+            stale = intruder.sign_call(home, inc, "POST", "/cluster/v1/control", cancel)
         finally:
             time.time = real_time  # type: ignore[method-assign]
         refused = {
             "unsigned": None,
             "forged": ClusterSigner("a-different-secret-0123456789", "intruder").sign_call(
-                home, "/cluster/v1/control", cancel
+                home, inc, "POST", "/cluster/v1/control", cancel
             ),
             "for another replica": intruder.sign_call(
-                "another-replica", "/cluster/v1/control", cancel
+                "another-replica", inc, "POST", "/cluster/v1/control", cancel
             ),
-            "a forwarded call's proof": intruder.sign_call(home, "/cluster/v1/call", cancel),
+            "a forwarded call's proof": intruder.sign_call(
+                home, inc, "POST", "/cluster/v1/call", cancel
+            ),
             "stale": stale,
         }
         stdin = json.dumps({**base, "op": "stdin", "data": "once\n", "close": False}).encode()
-        genuine = intruder.sign_call(home, "/cluster/v1/control", stdin)
+        genuine = intruder.sign_call(home, inc, "POST", "/cluster/v1/control", stdin)
         async with httpx2.AsyncClient(timeout=10, trust_env=False) as http:
             for what, header in refused.items():
                 headers = {"x-srt-cluster-signature": header} if header else {}
@@ -364,6 +372,7 @@ async def test_cluster_listener_is_unreachable_through_nginx_and_refuses_unsigne
 ) -> None:
     rid = next(iter(topology.replicas))
     address = cluster_address(topology, rid)
+    inc = incarnation_of(topology, rid)
     nginx = f"http://127.0.0.1:{topology.nginx.port}"
     public = topology.replicas[rid].base_url
     async with httpx2.AsyncClient(timeout=5) as http:
@@ -382,7 +391,7 @@ async def test_cluster_listener_is_unreachable_through_nginx_and_refuses_unsigne
         unsigned = await http.post(f"http://{address}/cluster/v1/call", content=body)
         assert unsigned.status_code == 403
         wrong = ClusterSigner("a-different-secret-0123456789", "x").sign_call(
-            rid, "/cluster/v1/call", body
+            rid, inc, "POST", "/cluster/v1/call", body
         )
         forged = await http.post(
             f"http://{address}/cluster/v1/call",
@@ -390,7 +399,9 @@ async def test_cluster_listener_is_unreachable_through_nginx_and_refuses_unsigne
             headers={"x-srt-cluster-signature": wrong},
         )
         assert forged.status_code == 403
-        good = ClusterSigner(CLUSTER_SECRET, "x").sign_call(rid, "/cluster/v1/call", body)
+        good = ClusterSigner(CLUSTER_SECRET, "x").sign_call(
+            rid, inc, "POST", "/cluster/v1/call", body
+        )
         first = await http.post(
             f"http://{address}/cluster/v1/call",
             content=body,

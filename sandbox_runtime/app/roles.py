@@ -31,7 +31,7 @@ def placement_queue(settings: Settings, cluster: LocalCluster) -> PlacementQueue
         socket_connect_timeout=2.0,
         socket_timeout=max(wait, 2.0) + 5.0,
     )
-    return PlacementQueue(redis, "", settings.replica_id, wait)
+    return PlacementQueue(redis, "", settings.replica_id, wait, cluster.signer)
 
 
 def serve_placements(

@@ -198,6 +198,7 @@ def create_app(
             "mirror_backlog": services.cluster.backlog,
             "cluster": "disabled" if redis == "disabled" else cluster or "ok",
             "cluster_clock_skew_seconds": services.cluster.clock_skews,
+            "store_clock_skew_seconds": services.cluster.store_clock_skew,
             "egress": egress,
             "disk": {
                 "status": "low" if disk.low else "ok",
@@ -253,6 +254,8 @@ def create_app(
         if (problem := fds.usage().problem) is not None:
             reasons.append(problem)
         if (problem := await root.services.cluster.unreachable()) is not None:
+            reasons.append(problem)
+        if (problem := root.services.cluster.own_clock_problem) is not None:
             reasons.append(problem)
         body = {"ready": not reasons, "replica_id": current.replica_id, "reasons": reasons}
         return JSONResponse(body, status_code=200 if not reasons else 503)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, TypeVar
@@ -18,16 +17,13 @@ from loguru import logger
 from pydantic import Field
 
 from sandbox_runtime.app.services import Services
-from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.domain.owner import DEFAULT_SESSION, SESSION_RE, Owner
 from sandbox_runtime.domain.owner import session_name as public_name
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.replies import ToolFailure
 from sandbox_runtime.server.session_path import SCOPE_KEY
 from sandbox_runtime.supervisor import scoped
 
-# Used with fullmatch: `$` would also accept a trailing newline ("evil\n").
-SESSION_RE = re.compile(r"(?!\.+\Z)[A-Za-z0-9._:@-]{1,128}")  # not "." or "..": path-like
-DEFAULT_SESSION = "default"
 ANONYMOUS = "anonymous"
 
 T = TypeVar("T")

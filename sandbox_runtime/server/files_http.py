@@ -134,7 +134,7 @@ class FilesApp:
             return False
         header = dict(scope["headers"]).get(SIGNATURE_HEADER.encode(), b"").decode("latin-1")
         try:
-            router.signer.verify_call(header or None, scope["path"], scope["method"].encode())
+            router.signer.check_call_head(header or None, scope["method"], scope["path"], None)
         except SignatureError as exc:
             logger.warning("cluster file transfer refused: {}", exc)
             return False
@@ -270,7 +270,13 @@ class FilesApp:
         content = _body_chunks(receive) if method == "PUT" else None
         try:
             async with router.channel.stream(
-                placement.home, placement.address, method, target, headers, content
+                placement.home,
+                placement.incarnation,
+                placement.address,
+                method,
+                target,
+                headers,
+                content,
             ) as resp:
                 out = [
                     (k.encode(), v.encode("latin-1"))

@@ -15,6 +15,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.logs import setup_logging
 from sandbox_runtime.server.app import create_app
+from sandbox_runtime.server.heads import HeadTimeoutProtocol
 
 REPLY_GRACE = 0.5  # after the executions stopped: time for calls that waited on one to answer
 
@@ -118,6 +119,7 @@ async def serve(settings: Settings) -> int:
         timeout_keep_alive=75,
         proxy_headers=True,
         server_header=False,
+        http=HeadTimeoutProtocol,  # (a head sent too slowly is cut: heads.py)
     )
     server = _Server(config, root)
     logger.info(

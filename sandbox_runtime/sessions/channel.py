@@ -44,6 +44,7 @@ CONTROL_PATH = "/cluster/v1/control"
 FILES_PREFIX = "/cluster/v1/files/"
 SIGNATURE_HEADER = "x-srt-cluster-signature"
 SKEW_REFUSAL = "clock-skew"  # a 403's body: `clock-skew <seconds the caller's clock is ahead>`
+RESTARTED_REFUSAL = "restarted"  # a 403's body: the proof named an earlier process of the callee
 MAX_CALL_BYTES = 16 * 1024 * 1024  # a forwarded call carries one tool call's arguments
 CONNECT_TIMEOUT = 2.0
 BODY_TIMEOUT = 10.0
@@ -101,18 +102,19 @@ class ChannelClient:
         self,
         target: str,
         address: str,
+        incarnation: str,
         call: dict[str, Any],
         progress: Progress | None,
         wait_seconds: float,
     ) -> dict[str, Any]:
-        """Run `call` on replica `target` at `address`; its result.
+        """Run `call` on replica `target` (its process `incarnation`) at `address`; its result.
 
         Raises HomeMovedError (look the session up again), HomeUnreachableError (the call
         never reached it), OwnerUnavailableError (it failed mid-call) or the domain error the
         home answered with.
         """
         reply = await self._post(
-            target,
+            (target, incarnation),
             address,
             CALL_PATH,
             {**call, "progress": progress is not None},
@@ -129,9 +131,15 @@ class ChannelClient:
         raise AssertionError("unreachable")
 
     async def control(
-        self, target: str, address: str, request: dict[str, Any], wait_seconds: float, who: str
+        self,
+        target: tuple[str, str],
+        address: str,
+        request: dict[str, Any],
+        wait_seconds: float,
+        who: str,
     ) -> dict[str, Any]:
-        """Send a control request (control.py) to replica `target` at `address` and wait for
+        """Send a control request (control.py) to replica `target` (id, incarnation) at
+        `address` and wait for
         its answer at most `wait_seconds`: `{"result": ...}` or `{"error": {...}}`.
 
         Raises OwnerUnavailableError (or a subclass) when no answer came: `who` names the
@@ -143,16 +151,17 @@ class ChannelClient:
     async def stream(
         self,
         target: str,
+        incarnation: str,
         address: str,
         method: str,
         path: str,
         headers: dict[str, str],
         content: AsyncIterable[bytes] | None,
     ) -> AsyncIterator[httpx2.Response]:
-        """A file transfer to replica `target`'s `path` (under FILES_PREFIX), its method and
-        path signed (the bytes are not: the transfer streams them). Yields the response, its
-        body not read yet. Raises what httpx2 raises."""
-        signed = {SIGNATURE_HEADER: self.signer.sign_call(target, path, method.encode())}
+        """A file transfer to replica `target`'s (process `incarnation`'s) `path` (under
+        FILES_PREFIX), its method and path signed (the bytes are not: the transfer streams
+        them). Yields the response, its body not read yet. Raises what httpx2 raises."""
+        signed = {SIGNATURE_HEADER: self.signer.sign_call(target, incarnation, method, path, None)}
         # The path is decoded: encoded again, a name with %, ? or # reaches the home as is.
         url = f"http://{address}{quote(path)}"
         async with self.files.stream(
@@ -162,7 +171,7 @@ class ChannelClient:
 
     async def _post(
         self,
-        target: str,
+        peer: tuple[str, str],
         address: str,
         path: str,
         call: dict[str, Any],
@@ -170,19 +179,20 @@ class ChannelClient:
         wait_seconds: float,
         who: str,
     ) -> dict[str, Any]:
-        """POST `call` to `path` on replica `target`; its signed answer, verified."""
+        """POST `call` to `path` on replica `peer` (id, incarnation); its signed answer."""
+        target = peer[0]
         body = json.dumps(call).encode()
         url = f"http://{address}{path}"
         try:
             async with asyncio.timeout(wait_seconds):
                 try:
-                    return await self._exchange(target, url, path, body, progress)
+                    return await self._exchange(peer, url, path, body, progress)
                 except _Unstarted:
                     # A kept-alive connection the other side closed as this call went out on
                     # it (a replica stopping closes its idle ones): no response began, and the
                     # listener begins it before it runs the call, so nothing ran. Once more,
                     # on a new connection, signed anew.
-                    return await self._exchange(target, url, path, body, progress)
+                    return await self._exchange(peer, url, path, body, progress)
         except _Unstarted as exc:
             raise OwnerUnavailableError(
                 f"the call to {who} broke off before it began ({exc.__cause__!r}); retry shortly"
@@ -217,11 +227,13 @@ class ChannelClient:
             ) from None
 
     async def _exchange(
-        self, target: str, url: str, path: str, body: bytes, progress: Progress | None
+        self, peer: tuple[str, str], url: str, path: str, body: bytes, progress: Progress | None
     ) -> dict[str, Any]:
         """One signed POST and its answer. Raises _Unstarted when the connection broke before
-        a response began, OwnerUnavailableError for a refusal, and what httpx2 raises."""
-        signature = self.signer.sign_call(target, path, body)
+        a response began, HomeMovedError (a forwarded call) or OwnerUnavailableError for a
+        refusal, and what httpx2 raises."""
+        target, incarnation = peer
+        signature = self.signer.sign_call(target, incarnation, "POST", path, body)
         headers = {SIGNATURE_HEADER: signature, "content-type": "application/json"}
         async with contextlib.AsyncExitStack() as stack:
             try:
@@ -230,11 +242,17 @@ class ChannelClient:
                 )
             except (httpx2.RemoteProtocolError, httpx2.ReadError, httpx2.WriteError) as exc:
                 raise _Unstarted from exc
-            if resp.status_code == 403 and (skew := await _refused_skew(resp)):
+            refusal = await _refusal(resp) if resp.status_code == 403 else []
+            if len(refusal) == 2 and refusal[0] == SKEW_REFUSAL:
                 raise OwnerUnavailableError(
                     f"replica {target} refused a forwarded call: "
-                    + describe_skew(skew, "this replica's", f"{target}'s")
+                    + describe_skew(float(refusal[1]), "this replica's", f"{target}'s")
                 )
+            if refusal == [RESTARTED_REFUSAL]:  # (the lookup was older than its process)
+                restarted = f"replica {target} restarted since it was looked up"
+                if path == CALL_PATH:
+                    raise HomeMovedError(restarted)
+                raise OwnerUnavailableError(f"{restarted}; retry")
             if resp.status_code != 200:
                 raise OwnerUnavailableError(
                     f"replica {target} refused a forwarded call (HTTP {resp.status_code}): are "
@@ -278,12 +296,13 @@ class ChannelClient:
         return reply
 
 
-async def _refused_skew(resp: httpx2.Response) -> float | None:
-    """The clock skew a replica gave as its reason to refuse a call (None: another reason)."""
+async def _refusal(resp: httpx2.Response) -> list[str]:
+    """The words of a replica's reason to refuse a call ([]: none that could be read). A
+    clock skew: [SKEW_REFUSAL, seconds]; an earlier process named: [RESTARTED_REFUSAL]."""
     try:
         words = (await resp.aread())[:200].decode("ascii").split()
         if len(words) == 2 and words[0] == SKEW_REFUSAL:
-            return float(words[1])
-    except (UnicodeDecodeError, ValueError):
-        pass
-    return None
+            float(words[1])
+        return words
+    except (UnicodeDecodeError, ValueError, httpx2.HTTPError):
+        return []

@@ -1,4 +1,7 @@
-"""Clock skew between replicas, read off the times in their heartbeats: /health reports it."""
+"""Clock skew between replicas, read off the times in their heartbeats, and between this
+replica and the shared store (Redis TIME, the clock placement requests are timed on): /health
+reports both; /ready is not ready while this replica's clock is off the store's by more than
+MAX_STORE_SKEW_SECONDS (then two replicas could differ by more than signed calls allow)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 from loguru import logger
 
@@ -15,6 +19,11 @@ from sandbox_runtime.state.store import StateStore
 from sandbox_runtime.supervisor import Supervisor
 
 SAMPLES = 6  # readings kept per replica (three heartbeat intervals)
+# Each replica within this of the store's clock: any two within twice it, well inside what
+# signed calls allow (the rest is the calls' own time and the measurement's error).
+MAX_STORE_SKEW_SECONDS = MAX_SKEW_SECONDS / 3
+
+StoreTime = Callable[[], Awaitable[float]]  # the store's clock, in seconds
 
 
 class ClockWatch:
@@ -25,9 +34,17 @@ class ClockWatch:
     """
 
     def __init__(
-        self, store: StateStore, replica_id: str, interval: float, supervisor: Supervisor
+        self,
+        store: StateStore,
+        replica_id: str,
+        interval: float,
+        supervisor: Supervisor,
+        store_time: StoreTime | None = None,
     ) -> None:
         self.store = store
+        self.store_time = store_time
+        # (round trip, this clock minus the store's) of recent readings of the store's clock
+        self._store_samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
         self.supervisor = supervisor
         self.replica_id = replica_id
         self.interval = interval
@@ -42,14 +59,37 @@ class ClockWatch:
         return {rid: round(max(q), 1) for rid, q in sorted(self._samples.items())}
 
     @property
+    def store_skew(self) -> float | None:
+        """Seconds this replica's clock is ahead of the store's (negative: behind); None: not
+        measured. The reading with the shortest round trip is the closest."""
+        if not self._store_samples:
+            return None
+        return round(min(self._store_samples)[1], 1)
+
+    @property
+    def own_problem(self) -> str | None:
+        """This replica's clock off the store's by more than MAX_STORE_SKEW_SECONDS, said
+        plainly (for /ready); None if it is not."""
+        skew = self.store_skew
+        if skew is None or abs(skew) <= MAX_STORE_SKEW_SECONDS:
+            return None
+        direction = "ahead of" if skew > 0 else "behind"
+        return (
+            f"clock: this replica's clock is {abs(skew):.1f} s {direction} the shared store's "
+            f"(Redis TIME); replicas must keep within {MAX_STORE_SKEW_SECONDS:g} s of it (signed "
+            f"calls between two allow {MAX_SKEW_SECONDS:g} s): synchronise the clocks (NTP)"
+        )
+
+    @property
     def problem(self) -> str | None:
-        """The worst skew past what signed calls allow, said plainly; None if none is."""
+        """The worst skew past what signed calls allow, or this replica's own off the store's,
+        said plainly; None if none is."""
         skews = self.skews
         if not skews:
-            return None
+            return self.own_problem
         rid, skew = max(skews.items(), key=lambda item: abs(item[1]))
         if abs(skew) <= MAX_SKEW_SECONDS:
-            return None
+            return self.own_problem
         direction = "ahead of" if skew > 0 else "behind"
         return (
             f"clocks differ by about {abs(skew):.0f} s: replica {rid}'s clock is {direction} "
@@ -58,7 +98,13 @@ class ClockWatch:
         )
 
     async def sample(self) -> None:
-        """Read every replica's heartbeat once. Raises what the store raises."""
+        """Read every replica's heartbeat, and the store's clock, once. Raises what the store
+        raises."""
+        if self.store_time is not None:
+            before = time.time()
+            theirs = await self.store_time()
+            after = time.time()
+            self._store_samples.append((after - before, (before + after) / 2 - theirs))
         beats = await self.store.replica_beats()
         now = time.time()
         for rid in [r for r in self._samples if r not in beats]:

@@ -192,8 +192,18 @@ class LocalCluster:
         return None
 
     @property
+    def own_clock_problem(self) -> str | None:
+        """For /ready: this replica's clock too far off the store's (None: not, or no store)."""
+        return None
+
+    @property
     def clock_skews(self) -> dict[str, float]:
         return {}
+
+    @property
+    def store_clock_skew(self) -> float | None:
+        """Seconds this replica's clock is ahead of the store's (None: no store, not read)."""
+        return None
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {
@@ -238,7 +248,9 @@ class RedisCluster(LocalCluster):
             on_store_lost=lambda: self.epochs.store_changed.set(),
             supervisor=supervisor,
         )
-        self.clock = ClockWatch(store, self.replica_id, self.mirror.heartbeat_interval, supervisor)
+        self.clock = ClockWatch(
+            store, self.replica_id, self.mirror.heartbeat_interval, supervisor, self._store_time
+        )
         metrics.bind_store(lambda: self.mirror.backlog, lambda: 1 if self.mirror.connected else 0)
         self.epochs = EpochWatch(settings, self.sessions, store, self.mirror, lambda: self._here)
 
@@ -321,8 +333,20 @@ class RedisCluster(LocalCluster):
         return self.clock.problem
 
     @property
+    def own_clock_problem(self) -> str | None:
+        return self.clock.own_problem
+
+    @property
     def clock_skews(self) -> dict[str, float]:
         return self.clock.skews
+
+    @property
+    def store_clock_skew(self) -> float | None:
+        return self.clock.store_skew
+
+    async def _store_time(self) -> float:
+        seconds, micros = await self.store.redis.time()  # type: ignore[attr-defined]
+        return int(seconds) + int(micros) / 1e6
 
     async def check(self, starting: bool = False) -> str | None:
         """What is wrong with this deployment's secret (None: nothing), from the heartbeats

@@ -75,7 +75,7 @@ class ControlChannel:
                     f"input_data is {size} bytes; at most {MAX_STDIN_BYTES} per call"
                 )
         who = f"replica {info.replica_id}, which runs execution {info.execution_id},"
-        address = await self._address_of(info, op, who)
+        address, incarnation = await self._address_of(info, op, who)
         call = {
             **request,
             "execution_id": info.execution_id,
@@ -84,7 +84,8 @@ class ControlChannel:
         }
         try:
             wait = CONTROL_WAIT_SECONDS if wait_seconds is None else wait_seconds
-            reply = await self.channel.control(info.replica_id, address, call, wait, who)
+            peer = (info.replica_id, incarnation)
+            reply = await self.channel.control(peer, address, call, wait, who)
         except OwnerUnavailableError:
             self.metrics.control.labels(op, "no_answer").inc()
             raise
@@ -95,8 +96,9 @@ class ControlChannel:
         self.metrics.control.labels(op, "ok").inc()
         return dict(reply["result"])
 
-    async def _address_of(self, info: ExecutionInfo, op: str, who: str) -> str:
-        """The cluster address in the heartbeat of the replica that runs `info`."""
+    async def _address_of(self, info: ExecutionInfo, op: str, who: str) -> tuple[str, str]:
+        """The cluster address and the incarnation in the heartbeat of the replica that runs
+        `info`."""
         try:
             beat = await self.store.replica_beat(info.replica_id)
         except Exception as exc:  # the store failed: not the caller's fault
@@ -114,7 +116,7 @@ class ControlChannel:
             raise OwnerUnavailableError(
                 f"{who} has no cluster listener (it runs without SANDBOX_CLUSTER_SECRET?)"
             )
-        return address
+        return address, str(beat.get("incarnation") or "")
 
     # -- serving ------------------------------------------------------------------------------
 

@@ -2,18 +2,23 @@
 
 Two signed POSTs (a forwarded session-bound operation, CALL_PATH; stdin or cancel for an
 execution running here, CONTROL_PATH) and the file transfers under FILES_PREFIX (their own
-app checks their signatures); everything else is 404. A POST's signature header is checked
-before its body is read (a wrong secret: 403; a clock too far off: 403 `clock-skew N`), its
-body is bounded (MAX_CALL_BYTES) and read against a deadline (BODY_TIMEOUT), and its nonce is
-remembered, so a copy played again is refused. The answer streams as NDJSON (channel.py), a
-keepalive line every KEEPALIVE_SECONDS, and ends with a signed answer.
+app checks their signatures); everything else is 404. A POST's head proof (signing.py: method,
+path, time, nonce, Content-Length and this process's incarnation) is checked before any byte
+of its body is read: without the secret nothing makes this replica read or hold a body (403,
+and the connection is closed). A proof for an earlier process of this replica is 403
+`restarted`, a clock too far off 403 `clock-skew N`. Then the body is bounded (MAX_CALL_BYTES),
+waits for room among the bodies being read at once (MAX_BODY_BYTES_IN_FLIGHT), is read against
+a deadline (BODY_TIMEOUT) and checked against its own proof. The nonce is remembered, so a
+copy played again is refused. The answer streams as NDJSON (channel.py), a keepalive line
+every KEEPALIVE_SECONDS, and ends with a signed answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from loguru import logger
@@ -27,19 +32,59 @@ from sandbox_runtime.sessions.channel import (
     CONTROL_PATH,
     KEEPALIVE_SECONDS,
     MAX_CALL_BYTES,
+    RESTARTED_REFUSAL,
     SIGNATURE_HEADER,
     SKEW_REFUSAL,
     HomeMovedError,
 )
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.sessions.operations import Progress
-from sandbox_runtime.sessions.signing import ClockSkewError, ClusterSigner, SignatureError
+from sandbox_runtime.sessions.signing import (
+    ClockSkewError,
+    ClusterSigner,
+    SignatureError,
+    StaleIncarnationError,
+)
 from sandbox_runtime.supervisor import scoped
 
 PATHS = (CALL_PATH, CONTROL_PATH)
 # Progress lines waiting for a caller that reads slowly: past this, new ones are dropped (each
 # is a glimpse of output the caller can still read in full by polling; the answer always goes).
 MAX_QUEUED_PROGRESS = 32
+# Bytes of signed bodies read and held at once, across connections (a body waits for room up
+# to ROOM_WAIT_SECONDS, then is refused 503): four calls of the largest size.
+MAX_BODY_BYTES_IN_FLIGHT = 4 * MAX_CALL_BYTES
+ROOM_WAIT_SECONDS = BODY_TIMEOUT  # (as long as a body being read may take)
+
+
+class BodyBudget:
+    """Bytes of bodies being read at once: a call holds its Content-Length while it reads."""
+
+    def __init__(self, limit: int = MAX_BODY_BYTES_IN_FLIGHT) -> None:
+        self.limit = limit
+        self.held = 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, size: int, wait_seconds: float) -> AsyncIterator[bool]:
+        """Holds `size` bytes while inside; yields False (nothing held) if there was no room
+        within `wait_seconds`."""
+        async with self._changed:
+            try:
+                async with asyncio.timeout(wait_seconds):
+                    await self._changed.wait_for(lambda: self.held + size <= self.limit)
+            except TimeoutError:
+                held = False
+            else:
+                held = True
+                self.held += size
+        try:
+            yield held
+        finally:
+            if held:
+                async with self._changed:
+                    self.held -= size
+                    self._changed.notify_all()
 
 
 class Served(Protocol):
@@ -62,6 +107,7 @@ class ClusterApp:
     ) -> None:
         self.served = served  # looked up per call: the router lives in the app's lifespan
         self.streams = streams or {}  # path prefix -> app checking its own signatures
+        self.budget = BodyBudget()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -104,41 +150,52 @@ class ClusterApp:
         self, served: Served, signer: ClusterSigner, scope: Scope, receive: Receive, send: Send
     ) -> tuple[str, dict[str, Any]] | None:
         """The nonce and the call of a POST signed for this replica (None: refused, and the
-        refusal sent). The signature header is checked before the body is read."""
+        refusal sent). The head's proof is checked before any of the body is read."""
         headers = dict(scope["headers"])
         header = headers.get(SIGNATURE_HEADER.encode(), b"").decode("latin-1") or None
         try:
             length = int(headers.get(b"content-length", b"-1"))
-            signer.check_call_header(header)  # before reading anything more
+        except ValueError:
+            length = -1
+        try:  # (-1, no Content-Length: no signed length is "-1")
+            proof = signer.check_call_head(header, scope["method"], scope["path"], length)
+        except StaleIncarnationError as exc:  # (genuine, made before this process began)
+            logger.warning("cluster call refused: {}", exc)
+            await _plain(send, 403, f"{RESTARTED_REFUSAL}\n".encode())
+            return None
         except ClockSkewError as exc:  # (told to the caller: it is not a wrong secret)
             logger.warning("cluster call refused: {}", exc)
             await _plain(send, 403, f"{SKEW_REFUSAL} {exc.skew:.3f}\n".encode())
             return None
-        except (SignatureError, ValueError) as exc:
+        except SignatureError as exc:
             logger.warning("cluster call refused: {}", exc)
             await _plain(send, 403, b"forbidden\n")
             return None
         if not 0 <= length <= MAX_CALL_BYTES:
             await _plain(send, 413, b"a Content-Length up to 16 MiB is required\n")
             return None
-        try:
-            async with asyncio.timeout(BODY_TIMEOUT):
-                body = await _read_body(receive, length)
-        except TimeoutError:
-            body = None
-        if body is None:
-            await _plain(send, 400, b"incomplete body\n")
-            return None
-        try:
-            nonce = signer.verify_call(header, scope["path"], body)
-            call = json.loads(body)
-            if not isinstance(call, dict):
-                raise ValueError("not an object")
-        except (SignatureError, ValueError) as exc:
-            logger.warning("cluster call refused: {}", exc)
-            await _plain(send, 403, b"forbidden\n")
-            return None
-        return nonce, call
+        async with self.budget.hold(length, ROOM_WAIT_SECONDS) as held:
+            if not held:
+                await _plain(send, 503, b"too many call bodies being read; retry\n")
+                return None
+            try:
+                async with asyncio.timeout(BODY_TIMEOUT):
+                    body = await _read_body(receive, length)
+            except TimeoutError:
+                body = None
+            if body is None:
+                await _plain(send, 400, b"incomplete body\n")
+                return None
+            try:
+                signer.check_call_body(proof, body)
+                call = json.loads(body)
+                if not isinstance(call, dict):
+                    raise ValueError("not an object")
+            except (SignatureError, ValueError) as exc:
+                logger.warning("cluster call refused: {}", exc)
+                await _plain(send, 403, b"forbidden\n")
+                return None
+        return proof.nonce, call
 
 
 async def _control(served: Served, call: dict[str, Any]) -> dict[str, Any]:
@@ -238,6 +295,7 @@ async def _read_body(receive: Receive, length: int) -> bytes | None:
 
 
 async def _plain(send: Send, status: int, body: bytes) -> None:
+    """A short refusal; the connection is closed after it (a body left unread goes nowhere)."""
     await send(
         {
             "type": "http.response.start",
@@ -245,6 +303,7 @@ async def _plain(send: Send, status: int, body: bytes) -> None:
             "headers": [
                 (b"content-type", b"text/plain"),
                 (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
             ],
         }
     )

@@ -22,12 +22,14 @@ MAX_RECENT_HOMES = 10_000
 
 @dataclass(frozen=True)
 class Placement:
-    """Where an operation runs: here (with a reset if it just moved here), or at `address`."""
+    """Where an operation runs: here (with a reset if it just moved here), or at `address`
+    (the cluster listener of the home's process `incarnation`)."""
 
     local: bool
     home: str
     address: str = ""
     reset: SessionReset | None = None
+    incarnation: str = ""
 
 
 class RecentHomes:

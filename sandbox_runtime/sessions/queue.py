@@ -8,7 +8,14 @@ claimed meanwhile) and answers on the request's reply list, which the api replic
 with a blocking pop, a bounded time: no worker answering within SANDBOX_PLACEMENT_WAIT_SECONDS
 is "no worker capacity". A request a worker read and never acknowledged (it died) is claimed
 by another worker once it has been idle RECLAIM_IDLE_SECONDS; a request whose caller has
-given up (past its deadline) is dropped unanswered.
+given up is dropped unanswered.
+
+A request's age is read on one clock, Redis's (`TIME`): the api replica stamps it with the
+store's time and its wait, the worker compares with the store's time, so replicas' clocks
+that differ do not drop requests. With the cluster secret a request carries a proof
+(signing.py) and a worker refuses one without a valid proof; with or without it, a request
+whose principal or session the MCP edge could not have named is refused. Both are logged and
+make no home.
 """
 
 from __future__ import annotations
@@ -16,21 +23,23 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from loguru import logger
 from prometheus_client import CollectorRegistry, Gauge
 
-from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.domain.owner import Owner, valid_owner
 from sandbox_runtime.errors import LimitExceededError, OwnerUnavailableError
+from sandbox_runtime.sessions.signing import ClusterSigner, SignatureError
 
 GROUP = "srt-workers"
 RECLAIM_IDLE_SECONDS = 5.0
 MAX_QUEUED = 10_000  # the stream's length, trimmed approximately
 REPLY_TTL_SECONDS = 60
 READ_BLOCK_MS = 2000
+# The signed parts of a request, in order (the proof is in `mac`).
+SIGNED_FIELDS = ("principal", "session", "reply", "issued", "wait", "from")
 
 Take = Callable[[Owner], Awaitable[str]]
 
@@ -51,13 +60,22 @@ class QueueMetrics:
 
 
 class PlacementQueue:
-    def __init__(self, redis: Any, prefix: str, replica_id: str, wait_seconds: float) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        prefix: str,
+        replica_id: str,
+        wait_seconds: float,
+        signer: ClusterSigner | None = None,
+    ) -> None:
         self.redis = redis
+        self.signer = signer  # (None: no cluster secret; requests are neither signed nor checked)
         self.stream = f"{prefix}srt:placements"
         self.replies = f"{prefix}srt:placement-reply:"
         self.replica_id = replica_id
         self.wait_seconds = wait_seconds
         self.served = 0
+        self.refused = 0  # requests dropped as forged or malformed
 
     # -- the api's side ----------------------------------------------------------------------
 
@@ -66,15 +84,17 @@ class PlacementQueue:
         LimitExceededError (no worker took it in time), OwnerUnavailableError (no store)."""
         request = secrets.token_hex(12)
         reply = self.replies + request
-        deadline = time.time() + self.wait_seconds
-        fields = {
-            "principal": owner.principal,
-            "session": owner.session_id,
-            "reply": reply,
-            "deadline": f"{deadline:.3f}",
-            "from": self.replica_id,
-        }
         try:
+            fields = {
+                "principal": owner.principal,
+                "session": owner.session_id,
+                "reply": reply,
+                "issued": f"{await self._store_time():.6f}",  # (the store's clock: see above)
+                "wait": f"{self.wait_seconds:g}",
+                "from": self.replica_id,
+            }
+            if self.signer is not None:
+                fields["mac"] = self.signer.sign_placement(tuple(fields[k] for k in SIGNED_FIELDS))
             await self.redis.xadd(self.stream, fields, maxlen=MAX_QUEUED, approximate=True)
             answer = await self.redis.blpop([reply], timeout=self.wait_seconds)
         except Exception as exc:  # the store failed
@@ -106,7 +126,7 @@ class PlacementQueue:
             first = await self.redis.xrange(self.stream, count=1)
             if first:
                 millis = int(_text(first[0][0]).split("-")[0])  # (an entry id: MILLIS-SEQ)
-                oldest = max(0.0, time.time() - millis / 1000)
+                oldest = max(0.0, await self._store_time() - millis / 1000)
         return lag, oldest
 
     # -- the worker's side -------------------------------------------------------------------
@@ -161,13 +181,42 @@ class PlacementQueue:
             logger.info("placement: took over a request another worker left unanswered")
         return list(claimed)
 
+    async def _store_time(self) -> float:
+        """The store's clock (Redis TIME), in seconds."""
+        seconds, micros = await self.redis.time()
+        return int(seconds) + int(micros) / 1e6
+
+    def _refusal(self, fields: dict[str, str]) -> str | None:
+        """Why a request must not make a home (None: it may). Raises KeyError (malformed)."""
+        parts = tuple(fields[k] for k in SIGNED_FIELDS)
+        if self.signer is not None:
+            try:
+                self.signer.verify_placement(parts, fields.get("mac", ""))
+            except SignatureError:
+                return "no valid proof of the cluster secret" if "mac" in fields else "unsigned"
+        if not fields["reply"].startswith(self.replies):
+            return "a reply key outside the queue's"  # (it must not name any other key)
+        if not valid_owner(Owner(fields["principal"], fields["session"])):
+            return "a principal or session the MCP edge does not accept"
+        return None
+
     async def _answer(self, take: Take, entry_id: Any, raw: dict[Any, Any]) -> None:
         fields = {_text(k): _text(v) for k, v in raw.items()}
         try:
-            if float(fields.get("deadline") or 0) < time.time():
-                return  # (its caller has given up)
-            if not fields["reply"].startswith(self.replies):
-                raise KeyError("reply")  # (a forged request must not name any other key)
+            refusal = self._refusal(fields)
+            if refusal is not None:
+                logger.warning(
+                    "placement: a request from {!r} for principal {!r} session {!r} was refused "
+                    "({}); no home made",
+                    fields.get("from", "")[:64],
+                    fields["principal"][:64],
+                    fields["session"][:140],
+                    refusal,
+                )
+                self.refused += 1
+                return
+            if not float(fields["issued"]) + float(fields["wait"]) >= await self._store_time():
+                return  # (its caller has given up; or no time at all)
             owner = Owner(fields["principal"], fields["session"])
             try:
                 body: dict[str, str] = {"home": await take(owner)}
@@ -178,8 +227,9 @@ class PlacementQueue:
             pipe.lpush(fields["reply"], json.dumps(body))
             pipe.expire(fields["reply"], REPLY_TTL_SECONDS)
             await pipe.execute()
-        except KeyError:
+        except (KeyError, ValueError):
             logger.warning("placement: a malformed request was dropped")
+            self.refused += 1
         finally:
             await self.redis.xack(self.stream, GROUP, entry_id)
             await self.redis.xdel(self.stream, entry_id)

@@ -54,6 +54,8 @@ class Router:
         self.metrics = manager.metrics
         self.sessions = cluster.sessions
         self.signer = cluster.signer
+        if self.signer is not None:  # (proofs for this process name the heartbeat's incarnation)
+            self.signer.incarnation = manager.incarnation
         self.channel = ChannelClient(self.signer) if self.signer is not None else None
         self.executions = ExecutionAccess(
             settings, manager, cluster.elsewhere(manager, self.channel)
@@ -129,7 +131,8 @@ class Router:
                         f"this session lives on replica {record.home}, which has no cluster "
                         "listener (it runs without SANDBOX_CLUSTER_SECRET?)"
                     )
-                placement = Placement(False, record.home, address)
+                incarnation = str(found.home_heartbeat.get("incarnation") or "")
+                placement = Placement(False, record.home, address, incarnation=incarnation)
             if placement is not None:
                 self.placements.remember(key, placement.home, owner)
                 return placement
@@ -328,6 +331,7 @@ class Router:
                     result = await self.channel.call(
                         placement.home,
                         placement.address,
+                        placement.incarnation,
                         call,
                         progress,
                         wait_bound(args, self.settings.max_timeout),
