@@ -138,10 +138,8 @@ class Bridge:
             if not job.cancel():  # (running: it ends at its next file)
                 with contextlib.suppress(Exception):
                     await asyncio.wrap_future(job)
-        if self.owns_directory:
-            await asyncio.get_running_loop().run_in_executor(
-                STUB_WRITERS, lambda: shutil.rmtree(self.directory, ignore_errors=True)
-            )
+        if self.owns_directory:  # (not behind other bridges' stubs: the loop's own threads)
+            await asyncio.to_thread(shutil.rmtree, self.directory, ignore_errors=True)
         else:
             (self.directory / SOCKET_NAME).unlink(missing_ok=True)
 
