@@ -323,3 +323,19 @@ def test_echoenv_echo_env_and_a_cancelled_slow_call() -> None:
         assert msg is not None and text_of(msg["result"]) == "after"
         assert proc.response(-1, timeout=0.3) is None
         assert text_of(proc.tool("slow", {"seconds": 0.01})) == "slept 0.01"
+
+
+def test_wstools_lists_what_its_state_dir_says(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin", "HOSTED_STATE_DIR": str(tmp_path)}
+    with server("wstools.py", "--many", "3", "--size", "2000", env=env) as proc:
+        listed = started(proc, "wstools", "set_tools", "ok", "big_0", "big_2")
+        assert len(listed) == 5, sorted(listed)
+        assert len(json.dumps(listed["big_1"])) > 2 * 2000, listed["big_1"]
+        said = text_of(proc.tool("set_tools", {"names": ["mine_a", "mine_b"], "description": "d"}))
+        assert said == "listing 2 tools from now on"
+        listed = proc.tools()
+        assert listed["mine_a"]["description"] == "d" and "mine_b" in listed, sorted(listed)
+        assert text_of(proc.tool("mine_b")) == "mine_b"
+        assert text_of(proc.tool("big_0")) == "big"
+    with server("wstools.py", env=env) as proc:  # (a new process: the list is the state's)
+        assert set(started(proc, "wstools")) == {"set_tools", "ok", "mine_a", "mine_b"}

@@ -57,6 +57,13 @@ async def test_an_instance_homed_on_one_replica_is_used_through_the_other(
         assert topology.metric(second, "srt_hosted_server_instances") == 0
         assert topology.metric(first, "srt_hosted_server_instances") == 1
         assert topology.metric(second, "srt_forwarded_calls_total") >= 2
+        # search_tools on the replica that is not the home: the tool list is learned there
+        # (by the instance's owner), so this one lists through it.
+        async with open_client(b.url, TOKEN) as conn:
+            found = (await conn.call("search_tools", query="", server="snoop")).structured_content
+        assert found is not None and found["problems"] == [], found
+        assert {"snoop", "write_state"} <= {t["tool"] for t in found["tools"]}, found
+        assert topology.metric(second, "srt_hosted_server_instances") == 0
 
         # Through nginx, progress notifications cross the forwarding too; clients at once.
         nginx_url = f"http://127.0.0.1:{topology.nginx.port}/servers/giant/mcp"

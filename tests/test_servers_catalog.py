@@ -430,3 +430,57 @@ def test_the_main_cli_hands_servers_to_its_own_parser(
     assert "srv" in capsys.readouterr().out
     assert top_cli.main(["servers", "list", "--file", str(tmp_path / "other.toml")]) == 0
     assert "no servers in" in capsys.readouterr().out
+
+
+def test_catalog_problems_are_told_per_principal(tmp_path: Path) -> None:
+    """An entry's error goes to the principals that may use it; one whose principals cannot
+    be read is only said to exist; a file that is not TOML only said to be invalid."""
+    from sandbox_runtime.servers.catalog_file import BROKEN_FILE, UNKNOWN_ENTRY, CatalogFile
+
+    path = tmp_path / "servers.toml"
+    path.write_text(
+        '[servers.ok]\ncommand = ["/bin/true"]\n'
+        '[servers.mine]\ncommand = ["/bin/true"]\nscope = "x"\nprincipals = "alice"\n'
+        '[servers.anyone]\ncommand = ["/bin/true"]\nscope = "y"\n'
+        '[servers.odd]\ncommand = ["/bin/true"]\nprincipals = 5\n'
+    )
+    catalog = CatalogFile(path)
+    assert set(catalog.current().entries) == {"ok"}
+    alice, bob = catalog.problem_for("alice") or "", catalog.problem_for("bob") or ""
+    assert "servers.mine.scope" in alice and "servers.anyone.scope" in alice, alice
+    assert "mine" not in bob and "servers.anyone.scope" in bob, bob
+    for told in (alice, bob):
+        assert UNKNOWN_ENTRY in told and "odd" not in told, told
+    assert "servers.odd" in (catalog.problem or "") and "servers.mine" in (catalog.problem or "")
+    path.write_text("[servers.x\n")  # (not TOML: the last good catalog and its problems stay)
+    assert set(catalog.current().entries) == {"ok"}
+    bob = catalog.problem_for("bob") or ""
+    assert BROKEN_FILE in bob and "servers.anyone.scope" in bob and str(path) not in bob, bob
+
+
+def test_what_instances_said_is_kept_by_owner_and_bounded() -> None:
+    from sandbox_runtime.domain.owner import Owner
+    from sandbox_runtime.servers import learned as learned_module
+    from sandbox_runtime.servers.catalog import parse_entry
+    from sandbox_runtime.servers.learned import Learned
+
+    entry = parse_entry("s", {"command": ["/bin/true"]})
+    alice, bob, shared = (Owner(p, "srv:s") for p in ("alice", "bob", ""))
+    kept = Learned()
+    kept.keep_tools((alice, "s"), entry, [{"name": "alices"}])
+    assert kept.tools((bob, "s"), entry) is None
+    assert kept.tools((alice, "s"), entry) == [{"name": "alices"}]
+    assert kept.tools((alice, "s"), parse_entry("s", {"command": ["/bin/false"]})) is None
+    kept.history((bob, "s")).crashes.append(learned_module.time.monotonic())
+    kept.history((bob, "s")).last_error = "crashed: bob's"
+    kept.history((bob, "s")).last_error_at = 1.0
+    kept.history((shared, "s")).crashes.append(learned_module.time.monotonic())
+    assert kept.crashes_recent("s", "alice") == 1 and kept.crashes_recent("s", "bob") == 2
+    assert kept.last_error("s", "alice") == (None, None)
+    assert kept.last_error("s", None) == ("crashed: bob's", 1.0)  # (the operator's view)
+    big = [{"name": "x", "description": "d" * (learned_module.MAX_TOOL_LIST_BYTES // 5)}]
+    for n in range(6):  # (64 MiB in all: the oldest lists go)
+        kept.keep_tools((Owner(f"p{n}", "srv:s"), "s"), entry, big)
+    assert kept.tools((Owner("p0", "srv:s"), "s"), entry) is None
+    assert kept.tools((Owner("p5", "srv:s"), "s"), entry) == big
+    assert kept._tool_bytes <= learned_module.MAX_TOOL_LIST_BYTES

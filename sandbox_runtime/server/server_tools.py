@@ -81,7 +81,7 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                         program(entry, host.servers_dir)
                 except SandboxRuntimeError as exc:
                     problem = str(exc)
-            status = host.status(entry.name)
+            status = host.status(entry.name, principal)  # (its own instances' and shared)
             listed.append(
                 HostedServer(
                     name=entry.name,
@@ -99,7 +99,7 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
                     crashes_recent=status["crashes_recent"],
                 )
             )
-        return ServerList(servers=listed, catalog_problem=host.catalog_problem)
+        return ServerList(servers=listed, catalog_problem=host.catalog_problem_for(principal))
 
 
 class FoundTool(BaseModel):
@@ -147,14 +147,13 @@ def register_search_tool(mcp: FastMCP, root: Root) -> None:
         for entry in host.catalog().for_principal(principal):
             if server is not None and entry.name != server:
                 continue
-            known = host.tool_lists.get(entry.name)
-            if known is not None and known[0] == entry:
-                tools = known[1]
+            # (What the principal's own instance listed, or the shared one: never another's.)
+            owner = instance_owner(entry, principal, "default")
+            known = host.known_tools(owner, entry)
+            if known is not None:
+                tools = known
             else:  # (listed once: the principal's instance starts, as a first call would)
-                answer = await call_instance(
-                    services, instance_owner(entry, principal, "default"), entry,
-                    "tools/list", {}, None,
-                )  # fmt: skip
+                answer = await call_instance(services, owner, entry, "tools/list", {}, None)
                 if "error" in answer:
                     problems.append(f"{entry.name}: {answer['error'].get('message')}")
                     continue

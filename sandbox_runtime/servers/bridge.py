@@ -9,11 +9,16 @@ the hosted-servers layer, and reports each call as a `tool_call` event of the ex
 Bounded: frame size, calls, calls at once, bytes, and each call's time (its entry's).
 An interpreter's bridge is one cell's: a request that says it comes from another cell (code
 an earlier cell left running) is refused, and neither counted nor reported.
+
+Its files (the library, a stub per tool: servers/stubs.py) are written by the stub writers'
+threads, never on the event loop, within a budget per bridge; the stubs are those of the tools
+the execution's own instances (or shared ones) listed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -30,6 +35,7 @@ from loguru import logger
 
 from sandbox_runtime.execution.code_mode import write_library
 from sandbox_runtime.servers.catalog import Entry
+from sandbox_runtime.servers.stubs import STUB_WRITERS, StubBudget, write_stubs
 from sandbox_runtime.supervisor import scoped
 
 SOCKET_NAME = "bridge.sock"
@@ -41,6 +47,7 @@ ENDED = (
     "the run_code call that allowed these servers has ended (this code was left running by "
     "it); call them from a run_code call that names servers=[...]"
 )
+MAX_SEEN = 1000  # tools per server whose returns are noted for the stubs
 
 # (server, method, params, progress) -> {"result": ...} | {"error": {...}}
 Call = Callable[[Entry, str, dict[str, Any], Any], Awaitable[dict[str, Any]]]
@@ -80,10 +87,12 @@ class Bridge:
     owns_directory: bool = True  # (an interpreter's directory is bound: kept, emptied)
     owner_ids: tuple[int, int] | None = None  # the sandbox user's uid and gid
     tools_cache: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    # The host's last tools/list of each server (servers/host.py tool_lists)
-    known_tools: dict[str, tuple[Entry, list[Any]]] = field(default_factory=dict)
-    # What tools without an output schema were seen to return, by "server.tool" (shared)
-    seen_returns: dict[str, str] = field(default_factory=dict)
+    # The tools/list each server's instance for this execution's owner (or the shared one)
+    # last gave on this replica, by server name (servers/host.py known_tools)
+    known_tools: dict[str, list[Any]] = field(default_factory=dict)
+    # What tools without an output schema were seen to return, by server then tool (this
+    # principal's calls to that instance, kept across bridges by the BridgeMaker)
+    seen_returns: dict[str, dict[str, str]] = field(default_factory=dict)
     # An interpreter's cell (its execute request's id; "" until it is sent): a request that
     # names another cell is refused. None: not a cell's (an execution's), nothing checked.
     cell: str | None = None
@@ -91,13 +100,20 @@ class Bridge:
     _calls: int = 0
     _bytes: int = 0
     _active: set[asyncio.Future[Any]] = field(default_factory=set)
+    _budget: StubBudget = field(default_factory=lambda: StubBudget())
+    _writes: set[concurrent.futures.Future[Any]] = field(default_factory=set)
 
     async def start(self) -> None:
-        self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        write_library(self.directory, list(self.entries))
-        for name, (entry, tools) in self.known_tools.items():
-            if self.entries.get(name) == entry:  # discovery files from the start
-                write_stubs(self.directory / "servers" / name, name, tools, self.seen_returns)
+        known = {n: t for n, t in self.known_tools.items() if n in self.entries}
+
+        def files() -> None:  # (discovery files from the start)
+            self.directory.mkdir(mode=0o755, parents=True, exist_ok=True)
+            write_library(self.directory, list(self.entries))
+            for name, tools in known.items():
+                seen = dict(self.seen_returns.get(name, {}))
+                write_stubs(self.directory / "servers" / name, name, tools, seen, self._budget)
+
+        await self._in_thread(files)
         path = self.directory / SOCKET_NAME
         path.unlink(missing_ok=True)  # (an interpreter's previous bridge)
         self._server = await asyncio.start_unix_server(self._serve, path=str(path))
@@ -113,8 +129,26 @@ class Bridge:
             work.cancel()
         if self._active:
             await asyncio.gather(*self._active, return_exceptions=True)
-        if self.owns_directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
+        await self._remove_files()
+
+    async def _in_thread(self, work: Callable[[], None]) -> None:
+        """Run `work` (the bridge's file writing) on a stub writer, off the event loop; the
+        bridge's files are written one job at a time."""
+        job = STUB_WRITERS.submit(self._budget.serially, work)
+        self._writes.add(job)
+        job.add_done_callback(self._writes.discard)
+        await asyncio.wrap_future(job)
+
+    async def _remove_files(self) -> None:
+        """Stop the stub writing (a job queued never runs; one running ends at its next
+        file), then remove the directory (or, an interpreter's, the socket), in a thread."""
+        self._budget.stopped.set()
+        for job in list(self._writes):
+            if not job.cancel():  # (running: it ends at its next file)
+                with contextlib.suppress(Exception):
+                    await asyncio.wrap_future(job)
+        if self.owns_directory:  # (not behind other bridges' stubs: the loop's own threads)
+            await asyncio.to_thread(shutil.rmtree, self.directory, ignore_errors=True)
         else:
             (self.directory / SOCKET_NAME).unlink(missing_ok=True)
 
@@ -186,17 +220,23 @@ class Bridge:
         if entry.name in self.tools_cache:
             return self.tools_cache[entry.name]
         known = self.known_tools.get(entry.name)
-        if known is not None and known[0] == entry:
-            self.tools_cache[entry.name] = [t for t in known[1] if isinstance(t, dict)]
+        if known is not None:
+            self.tools_cache[entry.name] = [t for t in known if isinstance(t, dict)]
             return self.tools_cache[entry.name]
         answer = await self.call(entry, "tools/list", {}, None)
         if "error" in answer or not isinstance(answer.get("result"), dict):
             error = answer.get("error") or {}
             return _refusal("failed", str(error.get("message", "tools/list failed")))
-        tools = [t for t in answer["result"].get("tools", []) if isinstance(t, dict)]
+        listed = answer["result"].get("tools")
+        tools = [t for t in listed if isinstance(t, dict)] if isinstance(listed, list) else []
         self.tools_cache[entry.name] = tools
-        write_stubs(self.directory / "servers" / entry.name, entry.name, tools, self.seen_returns)
+        await self._stubs(entry.name, tools)
         return tools
+
+    async def _stubs(self, server: str, tools: list[dict[str, Any]]) -> None:
+        seen = dict(self.seen_returns.get(server, {}))
+        directory = self.directory / "servers" / server
+        await self._in_thread(lambda: write_stubs(directory, server, tools, seen, self._budget))
 
     async def _search(self, request: dict[str, Any]) -> list[dict[str, Any]]:
         words = query_words(str(request.get("query", "")))
@@ -240,8 +280,8 @@ class Bridge:
                 "failed", str(reply.get("error", {}).get("message", "the call failed"))
             )  # fmt: skip
         received = len(json.dumps(answer.get("result", answer.get("error")), default=str))
-        if answer.get("ok") and f"{name}.{tool}" not in self.seen_returns and entry is not None:
-            self._note_returns(entry, tool, answer["result"])
+        if answer.get("ok") and entry is not None and tool not in self.seen_returns.get(name, {}):
+            await self._note_returns(entry, tool, answer["result"])
         if answer.get("ok") and received > LARGE_RESULT:
             # Kept as a file of the workspace too (the library writes it, in the sandbox): a
             # later call or the agent reads it there instead of calling the tool again.
@@ -252,7 +292,7 @@ class Bridge:
         self._report(name, tool, started, answer, size, received, arguments)
         return answer
 
-    def _note_returns(self, entry: Entry, tool: str, result: Any) -> None:
+    async def _note_returns(self, entry: Entry, tool: str, result: Any) -> None:
         """A tool without an output schema: what it returned, for its stub from now on."""
         listed = {t.get("name"): t for t in self.tools_cache.get(entry.name, [])}
         if tool not in listed or listed[tool].get("outputSchema") is not None:
@@ -267,11 +307,10 @@ class Bridge:
         else:
             kinds = sorted({str(b.get("type")) for b in content if isinstance(b, dict)})
             seen = f"list|seen: content blocks ({', '.join(kinds)})"
-        if len(self.seen_returns) < 10_000:
-            self.seen_returns[f"{entry.name}.{tool}"] = seen
-        write_stubs(
-            self.directory / "servers" / entry.name, entry.name, [listed[tool]], self.seen_returns
-        )
+        noted = self.seen_returns.setdefault(entry.name, {})
+        if len(noted) < MAX_SEEN:
+            noted[tool] = seen
+        await self._stubs(entry.name, [listed[tool]])
 
     def _report(
         self,
@@ -343,60 +382,3 @@ async def _reply(writer: asyncio.StreamWriter, answer: dict[str, Any]) -> None:
     writer.write(struct.pack(">I", len(body)) + body)
     with contextlib.suppress(ConnectionError):
         await writer.drain()
-
-
-def write_stubs(
-    directory: Path, server: str, tools: list[dict[str, Any]], seen: dict[str, str]
-) -> None:
-    """A file per tool (its signature, argument types and description) and an index, so code
-    and agents read only the tools they need: /run/srt-bridge/servers/NAME/TOOL.py."""
-    try:
-        directory.mkdir(mode=0o755, parents=True, exist_ok=True)
-        index = [f'"""Tools of {server} (from mcp_servers import {server})."""']
-        for tool in tools[:500]:
-            name = str(tool.get("name", ""))
-            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
-                continue
-            summary = str(tool.get("description") or "").strip().splitlines()
-            index.append(f"# {name}: {summary[0][:120] if summary else ''}")
-            (directory / f"{name}.py").write_text(stub(server, tool, seen.get(f"{server}.{name}")))
-        if len(tools) > 1 or not (directory / "__index__.py").exists():
-            (directory / "__index__.py").write_text("\n".join(index) + "\n")
-    except OSError as exc:  # (stubs are a convenience: the calls work without them)
-        logger.debug("stubs of {} not written: {}", server, exc)
-
-
-JSON_TYPES = {"string": "str", "integer": "int", "number": "float", "boolean": "bool",
-              "array": "list", "object": "dict", "null": "None"}  # fmt: skip
-
-
-def stub(server: str, tool: dict[str, Any], seen: str | None = None) -> str:
-    """One tool as Python: `def NAME(*, arg: type = None) -> returns` and its description."""
-    raw = tool.get("inputSchema")
-    schema: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    raw = schema.get("properties")
-    properties: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    required = set(schema.get("required") or [])
-    params = []
-    for arg, spec in list(properties.items())[:100]:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", str(arg)):
-            continue
-        kind = spec.get("type") if isinstance(spec, dict) else None
-        hint = JSON_TYPES.get(kind, "object") if isinstance(kind, str) else "object"
-        params.append(f"{arg}: {hint}" + ("" if arg in required else " = None"))
-    output = tool.get("outputSchema")
-    returns, _, note = (
-        "dict" if isinstance(output, dict) else seen or "object|not seen yet"
-    ).partition("|")
-    name = re.sub(r"\W", "_", str(tool.get("name")))
-    quote = '"' * 3
-    description = str(tool.get("description") or "").replace(quote, "'''")[:4000]
-    signature = f"*, {', '.join(params)}" if params else ""
-    lines = [
-        f"# from mcp_servers import {server}; {server}.{name}(...)",
-        f"def {name}({signature}) -> {returns}:" + (f"  # returns: {note}" if note else ""),
-        f"    {quote}{description}{quote}",
-    ]
-    if isinstance(output, dict):
-        lines.append(f"# output schema: {json.dumps(output)[:2000]}")
-    return "\n".join(lines) + "\n"

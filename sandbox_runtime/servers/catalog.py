@@ -18,7 +18,7 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from sandbox_runtime.errors import InvalidRequestError
@@ -355,7 +355,26 @@ class Catalog:
         return Catalog({k: v for k, v in self.entries.items() if k != name})
 
 
-def parse_catalog(text: str, source: str = "catalog", broken: list[str] | None = None) -> Catalog:
+class Broken(NamedTuple):
+    """An entry left out of the catalog: its name, who may use it (empty: everyone; None: it
+    cannot be told, the list itself being invalid) and the error (the operator's words)."""
+
+    name: str
+    principals: tuple[str, ...] | None
+    text: str
+
+
+def _principals_of(table: Any) -> tuple[str, ...] | None:
+    listed = table.get("principals", []) if isinstance(table, dict) else None
+    listed = [listed] if isinstance(listed, str) else listed  # (as _field reads it)
+    if not isinstance(listed, list) or not all(isinstance(p, str) for p in listed):
+        return None
+    return tuple(listed)
+
+
+def parse_catalog(
+    text: str, source: str = "catalog", broken: list[Broken] | None = None
+) -> Catalog:
     """The catalog in `text`. Raises CatalogError; with `broken`, an entry that is not valid
     is left out and its error added there instead (the others still load)."""
     try:
@@ -380,11 +399,11 @@ def parse_catalog(text: str, source: str = "catalog", broken: list[str] | None =
         except CatalogError as exc:
             if broken is None:
                 raise
-            broken.append(str(exc))
+            broken.append(Broken(name, _principals_of(table), str(exc)))
     return Catalog(entries)
 
 
-def load_catalog(path: Path, broken: list[str] | None = None) -> Catalog:
+def load_catalog(path: Path, broken: list[Broken] | None = None) -> Catalog:
     """The catalog at `path` (none there: empty). Raises CatalogError (see parse_catalog for
     `broken`)."""
     try:

@@ -1,7 +1,9 @@
 """Bridges for executions that name hosted servers (code mode): what the execution's code may
 call is the principal's servers, narrowed by the execution's `servers=[...]` (never
 widened: a name the principal may not use is simply not there), each instance the one the
-principal (and session) would reach through /servers/NAME/mcp."""
+principal (and session) would reach through /servers/NAME/mcp. What its stubs show is what
+those instances (or shared ones) said: their tool lists, and what their tools returned to
+this principal."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from sandbox_runtime.servers.bridge import Bridge
 from sandbox_runtime.servers.catalog import Entry
 from sandbox_runtime.servers.host import ServerHost, owner_of
 
+MAX_SEEN_KEPT = 4096  # (principal, instance, server) whose tools' returns are kept
+
 # (the instance's owner, its entry, method, params, progress) -> {"result"} | {"error"}
 Route = Callable[[Owner, Entry, str, dict[str, Any], Any], Awaitable[dict[str, Any]]]
 
@@ -28,7 +32,8 @@ class BridgeMaker:
         self.host = host
         self.root = root
         self.route = route
-        self.seen_returns: dict[str, dict[str, str]] = {}  # principal -> what tools returned
+        # What tools returned, by (principal, the instance's owner, server) -> tool
+        self.seen_returns: dict[tuple[str, Owner, str], dict[str, str]] = {}
         self.owner_ids: tuple[int, int] | None = None  # the sandbox user's (set by the root)
         shutil.rmtree(root, ignore_errors=True)  # (a previous run's)
         root.mkdir(mode=0o711, parents=True, exist_ok=True)
@@ -56,9 +61,20 @@ class BridgeMaker:
 
         place = directory or self.root / f"b-{secrets.token_hex(8)}"
         bridge = Bridge(place, allowed, call, on_call, owns_directory=directory is None)
-        bridge.known_tools = self.host.tool_lists
-        # (What one principal's calls returned is not shown in another's stubs.)
-        bridge.seen_returns = self.seen_returns.setdefault(owner.principal, {})
+        for name, entry in allowed.items():
+            instance_owner = owner_of(entry, owner.principal, session)
+            known = self.host.known_tools(instance_owner, entry)
+            if known is not None:
+                bridge.known_tools[name] = known
+            # (What one principal's calls returned is not shown in another's stubs.)
+            bridge.seen_returns[name] = self._seen((owner.principal, instance_owner, name))
         bridge.owner_ids = self.owner_ids
         await bridge.start()
         return bridge
+
+    def _seen(self, key: tuple[str, Owner, str]) -> dict[str, str]:
+        seen = self.seen_returns.pop(key, None) or {}
+        self.seen_returns[key] = seen  # (last: the most recently used)
+        while len(self.seen_returns) > MAX_SEEN_KEPT:
+            del self.seen_returns[next(iter(self.seen_returns))]
+        return seen

@@ -7,7 +7,8 @@ An instance's state belongs to an owner like a session's does (the Router homes 
 `srv:STATE` of no principal (scope "shared"), where STATE is the entry's `state` or its name.
 Its workspace is that owner's, so its state persists across the instance's restarts and is
 nobody else's (entries naming one `state` share it: a git server and a filesystem server on
-one repository).
+one repository). What its instances said (tool lists, crashes, errors) is kept by owner too
+(servers/learned.py), and the caps count the starts in flight.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,23 +34,18 @@ from sandbox_runtime.errors import (
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox.spec import SandboxSpec
-from sandbox_runtime.servers.catalog import (
-    Catalog,
-    CatalogError,
-    Entry,
-    load_catalog,
-)
+from sandbox_runtime.servers.catalog import Catalog, CatalogError, Entry
+from sandbox_runtime.servers.catalog_file import CatalogFile
 from sandbox_runtime.servers.instance import Instance, InstanceError, LogSink, RemoteError
 from sandbox_runtime.servers.launch import environment, instance_limits, program
+from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, sees
 from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.supervisor import Supervisor
 
 SWEEP_SECONDS = 5.0
-CRASH_WINDOW = 300.0  # crashes this recent count toward the backoff
 BACKOFF_MAX = 30.0
 BACKOFF_WAIT = 5.0  # a call waits out a backoff this short; a longer one refuses it
 MAX_TOOL_LABELS = 64  # distinct tool labels per server in the metrics (then "other")
-SHARED = ""  # the principal of a shared instance's owner
 
 Progress = Callable[[int, str], Awaitable[None]]
 
@@ -66,17 +61,11 @@ def owner_of(entry: Entry, principal: str, session: str) -> Owner:
     return Owner(principal, state)
 
 
-Key = tuple[Owner, str]  # an instance: its state's owner and its server's name
-
-
 @dataclass
 class ServerState:
-    """What `list_servers` and the operator see of one server on this replica."""
+    """What the metrics keep of one server on this replica (every principal's)."""
 
     starts: int = 0
-    crashes: list[float] = field(default_factory=list)  # when instances died unasked
-    last_error: str | None = None
-    last_error_at: float | None = None
     tools: set[str] = field(default_factory=set)  # labels used in the metrics
 
 
@@ -94,45 +83,23 @@ class ServerHost:
         self.manager = manager
         self.metrics = metrics
         self.supervisor = supervisor
-        self.catalog_path = settings.servers_path()
         self.servers_dir = settings.servers_dir()
         self.max_instances = settings.max_server_instances
         self.max_per_principal = settings.max_server_instances_per_principal
-        self._catalog = Catalog()
-        self._catalog_stamp: tuple[int, int] | None = None
-        self.catalog_problem: str | None = None
+        self.catalog_file = CatalogFile(settings.servers_path())
         self._instances: dict[Key, Instance | RemoteInstance] = {}
         self._entries: dict[Key, Entry] = {}  # the entry each instance was started from
         self._locks: dict[Key, asyncio.Lock] = {}
         self._states: dict[str, ServerState] = {}
-        # The last tools/list of each server (filtered for its entry): what search and code
-        # mode's stubs read without starting an instance.
-        self.tool_lists: dict[str, tuple[Entry, list[Any]]] = {}
-        self._starting = 0
+        self.learned = Learned()  # tool lists, crashes and errors, by instance
+        self._starting: set[Key] = set()  # starts in flight: counted against the caps
         self._closed = False
 
     # -- the catalog -------------------------------------------------------------------------
 
     def catalog(self) -> Catalog:
-        """The catalog file as it is now (read again when it changed; a broken file keeps the
-        last good catalog and says why in `catalog_problem`)."""
-        try:
-            st = os.stat(self.catalog_path)
-            stamp: tuple[int, int] | None = (st.st_mtime_ns, st.st_size)
-        except OSError:
-            stamp = None
-        if stamp != self._catalog_stamp:
-            broken: list[str] = []
-            try:
-                # One broken entry is left out; the others load.
-                self._catalog = load_catalog(self.catalog_path, broken)
-                self.catalog_problem = "; ".join(broken) or None
-            except CatalogError as exc:  # (not TOML at all: the last good catalog stays)
-                self.catalog_problem = f"{exc} (the last good catalog is in use)"
-            if self.catalog_problem is not None:
-                logger.error("hosted servers: {}", self.catalog_problem)
-            self._catalog_stamp = stamp
-        return self._catalog
+        """The catalog file as it is now (see servers/catalog_file.py)."""
+        return self.catalog_file.current()
 
     def entry_for(self, name: str, principal: str) -> Entry:
         """The entry `principal` may use. Raises InvalidRequestError (the same words for an
@@ -142,8 +109,16 @@ class ServerHost:
             raise InvalidRequestError(f"no hosted server named {name!r} is available to you")
         return entry
 
+    def catalog_problem_for(self, principal: str) -> str | None:
+        return self.catalog_file.problem_for(principal)
+
     def state(self, name: str) -> ServerState:
         return self._states.setdefault(name, ServerState())
+
+    def known_tools(self, owner: Owner, entry: Entry) -> list[Any] | None:
+        """The last tool list the owner's instance of `entry` gave on this replica (None: it
+        has not listed here): another owner's instance's list is never this one's."""
+        return self.learned.tools((owner, entry.name), entry)
 
     # -- requests (run on the instance owner's home replica) ---------------------------------
 
@@ -187,7 +162,9 @@ class ServerHost:
             if method == "tools/list":
                 result = entry.filter_tools(result)
                 if not params.get("cursor"):  # (discovery: search, stubs)
-                    self.tool_lists[name] = (entry, result.get("tools") or [])
+                    tools = result.get("tools")
+                    kept = tools if isinstance(tools, list) else []
+                    self.learned.keep_tools((owner, name), entry, kept)
             elif method == "tools/call" and result.get("isError"):
                 outcome = "error"
             return {"result": result}
@@ -230,40 +207,45 @@ class ServerHost:
                 return instance
             if instance is not None:  # dead, or its entry changed: replaced
                 await self._stop(key, "replaced" if instance.alive else None)
-            await self._backoff(entry.name)
+            await self._backoff(key)
             return await self._start(entry, owner)
 
-    async def _backoff(self, name: str) -> None:
-        """Wait before a start soon after crashes (1 s after the first, doubling to 30 s);
-        past BACKOFF_WAIT, refuse the call instead of holding it."""
-        state = self.state(name)
+    async def _backoff(self, key: Key) -> None:
+        """Wait before a start soon after this instance's crashes (1 s after the first,
+        doubling to 30 s); past BACKOFF_WAIT, refuse the call instead of holding it. Its
+        owner's alone: another principal's crashes never hold this one back (a shared
+        instance's are everyone's)."""
+        history = self.learned.peek(key)
         now = time.monotonic()
-        state.crashes = [t for t in state.crashes if now - t < CRASH_WINDOW]
-        if not state.crashes:
+        crashes = history.recent(now) if history is not None else []
+        if history is None or not crashes:
             return
-        wait = min(BACKOFF_MAX, 2.0 ** (len(state.crashes) - 1)) - (now - state.crashes[-1])
+        wait = min(BACKOFF_MAX, 2.0 ** (len(crashes) - 1)) - (now - crashes[-1])
         if wait <= 0:
             return
         if wait <= BACKOFF_WAIT:
             await asyncio.sleep(wait)
             return
         raise InstanceError(
-            f"server {name} crashed {len(state.crashes)} times in the last "
-            f"{CRASH_WINDOW:.0f} s ({state.last_error}); it may start again in {wait:.0f} s"
+            f"server {key[1]} crashed {len(crashes)} times in the last "
+            f"{CRASH_WINDOW:.0f} s ({history.last_error}); it may start again in {wait:.0f} s"
         )
 
     async def _start(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         if self._closed:
             raise InstanceError("the server is shutting down")
-        await self._make_room(owner.principal)
-        self._starting += 1  # (counted against the cap from now: starts run at once)
+        key = (owner, entry.name)
+        victim = self._reserve(key)
         try:
+            if victim is not None:
+                await self._close(victim, "stopped to make room")
             return await self._start_counted(entry, owner)
         finally:
-            self._starting -= 1
+            self._starting.discard(key)
 
     async def _start_counted(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         state = self.state(entry.name)
+        key = (owner, entry.name)
         started = time.perf_counter()
         try:
             instance = await self._spawn(entry, owner)
@@ -282,8 +264,8 @@ class ServerHost:
                 told = f"{reason}: {str(exc)[:300]}" if entry.scope != "shared" else reason
             else:
                 reason = told = str(exc)
-            state.crashes.append(time.monotonic())  # (a start that fails backs off too)
-            self._failed(entry.name, f"could not start: {reason}")
+            self.learned.history(key).crashes.append(time.monotonic())  # (backs off too)
+            self._failed(key, f"could not start: {reason}")
             self.metrics.server_starts.labels(entry.name, "failed").inc()
             if isinstance(exc, InstanceError | RemoteError):
                 raise InstanceError(f"server {entry.name} could not start: {told}") from None
@@ -349,41 +331,60 @@ class ServerHost:
             self._entries.pop(key, None)
             self.metrics.server_instances.labels(instance.name).dec()
             if why != "stopped":
-                self.state(instance.name).crashes.append(time.monotonic())
-                self._failed(instance.name, f"crashed: {why}")
+                self.learned.history(key).crashes.append(time.monotonic())
+                self._failed(key, f"crashed: {why}")
                 instance.log.note(f"crashed: {why}")
             await instance.aclose(grace=0.1)
 
-    def _failed(self, name: str, text: str) -> None:
-        state = self.state(name)
-        # (Shown to every principal that may use the server: never an instance's output.)
+    def _failed(self, key: Key, text: str) -> None:
+        history = self.learned.history(key)
+        # (Shown to the principals of this instance: never its output, which stays with the
+        # caller it was for.)
         public = text.split("; its last output on stderr")[0][:300]
-        state.last_error, state.last_error_at = public, time.time()
-        logger.warning("hosted server {}: {}", name, text)
+        history.last_error, history.last_error_at = public, time.time()
+        logger.warning("hosted server {} of {}: {}", key[1], key[0].principal or "(shared)", text)
 
-    async def _make_room(self, principal: str) -> None:
-        """At the replica's cap, or the principal's (a shared instance is no one's): stop the
-        least recently used idle instance in that scope, or refuse."""
-        mine = [k for k in self._instances if principal and k[0].principal == principal]
-        if principal and len(mine) >= self.max_per_principal:
+    def _reserve(self, key: Key) -> Instance | RemoteInstance | None:
+        """Count the start of `key` against the caps from now, with the other starts in
+        flight: at the replica's cap, or the principal's (a shared instance is no one's),
+        the least recently used idle instance in that scope is taken out to make room (and
+        returned, to be stopped), or the start is refused. No await between counting and
+        reserving: concurrent starts see each other and never pick the same victim."""
+        principal = key[0].principal
+        running, starting = list(self._instances), len(self._starting)
+        mine = [k for k in running if principal and k[0].principal == principal]
+        mine_starting = sum(1 for k in self._starting if principal and k[0].principal == principal)
+        if principal and len(mine) + mine_starting >= self.max_per_principal:
             scope, cap = mine, "SANDBOX_MAX_SERVER_INSTANCES_PER_PRINCIPAL"
-        elif len(self._instances) + self._starting >= self.max_instances:
-            scope, cap = list(self._instances), "SANDBOX_MAX_SERVER_INSTANCES"
+            count = len(mine) + mine_starting
+        elif len(running) + starting >= self.max_instances:
+            scope, cap, count = running, "SANDBOX_MAX_SERVER_INSTANCES", len(running) + starting
         else:
-            return
+            self._starting.add(key)
+            return None
         idle = [(self._instances[k].last_used, k) for k in scope if self._instances[k].busy == 0]
         if not idle:
             raise LimitExceededError(
-                f"{len(scope)} hosted server instances are running, all busy ({cap}); retry shortly"
+                f"{count} hosted server instances are running or starting, all busy ({cap}); "
+                "retry shortly"
             )
-        await self._stop(min(idle)[1], "stopped to make room")
+        self._starting.add(key)
+        return self._detach(min(idle)[1])
 
-    async def _stop(self, key: Key, why: str | None) -> None:
+    def _detach(self, key: Key) -> Instance | RemoteInstance | None:
+        """Take the instance out of those running (no longer anyone's to use or choose)."""
         instance = self._instances.pop(key, None)
         self._entries.pop(key, None)
-        if instance is None:
-            return
-        self.metrics.server_instances.labels(instance.name).dec()
+        if instance is not None:
+            self.metrics.server_instances.labels(instance.name).dec()
+        return instance
+
+    async def _stop(self, key: Key, why: str | None) -> None:
+        instance = self._detach(key)
+        if instance is not None:
+            await self._close(instance, why)
+
+    async def _close(self, instance: Instance | RemoteInstance, why: str | None) -> None:
         if why:
             instance.log.note(why)
         # A task of its own: a caller cancelled meanwhile must not leave the process running.
@@ -417,17 +418,21 @@ class ServerHost:
     def workspaces_in_use(self) -> set[str]:
         return {workspace_name(owner) for owner, _ in self._instances}
 
-    def status(self, name: str) -> dict[str, Any]:
-        """One server's state on this replica (never a running state for a dead child)."""
-        state = self.state(name)
-        alive = [i for i in self._instances.values() if i.name == name and i.alive]
-        now = time.monotonic()
+    def status(self, name: str, principal: str | None) -> dict[str, Any]:
+        """One server's state on this replica as `principal` sees it: its own instances and
+        the shared one (None: every instance, the operator's view). Never a running state
+        for a dead child."""
+        alive = [
+            i
+            for k, i in self._instances.items()
+            if k[1] == name and i.alive and (principal is None or sees(principal, k))
+        ]
+        error, at = self.learned.last_error(name, principal)
         return {
             "instances": len(alive),
-            "starts": state.starts,
-            "crashes_recent": len([t for t in state.crashes if now - t < CRASH_WINDOW]),
-            "last_error": state.last_error,
-            "last_error_at": state.last_error_at,
+            "crashes_recent": self.learned.crashes_recent(name, principal),
+            "last_error": error,
+            "last_error_at": at,
         }
 
     async def aclose(self) -> None:
