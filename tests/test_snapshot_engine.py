@@ -866,7 +866,7 @@ def test_a_hard_link_is_made_only_to_a_file_listed_before_it(hostile: Hostile) -
         "absolute": {"h": "/etc/passwd"},
         "empty": {"h": ""},
         "not base64": {"hb": "%%%"},
-        "not text": {"h": 5},  # type: ignore[dict-item]
+        "not text": {"h": 5},
     }
     for to in refused.values():
         hostile.refused(with_link(to), "hard link|unacceptable|base64|not a string")
