@@ -95,3 +95,27 @@ async def test_a_waiter_cancelled_as_it_is_granted_hands_the_slot_on() -> None:
     async with asyncio.timeout(1):
         await third
     assert "carol" in log and slots.held("bob") == 0 and slots.held("carol") == 0
+
+
+async def test_a_waiter_cancelled_before_its_task_runs_is_skipped() -> None:
+    """A waiter whose future is cancelled (its deadline passed) while a slot is freed, before
+    its task has run to take itself out of the queue: the slot goes to the next one."""
+    slots = FairSlots(1, 1)
+    release = asyncio.Event()
+    log: list[str] = []
+    holder = asyncio.create_task(_held_until(slots, "alice", release, log))
+    await asyncio.sleep(0)
+    gone = asyncio.create_task(_held_until(slots, "bob", asyncio.Event(), log))
+    after = asyncio.create_task(_held_until(slots, "carol", asyncio.Event(), log))
+    await asyncio.sleep(0)
+    release.set()  # (alice's task is woken first ...)
+    gone.cancel()  # (... bob's future is cancelled at once, his task runs after hers)
+    await holder  # (frees the slot while bob's cancelled future is still queued)
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    await asyncio.sleep(0)
+    assert log == ["alice", "carol"] and slots.held("carol") == 1 and slots.held("bob") == 0
+    after.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await after
+    assert slots.held("carol") == 0

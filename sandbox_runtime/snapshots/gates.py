@@ -123,6 +123,9 @@ class FairSlots:
                 waiter = queue.popleft()
                 if queue:  # (to the back of the turn order)
                     self._waiting[principal] = queue
+                if waiter.done():  # (cancelled, its task not yet run to take it out)
+                    progress = True
+                    continue
                 self._held[principal] = self.held(principal) + 1
                 waiter.set_result(None)
                 progress = True
