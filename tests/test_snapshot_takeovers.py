@@ -247,6 +247,7 @@ async def test_sessions_whose_records_redis_lost_after_and_during_a_drain_come_b
                     conn, session, "cat state.txt; echo; cat done.txt 2>/dev/null", within=60
                 )
                 reset = result["session_reset"]
+                print(f"\n{session} after Redis was emptied during the drain: {reset}")
                 assert reset["reason"] in ("store_lost", "home_stopped"), reset
                 assert reset["restored_from"]["trigger"] == "drain", reset
                 assert stdout_of(result).strip() == expected.strip(), (session, result)
