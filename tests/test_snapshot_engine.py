@@ -26,6 +26,7 @@ from sandbox_runtime.snapshots import capture as capture_module
 from sandbox_runtime.snapshots.apply import Applied, apply, packs_of
 from sandbox_runtime.snapshots.capture import Captured, CaptureError, capture
 from sandbox_runtime.snapshots.manifest import (
+    BLOCK,
     CHUNK,
     MAX_PATH_BYTES,
     Bounds,
@@ -312,28 +313,48 @@ def test_100k_small_files_round_trip(fast_dir: Path) -> None:
     assert sum(len(files) for _, _, files in os.walk(target)) == 100_000
 
 
-def test_hard_links_are_restored_as_separate_files_with_the_same_content(
-    tmp_path: Path, ws: Path
-) -> None:
+def test_hard_links_are_kept_once_and_restored_as_links(tmp_path: Path, ws: Path) -> None:
     data = os.urandom(1 * MiB)
     write(ws / "one", data)
     os.link(ws / "one", ws / "two")
     (ws / "sub").mkdir()
     os.link(ws / "one", ws / "sub" / "three")
+    write(ws / "alone", b"alone")
     assert os.stat(ws / "one").st_nlink == 3
 
     captured = snap(ws, tmp_path / "staging")
-    assert captured.files == 3
-    assert captured.new_bytes < 2 * len(data)  # the data is stored once
-    restore(tmp_path / "target", captured.manifest, packs(captured))
+    assert (captured.files, captured.hard_links) == (2, 2)
+    assert captured.bytes == len(data) + 5, "the data is counted once"
+    assert captured.new_bytes < 2 * len(data)  # and stored once
+    assert entry_at(captured.manifest, "two") == {**entry_at(captured.manifest, "two"),
+                                                  "t": "h", "h": "one"}  # fmt: skip
+    done = restore(tmp_path / "target", captured.manifest, packs(captured))
+    assert (done.files, done.hard_links, done.bytes) == (2, 2, len(data) + 5)
     target = tmp_path / "target"
-    inodes = set()
-    for name in ("one", "two", "sub/three"):
-        st = os.stat(target / name)
-        assert st.st_nlink == 1
-        inodes.add(st.st_ino)
-        assert (target / name).read_bytes() == data
-    assert len(inodes) == 3
+    inodes = {os.stat(target / name).st_ino for name in ("one", "two", "sub/three")}
+    assert len(inodes) == 1 and os.stat(target / "one").st_nlink == 3
+    assert (target / "sub" / "three").read_bytes() == data
+    assert os.stat(target / "alone").st_nlink == 1
+
+    # a second capture of the restored tree: the same links, nothing stored again
+    again = snap(target, tmp_path / "staging2", known=captured.manifest["chunks"])
+    assert (again.files, again.hard_links, again.new_bytes) == (2, 2, 0)
+
+
+def test_a_file_linked_three_times_fits_a_bound_its_copies_would_not(
+    tmp_path: Path, ws: Path
+) -> None:
+    """The reproduction's shape: a 21 MB file with two more links is 63 MB as separate files;
+    kept as links it needs 21 MB on restore, which fits a bound of 30 MB."""
+    data = os.urandom(21 * MiB)
+    write(ws / "big", data)
+    os.link(ws / "big", ws / "big2")
+    os.link(ws / "big", ws / "big3")
+    bound = Bounds(max_bytes=30 * MiB, max_entries=100)
+    captured = snap(ws, tmp_path / "staging", bound)
+    done = restore(tmp_path / "target", captured.manifest, packs(captured), bound)
+    assert (done.files, done.hard_links) == (1, 2)
+    assert os.stat(tmp_path / "target" / "big3").st_nlink == 3
 
 
 def test_deep_and_long_paths_make_a_snapshot_that_restores(tmp_path: Path, ws: Path) -> None:
@@ -601,31 +622,37 @@ def test_files_changing_while_captured(tmp_path: Path, ws: Path) -> None:
 
 
 def test_capture_over_its_bounds_is_refused(tmp_path: Path, ws: Path) -> None:
+    """Bounds count what a restore allocates: data in 4 KiB blocks, a block per directory
+    and per symlink too long for its inode (a short one costs nothing)."""
     for i in range(3):
         write(ws / f"f{i}", bytes([i + 1]) * 1000)
     (ws / "d").mkdir()
     os.symlink("f0", ws / "d" / "l")
-    assert snap(ws, tmp_path / "ok", Bounds(max_bytes=3000, max_entries=5)).files == 3
-    with pytest.raises(CaptureError, match=r"3000 bytes|2999 bytes"):
-        snap(ws, tmp_path / "s1", Bounds(max_bytes=2999, max_entries=100))
+    needed = 3 * BLOCK + BLOCK  # three files of one block each, one directory
+    assert snap(ws, tmp_path / "ok", Bounds(max_bytes=needed, max_entries=5)).files == 3
+    with pytest.raises(CaptureError, match=rf"more than its {needed - 1} usable bytes"):
+        snap(ws, tmp_path / "s1", Bounds(max_bytes=needed - 1, max_entries=100))
     with pytest.raises(CaptureError, match="more than 4 entries"):
         snap(ws, tmp_path / "s2", Bounds(max_bytes=1 << 30, max_entries=4))
     # a sparse file counts what it holds, not its size
     with open(ws / "sparse", "wb") as f:
         f.truncate(100 * MiB)
-    assert snap(ws, tmp_path / "s3", Bounds(max_bytes=3000, max_entries=6)).bytes == 3000
+    assert snap(ws, tmp_path / "s3", Bounds(max_bytes=needed, max_entries=6)).bytes == 3000
+    os.symlink("x" * 100, ws / "long")  # (a block of its own)
+    with pytest.raises(CaptureError, match="usable bytes"):
+        snap(ws, tmp_path / "s4", Bounds(max_bytes=needed, max_entries=10))
 
 
 def test_apply_refuses_a_manifest_over_its_bounds_before_writing(tmp_path: Path, ws: Path) -> None:
     for i in range(3):
         write(ws / f"f{i}", os.urandom(1000))
     captured = snap(ws, tmp_path / "staging")
-    for n, bounds in enumerate((Bounds(2999, 100), Bounds(1 << 30, 2))):
+    for n, bounds in enumerate((Bounds(3 * BLOCK - 1, 100), Bounds(1 << 30, 2))):
         target = tmp_path / f"target{n}"
         with pytest.raises(ManifestError, match="more than the workspace"):
             restore(target, captured.manifest, packs(captured), bounds)
         assert os.listdir(target) == []
-    restore(tmp_path / "fits", captured.manifest, packs(captured), Bounds(3000, 3))
+    restore(tmp_path / "fits", captured.manifest, packs(captured), Bounds(3 * BLOCK, 3))
 
 
 # -- hostile manifests -----------------------------------------------------------------------
@@ -819,6 +846,37 @@ def test_other_entry_types_are_refused(hostile: Hostile, kind: Any) -> None:
     manifest = hostile.edit()
     hostile.entry(manifest, "top")["t"] = kind
     hostile.refused(manifest, "type|malformed")
+
+
+def test_a_hard_link_is_made_only_to_a_file_listed_before_it(hostile: Hostile) -> None:
+    def with_link(to: dict[str, str], at: int | None = None) -> dict[str, Any]:
+        manifest = hostile.edit()
+        link = {"t": "h", "p": "d/linked", "m": 0o644, "mt": 0, **to}
+        entries = manifest["entries"]
+        entries.insert(len(entries) if at is None else at, link)
+        return manifest
+
+    root = hostile.apply(with_link({"h": "d/f"}))
+    assert os.stat(root / "d" / "linked").st_ino == os.stat(root / "d" / "f").st_ino
+    assert (root / "d" / "linked").read_bytes() == b"hello"
+    refused = {  # (what each is)
+        "a directory": {"h": "d"},
+        "nothing listed": {"h": "d/nothing"},
+        "outside": {"h": "../outside/x"},
+        "absolute": {"h": "/etc/passwd"},
+        "empty": {"h": ""},
+        "not base64": {"hb": "%%%"},
+        "not text": {"h": 5},
+    }
+    for to in refused.values():
+        hostile.refused(with_link(to), "hard link|unacceptable|base64|not a string")
+    paths = [e.get("p") for e in hostile.manifest["entries"]]
+    manifest = with_link({"h": "top"}, at=paths.index("top"))  # (before top is made)
+    hostile.refused(manifest, "not listed before it")
+    symlinked = hostile.edit()
+    symlinked["entries"].append({"t": "l", "p": "d/sl", "m": 0o777, "mt": 0, "l": "/etc"})
+    symlinked["entries"].append({"t": "h", "p": "d/via", "m": 0o644, "mt": 0, "h": "d/sl"})
+    hostile.refused(symlinked, "not listed before it")
 
 
 def test_setuid_setgid_and_sticky_bits_are_not_restored(hostile: Hostile) -> None:

@@ -13,6 +13,7 @@ import base64
 import hashlib
 import io
 import os
+import re
 import subprocess
 import sys
 import time
@@ -298,7 +299,12 @@ async def test_s3_store_and_a_store_that_goes_down(
         result = await conn.ok("execute_code", command="echo still-here", session=session)
         assert stdout_of(result) == "still-here\n", "a store outage never fails other calls"
         refused = await conn.error("snapshot_session", session=session)
-        assert "snapshot store" in refused, refused
+        assert "snapshot store (S3) failed" in refused, refused
+        # no endpoint, bucket, prefix, principal hash or workspace name reaches the caller
+        for leak in (endpoint, "127.0.0.1", "s3://", "snaps/", "cluster-a", "v1/", "ws-"):
+            assert leak not in refused, (leak, refused)
+        assert re.search(r"[0-9a-f]{32}", refused) is None, refused
+        assert "cluster-a" in server.stderr_text(), "the operator's log has the detail"
         assert time.monotonic() - started < 30, "a store that does not answer is given up on"
         assert "test-secret" not in server.stderr_text()
 

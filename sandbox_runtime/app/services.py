@@ -241,6 +241,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             max_per_principal=settings.snapshot_max_per_principal,
             restore_seconds=settings.snapshot_store_timeout * 4,
             supervisor=supervisor,
+            replica_id=settings.replica_id,
+            store_epoch=_store_epoch(cluster),
         )
         parts = Parts(manager, interpreters, signer, servers, snapshots)
         queue = placement_queue(settings, cluster)
@@ -284,6 +286,12 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
         yield services
+
+
+def _store_epoch(cluster: LocalCluster) -> Callable[[], str | None]:
+    """The shared store's epoch the cluster's records are in (see Snapshots.store_epoch)."""
+    epochs = getattr(cluster, "epochs", None)  # (a RedisCluster's; alone: none)
+    return (lambda: epochs.synced) if epochs is not None else (lambda: None)
 
 
 def _cluster(

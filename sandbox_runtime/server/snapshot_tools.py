@@ -25,10 +25,18 @@ class SnapshotInfo(BaseModel):
     snapshot_id: str
     session: str = Field(description="The session it was taken of.")
     taken_at: float = Field(description="Unix time.")
-    trigger: str = Field(description="on_demand, idle, drain (the replica stopped) or fork.")
+    trigger: str = Field(
+        description="on_demand, idle, drain (the replica stopped) or fork; or, with "
+        "from_snapshot, on_demand, fork or takeover: the session's own copy of a snapshot "
+        "restored into it."
+    )
+    from_snapshot: str | None = Field(
+        None, description="The snapshot this one copies (what was restored into the session)."
+    )
     files: int
     directories: int
     symlinks: int
+    hard_links: int = Field(0, description="Further paths of a file kept (restored as links).")
     size_bytes: int = Field(description="The data it holds (what a restore writes).")
     stored_bytes: int = Field(
         description="Stored for the first time by this snapshot (unchanged files, and data "
@@ -55,6 +63,7 @@ class Restored(BaseModel):
     files: int
     directories: int
     symlinks: int
+    hard_links: int = 0
     size_bytes: int
     interpreters_stopped: list[str] = Field(
         description="Interpreters stopped (their next call starts afresh: state_reset)."
@@ -74,9 +83,9 @@ def register_snapshot_tools(mcp: FastMCP, root: Root) -> None:
 
     @mcp.tool
     async def snapshot_session(ctx: Context, session: SessionArg = None) -> SnapshotTaken:
-        """Snapshot the session's workspace now (files, permissions, symlinks, installed
-        packages; not interpreter memory). Unchanged files are not stored again. The newest
-        snapshot is restored by itself if the session's replica is lost."""
+        """Snapshot the session's workspace now (files, permissions, symlinks, hard links,
+        installed packages; not interpreter memory). Unchanged files are not stored again.
+        The newest snapshot is restored by itself if the session's replica is lost."""
         owner = owner_of(ctx, session)
         result = await run(owner, "snapshot", {}, "snapshot_session")
         return SnapshotTaken.model_validate(_info(result))

@@ -35,7 +35,9 @@ class SessionReset(BaseModel):
         "home kept the session but not its workspace (idle past the retention period, or "
         "the replica restarted without its state directory); store_lost: the shared store "
         "(Redis) lost the session's record and its home could not publish it again in time, "
-        "so the session started afresh here (its files stay on previous_replica); "
+        "so the session started afresh here (its files stay on previous_replica), or no "
+        "replica held it any more (its home was stopped or lost) and it was restored from "
+        "its newest snapshot (restored_from); "
         "workspace_repaired: the workspace's filesystem failed (an I/O error, a full host "
         "disk) and was repaired (e2fsck): files written around the failure may be missing or "
         "in lost+found; workspace_quarantined: it could not be repaired, was set aside for "
@@ -55,6 +57,12 @@ class SessionReset(BaseModel):
         default=None,
         exclude_if=_absent,
         description="Why the session's snapshot could not be restored (it starts empty).",
+    )
+    newest_failed: str | None = Field(
+        default=None,
+        exclude_if=_absent,
+        description="Why the session's newest snapshot (and any others tried) could not be "
+        "restored, when an older one (restored_from) was restored instead.",
     )
 
 

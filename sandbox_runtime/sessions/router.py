@@ -232,8 +232,6 @@ class Router:
         if self.queue is not None:  # (a worker claims it: found by the next lookup)
             await self.queue.place(owner)
             return None
-        if previous is None:
-            return await self._claim_now(owner, None, reason, epoch)
         async with self.parts.snapshots.gate(owner):  # (its calls wait for its restore)
             return await self._claim_now(owner, previous, reason, epoch)
 
@@ -265,12 +263,13 @@ class Router:
         if outcome != "claimed":
             return None
         if previous is None:
-            if await self._ensure_workspace(owner) is None:
+            if (made := await self._ensure_workspace(owner)) is None:
                 if len(self._unmade) > 100_000:  # (forgetting one costs a false reset)
                     self._unmade.clear()
                 self._unmade.add(session_key(owner.principal, owner.session_id))
             self.metrics.sessions.labels("created").inc()
-            return Placement(True, self.replica_id)
+            lost = await self._lost_record(owner) if made is False else None
+            return Placement(True, self.replica_id, reset=lost)
         # A fresh workspace: whatever this replica kept from an earlier stay is stale.
         workspaces = self.manager.workspaces
         if workspaces.exists(workspace_name(owner)):
@@ -287,6 +286,25 @@ class Router:
         reset = SessionReset.model_validate({**reset.model_dump(), **restored})
         self.owe(owner, reset)
         return Placement(True, self.replica_id, reset=reset)
+
+    async def _lost_record(self, owner: Owner) -> SessionReset | None:
+        """A session claimed as new, its workspace empty: if the store lost its record (it
+        restarted empty after the session's home let it go), its newest snapshot."""
+        if not self.parts.snapshots.enabled:
+            return None
+        try:
+            epoch = await self.sessions.epoch(None)
+        except Exception:  # (the claim just went through: a store failing now is rare)
+            return None
+        began = time.time() - epoch.age
+        restored = await self.parts.snapshots.lost_record(
+            owner, epoch.epoch_id, began, self._record_ttl
+        )
+        if restored is None:
+            return None
+        reset = SessionReset.model_validate({"reason": "store_lost", **restored})
+        self.owe(owner, reset)  # (a worker placing it for an api replica: told to its call)
+        return reset
 
     async def _ensure_workspace(self, owner: Owner) -> bool | None:
         """Whether the owner's workspace was already there (it is now, if it can be); None

@@ -3,8 +3,11 @@ workspace, and restore one into it (on demand, or as a fork's new session).
 
 A restore on demand replaces the session's files only once the snapshot is whole: it is
 written into a workspace of its own first, which then takes the session's place; a failure
-leaves the session's files as they were. Its interpreters are stopped (their memory is not
-in a snapshot: the next run_code says `state_reset`); a running execution refuses it.
+leaves the session's files as they were. Before that place is taken, the session gets a
+snapshot of its own holding what it is about to hold, named by its newest-snapshot pointer
+(so a takeover brings back what the restore or fork put there, not what it held before). Its
+interpreters are stopped (their memory is not in a snapshot: the next run_code says
+`state_reset`); a running execution refuses it.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ async def restore(
     async with snapshots.gate(owner):
         # First the whole snapshot, in a workspace of its own: a failure changes nothing.
         applied = await snapshots.restore(owner, meta, trigger, temp)
+        undo = None
         try:
+            undo = await snapshots.own(owner, meta, trigger)
             stopped = parts.interpreters.forget_owner(owner, "restored")
             deadline = time.monotonic() + IN_USE_WAIT_SECONDS
             while name in workspaces.in_use() and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -63,6 +68,10 @@ async def restore(
             if not await workspaces.adopt(temp, name, owner.principal):
                 # (a mount cap): the snapshot is written again where the session's files were
                 applied = await snapshots.restore(owner, meta, trigger)
+        except BaseException:
+            if undo is not None:  # (the session holds what it held: so does its pointer)
+                await asyncio.shield(undo())
+            raise
         finally:
             if workspaces.exists(temp):
                 await workspaces.remove(temp)
@@ -71,6 +80,7 @@ async def restore(
         "files": applied.files,
         "directories": applied.directories,
         "symlinks": applied.links,
+        "hard_links": applied.hard_links,
         "size_bytes": applied.bytes,
         "interpreters_stopped": stopped,
         "lost": LOST if args.get("trigger") != "fork" else None,

@@ -5,9 +5,10 @@ is corrupt or over the workspace's bounds. Then every entry is made relative to 
 directory's descriptor, a directory this restore made itself: O_CREAT|O_EXCL|O_NOFOLLOW for
 files, mkdirat, symlinkat (a link is made, never followed: no entry can be reached through
 one, since a parent must be a directory listed earlier). Modes are permission bits only,
-owners are the sandbox user's, no device, FIFO or hard link is ever made. Each chunk is read
-from its pack by offset, decompressed within its stated length and checked against its
-SHA-256 before a byte of it is written; a file's holes stay holes.
+owners are the sandbox user's, no device or FIFO is ever made; a hard link is made only to a
+file this restore wrote (listed before it), so the workspace holds its data once, as it did.
+Each chunk is read from its pack by offset, decompressed within its stated length and
+checked against its SHA-256 before a byte of it is written; a file's holes stay holes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Applied:
     files: int = 0
     directories: int = 0
     links: int = 0
+    hard_links: int = 0
     bytes: int = 0
 
 
@@ -112,6 +114,9 @@ def apply(
                     os.utime(name, ns=(entry.mtime_ns, entry.mtime_ns), dir_fd=parent,
                              follow_symlinks=False)  # fmt: skip
                 done.links += 1
+            elif entry.kind == "h":
+                _link(dirs, name, entry)
+                done.hard_links += 1
             else:
                 _write_file(parent, name, entry, chunks, owner_ids)
                 done.files += 1
@@ -123,6 +128,19 @@ def apply(
         chunks.close()
         dirs.close()
     return done
+
+
+def _link(dirs: _Dirs, name: bytes, entry: Entry) -> None:
+    """A hard link to a file this restore made (validate: listed before it): from its
+    directory's descriptor, never following a symlink."""
+    # (a copy: looking up the other directory may close descriptors _Dirs holds)
+    source = os.dup(dirs.fd(entry.shares[:-1]))
+    try:
+        parent = dirs.fd(entry.parts[:-1])
+        os.link(entry.shares[-1], name, src_dir_fd=source, dst_dir_fd=parent,
+                follow_symlinks=False)  # fmt: skip
+    finally:
+        os.close(source)
 
 
 def _own(fd: int, mode: int, owner_ids: tuple[int, int] | None) -> None:

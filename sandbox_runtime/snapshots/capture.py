@@ -4,12 +4,15 @@ packs in a staging directory (runs in a thread; the workspace's code may still b
 The walk trusts nothing in the workspace: every directory is opened relative to its parent's
 descriptor with O_NOFOLLOW (a symlink swapped in is skipped, never followed), every file
 with O_NOFOLLOW|O_NONBLOCK and its type checked on the descriptor (a FIFO swapped in is not
-waited on); symlinks are recorded as links; FIFOs, sockets, devices and paths longer than a
-manifest may hold are left out (and counted). A file's data is read by extent
-(SEEK_DATA/SEEK_HOLE), so a sparse file costs what it holds, not its apparent size; the data
-read is bounded by the workspace's quota. A file that changes while read is kept as read (a
-short read ends it there) and counted. A file whose inode, ctime, mtime and size are those
-the previous snapshot recorded is not read again: its chunks are reused.
+waited on); symlinks are recorded as links, and a file's further hard links as links to the
+first path seen (its data is read and counted once: a restore makes the links again); FIFOs,
+sockets, devices and paths longer than a manifest may hold are left out (and counted). A
+file's data is read by extent (SEEK_DATA/SEEK_HOLE), so a sparse file costs what it holds,
+not its apparent size; what a restore will allocate (data in filesystem blocks, a block per
+directory and long symlink) is bounded by the workspace's usable size. A file that changes
+while read is kept as read (a short read ends it there) and counted. A file whose inode,
+ctime, mtime and size are those the previous snapshot recorded is not read again: its chunks
+are reused.
 """
 
 from __future__ import annotations
@@ -28,15 +31,19 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_runtime.snapshots.manifest import (
+    BLOCK,
     CHUNK,
     FORMAT,
     MAX_PATH_BYTES,
     MODE_BITS,
     Bounds,
     ManifestError,
+    allocated,
+    encode_hard_link,
     encode_path,
     encode_target,
     max_manifest_bytes,
+    symlink_bytes,
 )
 
 PACK_TARGET = 16 * 1024 * 1024
@@ -59,7 +66,9 @@ class Captured:
     files: int = 0
     directories: int = 0
     links: int = 0
+    hard_links: int = 0  # paths of a file seen before (kept as links to it)
     bytes: int = 0  # data held (extents), the sum of what a restore writes
+    allocated: int = 0  # what a restore allocates (blocks), bounded by the usable size
     new_bytes: int = 0  # stored for the first time (compressed)
     reused_files: int = 0
     changed_while_read: int = 0
@@ -68,6 +77,9 @@ class Captured:
     # says: a write within the same timestamp tick as this read would not change it.
     recent_ns: int = 0
     manifest_bytes: int = 0  # an upper bound of the manifest's JSON, kept as it grows
+    # (device, inode) -> the first path of a file with more than one link (bounded by the
+    # entries a workspace may hold)
+    linked: dict[tuple[int, int], str] = field(default_factory=dict)
 
 
 class Packer:
@@ -254,6 +266,7 @@ def _entry(
             raise
         entries.append({"t": "d", **base})
         result.directories += 1
+        _allocate(result, BLOCK, bounds)
         return child, (*prefix, name), names
     if stat.S_ISLNK(st.st_mode):
         try:
@@ -264,10 +277,16 @@ def _entry(
         if target:
             entries.append({"t": "l", **base, **encode_target(target)})
             result.links += 1
-            _grow(result, len(target.encode("utf-8", "surrogateescape")) * 4 // 3, bounds)
+            length = len(target.encode("utf-8", "surrogateescape"))
+            _grow(result, length * 4 // 3, bounds)
+            _allocate(result, symlink_bytes(length), bounds)
     elif stat.S_ISREG(st.st_mode):
         entry = _file(dir_fd, name, path, base, packer, reusable, bounds, result)
-        if entry is not None:
+        if entry is not None and entry["t"] == "h":
+            entries.append(entry)
+            result.hard_links += 1
+            _grow(result, len(entry.get("h") or entry.get("hb") or "") * 4 // 3, bounds)
+        elif entry is not None:
             entries.append(entry)
             result.files += 1
             _grow(result, EXTENT_BYTES * len(entry["x"]), bounds)
@@ -299,39 +318,60 @@ def _file(
         if not stat.S_ISREG(st.st_mode):  # (swapped since the listing)
             result.changed_while_read += 1
             return None
-        sig = [st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size]
-        if st.st_ctime_ns >= result.recent_ns:
-            sig = [0, 0, 0, -1]  # (too recent to trust: read again next time)
-        base = {**base, "m": st.st_mode & MODE_BITS, "mt": st.st_mtime_ns}
-        old = reusable.get(path)
-        if old is not None and sig[3] >= 0 and old.get("sig") == sig and _reuse(old, packer):
-            held = sum(x[1] for x in old["x"])
-            _count(result, held, bounds)
-            result.reused_files += 1
-            return {"t": "f", **base, "s": st.st_size, "x": old["x"], "sig": sig}
-        size = st.st_size
-        extents: list[list[Any]] = []
-        for start, end in _data_ranges(fd, size):
-            offset = start
-            while offset < end:
-                length = min(end, (offset // CHUNK + 1) * CHUNK) - offset
-                _count(result, length, bounds)
-                data = _read(fd, offset, length)
-                if data:
-                    extents.append([offset, len(data), packer.add(data)])
-                if len(data) < length:  # (it shrank while read)
-                    result.changed_while_read += 1
-                    result.bytes -= length - len(data)
-                    size = offset + len(data)
-                    return {"t": "f", **base, "s": size, "x": extents}
-                offset += length
-        after = os.fstat(fd)
-        if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size):
-            result.changed_while_read += 1
-            sig = [0, 0, 0, -1]  # (read again next time)
-        return {"t": "f", **base, "s": size, "x": extents, "sig": sig}
+        if st.st_nlink < 2:
+            return _data(fd, st, path, base, packer, reusable, bounds, result)
+        first = result.linked.get((st.st_dev, st.st_ino))
+        if first is not None:  # (its data is in the first path's entry)
+            return {"t": "h", **base, **encode_hard_link(first)}
+        entry = _data(fd, st, path, base, packer, reusable, bounds, result)
+        result.linked[(st.st_dev, st.st_ino)] = path
+        return entry
     finally:
         os.close(fd)
+
+
+def _data(
+    fd: int,
+    st: os.stat_result,
+    path: str,
+    base: dict[str, Any],
+    packer: Packer,
+    reusable: dict[str, dict[str, Any]],
+    bounds: Bounds,
+    result: Captured,
+) -> dict[str, Any]:
+    """A regular file's entry: its extents, read (or reused from the previous snapshot)."""
+    sig = [st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size]
+    if st.st_ctime_ns >= result.recent_ns:
+        sig = [0, 0, 0, -1]  # (too recent to trust: read again next time)
+    base = {**base, "m": st.st_mode & MODE_BITS, "mt": st.st_mtime_ns}
+    old = reusable.get(path)
+    if old is not None and sig[3] >= 0 and old.get("sig") == sig and _reuse(old, packer):
+        for x in old["x"]:
+            _count(result, x[1], bounds)
+        result.reused_files += 1
+        return {"t": "f", **base, "s": st.st_size, "x": old["x"], "sig": sig}
+    size = st.st_size
+    extents: list[list[Any]] = []
+    for start, end in _data_ranges(fd, size):
+        offset = start
+        while offset < end:
+            length = min(end, (offset // CHUNK + 1) * CHUNK) - offset
+            _count(result, length, bounds)
+            data = _read(fd, offset, length)
+            if data:
+                extents.append([offset, len(data), packer.add(data)])
+            if len(data) < length:  # (it shrank while read)
+                result.changed_while_read += 1
+                result.bytes -= length - len(data)
+                size = offset + len(data)
+                return {"t": "f", **base, "s": size, "x": extents}
+            offset += length
+    after = os.fstat(fd)
+    if (after.st_mtime_ns, after.st_size) != (st.st_mtime_ns, st.st_size):
+        result.changed_while_read += 1
+        sig = [0, 0, 0, -1]  # (read again next time)
+    return {"t": "f", **base, "s": size, "x": extents, "sig": sig}
 
 
 def _grow(result: Captured, size: int, bounds: Bounds) -> None:
@@ -348,10 +388,19 @@ def _reuse(old: dict[str, Any], packer: Packer) -> bool:
 
 
 def _count(result: Captured, length: int, bounds: Bounds) -> None:
+    """A piece of a file's data (an extent, or a chunk of one: a chunk ends on a block
+    boundary unless its extent ends there)."""
     result.bytes += length
-    if result.bytes > bounds.max_bytes:
+    _allocate(result, allocated(length), bounds)
+
+
+def _allocate(result: Captured, size: int, bounds: Bounds) -> None:
+    result.allocated += size
+    if result.allocated > bounds.max_bytes:
         raise CaptureError(
-            f"the workspace holds more than {bounds.max_bytes} bytes of data: too much to keep"
+            f"the workspace's files need more than its {bounds.max_bytes} usable bytes "
+            "when restored (data in blocks, directories, hard links kept as links): too much "
+            "to keep"
         )
 
 

@@ -3,9 +3,13 @@
 
 The manifest lists entries in walk order (a directory before what it holds):
 
-    {"t": "d"|"f"|"l", "p": path (or "pb": base64 of a path that is not UTF-8), "m": mode,
+    {"t": "d"|"f"|"l"|"h", "p": path (or "pb": base64 of a path that is not UTF-8), "m": mode,
      "mt": mtime_ns, "s": size, "x": [[offset, length, chunk], ...], "l": link target
-     (or "lb"), "sig": [ino, ctime_ns, mtime_ns, size]}
+     (or "lb"), "h": the path of the file a hard link shares (or "hb"),
+     "sig": [ino, ctime_ns, mtime_ns, size]}
+
+A hard link ("h") names a file ("f") listed before it: the file's data is kept once and the
+link is made again as a link, so a snapshot needs on restore what the workspace used.
 
 A file's data is listed by extent (a sparse file's holes are not stored) and cut at CHUNK
 boundaries; each piece is a chunk named by the SHA-256 of its bytes, stored once per
@@ -14,10 +18,11 @@ principal in a pack (`chunks`: name -> [pack, offset, stored length, length, com
 
 Nothing in a manifest is trusted on restore: `validate` checks every path (no `..`, `.`,
 empty or absolute components, no NUL, bounded lengths, parents listed before children and
-being directories), type (directories, regular files and symlinks only: no devices, FIFOs,
-sockets or hard links), mode (permission bits only: no setuid, setgid or sticky), extents
-(inside the file, in order, each a known chunk of the stated length) and the totals (entries
-and bytes within the workspace's quota).
+being directories), type (directories, regular files, symlinks, and hard links to a regular
+file listed earlier: no devices, FIFOs or sockets), mode (permission bits only: no setuid,
+setgid or sticky), extents (inside the file, in order, each a known chunk of the stated
+length) and the totals (entries, and the bytes the restore allocates, in filesystem blocks,
+within the workspace's usable size).
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ MAX_FILE_SIZE = 1 << 44  # 16 TiB, ext4's largest file
 HASH = re.compile(r"[0-9a-f]{64}")
 PACK = re.compile(r"[0-9a-f]{32}")
 MODE_BITS = 0o777
+BLOCK = 4096  # the workspace filesystem's block (images.mkfs_argv): what each file rounds to
+FAST_SYMLINK = 60  # ext4 keeps a shorter symlink target in its inode: no block
 
 
 class ManifestError(SandboxRuntimeError):
@@ -46,10 +53,20 @@ class ManifestError(SandboxRuntimeError):
 
 @dataclass(frozen=True)
 class Bounds:
-    """What a snapshot may hold: the workspace's quota."""
+    """What a snapshot may hold: the workspace's usable bytes (allocated, see `allocated`)
+    and entries."""
 
     max_bytes: int
     max_entries: int
+
+
+def allocated(length: int) -> int:
+    """The bytes `length` bytes of a file's data take on the workspace's filesystem."""
+    return -(-length // BLOCK) * BLOCK
+
+
+def symlink_bytes(target_length: int) -> int:
+    return BLOCK if target_length >= FAST_SYMLINK else 0
 
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -82,6 +99,10 @@ def encode_target(target: str) -> dict[str, str]:
     return _encoded(target, "l")
 
 
+def encode_hard_link(first: str) -> dict[str, str]:
+    return _encoded(first, "h")
+
+
 def _raw(entry: dict[str, Any], text_key: str, b64_key: str) -> bytes:
     if text_key in entry:
         value = entry[text_key]
@@ -99,7 +120,10 @@ def _raw(entry: dict[str, Any], text_key: str, b64_key: str) -> bytes:
 
 def path_of(entry: dict[str, Any]) -> tuple[bytes, ...]:
     """An entry's path as components (bytes), checked."""
-    raw = _raw(entry, "p", "pb")
+    return _parts(_raw(entry, "p", "pb"))
+
+
+def _parts(raw: bytes) -> tuple[bytes, ...]:
     if not raw or len(raw) > MAX_PATH_BYTES or b"\x00" in raw or raw.startswith(b"/"):
         raise ManifestError(f"unacceptable path {raw[:100]!r}")
     parts = tuple(raw.split(b"/"))
@@ -125,13 +149,14 @@ def _int(entry: dict[str, Any], key: str, low: int, high: int) -> int:
 
 @dataclass(frozen=True)
 class Entry:
-    kind: str  # d, f, l
+    kind: str  # d, f, l, h
     parts: tuple[bytes, ...]
     mode: int
     mtime_ns: int
     size: int = 0
     extents: tuple[tuple[int, int, str], ...] = ()
     target: bytes = b""
+    shares: tuple[bytes, ...] = ()  # a hard link's file (listed before it)
 
 
 def validate(manifest: Any, bounds: Bounds) -> tuple[list[Entry], dict[str, list[Any]]]:
@@ -151,6 +176,7 @@ def validate(manifest: Any, bounds: Bounds) -> tuple[list[Entry], dict[str, list
             raise ManifestError("a malformed chunk reference")
     seen: set[tuple[bytes, ...]] = set()
     directories: set[tuple[bytes, ...]] = {()}
+    files: set[tuple[bytes, ...]] = set()
     total = 0
     entries: list[Entry] = []
     for raw in raw_entries:
@@ -167,21 +193,36 @@ def validate(manifest: Any, bounds: Bounds) -> tuple[list[Entry], dict[str, list
         mtime = _int(raw, "mt", -(1 << 63), (1 << 63) - 1)  # (any time ext4 holds)
         if kind == "d":
             directories.add(parts)
+            total += BLOCK
             entries.append(Entry("d", parts, mode, mtime))
         elif kind == "l":
-            entries.append(Entry("l", parts, mode, mtime, target=target_of(raw)))
+            target = target_of(raw)
+            total += symlink_bytes(len(target))
+            entries.append(Entry("l", parts, mode, mtime, target=target))
         elif kind == "f":
             size = _int(raw, "s", 0, MAX_FILE_SIZE)
             extents = _extents(raw.get("x"), size, chunks)
-            total += sum(length for _, length, _ in extents)
-            if total > bounds.max_bytes:
-                raise ManifestError(
-                    f"the snapshot holds more than the workspace's {bounds.max_bytes} bytes"
-                )
+            total += sum(allocated(length) for _, length, _ in extents)
+            files.add(parts)
             entries.append(Entry("f", parts, mode, mtime, size, extents))
+        elif kind == "h":
+            shares = _hard_link(raw)
+            if shares not in files:
+                raise ManifestError("a hard link to a file not listed before it")
+            entries.append(Entry("h", parts, mode, mtime, shares=shares))
         else:
-            raise ManifestError(f"an entry of type {str(kind)[:10]!r} (only d, f, l are kept)")
+            raise ManifestError(f"an entry of type {str(kind)[:10]!r} (only d, f, l, h are kept)")
+        if total > bounds.max_bytes:
+            raise ManifestError(
+                f"the snapshot needs more than the workspace's {bounds.max_bytes} usable bytes"
+            )
     return entries, chunks
+
+
+def _hard_link(entry: dict[str, Any]) -> tuple[bytes, ...]:
+    if "h" not in entry and "hb" not in entry:
+        raise ManifestError("a malformed hard link entry (no file named)")
+    return _parts(_raw(entry, "h", "hb"))
 
 
 def _ref_ok(ref: Any) -> bool:

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from sandbox_runtime.snapshots.manifest import ManifestError
 
+MANIFEST_MAX = 256 * 1024 * 1024  # a stored (compressed) manifest's bytes at most
 LOST = "changes made after the snapshot was taken, and interpreter state (variables, imports)"
 
 
@@ -48,6 +49,7 @@ def meta_of(
         "files": captured.files,
         "directories": captured.directories,
         "symlinks": captured.links,
+        "hard_links": captured.hard_links,
         "size_bytes": captured.bytes,
         "stored_bytes": captured.new_bytes,
         "manifest_bytes": manifest_bytes,

@@ -7,7 +7,12 @@ A snapshot is, under the principal's prefix `v1/<hash of principal>/` of the sto
     manifests/<sid>.z   the manifest (manifest.py), zlib-compressed JSON
     meta/<sid>.json     what list_snapshots shows, and the packs it needs; written last:
                         a snapshot exists once its meta does
-    latest/<ws>.json    the newest snapshot of a session (a hint: the metas decide)
+    latest/<ws>.json    the newest snapshot of a session: what a takeover restores. Every
+                        operation that changes what the session holds moves it: a snapshot,
+                        and a restore, a fork into it or a takeover from an older snapshot,
+                        each of which gives the session a snapshot of its own (a copy of the
+                        restored one's meta and manifest: its packs are shared), so retention
+                        of the source never takes the session's newest away
 
 Snapshot ids are 128 random bits; every look-up is under the caller's own prefix, so another
 principal can neither list, restore nor fork them. Retention and what no snapshot needs:
@@ -21,14 +26,16 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import re
 import secrets
 import shutil
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from loguru import logger
 from prometheus_client import CollectorRegistry
@@ -37,7 +44,7 @@ from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import InvalidRequestError, SandboxRuntimeError
 from sandbox_runtime.snapshots.apply import Applied, apply, packs_of
 from sandbox_runtime.snapshots.capture import PACK_TARGET, Captured, capture
-from sandbox_runtime.snapshots.gates import Gates
+from sandbox_runtime.snapshots.gates import FairSlots, Gates
 from sandbox_runtime.snapshots.manifest import (
     MAX_STORED_CHUNK,
     Bounds,
@@ -45,25 +52,45 @@ from sandbox_runtime.snapshots.manifest import (
     max_manifest_bytes,
 )
 from sandbox_runtime.snapshots.records import (
-    LOST,
+    MANIFEST_MAX,
     SnapshotMetrics,
     loads,
     meta_of,
     packs_needed,
     public,
-    restored_from,
 )
 from sandbox_runtime.snapshots.retention import prune
 from sandbox_runtime.snapshots.stores import ObjectMissingError, ObjectStore, StoreUnavailableError
+from sandbox_runtime.snapshots.takeover import lost_record, own, take_over
 from sandbox_runtime.supervisor import Supervisor
 from sandbox_runtime.workspaces.store import WorkspaceStore
 
 SNAPSHOT_ID = re.compile(r"snap-[0-9a-f]{32}")
 META_MAX = 64 * 1024
-MANIFEST_MAX = 256 * 1024 * 1024
 PACK_MAX = PACK_TARGET + MAX_STORED_CHUNK
 CACHED_MANIFESTS = 8
-SLOTS = 2  # captures and restores running at once
+SLOTS = 3  # captures and restores running at once
+PRINCIPAL_SLOTS = 2  # of them, one principal's (another always finds a slot)
+POINTER_MAX = 4096
+# What an empty workspace filesystem uses itself (its root directory, lost+found; measured:
+# 24 KiB), with room to spare: a capture's usable size is the filesystem's less this.
+EMPTY_FS_BYTES = 64 * 1024
+
+
+def usable_bytes(path: Path, empty: bool) -> int | None:
+    """The bytes files may take on the workspace filesystem mounted at `path` (an image):
+    what it has free now if `empty`, else what it would have free empty. None: `path` is a
+    plain directory (no filesystem of its own, no quota but the setting's)."""
+    if os.stat(path).st_dev == os.stat(path.parent).st_dev:
+        return None
+    st = os.statvfs(path)
+    if empty:
+        return st.f_bavail * st.f_frsize
+    reserved = st.f_bfree - st.f_bavail  # (ext4 keeps a few blocks back even with -m 0)
+    return (st.f_blocks - reserved) * st.f_frsize - EMPTY_FS_BYTES
+
+
+T = TypeVar("T")
 
 
 def _digest(*parts: str) -> str:
@@ -86,6 +113,8 @@ class Snapshots:
         max_per_principal: int = 100,
         restore_seconds: float = 120.0,
         supervisor: Supervisor | None = None,
+        replica_id: str = "",
+        store_epoch: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.store = store
         self.workspaces = workspaces
@@ -99,21 +128,38 @@ class Snapshots:
         self._taken: dict[str, float] = {}  # workspace -> when its last snapshot ended
         self._manifests: OrderedDict[str, dict[str, Any]] = OrderedDict()
         # Captures and restores at once (each a thread reading or writing a whole workspace).
-        self._slots = asyncio.Semaphore(SLOTS)
+        self._slots = FairSlots(SLOTS, PRINCIPAL_SLOTS)
         self.restore_seconds = restore_seconds
         self.supervisor = supervisor
+        self.replica_id = replica_id
+        # The shared store's epoch this replica's session records are in (None: no store, or
+        # not known yet): in each pointer, so a record lost with the store can be told from
+        # one that expired (takeover.lost_record).
+        self.store_epoch = store_epoch
 
     @property
     def enabled(self) -> bool:
         return self.store is not None
 
-    def _bounds(self) -> Bounds:
-        return Bounds(self.workspaces.size_mb * 1024 * 1024, max(1, self.workspaces.inodes))
+    def _bounds(self, path: Path | None = None, empty: bool = False) -> Bounds:
+        """The workspace's bounds: its quota, and the usable size of its filesystem at
+        `path` (see usable_bytes) when it has one."""
+        quota = self.workspaces.size_mb * 1024 * 1024
+        usable = None
+        if path is not None:
+            with contextlib.suppress(OSError):
+                usable = usable_bytes(path, empty)
+        limit = quota if usable is None else max(0, min(quota, usable))
+        return Bounds(limit, max(1, self.workspaces.inodes))
 
-    def _prefix(self, principal: str) -> str:
+    def _deadline(self) -> float:
+        """The event loop's time by which a restore (or a wait for a slot) must be done."""
+        return asyncio.get_running_loop().time() + self.restore_seconds
+
+    def prefix_of(self, principal: str) -> str:
         return f"v1/{_digest('principal', principal)}"
 
-    def _need_store(self) -> ObjectStore:
+    def need_store(self) -> ObjectStore:
         if self.store is None:
             raise InvalidRequestError("snapshots are turned off (SANDBOX_SNAPSHOT_STORE=none)")
         return self.store
@@ -148,14 +194,15 @@ class Snapshots:
     async def take(self, owner: Owner, trigger: str) -> dict[str, Any]:
         """Snapshot the owner's workspace now: its meta (id, size, ...). Raises
         StoreUnavailableError, ManifestError (over bounds), SandboxRuntimeError."""
-        store = self._need_store()
+        store = self.need_store()
         name = workspace_name(owner)
         started = time.perf_counter()
         outcome = "failed"
         try:
-            async with self._lock(name), self._slots:
-                await self.settled(owner)
-                meta = await self._take(store, owner, name, trigger)
+            async with self._lock(name):
+                await self.settled(owner)  # (before a slot: the restore it waits for needs one)
+                async with self._slots.hold(owner.principal, self._deadline()):
+                    meta = await self._take(store, owner, name, trigger)
             outcome = "ok"
             return meta
         except StoreUnavailableError:
@@ -166,8 +213,9 @@ class Snapshots:
             self.metrics.seconds.observe(time.perf_counter() - started)
 
     async def _take(self, store: ObjectStore, owner: Owner, name: str, trigger: str) -> dict:
-        prefix = self._prefix(owner.principal)
+        prefix = self.prefix_of(owner.principal)
         replaced = self.gates.replaced(name)
+        used_at = self._used_at(name)  # (before the capture, which uses it too)
         previous = await self._previous(store, owner)
         snapshot_id = f"snap-{secrets.token_hex(16)}"
         pending = f"{prefix}/pending/{snapshot_id}.json"
@@ -188,8 +236,7 @@ class Snapshots:
             await store.put(f"{prefix}/manifests/{snapshot_id}.z", body)
             meta = meta_of(snapshot_id, owner.session_id, trigger, captured, len(body))
             await store.put(f"{prefix}/meta/{snapshot_id}.json", json.dumps(meta).encode())
-            latest = {"snapshot_id": snapshot_id, "taken_at": meta["taken_at"]}
-            await store.put(f"{prefix}/latest/{name}.json", json.dumps(latest).encode())
+            await self.point(store, owner, meta, used_at)
         finally:
             with contextlib.suppress(SandboxRuntimeError):
                 await store.delete(pending)
@@ -224,8 +271,9 @@ class Snapshots:
         try:
             with self.workspaces.hold(name):
                 known = previous.get("chunks", {}) if previous else {}
+                bounds = self._bounds(path)
                 captured: Captured = await asyncio.to_thread(
-                    capture, path, staging, self._bounds(), previous, known
+                    capture, path, staging, bounds, previous, known
                 )
             needed = packs_needed(captured.manifest)
             await store.put(pending, json.dumps({"packs": needed}).encode())
@@ -245,6 +293,37 @@ class Snapshots:
         while len(self._manifests) > CACHED_MANIFESTS:
             self._manifests.popitem(last=False)
 
+    def _used_at(self, name: str) -> float:
+        """When the workspace was last used (wall clock; now if not this run)."""
+        last = self.workspaces.last_used(name)
+        now = time.time()
+        return now if last is None else min(now, now - (time.monotonic() - last))
+
+    async def point(
+        self, store: ObjectStore, owner: Owner, meta: dict[str, Any], used_at: float
+    ) -> None:
+        """Make `meta` the session's newest snapshot (its pointer): what a takeover restores.
+        `used_at`: when the session was last used (see takeover.lost_record)."""
+        pointer = {"snapshot_id": meta["snapshot_id"], "taken_at": meta["taken_at"],
+                   "used_at": used_at, "replica": self.replica_id,
+                   "store_epoch": self.store_epoch()}  # fmt: skip
+        key = f"{self.prefix_of(owner.principal)}/latest/{workspace_name(owner)}.json"
+        await store.put(key, json.dumps(pointer).encode())
+
+    async def pointer(self, owner: Owner) -> dict[str, Any] | None:
+        """The session's newest-snapshot pointer (None: none, or unreadable)."""
+        store = self.need_store()
+        key = f"{self.prefix_of(owner.principal)}/latest/{workspace_name(owner)}.json"
+        with contextlib.suppress(ObjectMissingError, ManifestError):
+            return loads(await store.get(key, POINTER_MAX))
+        return None
+
+    async def own(
+        self, owner: Owner, meta: dict[str, Any], trigger: str
+    ) -> Callable[[], Awaitable[None]]:
+        """The session now holds what snapshot `meta` holds: see takeover.own."""
+        return await own(self, owner, meta, trigger)
+
     async def _previous(self, store: ObjectStore, owner: Owner) -> dict[str, Any] | None:
         """The last manifest of the owner's workspace (its chunks are not stored again)."""
         name = workspace_name(owner)
@@ -261,10 +340,10 @@ class Snapshots:
 
     async def meta(self, principal: str, snapshot_id: str) -> dict[str, Any]:
         """A snapshot of `principal`'s (InvalidRequestError: there is none of that id)."""
-        store = self._need_store()
+        store = self.need_store()
         if not isinstance(snapshot_id, str) or not SNAPSHOT_ID.fullmatch(snapshot_id):
             raise InvalidRequestError("snapshot_id must be an id list_snapshots gave")
-        key = f"{self._prefix(principal)}/meta/{snapshot_id}.json"
+        key = f"{self.prefix_of(principal)}/meta/{snapshot_id}.json"
         try:
             return loads(await store.get(key, META_MAX))
         except ObjectMissingError:
@@ -272,10 +351,8 @@ class Snapshots:
 
     async def latest(self, owner: Owner) -> dict[str, Any] | None:
         """The newest snapshot of the owner's session (None: none)."""
-        store = self._need_store()
-        prefix = self._prefix(owner.principal)
-        with contextlib.suppress(ObjectMissingError, ManifestError):
-            hint = loads(await store.get(f"{prefix}/latest/{workspace_name(owner)}.json", 4096))
+        hint = await self.pointer(owner)
+        if hint is not None:
             with contextlib.suppress(InvalidRequestError):
                 return await self.meta(owner.principal, str(hint.get("snapshot_id")))
         found = await self.list(owner.principal, owner.session_id)
@@ -283,9 +360,9 @@ class Snapshots:
 
     async def list(self, principal: str, session: str | None = None) -> list[dict[str, Any]]:
         """The principal's snapshots (of one session), newest first."""
-        store = self._need_store()
+        store = self.need_store()
         metas = []
-        for info in await store.list(f"{self._prefix(principal)}/meta"):
+        for info in await store.list(f"{self.prefix_of(principal)}/meta"):
             with contextlib.suppress(ObjectMissingError, ManifestError):
                 meta = loads(await store.get(info.key, META_MAX))
                 if session is None or meta.get("session") == session:
@@ -294,7 +371,8 @@ class Snapshots:
         return metas
 
     async def _manifest(self, store: ObjectStore, principal: str, snapshot_id: str) -> dict:
-        body = await store.get(f"{self._prefix(principal)}/manifests/{snapshot_id}.z", MANIFEST_MAX)
+        key = f"{self.prefix_of(principal)}/manifests/{snapshot_id}.z"
+        body = await store.get(key, MANIFEST_MAX)
         inflater = zlib.decompressobj()
         limit = max_manifest_bytes(self._bounds())
         try:
@@ -312,16 +390,18 @@ class Snapshots:
     ) -> Applied:
         """Restore snapshot `meta` (of the owner's principal) into the owner's workspace (or
         workspace `into`), which must be empty and unused (a gate held). On failure it is
-        left empty and the error raised: ManifestError (corrupt, missing object),
-        StoreUnavailableError."""
-        store = self._need_store()
+        left empty and the error raised: ManifestError (corrupt, missing object, more than
+        the workspace holds), StoreUnavailableError, SlotsBusyError. Waiting for a slot and
+        fetching are both within the restore's deadline."""
+        store = self.need_store()
         name = into or workspace_name(owner)
         staging = self.staging / secrets.token_hex(8)
-        prefix = self._prefix(owner.principal)
+        prefix = self.prefix_of(owner.principal)
         outcome = "failed"
+        deadline = self._deadline()
         try:
-            async with self._slots:
-                applied = await self._restore(store, owner, meta, name, prefix, staging)
+            async with self._slots.hold(owner.principal, deadline):
+                applied = await self._restore(store, owner, meta, name, prefix, staging, deadline)
             outcome = "ok"
             return applied
         except TimeoutError:
@@ -348,16 +428,18 @@ class Snapshots:
         name: str,
         prefix: str,
         staging: Path,
+        deadline: float,
     ) -> Applied:
         """Fetch the manifest and packs (within the restore's deadline: the store may hang),
-        then write the workspace (local: not cut off half-way by a deadline)."""
-        async with asyncio.timeout(self.restore_seconds):
+        then write the workspace (local: not cut off half-way by a deadline), within what
+        its filesystem has free (checked whole first: a snapshot too large fails at once)."""
+        async with asyncio.timeout_at(deadline):
             manifest = await self._manifest(store, owner.principal, meta["snapshot_id"])
-            bounds = self._bounds()
             local: dict[str, Path] = {}
-            for pack in await asyncio.to_thread(packs_of, manifest, bounds):
+            for pack in await asyncio.to_thread(packs_of, manifest, self._bounds()):
                 local[pack] = await store.local(f"{prefix}/packs/{pack}", staging, PACK_MAX)
         path, _ = await self.workspaces.ensure(name, owner.principal, ahead=True)
+        bounds = self._bounds(path, empty=True)
         with self.workspaces.hold(name):
             applied = await asyncio.to_thread(
                 apply, path, manifest, bounds, local.__getitem__, self._owner_ids()
@@ -384,7 +466,9 @@ class Snapshots:
         and lost, or restore_failed ({}: no snapshot, or snapshots are off)."""
         if self.store is None:
             return {}
-        work = self._take_over(owner)
+        return await self._shielded(take_over(self, owner))
+
+    async def _shielded(self, work: Coroutine[Any, Any, T]) -> T:
         if self.supervisor is None:
             return await work
         # A caller that gives up (cancelled) must not end the restore half-way, nor the gate
@@ -397,28 +481,26 @@ class Snapshots:
                 await asyncio.shield(task)
             raise
 
-    async def _take_over(self, owner: Owner) -> dict[str, Any]:
-        try:
-            meta = await self.latest(owner)
-            if meta is None:
-                return {}
-            applied = await self.restore(owner, meta, "takeover")
-        except Exception as exc:  # a takeover never fails the call: it starts empty
-            logger.warning("a session's snapshot was not restored: {}", exc)
-            return {"restore_failed": f"{exc}; the session starts with an empty workspace"}
-        logger.info("session restored from snapshot {} ({} files, {} bytes)",
-                    meta["snapshot_id"], applied.files, applied.bytes)  # fmt: skip
-        return {"restored_from": restored_from(meta), "lost": LOST}
+    async def lost_record(
+        self, owner: Owner, epoch: str, store_began: float, record_life: float
+    ) -> dict[str, Any] | None:
+        """A session claimed here as new, its workspace empty: restored from its pointer if
+        its record was lost with the store (see takeover.lost_record); what its reset says,
+        or None."""
+        if self.store is None:
+            return None
+        work = lost_record(self, owner, epoch, store_began, record_life)
+        return await self._shielded(work)
 
     # -- retention ---------------------------------------------------------------------------
 
     async def prune(self, principal: str, keep_id: str = "") -> int:
         """Apply retention to the principal's snapshots (see retention.prune): how many were
         removed."""
-        store = self._need_store()
+        store = self.need_store()
         return await prune(
             store,
-            self._prefix(principal),
+            self.prefix_of(principal),
             await self.list(principal),
             keep=self.keep,
             ttl=self.ttl,

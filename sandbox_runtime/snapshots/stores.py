@@ -7,7 +7,9 @@ is atomic (a reader sees the whole object or none): the directory store writes a
 file, syncs it and renames it into place; S3 makes an object visible when its PUT completes.
 Every call is bounded in time; a store that does not answer raises StoreUnavailableError,
 which the snapshot service turns into a delay (snapshots) or a fresh start (restores), never
-into a failed call of anything else.
+into a failed call of anything else. What these errors say reaches callers: never a path,
+endpoint, bucket, prefix or key (a key names the principal's hash and the workspace); the
+operator's log has the whole error.
 """
 
 from __future__ import annotations
@@ -87,6 +89,50 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__
 
 
+KINDS = {
+    "packs": "a pack",
+    "manifests": "a manifest",
+    "meta": "a snapshot's record",
+    "latest": "the session's newest-snapshot pointer",
+    "pending": "a pending record",
+}
+STATUS = re.compile(r"\b(?:status(?: code)?:?\s*|HTTP\s*)([1-5]\d\d)\b", re.IGNORECASE)
+# What kind of failure an error's text says, in the store client's words (first match);
+# the client's own settings in its text (retry_timeout: 3s) are not what happened.
+SETTINGS = re.compile(r"\b(?:max_retries|retry_timeout)\s*:\s*\S+", re.IGNORECASE)
+FAILURES = (
+    ("connection refused", re.compile(r"connection refused", re.IGNORECASE)),
+    ("access denied", re.compile(r"access ?denied|forbidden|signature|credential", re.I)),
+    ("no such bucket", re.compile(r"no ?such ?bucket", re.IGNORECASE)),
+    ("timed out", re.compile(r"timed? ?out|timeout", re.IGNORECASE)),
+    ("connection failed", re.compile(r"connect|sending request|dns|resolve|reset by", re.I)),
+)
+
+
+def object_kind(key: str) -> str:
+    """What the object at `key` is, without its key: "a pack", "a manifest", ..."""
+    parts = key.rstrip("/").split("/")
+    for part in reversed(parts[-2:]):  # (a key's folder, or a listed prefix itself)
+        if part in KINDS:
+            return KINDS[part]
+    return "an object"
+
+
+def _too_large(key: str) -> str:
+    return f"{object_kind(key)} of the snapshot is larger than it may be"
+
+
+def failure_of(exc: BaseException) -> str:
+    """A store client's error as callers may see it: its type and what kind of failure it
+    was (an HTTP status, a timeout, ...), never its text (which names the endpoint, bucket
+    and key)."""
+    text = SETTINGS.sub("", str(exc))
+    found = [status.group(1) for status in [STATUS.search(text)] if status]
+    found += [name for name, pattern in FAILURES if pattern.search(text)][:1]
+    detail = ", ".join(f"HTTP {f}" if f.isdigit() else f for f in found)
+    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
+
+
 class DirectoryStore:
     """Objects as files under a directory (root-owned, 0700)."""
 
@@ -103,8 +149,9 @@ class DirectoryStore:
             async with asyncio.timeout(self.timeout):
                 return await in_store_thread(fn, *args)
         except FileNotFoundError as exc:
-            name = str(exc.filename or "?").removeprefix(f"{self.root}/")  # (no host paths)
-            raise ObjectMissingError(f"snapshot object missing: {name}") from None
+            key = str(exc.filename or "?").removeprefix(f"{self.root}/")
+            logger.info("snapshot store {}: {} is missing", self.root, key)
+            raise ObjectMissingError(f"{object_kind(key)} of the snapshot is missing") from None
         except (OSError, TimeoutError) as exc:
             logger.warning("snapshot store {} failed: {}", self.root, exc)
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "timed out"
@@ -159,7 +206,7 @@ class DirectoryStore:
         with open(self._path(key), "rb") as f:
             data = f.read(max_bytes + 1)
         if len(data) > max_bytes:
-            raise ObjectMissingError(f"snapshot object {key} is larger than it may be")
+            raise ObjectMissingError(_too_large(key))
         return data
 
     def _local_sync(self, key: str, staging: Path, max_bytes: int) -> Path:
@@ -167,7 +214,7 @@ class DirectoryStore:
         local files, which a hung shared filesystem cannot stall)."""
         path = self._path(key)
         if path.stat().st_size > max_bytes:
-            raise ObjectMissingError(f"snapshot object {key} is larger than it may be")
+            raise ObjectMissingError(_too_large(key))
         staging.mkdir(mode=0o700, parents=True, exist_ok=True)
         copy = staging / key.replace("/", "_")
         shutil.copyfile(path, copy)
@@ -241,23 +288,29 @@ class S3Store:
             retry_config={"max_retries": 2, "retry_timeout": timedelta_seconds(timeout)},
         )
 
-    async def _call(self, work: Any) -> Any:
+    async def _call(self, work: Any, key: str) -> Any:
+        """Run a request about `key` (errors say what kind of object, never its key; the
+        log has the client's whole error)."""
         try:
             async with asyncio.timeout(self.timeout):
                 return await work
         except ObjectMissingError:
             raise
         except FileNotFoundError as exc:
-            raise ObjectMissingError(f"snapshot object missing: {_first_line(exc)}") from None
+            logger.info("snapshot store {}: {}", self.describe, _first_line(exc))
+            raise ObjectMissingError(f"{object_kind(key)} of the snapshot is missing") from None
         except (Exception, TimeoutError) as exc:
-            raise StoreUnavailableError(
-                f"the snapshot store ({self.describe}) failed: {_first_line(exc)}"
-            ) from None
+            if isinstance(exc, TimeoutError):
+                failure = f"no answer within {self.timeout:g} s"
+            else:
+                failure = failure_of(exc)
+            logger.warning("snapshot store {} failed: {}", self.describe, _first_line(exc))
+            raise StoreUnavailableError(f"the snapshot store (S3) failed: {failure}") from None
 
     async def put(self, key: str, data: bytes) -> None:
         import obstore
 
-        await self._call(obstore.put_async(self._store, check_key(key), data))
+        await self._call(obstore.put_async(self._store, check_key(key), data), key)
 
     async def put_file(self, key: str, path: Path) -> None:
         data = await in_store_thread(path.read_bytes)
@@ -272,10 +325,10 @@ class S3Store:
         async def fetch() -> bytes:
             result = await obstore.get_async(self._store, key)
             if int(result.meta["size"]) > max_bytes:
-                raise ObjectMissingError(f"snapshot object {key} is larger than it may be")
+                raise ObjectMissingError(_too_large(key))
             return bytes(await result.bytes_async())
 
-        return await self._call(fetch())
+        return await self._call(fetch(), key)
 
     async def local(self, key: str, staging: Path, max_bytes: int) -> Path:
         data = await self.get(key, max_bytes)
@@ -303,13 +356,13 @@ class S3Store:
                     found.append(ObjectInfo(str(meta["path"]), int(meta["size"]), when))
             return found
 
-        return await self._call(collect())
+        return await self._call(collect(), prefix)
 
     async def delete(self, key: str) -> None:
         import obstore
 
         with contextlib.suppress(ObjectMissingError):
-            await self._call(obstore.delete_async(self._store, check_key(key)))
+            await self._call(obstore.delete_async(self._store, check_key(key)), key)
 
 
 def timedelta_seconds(seconds: float) -> Any:
