@@ -13,14 +13,13 @@ from sandbox_runtime.servers import cli
 from sandbox_runtime.servers.catalog import (
     Catalog,
     CatalogError,
-    dump_catalog,
     entry_from_source,
     load_catalog,
     parse_catalog,
     parse_entry,
     resolve_secret,
-    save_catalog,
 )
+from sandbox_runtime.servers.catalog_file import dump_catalog, save_catalog
 from sandbox_runtime.servers.desktop import import_desktop_config
 from sandbox_runtime.servers.installs import INSTALL_MOUNT, RECORD, read_installed
 

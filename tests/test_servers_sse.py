@@ -13,6 +13,7 @@ from sandbox_runtime.servers.catalog import missing_secret, parse_entry, shown_u
 from sandbox_runtime.servers.instance import InstanceError, LogSink
 from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.servers.sse import EventReader, EventTooLargeError
+from sandbox_runtime.supervisor import Supervisor
 
 pytestmark = pytest.mark.unit
 
@@ -111,10 +112,13 @@ def test_a_missing_secret_is_named_never_its_value(tmp_path: object) -> None:
 
 async def test_a_url_that_does_not_parse_is_not_quoted() -> None:
     """httpx's InvalidURL quotes the "port", which here is the start of a password."""
-    remote = RemoteInstance(parse_entry("far", {"url": "http://u:pa55/x@host/mcp"}), LogSink(None))
+    supervisor = Supervisor()
+    entry = parse_entry("far", {"url": "http://u:pa55/x@host/mcp"})
+    remote = RemoteInstance(entry, LogSink(None), supervisor)
     try:
         with pytest.raises(InstanceError) as failed:
             await remote.request("tools/list", {})
         assert str(failed.value) == "server far: its URL does not parse"
     finally:
         await remote.aclose()
+        await supervisor.aclose()

@@ -13,7 +13,11 @@ pytestmark = pytest.mark.unit
 PACKAGE = Path(__file__).resolve().parent.parent / "sandbox_runtime"
 MAX_LINES = 450
 # Modules allowed to be longer, each saying why at its top.
-LONG_ON_PURPOSE = {"config/settings.py": "one field each"}
+LONG_ON_PURPOSE = {
+    "config/settings.py": "one field each",
+    "snapshots/service.py": "the one facade over capture, apply, the store and retention",
+    "sessions/router.py": "every\npath a session-bound call can take",
+}
 
 
 def product_modules() -> list[Path]:

@@ -10,7 +10,6 @@ remote's URL is shown to principals without its user, password, query or fragmen
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -415,50 +414,6 @@ def load_catalog(path: Path, broken: list[Broken] | None = None) -> Catalog:
     except UnicodeDecodeError:
         raise CatalogError(f"{path}: not UTF-8 text") from None
     return parse_catalog(text, str(path), broken)
-
-
-def dump_catalog(catalog: Catalog) -> str:
-    """The catalog as TOML (what load_catalog reads back to the same entries)."""
-    lines = ["# Hosted MCP servers (srt-mcp-server servers add|remove|import edits this file).", ""]
-    for name in sorted(catalog.entries):
-        lines.append(f"[servers.{name}]")
-        for key, value in catalog.entries[name].as_table().items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, str):
-        # JSON's escapes are TOML's, but JSON leaves DEL as it is and TOML refuses it raw.
-        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, Mapping):
-        items = (f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items())
-        return "{ " + ", ".join(items) + " }" if value else "{}"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def save_catalog(path: Path, catalog: Catalog) -> None:
-    """Write the catalog atomically (readers see the old file or the new one), mode 0600:
-    it names secrets' sources."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(dump_catalog(catalog))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def entry_from_source(name: str, source: str, args: Iterable[str] = (), **table: Any) -> Entry:

@@ -1,12 +1,15 @@
-"""The catalog file as the running server reads it: again whenever it changed, keeping the
-last good catalog when it is broken, and its problems, told to each principal only as far as
-they concern entries that principal may use (the operator reads them all: the log, and
-`srt-mcp-server servers list`)."""
+"""The catalog file: written by the CLI (atomically, mode 0600), and read by the running
+server again whenever it changed, keeping the last good catalog when it is broken, and its
+problems, told to each principal only as far as they concern entries that principal may use
+(the operator reads them all: the log, and `srt-mcp-server servers list`)."""
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -61,3 +64,47 @@ class CatalogFile:
         if self._file_broken:
             told.append(BROKEN_FILE)
         return "; ".join(told) or None
+
+
+def dump_catalog(catalog: Catalog) -> str:
+    """The catalog as TOML (what load_catalog reads back to the same entries)."""
+    lines = ["# Hosted MCP servers (srt-mcp-server servers add|remove|import edits this file).", ""]
+    for name in sorted(catalog.entries):
+        lines.append(f"[servers.{name}]")
+        for key, value in catalog.entries[name].as_table().items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        # JSON's escapes are TOML's, but JSON leaves DEL as it is and TOML refuses it raw.
+        return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        items = (f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + ", ".join(items) + " }" if value else "{}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def save_catalog(path: Path, catalog: Catalog) -> None:
+    """Write the catalog atomically (readers see the old file or the new one), mode 0600:
+    it names secrets' sources."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(dump_catalog(catalog))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

@@ -24,8 +24,8 @@ from sandbox_runtime.servers.catalog import (
     Entry,
     entry_from_source,
     load_catalog,
-    save_catalog,
 )
+from sandbox_runtime.servers.catalog_file import save_catalog
 from sandbox_runtime.servers.desktop import import_desktop_config
 from sandbox_runtime.servers.installs import (
     INSTALL_MOUNT,

@@ -293,7 +293,7 @@ class ServerHost:
     async def _spawn(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         if entry.kind == "remote":
             try:
-                return RemoteInstance(entry, self._log(entry.name))
+                return RemoteInstance(entry, self._log(entry.name), self.supervisor)
             except CatalogError as exc:
                 raise CatalogError(f"server {entry.name}: {exc}") from None
         argv, server_dir = program(entry, self.servers_dir)

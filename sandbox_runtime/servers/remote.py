@@ -34,6 +34,7 @@ from sandbox_runtime.servers.instance import (
     with_own_token,
 )
 from sandbox_runtime.servers.sse import EventReader
+from sandbox_runtime.supervisor import Supervisor
 
 MAX_IN_FLIGHT = 64
 # A notification (a cancellation, `initialized`) or the closing DELETE waits this long for
@@ -46,8 +47,15 @@ URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
 class RemoteInstance:
     """A session with a remote server; the same face as a stdio Instance."""
 
-    def __init__(self, entry: Entry, log: LogSink, environ: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        entry: Entry,
+        log: LogSink,
+        supervisor: Supervisor,
+        environ: Mapping[str, str] | None = None,
+    ):
         self.name = entry.name
+        self.supervisor = supervisor
         self.url = entry.url
         self.shown = shown_url(entry.url)  # (what errors show)
         self.max_message = entry.max_message_kb * 1024
@@ -155,8 +163,8 @@ class RemoteInstance:
         if not self.alive or len(self._background) >= MAX_IN_FLIGHT:
             return  # (best effort: past that many unanswered, the remote is not listening)
         params = {"requestId": request_id, "reason": reason}
-        task = asyncio.get_running_loop().create_task(
-            self.notify("notifications/cancelled", params)
+        task = self.supervisor.spawn(
+            f"server {self.name} cancel", self.notify("notifications/cancelled", params)
         )
         self._background.add(task)
         task.add_done_callback(self._background.discard)

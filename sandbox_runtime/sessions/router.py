@@ -1,4 +1,6 @@
-"""The Router: where a session's operations run, here or on the session's home replica.
+"""The Router: where a session's operations run, here or on the session's home replica (every
+path a session-bound call can take, homing, forwarding, re-homing and restoring, in one
+place so that none is missed, hence its length).
 
 Session-bound operations run on the session's home: here, or forwarded over the cluster
 channel. A session without a live home gets this replica (an api replica's: a worker, through

@@ -1,4 +1,6 @@
-"""Snapshots of sessions' workspaces: taking them, restoring them, listing and pruning them.
+"""Snapshots of sessions' workspaces: taking them, restoring them, listing and pruning them
+(the one facade over capture, apply, the store and retention, each of which is a module of its
+own; what is left here is their order and their bounds, hence its length).
 
 A snapshot is, under the principal's prefix `v1/<hash of principal>/` of the store:
 
@@ -26,7 +28,6 @@ import contextlib
 import hashlib
 import json
 import math
-import os
 import re
 import secrets
 import shutil
@@ -60,6 +61,7 @@ from sandbox_runtime.snapshots.records import (
     public,
 )
 from sandbox_runtime.snapshots.retention import prune
+from sandbox_runtime.snapshots.room import usable_bytes
 from sandbox_runtime.snapshots.stores import ObjectMissingError, ObjectStore, StoreUnavailableError
 from sandbox_runtime.snapshots.takeover import lost_record, own, take_over
 from sandbox_runtime.supervisor import Supervisor
@@ -72,24 +74,6 @@ CACHED_MANIFESTS = 8
 SLOTS = 3  # captures and restores running at once
 PRINCIPAL_SLOTS = 2  # of them, one principal's (another always finds a slot)
 POINTER_MAX = 4096
-# What an empty workspace filesystem uses itself (its root directory, lost+found; measured:
-# 24 KiB), with room to spare: a capture's usable size is the filesystem's less this.
-EMPTY_FS_BYTES = 64 * 1024
-
-
-def usable_bytes(path: Path, empty: bool) -> int | None:
-    """The bytes files may take on the workspace filesystem mounted at `path` (an image):
-    what it has free now if `empty`, else what it would have free empty. None: `path` is a
-    plain directory (no filesystem of its own, no quota but the setting's)."""
-    if os.stat(path).st_dev == os.stat(path.parent).st_dev:
-        return None
-    st = os.statvfs(path)
-    if empty:
-        return st.f_bavail * st.f_frsize
-    reserved = st.f_bfree - st.f_bavail  # (ext4 keeps a few blocks back even with -m 0)
-    return (st.f_blocks - reserved) * st.f_frsize - EMPTY_FS_BYTES
-
-
 T = TypeVar("T")
 
 
