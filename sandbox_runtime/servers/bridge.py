@@ -35,6 +35,10 @@ MAX_FRAME = 4 << 20  # a request; answers are bounded by the servers' own messag
 PREVIEW = 200  # characters of arguments and results shown in a tool_call event
 MAX_CONNECTIONS = 64  # open at once per bridge; more are closed at once
 LARGE_RESULT = 64 * 1024  # bytes past which a result is also kept as a workspace file
+# Seconds a closing bridge gives its cancelled calls to end; then they are left to end on their
+# own (each within its call's timeout): the sandbox's end, and its execution's, never wait
+# on a server.
+CLOSE_GRACE = 2.0
 
 # (server, method, params, progress) -> {"result": ...} | {"error": {...}}
 Call = Callable[[Entry, str, dict[str, Any], Any], Awaitable[dict[str, Any]]]
@@ -103,7 +107,10 @@ class Bridge:
         for work in list(self._active):
             work.cancel()
         if self._active:
-            await asyncio.gather(*self._active, return_exceptions=True)
+            # (Their connections' tasks await them and take their errors.)
+            _, left = await asyncio.wait(list(self._active), timeout=CLOSE_GRACE)
+            if left:
+                logger.warning("a closing bridge left {} calls still ending", len(left))
         if self.owns_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
         else:
