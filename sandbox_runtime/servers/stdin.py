@@ -46,6 +46,11 @@ class Stdin:
         # the server is exactly what it has not taken.
         stdin.transport.set_write_buffer_limits(high=0)
 
+    @property
+    def unread(self) -> int:
+        """Bytes written that the server has not taken yet (beyond what its pipe holds)."""
+        return self.stdin.transport.get_write_buffer_size()
+
     async def write(self, data: bytes, sent: Callable[[], None] | None = None) -> None:
         """Write a caller's message (`sent()` once it is handed over) and wait until it is in
         the pipe. Bound it by the caller's deadline."""
@@ -65,8 +70,7 @@ class Stdin:
     def post(self, data: bytes) -> None:
         """Write a message of the host's own without waiting, or drop it (the server leaves
         more than SIDE_QUEUE_BYTES of such unread besides the message being written)."""
-        unread = self.stdin.transport.get_write_buffer_size() - self._writing
-        if unread + len(data) > SIDE_QUEUE_BYTES:
+        if self.unread - self._writing + len(data) > SIDE_QUEUE_BYTES:
             self.dropped += 1
             if self.dropped == 1:
                 self.note("its input is not read: the host's answers and cancels are dropped")
@@ -79,15 +83,13 @@ class Stdin:
             self._watch.cancel()
 
     def _watch_unread(self) -> None:
-        if self.stdin.transport.get_write_buffer_size() and (
-            self._watch is None or self._watch.done()
-        ):
+        if self.unread and (self._watch is None or self._watch.done()):
             self._watch = self.supervisor.spawn(f"server {self.name} stdin", self._taken())
 
     async def _taken(self) -> None:
         try:
             # (Again while more came before this task saw the pipe take the last of it.)
-            while self.stdin.transport.get_write_buffer_size():
+            while self.unread:
                 async with asyncio.timeout(self.unread_for):
                     await self.stdin.drain()
         except TimeoutError:
