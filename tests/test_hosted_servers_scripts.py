@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import select
 import socket
 import subprocess
 import threading
@@ -339,3 +340,68 @@ def test_wstools_lists_what_its_state_dir_says(tmp_path: Path) -> None:
         assert text_of(proc.tool("big_0")) == "big"
     with server("wstools.py", env=env) as proc:  # (a new process: the list is the state's)
         assert set(started(proc, "wstools")) == {"set_tools", "ok", "mine_a", "mine_b"}
+
+
+def unread_input(proc: Proc, wait: float = 1.0) -> int:
+    """Write to `proc`'s stdin until the pipe stays full for `wait` seconds (what it reads
+    meanwhile is written again); how many bytes it took."""
+    assert proc.popen.stdin is not None
+    fd = proc.popen.stdin.fileno()
+    os.set_blocking(fd, False)
+    taken, chunk = 0, b"x" * 65536
+    while True:
+        try:
+            taken += os.write(fd, chunk)
+            assert taken < 16 << 20, "the server keeps reading"
+            continue
+        except BlockingIOError:
+            pass
+        _, writable, _ = select.select([], [fd], [], wait)
+        if not writable:
+            return taken
+
+
+def test_deaf_stops_reading_its_stdin_after_its_answer_or_mid_message() -> None:
+    for partial in (0, 5000):
+        with server("deaf.py") as proc:
+            started(proc, "deaf", "deafen", "chatter", "id", "ok")
+            assert text_of(proc.tool("ok", {"pad": "x" * 1000})) == "fine"
+            first = text_of(proc.tool("id"))
+            assert len(first) == 16
+            deaf = proc.tool("deafen", {"partial": partial})
+            assert text_of(deaf) == "deaf after 0 pings"
+            taken = unread_input(proc)
+            assert taken < 1 << 20, taken  # (a pipe, its read-ahead buffer and `partial`)
+            assert proc.popen.poll() is None
+    with server("deaf.py") as proc:
+        started(proc, "deaf", "id")
+        assert text_of(proc.tool("id")) != first  # (a process of its own)
+
+
+def test_deaf_pings_its_client_and_reads_no_answer() -> None:
+    with server("deaf.py") as proc:
+        started(proc, "deaf", "deafen")
+        call = proc.request("tools/call", {"name": "deafen", "arguments": {"pings": 3}})
+        pings = [json.loads(proc.line(5) or b"{}") for _ in range(3)]
+        assert [(p["id"], p["method"]) for p in pings] == [(f"ping-{i}", "ping") for i in range(3)]
+        answer = proc.response(call)
+        assert answer is not None and text_of(answer["result"]) == "deaf after 3 pings"
+        for p in pings:
+            proc.send({"jsonrpc": "2.0", "id": p["id"], "result": {}})
+        unread_input(proc)
+        assert proc.popen.poll() is None
+
+
+def test_deaf_chatter_sends_progress_for_the_calls_token() -> None:
+    with server("deaf.py") as proc:
+        started(proc, "deaf", "chatter")
+        params = {"name": "chatter", "arguments": {"count": 3, "size": 10}}
+        result = proc.call("tools/call", {**params, "_meta": {"progressToken": "c"}})["result"]
+        assert text_of(result) == "chatted 3"
+        assert [
+            (n["params"]["progressToken"], n["params"]["progress"], n["params"]["message"])
+            for n in proc.notifications
+        ] == [("c", i, "n" * 10) for i in (1, 2, 3)]
+        proc.notifications.clear()
+        assert text_of(proc.tool("chatter", {"count": 5})) == "chatted 5"
+        assert proc.notifications == []  # (no token: no notifications)

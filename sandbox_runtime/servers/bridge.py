@@ -48,6 +48,11 @@ ENDED = (
     "it); call them from a run_code call that names servers=[...]"
 )
 MAX_SEEN = 1000  # tools per server whose returns are noted for the stubs
+# Seconds a closing bridge gives its cancelled calls to end; then they are left to end on their
+# own (each within its call's timeout): the sandbox's end, and its execution's, never wait
+# on a server.
+CLOSE_GRACE = 2.0
+REPLY_WAIT = 10.0  # seconds the sandbox's code has to read an answer (then it is dropped)
 
 # (server, method, params, progress) -> {"result": ...} | {"error": {...}}
 Call = Callable[[Entry, str, dict[str, Any], Any], Awaitable[dict[str, Any]]]
@@ -128,7 +133,10 @@ class Bridge:
         for work in list(self._active):
             work.cancel()
         if self._active:
-            await asyncio.gather(*self._active, return_exceptions=True)
+            # (Their connections' tasks await them and take their errors.)
+            _, left = await asyncio.wait(list(self._active), timeout=CLOSE_GRACE)
+            if left:
+                logger.warning("a closing bridge left {} calls still ending", len(left))
         await self._remove_files()
 
     async def _in_thread(self, work: Callable[[], None]) -> None:
@@ -380,5 +388,8 @@ def _refusal(kind: str, message: str) -> dict[str, Any]:
 async def _reply(writer: asyncio.StreamWriter, answer: dict[str, Any]) -> None:
     body = json.dumps(answer, separators=(",", ":"), default=str).encode()
     writer.write(struct.pack(">I", len(body)) + body)
-    with contextlib.suppress(ConnectionError):
-        await writer.drain()
+    # (Code that does not read its answer holds its connection this long at most, not until
+    # its bridge closes.)
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        async with asyncio.timeout(REPLY_WAIT):
+            await writer.drain()

@@ -5,6 +5,10 @@ The process is hostile until proven otherwise. Every message it sends is bounded
 junk it may write between messages is bounded, its stderr is kept only as a bounded tail (and
 the operator's log file, rotated), and a request it never answers ends at the entry's call
 timeout. Breaking any of these ends the instance, and every call waiting on it is told why.
+
+What the host writes is bounded too: a request is written within its call's timeout, and input
+left unread for a call timeout ends the instance (servers/stdin.py). The reader of its output
+never waits on a write, nor on a caller (servers/outbox.py).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,8 @@ from loguru import logger
 
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.servers.outbox import NOTIFY_FLUSH, Notify, Outbox
+from sandbox_runtime.servers.stdin import Stdin
 from sandbox_runtime.supervisor import Supervisor
 
 PROTOCOL_VERSION = "2025-11-25"
@@ -38,8 +44,6 @@ LOG_MAX_BYTES = 4 << 20  # a log file rotates past this (one previous kept)
 MAX_IN_FLIGHT = 64  # requests waiting on one instance
 READ_CHUNK = 64 * 1024
 START_TIMEOUT = 30.0  # initialize, at most
-
-Notify = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class InstanceError(SandboxRuntimeError):
@@ -108,9 +112,11 @@ class Instance:
         self.ended: str | None = None  # why it is no longer usable
         self._next_id = 0
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._listeners: dict[int, Notify] = {}
+        self._listeners: dict[int, Outbox] = {}
         self._junk = 0
-        self._write_lock = asyncio.Lock()
+        self._stdin: Stdin | None = None
+        if process.stdin is not None:
+            self._stdin = Stdin(process.stdin, name, call_timeout, supervisor, self._kill, log.note)
         self._exit = supervisor.spawn(f"server {name} exit", self._watch_exit())
         self._tasks = [
             supervisor.spawn(f"server {name} stdout", self._read_stdout()),
@@ -167,56 +173,89 @@ class Instance:
         self._next_id += 1
         request_id = self._next_id
         params = with_own_token(params, request_id if listener is not None else None)
-        if listener is not None:
-            self._listeners[request_id] = listener
+        outbox = Outbox(listener) if listener is not None else None
+        if outbox is not None:
+            self._listeners[request_id] = outbox
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = future
         self.last_used = time.monotonic()
         limit = within if within is not None else self.call_timeout
+        data = _encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
+        written = taken = False
+
+        def sent() -> None:
+            nonlocal written
+            written = True
+
         try:
-            await self._send(
-                {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
-            )
+            # Writing counts against the call's time: a server that does not read is as
+            # stuck as one that does not answer.
             async with asyncio.timeout(limit):
-                return await future
+                await self._write(data, sent)
+                taken = True
+                await asyncio.wait([future])  # (its result or its error: below)
+                written = False  # (answered: nothing left to cancel)
+            if outbox is not None:  # (the caller's progress goes before its answer)
+                await outbox.flush(NOTIFY_FLUSH)
+            return future.result()
         except TimeoutError:
-            # A server that does not answer in time is ended (the next call starts it again):
-            # whatever holds it may hold every later call too.
-            why = f"it did not answer {method} within {limit:g} s"
+            # A server that does not answer (or read) in time is ended (the next call starts
+            # it again): whatever holds it may hold every later call too.
+            why = (
+                f"it did not answer {method} within {limit:g} s"
+                if taken
+                else f"it did not read its input within {limit:g} s"
+            )
             self._pending.pop(request_id, None)
             self._kill(why)
             raise InstanceError(f"server {self.name} was ended: {why}") from None
         except asyncio.CancelledError:
-            await asyncio.shield(self._cancel_upstream(request_id, "cancelled by the client"))
+            if written:  # (best effort: never waits on the server)
+                cancel = {"requestId": request_id, "reason": "cancelled by the client"}
+                self._post(
+                    {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": cancel}
+                )
             raise
         finally:
             self._pending.pop(request_id, None)
+            if not future.cancel() and not future.cancelled():
+                future.exception()  # (an end told to it while it was still being written)
             self._listeners.pop(request_id, None)
+            if outbox is not None:
+                outbox.close(self.name)
             self.last_used = time.monotonic()
 
     async def notify(self, method: str, params: dict[str, Any]) -> None:
-        await self._send({"jsonrpc": "2.0", "method": method, "params": params})
+        """Send a notification, within the call timeout (past it the instance is ended).
+        Raises InstanceError."""
+        try:
+            async with asyncio.timeout(self.call_timeout):
+                await self._write(_encode({"jsonrpc": "2.0", "method": method, "params": params}))
+        except TimeoutError:
+            why = f"it did not read its input within {self.call_timeout:g} s"
+            self._kill(why)
+            raise InstanceError(f"server {self.name} was ended: {why}") from None
 
-    async def _cancel_upstream(self, request_id: int, reason: str) -> None:
-        if self.alive:
-            with contextlib.suppress(InstanceError):
-                await self.notify(
-                    "notifications/cancelled", {"requestId": request_id, "reason": reason}
-                )
+    # -- writing -----------------------------------------------------------------------------
 
-    async def _send(self, message: dict[str, Any]) -> None:
-        stdin = self.process.stdin
-        if stdin is None:
+    async def _write(self, data: bytes, sent: Callable[[], None] | None = None) -> None:
+        """A caller's message, written (its deadline bounds this). Raises InstanceError."""
+        if self._stdin is None:
             raise InstanceError(f"server {self.name} has no stdin")
-        data = json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
-        async with self._write_lock:
-            try:
-                stdin.write(data)
-                # A server that stops reading fills the pipe: the call's own timeout ends it.
-                await stdin.drain()
-            except (ConnectionError, RuntimeError, OSError) as exc:
-                self._end(f"its stdin closed ({exc})")
-                raise InstanceError(f"server {self.name} stopped reading its input") from None
+        try:
+            await self._stdin.write(data, sent)
+        except (ConnectionError, RuntimeError, OSError) as exc:
+            self._end(f"its stdin closed ({type(exc).__name__})")  # (or it ended: that)
+            raise self._failure() from None
+
+    def _post(self, message: dict[str, Any]) -> None:
+        """A message of the host's own, written without waiting (or dropped: see Stdin)."""
+        if self._stdin is None or not self.alive:
+            return
+        try:
+            self._stdin.post(_encode(message))
+        except (ConnectionError, RuntimeError, OSError) as exc:
+            self._end(f"its stdin closed ({type(exc).__name__})")
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -238,7 +277,7 @@ class Instance:
                     self._kill(f"it sent a message over {self.max_message // 1024} KiB")
                     return
                 try:
-                    await self._on_line(line)
+                    self._on_line(line)
                 except Exception as exc:  # (whatever it sent: never a reader left dead)
                     self._kill(f"it broke the protocol ({type(exc).__name__})")
                     return
@@ -248,7 +287,7 @@ class Instance:
                 self._kill(f"it sent a message over {self.max_message // 1024} KiB")
                 return
 
-    async def _on_line(self, line: bytes) -> None:
+    def _on_line(self, line: bytes) -> None:
         if not line.strip():
             return
         try:
@@ -267,9 +306,9 @@ class Instance:
             return
         if "method" in message:
             if "id" in message:
-                await self._answer_server_request(message)
+                self._answer_server_request(message)
             else:
-                await self._on_notification(message)
+                self._on_notification(message)
             return
         request_id = message.get("id")
         future = self._pending.get(request_id) if type(request_id) is int else None
@@ -282,24 +321,25 @@ class Instance:
         else:
             future.set_exception(InstanceError(f"server {self.name} sent a malformed response"))
 
-    async def _on_notification(self, message: dict[str, Any]) -> None:
+    def _on_notification(self, message: dict[str, Any]) -> None:
         method = message.get("method")
         params = _dict(message.get("params"))
         if method == "notifications/progress":
             token = params.get("progressToken")
-            listener = self._listeners.get(token) if type(token) is int else None
-            if listener is not None:
-                await _deliver(listener, message)
+            outbox = self._listeners.get(token) if type(token) is int else None
+            if outbox is not None:
+                outbox.put(message)
         elif method == "notifications/message":
             if self.logs_to_callers and self._listeners:
-                for listener in list(self._listeners.values()):
-                    await _deliver(listener, message)
+                for outbox in self._listeners.values():
+                    outbox.put(message)
             else:
                 self.log.write(b"[log] " + json.dumps(params)[:2000].encode() + b"\n")
 
-    async def _answer_server_request(self, message: dict[str, Any]) -> None:
+    def _answer_server_request(self, message: dict[str, Any]) -> None:
         """Requests from the server to its client: ping is answered; sampling, elicitation
-        and roots are not offered (the capabilities sent at initialize offer none)."""
+        and roots are not offered (the capabilities sent at initialize offer none). Never
+        waits: a server that does not read its answers loses them (see _post)."""
         if message.get("method") == "ping":
             reply: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"], "result": {}}
         else:
@@ -308,8 +348,7 @@ class Instance:
                 "id": message["id"],
                 "error": {"code": -32601, "message": "not supported by the host"},
             }
-        with contextlib.suppress(InstanceError):
-            await self._send(reply)
+        self._post(reply)
 
     async def _read_stderr(self) -> None:
         stderr = self.process.stderr
@@ -352,15 +391,18 @@ class Instance:
     def _end(self, why: str) -> None:
         if self.ended is None:
             self.ended = why
-        # Its stderr stays in its log (`servers logs`): it may hold another principal's data
-        # (a shared instance) or the entry's secrets.
-        error = InstanceError(
-            f"server {self.name} failed during the call: {self.ended} "
-            "(its output is in the operator's log: srt-mcp-server servers logs)"
-        )
+        error = self._failure()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(error)
+
+    def _failure(self) -> InstanceError:
+        # Its stderr stays in its log (`servers logs`): it may hold another principal's data
+        # (a shared instance) or the entry's secrets.
+        return InstanceError(
+            f"server {self.name} failed during the call: {self.ended} "
+            "(its output is in the operator's log: srt-mcp-server servers logs)"
+        )
 
     async def aclose(self, grace: float = 1.0) -> None:
         """Stop it: stdin closed (stdio servers end at EOF), SIGTERM, then SIGKILL."""
@@ -377,14 +419,13 @@ class Instance:
         await self.process.aclose()
         for task in self._tasks:
             task.cancel()
+        if self._stdin is not None:
+            self._stdin.close()
         self._end(self.ended)
 
 
-async def _deliver(listener: Notify, message: dict[str, Any]) -> None:
-    try:
-        await listener(message)
-    except Exception as exc:  # (a client gone: its notifications have nowhere to go)
-        logger.debug("a hosted server's notification was not delivered: {}", exc)
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
 
 
 def with_own_token(params: dict[str, Any] | None, token: int | None) -> dict[str, Any]:
