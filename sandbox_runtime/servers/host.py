@@ -391,6 +391,13 @@ class ServerHost:
             self.supervisor.spawn(f"server {instance.name} stop", instance.aclose())
         )
 
+    async def stop_owner(self, owner: Owner, why: str) -> int:
+        """Stop every instance that keeps `owner`'s state here (its session moved to another
+        replica); how many."""
+        keys = [key for key in self._instances if key[0] == owner]
+        await asyncio.gather(*(self._stop(key, why) for key in keys), return_exceptions=True)
+        return len(keys)
+
     # -- background: idle stop, warm starts ----------------------------------------------------
 
     def start(self) -> None:

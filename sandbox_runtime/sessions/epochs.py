@@ -28,6 +28,7 @@ SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published aga
 SETTLE_POLL_SECONDS = 0.1
 
 Reclaim = Callable[[], Awaitable[int]]  # publish again the sessions homed here; how many
+Fence = Callable[[bool], Awaitable[int]]  # stop what was taken while the heartbeat lapsed
 
 
 class EpochWatch:
@@ -57,13 +58,18 @@ class EpochWatch:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             self._known_epoch = self._epoch_file.read_text().strip()[:128] or None
 
-    async def watch(self, reclaim: Reclaim) -> None:
+    async def watch(self, reclaim: Reclaim, fence: Fence | None = None) -> None:
         """Publish again, where missing, the records of the sessions homed here whenever the
         store begins a new epoch (Redis restarted empty), so that their next calls, wherever
         they land, come here and find their workspaces; then say so in the heartbeat. Checked
         every heartbeat interval, and at once when the mirror finds the store lost data or is
         back after an outage (then the sessions that moved away meanwhile are learnt of too:
-        this replica must not publish a stale home for them later)."""
+        this replica must not publish a stale home for them later).
+
+        When the mirror holds writes because this replica's heartbeat was gone, `fence` first
+        learns which of its sessions other replicas took meanwhile and stops what ran for them
+        here (the store kept its epoch: the heartbeat merely lapsed; a new epoch: the store
+        lost its data, and no record names another home); then the writes go on."""
         mirror = self.mirror
         backoff = 0.2
         resync = False  # the mirror found the store lost data, or came back after an outage
@@ -71,8 +77,17 @@ class EpochWatch:
             resync = resync or self.store_changed.is_set()
             self.store_changed.clear()
             try:
+                if mirror.evicted is not None:
+                    return  # (another process holds this id: nothing more to publish)
                 epoch = await self.sessions.epoch(self.synced or self._known_epoch)
                 changed = epoch.epoch_id != self.synced
+                if mirror.held is not None and fence is not None:
+                    # (Beating first: while this replica's heartbeat lives nobody takes more.)
+                    if not await mirror.beat():
+                        raise ConnectionError(mirror.last_error or "the heartbeat failed")
+                    await fence(not changed)
+                    mirror.release()
+                    resync = True
                 here = self._here()
                 accepting = here is not None and here.accepting
                 if (changed or resync) and accepting:

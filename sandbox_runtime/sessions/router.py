@@ -30,6 +30,7 @@ from sandbox_runtime.sessions.channel import (
 )
 from sandbox_runtime.sessions.cluster import LocalCluster
 from sandbox_runtime.sessions.executions import ExecutionAccess
+from sandbox_runtime.sessions.fence import Fence
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
 from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress, wait_bound
 from sandbox_runtime.sessions.placements import Placement, Placements, RecentHomes
@@ -74,11 +75,23 @@ class Router:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
+        parts = self.parts
+        fence = Fence(
+            self.replica_id,
+            self.sessions,
+            self.placements,
+            self.manager,
+            parts.interpreters,
+            parts.servers,
+            self._record_ttl,
+            self.manager.supervisor,
+        )
         self.cluster.watch(
             self.manager.running,
             self._record_ttl,
             self._reclaim_all,
             self.executions.mark_previous_incarnations_lost,
+            fence,
         )
 
     async def aclose(self) -> None:
@@ -94,6 +107,8 @@ class Router:
         the home unknown), SandboxSpawnError (this replica is stopping).
         """
         key = session_key(owner.principal, owner.session_id)
+        if self.cluster.evicted is not None:
+            raise OwnerUnavailableError(f"this replica serves no sessions: {self.cluster.evicted}")
         epoch: str | None = None  # the store's epoch in which a fresh start may be claimed
         for _ in range(PLACEMENT_ATTEMPTS):
             now = time.time()
@@ -121,6 +136,9 @@ class Router:
                 reason = "home_stopped" if record.released_reason == "home_stopped" else "home_lost"
                 placement = await self._claim(owner, record, reason)
             elif found.home_heartbeat is None:
+                # Its executions end `lost` first (final): the home, should it come back,
+                # writes nothing over them (state/redis_store.py).
+                await self.executions.elsewhere.listed(owner, set())
                 placement = await self._claim(owner, record, "home_lost")
             else:
                 address = str(found.home_heartbeat.get("cluster_address") or "")
@@ -384,6 +402,18 @@ class Router:
         self._owed[session_key(owner.principal, owner.session_id)] = reset
         if len(self._owed) > 100_000:
             self._owed.pop(next(iter(self._owed)))
+
+    async def is_home(self, owner: Owner) -> bool:
+        """Whether this replica is still the active home of `owner`'s session (an operation
+        that ran long, an upload, asks before it says it succeeded). Raises what the store
+        raises."""
+        if self.cluster.evicted is not None:
+            return False
+        if not self.cluster.shared:
+            return True  # (alone: every session's home)
+        key = session_key(owner.principal, owner.session_id)
+        found = await self.sessions.lookup(key, self.replica_id, time.time(), self._record_ttl)
+        return found.touched
 
     async def _home_still_alive(self, owner: Owner, home: str) -> bool:
         """After the home refused a connection: is it still the live, active home?"""
