@@ -131,7 +131,7 @@ class Mirror:
         """Flush what is left (bounded), drop the heartbeat, stop the tasks."""
         self._stopping = True
         deadline = time.monotonic() + flush_timeout
-        while self._dirty and time.monotonic() < deadline:
+        while self._dirty and self.evicted is None and time.monotonic() < deadline:
             if not await self.flush_once():
                 await asyncio.sleep(0.2)
         if self._started:  # (a loop stuck in a Redis call must not hold shutdown: bounded)

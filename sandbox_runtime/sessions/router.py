@@ -265,6 +265,8 @@ class Router:
                 self._record_ttl,
                 previous.home if previous else None,
                 epoch or None,
+                # (Taken from a home without a heartbeat: one back meanwhile keeps it.)
+                previous_dead=previous is not None and previous.state == "active",
             )
         except Exception as exc:  # the store failed between lookup and claim
             raise OwnerUnavailableError(
