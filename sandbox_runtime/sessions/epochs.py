@@ -28,7 +28,7 @@ SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published aga
 SETTLE_POLL_SECONDS = 0.1
 
 Reclaim = Callable[[], Awaitable[int]]  # publish again the sessions homed here; how many
-Fence = Callable[[bool], Awaitable[int]]  # stop what was taken while the heartbeat lapsed
+Fence = Callable[[], Awaitable[int]]  # stop what was taken while the heartbeat lapsed
 
 
 class EpochWatch:
@@ -66,10 +66,11 @@ class EpochWatch:
         back after an outage (then the sessions that moved away meanwhile are learnt of too:
         this replica must not publish a stale home for them later).
 
-        When the mirror holds writes because this replica's heartbeat was gone, `fence` first
+        When the mirror holds writes because this replica's heartbeat was gone and the store
+        kept its epoch (the heartbeat merely lapsed: a freeze, a partition), `fence` first
         learns which of its sessions other replicas took meanwhile and stops what ran for them
-        here (the store kept its epoch: the heartbeat merely lapsed; a new epoch: the store
-        lost its data, and no record names another home); then the writes go on."""
+        here; then the writes go on. (A new epoch: the store lost its data, not a lapse: the
+        records are published again as above.)"""
         mirror = self.mirror
         backoff = 0.2
         resync = False  # the mirror found the store lost data, or came back after an outage
@@ -81,11 +82,15 @@ class EpochWatch:
                     return  # (another process holds this id: nothing more to publish)
                 epoch = await self.sessions.epoch(self.synced or self._known_epoch)
                 changed = epoch.epoch_id != self.synced
-                if mirror.held is not None and fence is not None:
-                    # (Beating first: while this replica's heartbeat lives nobody takes more.)
-                    if not await mirror.beat():
-                        raise ConnectionError(mirror.last_error or "the heartbeat failed")
-                    await fence(not changed)
+                if mirror.held is not None:
+                    if not changed and fence is not None:
+                        # The store kept its epoch: this replica's heartbeat merely lapsed, and
+                        # others may have taken its sessions. (Beating first: while it lives
+                        # nobody takes more.)
+                        if not await mirror.beat():
+                            raise ConnectionError(mirror.last_error or "the heartbeat failed")
+                        await fence()
+                    # (A new epoch: the store lost its data; published again below.)
                     mirror.release()
                     resync = True
                 here = self._here()
@@ -95,6 +100,8 @@ class EpochWatch:
                     # taken over), then the records, then the heartbeat that says so.
                     if not await mirror.beat():
                         raise ConnectionError(mirror.last_error or "the heartbeat failed")
+                    if changed:
+                        mirror.release()  # (its heartbeat was lost with the rest)
                     restored = await reclaim()
                     resync = False
                     if changed and (self.synced is not None or restored):

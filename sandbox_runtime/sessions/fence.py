@@ -70,11 +70,10 @@ class Fence:
             held.setdefault(session_key(owner.principal, owner.session_id), owner)
         return held
 
-    async def check(self, lapsed: bool) -> int:
-        """After this replica's heartbeat was gone (the mirror holds writes meanwhile): drop
-        every session whose record now names another home. `lapsed`: the store kept its
-        epoch (the heartbeat merely expired), else it began anew (lost its data). Returns how
-        many sessions were dropped. Raises what the store raises (the caller retries)."""
+    async def check(self) -> int:
+        """After this replica's heartbeat lapsed while the store kept its epoch (the mirror
+        holds writes meanwhile): drop every session whose record now names another home.
+        Returns how many. Raises what the store raises (the caller retries)."""
         dropped = 0
         for key, owner in self._held_here().items():
             found = await self.sessions.lookup(key, self.replica_id, time.time(), self.record_ttl)
@@ -84,12 +83,11 @@ class Fence:
             self.placements.remember(key, record.home, owner)
             await self.drop(owner, f"moved to replica {record.home}")
             dropped += 1
-        if lapsed:
-            logger.warning(
-                "this replica's heartbeat had lapsed (the store kept its epoch): {} of its "
-                "sessions had been taken over by other replicas and were dropped here",
-                dropped,
-            )
+        logger.warning(
+            "this replica's heartbeat had lapsed (the store kept its epoch): {} of its "
+            "sessions had been taken over by other replicas and were dropped here",
+            dropped,
+        )
         return dropped
 
     async def drop(self, owner: Owner, why: str) -> None:
