@@ -282,3 +282,48 @@ async def test_a_second_worker_with_a_live_replica_id_is_refused_and_the_first_u
                     assert home_of(split, session) == rid(first)
                 await asyncio.sleep(0.5)
             assert first.health()["status"] == "ok"
+
+
+async def test_a_worker_whose_id_was_taken_while_it_was_frozen_serves_nothing_after(
+    tmp_path: Path,
+) -> None:
+    """A worker frozen past its heartbeat; a new process starts under its id (its heartbeat
+    expired: the id is free). When the frozen one resumes its heartbeat is refused: it stops
+    what it ran, says it is fenced (/ready 503, /health degraded), takes no work, and when it
+    stops it leaves the new process's heartbeat and sessions alone."""
+    with running_split(tmp_path, apis=1) as split:
+        async with open_client(split.apis[0].url, TOKEN, "auto") as conn:
+            session, marker = unique("evict"), unique("evict-mark")
+            await conn.ok("write_file", path="a.txt", content="a", session=session)
+            old = next(w for w in split.workers if rid(w) == home_of(split, session))
+            loop = "while :; do sleep 0.2; done"
+            await conn.ok("execute_code_async", command=f"sh -c '{loop}' {marker}", session=session)
+            await eventually(lambda: processes_with(marker), 15, "the execution's process")
+            log_at = old.log_size()
+            with frozen(old):
+                await heartbeat_gone(split, rid(old))
+                new = split.add_worker(unique("evict-new"), SANDBOX_REPLICA_ID=rid(old))
+                new_beat = heartbeat(split, rid(old))
+                assert new_beat["cluster_address"] == f"127.0.0.1:{new.port}", new_beat
+            await eventually(lambda: not processes_with(marker), 15, "the old process's execution")
+            await eventually(
+                lambda: httpx2.get(f"{old.base_url}/ready", timeout=5).status_code == 503,
+                15,
+                "the fenced worker not ready",
+            )
+            health = old.health()
+            assert health["status"] == "degraded", health
+            assert "is in use by another live process" in health["redis"], health
+            assert "fenced for good" in old.log_since(log_at, 2000)
+            for _ in range(5):  # never alternating: the heartbeat stays the new process's
+                beat = heartbeat(split, rid(old))
+                assert beat["incarnation"] == new_beat["incarnation"], beat
+                await asyncio.sleep(0.5)
+            old.stop()
+            beat = heartbeat(split, rid(old))
+            assert beat.get("incarnation") == new_beat["incarnation"], beat
+            # The session's record names the id, now the new process's: it is served there
+            # (its workspace is not on that machine: the next call says so).
+            result = await conn.ok("list_files", session=session)
+            assert home_of(split, session) == rid(old)
+            assert result.get("session_reset", {}).get("reason") in (None, "workspace_removed")
