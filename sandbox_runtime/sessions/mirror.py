@@ -2,9 +2,11 @@
 
 The mirror is also where a replica learns that it was fenced: its heartbeat lapsed (it was
 frozen, or cut off from the store, for longer than a heartbeat TTL) so that other replicas may
-have taken its sessions and marked its executions lost. Then it holds every write until the
-hook it is given (`on_lapse`) has found out what was taken and stopped it (sessions/fence.py),
-and the store refuses, per execution, what it must no longer write (`Written.fenced`).
+have taken its sessions and marked its executions lost. Then it holds every write until its
+loss hook (`on_store_lost`: the epoch watch) has found out what was taken, stopped it
+(sessions/fence.py) and called `release()`; and the store refuses, per execution, what it must
+no longer write (`Written.fenced`, handed to `on_fenced`). A heartbeat refused because another
+process holds the replica id (`on_evicted`) ends all writing for good.
 """
 
 from __future__ import annotations
