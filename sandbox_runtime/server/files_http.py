@@ -304,10 +304,14 @@ MOVED_DURING_UPLOAD = (
 async def _still_home(router: Router, owner: Owner) -> bool:
     """Whether this replica is still the session's home after an upload (the store down:
     assumed so, as for any call it serves without the store)."""
+    if router.cluster.evicted is not None:
+        return False
+    if not router.cluster.shared:
+        return True  # (alone: every session's home)
     try:
-        return await asyncio.wait_for(router.is_home(owner), HOME_CHECK_SECONDS)
+        return await asyncio.wait_for(router.fence.is_home(owner), HOME_CHECK_SECONDS)
     except Exception:  # the store is down or slow: the home it last knew is this one
-        return router.cluster.evicted is None
+        return True
 
 
 class _Disconnected(Exception):

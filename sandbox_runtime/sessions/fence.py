@@ -1,4 +1,5 @@
-"""Fencing: what a replica does when it learns that its heartbeat lapsed.
+"""Fencing: what a replica does when it learns that its heartbeat lapsed; and whether a
+session's home is still its home (alive, or this replica).
 
 A replica frozen (SIGSTOP, a stalled VM) or cut off from the store for longer than a heartbeat
 TTL looks dead to the others: they mark its running executions `lost` and re-home its
@@ -22,14 +23,11 @@ from loguru import logger
 
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.execution.execution import Execution
-from sandbox_runtime.execution.manager import ExecutionManager
-from sandbox_runtime.interpreters.manager import InterpreterManager
-from sandbox_runtime.servers.host import ServerHost
+from sandbox_runtime.sessions.operations import Parts
 from sandbox_runtime.sessions.placements import Placements
 from sandbox_runtime.sessions.store import SessionStore
 from sandbox_runtime.state.keys import session_key
 from sandbox_runtime.state.store import FENCED_MESSAGE
-from sandbox_runtime.supervisor import Supervisor
 
 STOP_SECONDS = 10.0  # for an execution's process tree to be gone once killed
 NO_HOME = ""  # remembered as the home of sessions this replica must not serve (evicted)
@@ -47,20 +45,38 @@ class Fence:
         replica_id: str,
         sessions: SessionStore,
         placements: Placements,
-        manager: ExecutionManager,
-        interpreters: InterpreterManager,
-        servers: ServerHost,
+        parts: Parts,
         record_ttl: int,
-        supervisor: Supervisor,
     ) -> None:
         self.replica_id = replica_id
         self.sessions = sessions
         self.placements = placements
-        self.manager = manager
-        self.interpreters = interpreters
-        self.servers = servers
+        self.manager = parts.manager
+        self.interpreters = parts.interpreters
+        self.servers = parts.servers
         self.record_ttl = record_ttl
-        self.supervisor = supervisor
+        self.supervisor = parts.manager.supervisor
+
+    async def home_alive(self, owner: Owner, home: str) -> bool:
+        """After `home` refused a connection: is it still the session's live, active home?"""
+        with contextlib.suppress(Exception):
+            key = session_key(owner.principal, owner.session_id)
+            found = await self.sessions.lookup(key, self.replica_id, time.time(), self.record_ttl)
+            record = found.record
+            return (
+                record is not None
+                and record.home == home
+                and record.state == "active"
+                and found.home_heartbeat is not None
+            )
+        return True  # the store is down too: do not re-home on a guess
+
+    async def is_home(self, owner: Owner) -> bool:
+        """Whether this replica is still the active home of `owner`'s session in the shared
+        store (an upload asks before it says it succeeded). Raises what the store raises."""
+        key = session_key(owner.principal, owner.session_id)
+        found = await self.sessions.lookup(key, self.replica_id, time.time(), self.record_ttl)
+        return found.touched
 
     def _held_here(self) -> dict[str, Owner]:
         """Every session this replica holds something of: placed here, or running here."""

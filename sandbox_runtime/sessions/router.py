@@ -71,27 +71,18 @@ class Router:
         self.placements = Placements()
         self.recent_homes = RecentHomes()  # (where this replica's forwarded calls went)
         self.queue = queue  # an api replica's PlacementQueue: workers home its sessions
+        # (What it stops when this replica comes back from a lapsed heartbeat: fence.py.)
+        self.fence = Fence(self.replica_id, self.sessions, self.placements, parts, self._record_ttl)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        parts = self.parts
-        fence = Fence(
-            self.replica_id,
-            self.sessions,
-            self.placements,
-            self.manager,
-            parts.interpreters,
-            parts.servers,
-            self._record_ttl,
-            self.manager.supervisor,
-        )
         self.cluster.watch(
             self.manager.running,
             self._record_ttl,
             self._reclaim_all,
             self.executions.mark_previous_incarnations_lost,
-            fence,
+            self.fence,
         )
 
     async def aclose(self) -> None:
@@ -359,7 +350,7 @@ class Router:
             except HomeUnreachableError as exc:
                 self.metrics.forwarded.labels(op, "unreachable").inc()
                 last_error = exc
-                if await self._home_still_alive(owner, placement.home):
+                if await self.fence.home_alive(owner, placement.home):
                     raise OwnerUnavailableError(
                         f"{exc}; its sessions move to another replica once its heartbeat "
                         f"expires (within {self.settings.heartbeat_ttl} s): retry then"
@@ -404,36 +395,6 @@ class Router:
         self._owed[session_key(owner.principal, owner.session_id)] = reset
         if len(self._owed) > 100_000:
             self._owed.pop(next(iter(self._owed)))
-
-    async def is_home(self, owner: Owner) -> bool:
-        """Whether this replica is still the active home of `owner`'s session (an operation
-        that ran long, an upload, asks before it says it succeeded). Raises what the store
-        raises."""
-        if self.cluster.evicted is not None:
-            return False
-        if not self.cluster.shared:
-            return True  # (alone: every session's home)
-        key = session_key(owner.principal, owner.session_id)
-        found = await self.sessions.lookup(key, self.replica_id, time.time(), self._record_ttl)
-        return found.touched
-
-    async def _home_still_alive(self, owner: Owner, home: str) -> bool:
-        """After the home refused a connection: is it still the live, active home?"""
-        with contextlib.suppress(Exception):
-            found = await self.sessions.lookup(
-                session_key(owner.principal, owner.session_id),
-                self.replica_id,
-                time.time(),
-                self._record_ttl,
-            )
-            record = found.record
-            return (
-                record is not None
-                and record.home == home
-                and record.state == "active"
-                and found.home_heartbeat is not None
-            )
-        return True  # the store is down too: do not re-home on a guess
 
     async def serve_forwarded(
         self, call: dict[str, Any], progress: Progress | None
