@@ -57,3 +57,8 @@ class DiskFullError(LimitExceededError):
 class WorkspaceDamagedError(SandboxRuntimeError):
     """The workspace's filesystem failed (an I/O error, a journal the kernel aborted): it is
     checked, and repaired or set aside, before its next use; retry."""
+
+
+class ReplicaIdInUseError(SandboxRuntimeError):
+    """Another live process holds this replica id (its heartbeat is another incarnation's):
+    give every replica its own SANDBOX_REPLICA_ID."""

@@ -146,6 +146,19 @@ async def test_rehoming_with_the_stored_generation_moves_the_session(store: Sess
     assert not at_old_home.touched
 
 
+async def test_taking_from_a_dead_home_that_came_back_is_moved(store: SessionStore) -> None:
+    """A re-homing decided on a home without a heartbeat is refused if the home beats again
+    before the claim (a frozen replica resumed between the lookup and the claim): one home."""
+    assert await store.claim(make_record(home="r1"), None, 10, TTL) == "claimed"
+    await set_heartbeat(store, "r1", {"replica_id": "r1", "incarnation": "back"})
+    taking = make_record(home="r2", generation=2)
+    outcome = await store.claim(taking, 1, 10, TTL, "r1", previous_dead=True)
+    assert outcome == "moved"
+    found = await look(store, taking, "r1")
+    assert found.touched and found.record is not None and found.record.generation == 1
+    assert await store.claim(taking, 1, 10, TTL, "r1") == "claimed"  # (released: no check)
+
+
 async def test_rehoming_with_a_stale_generation_is_moved(store: SessionStore) -> None:
     assert await store.claim(make_record(home="r1"), None, 10, TTL) == "claimed"
     assert await store.claim(make_record(home="r2", generation=2), 1, 10, TTL, "r1") == "claimed"

@@ -14,6 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis_harness import RedisServer
 
 from sandbox_runtime.domain.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
+from sandbox_runtime.errors import ReplicaIdInUseError
 from sandbox_runtime.state.keys import Keys
 from sandbox_runtime.state.redis_store import RedisStore
 from sandbox_runtime.state.store import Beat, MemoryStore, Snapshot, StateStore
@@ -152,7 +153,11 @@ async def test_execution_of_an_earlier_process_under_the_same_replica_id_is_lost
     await store.write([Snapshot(new, "alice:s:one", [])])
     got = await store.mark_lost(new.execution_id, time.time())
     assert got is not None and got.status is ExecutionStatus.RUNNING, "not beaten yet"
-    await store.heartbeat(replica, {"incarnation": "new-process", "started_at": time.time()}, 30)
+    beat = {"incarnation": "new-process", "started_at": time.time()}
+    with pytest.raises(ReplicaIdInUseError):  # (the id is exclusive while the old one beats)
+        await store.heartbeat(replica, beat, 30)
+    await store.drop_replica(replica)  # as its heartbeat expiring (the old process died)
+    await store.heartbeat(replica, beat, 30)
     got = await store.mark_lost(old.execution_id, time.time())
     assert got is not None and got.status is ExecutionStatus.LOST
     assert [e.type for e in await store.get_events(old.execution_id, 0, 10)] == [
@@ -165,6 +170,68 @@ async def test_execution_of_an_earlier_process_under_the_same_replica_id_is_lost
     new.status = ExecutionStatus.COMPLETED
     await store.write([Snapshot(new, "alice:s:one", [])])
     assert await store.replica_running(replica) == []
+
+
+async def test_a_lost_execution_is_final_and_another_incarnations_is_never_overwritten(
+    store: StateStore,
+) -> None:
+    """A process back from a freeze past its heartbeat writes `running`, then `completed`,
+    over an execution the cluster marked lost meanwhile: the store refuses both (listed as
+    fenced) and keeps `lost` with its events; a write by another incarnation is refused too;
+    the rest of the batch is written."""
+    replica = f"r-{uuid.uuid4().hex[:6]}"
+    frozen = make_info(replica=replica)
+    frozen.incarnation = "frozen"
+    frozen.last_seq = 1
+    await store.heartbeat(replica, {"incarnation": "frozen", "started_at": time.time()}, 30)
+    await store.write([Snapshot(frozen, "alice:s:one", make_events(1, 1))])
+    await store.drop_replica(replica)  # (its heartbeat expired while it was frozen)
+    marked = await store.mark_lost(frozen.execution_id, time.time())
+    assert marked is not None and marked.status is ExecutionStatus.LOST
+    other = make_info(replica=replica)
+    other.incarnation = "frozen"
+    written = await store.write(
+        [Snapshot(frozen, "alice:s:one", make_events(2, 3)), Snapshot(other, "alice:s:one")]
+    )
+    assert written.fenced == [frozen.execution_id]
+    frozen.status, frozen.last_seq = ExecutionStatus.COMPLETED, 5
+    written = await store.write([Snapshot(frozen, "alice:s:one", make_events(2, 4))])
+    assert written.fenced == [frozen.execution_id]
+    got = await store.get_execution(frozen.execution_id)
+    assert got is not None and got.status is ExecutionStatus.LOST
+    assert [e.type for e in await store.get_events(frozen.execution_id, 0, 10)] == [
+        "stdout",
+        "error",
+    ]
+    assert (await store.get_execution(other.execution_id)) is not None
+    impostor = other.model_copy()
+    impostor.incarnation = "another"
+    impostor.status = ExecutionStatus.COMPLETED
+    written = await store.write([Snapshot(impostor, "alice:s:one")])
+    assert written.fenced == [other.execution_id]
+    got = await store.get_execution(other.execution_id)
+    assert got is not None and got.status is ExecutionStatus.RUNNING
+
+
+async def test_a_replica_id_is_held_by_one_incarnation_at_a_time(store: StateStore) -> None:
+    """The heartbeat is a compare-and-set on the incarnation: a second process with the same
+    id is refused while the first beats (nothing written), takes it once the first's has
+    gone, and the first is then refused in turn; dropping is only the holder's."""
+    replica = f"r-{uuid.uuid4().hex[:6]}"
+    first = {"incarnation": "first", "started_at": time.time(), "cluster_address": "a:1"}
+    second = {"incarnation": "second", "started_at": time.time(), "cluster_address": "b:2"}
+    assert await store.heartbeat(replica, first, 30) is False
+    with pytest.raises(ReplicaIdInUseError, match="a:1"):
+        await store.heartbeat(replica, second, 30)
+    beat = await store.replica_beat(replica)
+    assert beat is not None and beat["incarnation"] == "first"
+    await store.drop_replica(replica, "second")  # (not the holder: nothing)
+    assert await store.replica_alive(replica)
+    assert await store.heartbeat(replica, first, 30) is True
+    await store.drop_replica(replica, "first")
+    assert await store.heartbeat(replica, second, 30) is False
+    with pytest.raises(ReplicaIdInUseError, match="b:2"):
+        await store.heartbeat(replica, first, 30)
 
 
 async def test_heartbeat_says_whether_the_store_still_had_it(store: StateStore) -> None:

@@ -62,6 +62,7 @@ def serve_placements(
 
     def has_room() -> bool:
         accepting = router.manager.accepting and not services.stopping.is_set()
+        accepting = accepting and router.cluster.evicted is None  # (fenced for good)
         return accepting and homed() < settings.worker_max_sessions
 
     metrics.sessions.set_function(homed)

@@ -227,6 +227,21 @@ class Execution:
         self.finished.set()
         self._notify()
 
+    def fence(self, message: str) -> None:
+        """The cluster took this execution from this replica (its session moved, or the store
+        says it is lost) while the replica's heartbeat had lapsed: it ends `lost`, which is
+        final, whatever it did since (the caller stopped it first)."""
+        info = self.info
+        if info.status is ExecutionStatus.LOST:
+            return
+        info.status = ExecutionStatus.LOST
+        info.reason = "lost"
+        info.error = message
+        info.stdin_open = False
+        info.finished_at = info.finished_at or time.time()
+        self.emit(EventType.ERROR, message=message)
+        self.finished.set()
+
     def fail_to_start(self, message: str) -> None:
         now = time.time()
         self.info.status = ExecutionStatus.FAILED

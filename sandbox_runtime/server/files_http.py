@@ -52,6 +52,7 @@ from sandbox_runtime.workspaces.fsops import CHUNK, Upload
 PUBLIC_PREFIX = "/files/"
 CLUSTER_PREFIX = FILES_PREFIX  # on the cluster listener: transfers forwarded by a replica
 METHODS = ("GET", "HEAD", "PUT")
+HOME_CHECK_SECONDS = 5.0  # asking the store, after an upload, whether this is still the home
 # Types a browser could run as a document: always served as bytes.
 ACTIVE_TYPES = re.compile(r"^(text/html|application/xhtml|image/svg|text/xml|application/xml)")
 RANGE = re.compile(r"bytes=(\d*)-(\d*)")  # fullmatch
@@ -242,6 +243,11 @@ class FilesApp:
                 return  # nothing is left behind (abort below)
             finally:
                 await asyncio.to_thread(upload.abort)
+        if not await _still_home(router, owner):
+            # (This replica was frozen or cut off past its heartbeat and the session moved:
+            # the file went into a workspace the session no longer has.)
+            await _text(send, 409, MOVED_DURING_UPLOAD)
+            return
         body = json.dumps({"path": grant.path, "size": size}).encode()
         await _start(send, 201, [(b"content-type", b"application/json"), *_length(body)])
         await send({"type": "http.response.body", "body": body})
@@ -293,6 +299,25 @@ class FilesApp:
             logger.warning("file transfer to replica {} failed: {}", placement.home, exc)
             with contextlib.suppress(Exception):  # (if nothing was sent yet)
                 await _text(send, 502, f"the session's home replica failed: {type(exc).__name__}\n")
+
+
+MOVED_DURING_UPLOAD = (
+    "the session moved to another replica while this upload ran (this one had lost its "
+    "heartbeat); the file is not in the session: upload it again\n"
+)
+
+
+async def _still_home(router: Router, owner: Owner) -> bool:
+    """Whether this replica is still the session's home after an upload (the store down:
+    assumed so, as for any call it serves without the store)."""
+    if router.cluster.evicted is not None:
+        return False
+    if not router.cluster.shared:
+        return True  # (alone: every session's home)
+    try:
+        return await asyncio.wait_for(router.fence.is_home(owner), HOME_CHECK_SECONDS)
+    except Exception:  # the store is down or slow: the home it last knew is this one
+        return True
 
 
 class _Disconnected(Exception):

@@ -43,7 +43,7 @@ from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.plain_replies import answer_plainly
 from sandbox_runtime.server.session_path import SCOPE_KEY as SESSION_KEY
 from sandbox_runtime.servers.catalog import Entry
-from sandbox_runtime.servers.host import owner_of
+from sandbox_runtime.servers.learned import owner_of
 
 PATH = re.compile(r"/servers/(?P<name>[a-z0-9][a-z0-9_-]{0,47})/mcp/?")
 PRINCIPAL_KEY = "srt.principal"

@@ -13,9 +13,9 @@ from sandbox_runtime.server.calls import owner_of
 from sandbox_runtime.server.hosted import call_instance
 from sandbox_runtime.servers.bridge import describe_tool, matches, query_words
 from sandbox_runtime.servers.catalog import missing_secret, shown_url
-from sandbox_runtime.servers.host import owner_of as instance_owner
 from sandbox_runtime.servers.installs import read_installed
 from sandbox_runtime.servers.launch import instance_limits, program
+from sandbox_runtime.servers.learned import owner_of as instance_owner
 
 
 class HostedServer(BaseModel):

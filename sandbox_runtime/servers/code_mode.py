@@ -17,7 +17,8 @@ from sandbox_runtime.domain.owner import Owner, session_name
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.servers.bridge import Bridge
 from sandbox_runtime.servers.catalog import Entry
-from sandbox_runtime.servers.host import ServerHost, owner_of
+from sandbox_runtime.servers.host import ServerHost
+from sandbox_runtime.servers.learned import owner_of
 
 MAX_SEEN_KEPT = 4096  # (principal, instance, server) whose tools' returns are kept
 

@@ -38,7 +38,7 @@ from sandbox_runtime.servers.catalog import Catalog, CatalogError, Entry
 from sandbox_runtime.servers.catalog_file import CatalogFile
 from sandbox_runtime.servers.instance import Instance, InstanceError, LogSink, RemoteError
 from sandbox_runtime.servers.launch import environment, instance_limits, program
-from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, sees
+from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, owner_of, sees
 from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.supervisor import Supervisor
 
@@ -48,17 +48,6 @@ BACKOFF_WAIT = 5.0  # a call waits out a backoff this short; a longer one refuse
 MAX_TOOL_LABELS = 64  # distinct tool labels per server in the metrics (then "other")
 
 Progress = Callable[[int, str], Awaitable[None]]
-
-
-def owner_of(entry: Entry, principal: str, session: str) -> Owner:
-    """Whose instance a call of `principal` in `session` uses: the owner of its state (its
-    workspace, and its home replica). Entries naming the same `state` share it."""
-    state = f"srv:{entry.state or entry.name}"
-    if entry.scope == "shared":
-        return Owner(SHARED, state)
-    if entry.scope == "session":
-        return Owner(principal, f"{state}:{session}")
-    return Owner(principal, state)
 
 
 @dataclass
@@ -391,6 +380,13 @@ class ServerHost:
         await asyncio.shield(
             self.supervisor.spawn(f"server {instance.name} stop", instance.aclose())
         )
+
+    async def stop_owner(self, owner: Owner, why: str) -> int:
+        """Stop every instance that keeps `owner`'s state here (its session moved to another
+        replica); how many."""
+        keys = [key for key in self._instances if key[0] == owner]
+        await asyncio.gather(*(self._stop(key, why) for key in keys), return_exceptions=True)
+        return len(keys)
 
     # -- background: idle stop, warm starts ----------------------------------------------------
 

@@ -27,6 +27,17 @@ MAX_TOOL_LIST_BYTES = 64 << 20  # those lists' JSON, in all
 Key = tuple[Owner, str]  # an instance: its state's owner and its server's name
 
 
+def owner_of(entry: Entry, principal: str, session: str) -> Owner:
+    """Whose instance a call of `principal` in `session` uses: the owner of its state (its
+    workspace, and its home replica). Entries naming the same `state` share it."""
+    state = f"srv:{entry.state or entry.name}"
+    if entry.scope == "shared":
+        return Owner(SHARED, state)
+    if entry.scope == "session":
+        return Owner(principal, f"{state}:{session}")
+    return Owner(principal, state)
+
+
 @dataclass
 class History:
     """One instance's crashes (monotonic times, within CRASH_WINDOW) and last failure."""

@@ -11,6 +11,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from loguru import logger
 
@@ -39,10 +40,13 @@ class ClockWatch:
         replica_id: str,
         interval: float,
         supervisor: Supervisor,
-        store_time: StoreTime | None = None,
     ) -> None:
         self.store = store
-        self.store_time = store_time
+        # The store's own clock, when it has one (Redis TIME; the in-memory store has none)
+        redis = getattr(store, "redis", None)
+        self.store_time: StoreTime | None = (
+            (lambda: redis_time(redis)) if redis is not None else None
+        )
         # (round trip, this clock minus the store's) of recent readings of the store's clock
         self._store_samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
         self.supervisor = supervisor
@@ -143,3 +147,10 @@ class ClockWatch:
                 logger.debug("clock watch: no heartbeats read ({})", exc)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.interval / 2)
+
+
+async def redis_time(redis: Any) -> float:
+    """The shared store's clock (Redis TIME), in seconds: the one clock that deadlines crossing
+    machines are measured on."""
+    seconds, micros = await redis.time()
+    return int(seconds) + int(micros) / 1e6

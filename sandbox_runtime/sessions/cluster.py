@@ -31,6 +31,7 @@ from sandbox_runtime.sessions.clock import ClockWatch
 from sandbox_runtime.sessions.control import ControlChannel
 from sandbox_runtime.sessions.elsewhere import InTheStore, NowhereElse
 from sandbox_runtime.sessions.epochs import EpochWatch, Reclaim
+from sandbox_runtime.sessions.fence import Fence
 from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
@@ -49,6 +50,8 @@ MarkLost = Callable[[], Awaitable[int]]  # mark an earlier process's executions 
 
 class LocalCluster:
     """One replica and no shared store: every session is homed here."""
+
+    shared = False  # (a store other replicas share)
 
     def __init__(
         self,
@@ -77,12 +80,18 @@ class LocalCluster:
         """Begin serving as `here`'s cluster (its executions, its heartbeat)."""
 
     def watch(
-        self, running: Running, record_ttl: int, reclaim: Reclaim, mark_lost: MarkLost
+        self,
+        running: Running,
+        record_ttl: int,
+        reclaim: Reclaim,
+        mark_lost: MarkLost,
+        fence: Fence | None = None,
     ) -> None:
         """Keep the records right: renew the leases of the executions `running` here and the
         records of their sessions (and check the cluster) every few seconds; with a shared
-        store, `reclaim` the sessions homed here when it restarts empty and `mark_lost` an
-        earlier process's executions."""
+        store, `reclaim` the sessions homed here when it restarts empty, `mark_lost` an
+        earlier process's executions, and `fence` what others took while this replica's
+        heartbeat lapsed."""
 
         async def renew() -> None:
             with contextlib.suppress(Exception):  # store down: retried at the next interval
@@ -145,8 +154,15 @@ class LocalCluster:
         for key in {session_key(e.owner.principal, e.owner.session_id) for e in executions}:
             await self.sessions.lookup(key, self.replica_id, now, record_ttl)
 
+    @property
+    def evicted(self) -> str | None:
+        """Why this process serves nothing any more: another holds its replica id (None)."""
+        return None
+
     async def release_homes(self) -> None:
         """Stopping: mark this replica's sessions released so their next call re-homes now."""
+        if self.evicted is not None:
+            return  # (the records with this id are the other process's)
         try:
             released = await asyncio.wait_for(
                 self.sessions.release_replica(self.replica_id, "home_stopped", time.time()), 5
@@ -221,6 +237,8 @@ class LocalCluster:
 class RedisCluster(LocalCluster):
     """One replica among those sharing a Redis store."""
 
+    shared = True
+
     def __init__(
         self,
         settings: Settings,
@@ -247,25 +265,38 @@ class RedisCluster(LocalCluster):
             observe_lag=metrics.mirror_lag.observe,
             on_store_lost=lambda: self.epochs.store_changed.set(),
             supervisor=supervisor,
+            on_fenced=lambda ids: self._fence.refused(ids) if self._fence else None,
+            on_evicted=lambda why: self._fence.evicted(why) if self._fence else None,
         )
-        self.clock = ClockWatch(
-            store, self.replica_id, self.mirror.heartbeat_interval, supervisor, self._store_time
-        )
+        self._fence: Fence | None = None
+        self.clock = ClockWatch(store, self.replica_id, self.mirror.heartbeat_interval, supervisor)
         metrics.bind_store(lambda: self.mirror.backlog, lambda: 1 if self.mirror.connected else 0)
         self.epochs = EpochWatch(settings, self.sessions, store, self.mirror, lambda: self._here)
 
     async def start(self, here: ExecutionsHere) -> None:
+        """Take this replica's id (refused while another live process holds it), then begin
+        mirroring and beating.
+
+        Raises ReplicaIdInUseError."""
         self._here = here
+        await self.mirror.take_id()
         self.mirror.start()
         self.clock.start()
 
     def watch(
-        self, running: Running, record_ttl: int, reclaim: Reclaim, mark_lost: MarkLost
+        self,
+        running: Running,
+        record_ttl: int,
+        reclaim: Reclaim,
+        mark_lost: MarkLost,
+        fence: Fence | None = None,
     ) -> None:
-        super().watch(running, record_ttl, reclaim, mark_lost)
+        super().watch(running, record_ttl, reclaim, mark_lost, fence)
+        self._fence = fence
         beaten = self.mirror.beaten
         self.supervisor.once(SWEEP_JOB, lambda: self._sweep_earlier_incarnations(beaten, mark_lost))
-        self.supervisor.run(WATCH_LOOP, lambda: self.epochs.watch(reclaim))
+        check = fence.check if fence is not None else None
+        self.supervisor.run(WATCH_LOOP, lambda: self.epochs.watch(reclaim, check))
         self._loops += [SWEEP_JOB, WATCH_LOOP]
 
     async def aclose(self) -> None:
@@ -300,7 +331,13 @@ class RedisCluster(LocalCluster):
         return {**super().heartbeat_fields(), "store_epoch": self.epochs.synced}
 
     @property
+    def evicted(self) -> str | None:
+        return self.mirror.evicted
+
+    @property
     def store_status(self) -> str:
+        if self.mirror.evicted is not None:
+            return f"fenced: {self.mirror.evicted}"
         if self.mirror.connected:
             return "ok"
         return f"unavailable: {self.mirror.last_error or 'not connected yet'}"
@@ -310,6 +347,8 @@ class RedisCluster(LocalCluster):
         return sorted(r for r, beat in beats.items() if beat.get("role", "all") != "api")
 
     async def unreachable(self) -> str | None:
+        if self.mirror.evicted is not None:
+            return f"fenced: {self.mirror.evicted}"
         try:
             await asyncio.wait_for(self.store.ping(), 2)
         except Exception as exc:  # any failure to answer means not ready
@@ -343,10 +382,6 @@ class RedisCluster(LocalCluster):
     @property
     def store_clock_skew(self) -> float | None:
         return self.clock.store_skew
-
-    async def _store_time(self) -> float:
-        seconds, micros = await self.store.redis.time()  # type: ignore[attr-defined]
-        return int(seconds) + int(micros) / 1e6
 
     async def check(self, starting: bool = False) -> str | None:
         """What is wrong with this deployment's secret (None: nothing), from the heartbeats

@@ -28,6 +28,7 @@ SETTLE_MARGIN_SECONDS = 2.0  # beyond a heartbeat TTL, for records published aga
 SETTLE_POLL_SECONDS = 0.1
 
 Reclaim = Callable[[], Awaitable[int]]  # publish again the sessions homed here; how many
+Fence = Callable[[], Awaitable[int]]  # stop what was taken while the heartbeat lapsed
 
 
 class EpochWatch:
@@ -57,13 +58,19 @@ class EpochWatch:
         with contextlib.suppress(OSError, UnicodeDecodeError):
             self._known_epoch = self._epoch_file.read_text().strip()[:128] or None
 
-    async def watch(self, reclaim: Reclaim) -> None:
+    async def watch(self, reclaim: Reclaim, fence: Fence | None = None) -> None:
         """Publish again, where missing, the records of the sessions homed here whenever the
         store begins a new epoch (Redis restarted empty), so that their next calls, wherever
         they land, come here and find their workspaces; then say so in the heartbeat. Checked
         every heartbeat interval, and at once when the mirror finds the store lost data or is
         back after an outage (then the sessions that moved away meanwhile are learnt of too:
-        this replica must not publish a stale home for them later)."""
+        this replica must not publish a stale home for them later).
+
+        When the mirror holds writes because this replica's heartbeat was gone and the store
+        kept its epoch (the heartbeat merely lapsed: a freeze, a partition), `fence` first
+        learns which of its sessions other replicas took meanwhile and stops what ran for them
+        here; then the writes go on. (A new epoch: the store lost its data, not a lapse: the
+        records are published again as above.)"""
         mirror = self.mirror
         backoff = 0.2
         resync = False  # the mirror found the store lost data, or came back after an outage
@@ -71,8 +78,21 @@ class EpochWatch:
             resync = resync or self.store_changed.is_set()
             self.store_changed.clear()
             try:
+                if mirror.evicted is not None:
+                    return  # (another process holds this id: nothing more to publish)
                 epoch = await self.sessions.epoch(self.synced or self._known_epoch)
                 changed = epoch.epoch_id != self.synced
+                if mirror.held is not None:
+                    if not changed and fence is not None:
+                        # The store kept its epoch: this replica's heartbeat merely lapsed, and
+                        # others may have taken its sessions. (Beating first: while it lives
+                        # nobody takes more.)
+                        if not await mirror.beat():
+                            raise ConnectionError(mirror.last_error or "the heartbeat failed")
+                        await fence()
+                    # (A new epoch: the store lost its data; published again below.)
+                    mirror.release()
+                    resync = True
                 here = self._here()
                 accepting = here is not None and here.accepting
                 if (changed or resync) and accepting:
@@ -80,6 +100,8 @@ class EpochWatch:
                     # taken over), then the records, then the heartbeat that says so.
                     if not await mirror.beat():
                         raise ConnectionError(mirror.last_error or "the heartbeat failed")
+                    if changed:
+                        mirror.release()  # (its heartbeat was lost with the rest)
                     restored = await reclaim()
                     resync = False
                     if changed and (self.synced is not None or restored):

@@ -1,4 +1,13 @@
-"""Mirrors executions into a StateStore in batches, off the hot path; and the heartbeat."""
+"""Mirrors executions into a StateStore in batches, off the hot path; and the heartbeat.
+
+The mirror is also where a replica learns that it was fenced: its heartbeat lapsed (it was
+frozen, or cut off from the store, for longer than a heartbeat TTL) so that other replicas may
+have taken its sessions and marked its executions lost. Then it holds every write until its
+loss hook (`on_store_lost`: the epoch watch) has found out what was taken, stopped it
+(sessions/fence.py) and called `release()`; and the store refuses, per execution, what it must
+no longer write (`Written.fenced`, handed to `on_fenced`). A heartbeat refused because another
+process holds the replica id (`on_evicted`) ends all writing for good.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from sandbox_runtime.errors import ReplicaIdInUseError
 from sandbox_runtime.state.keys import HEARTBEAT_INTERVAL_SECONDS, HEARTBEAT_TTL_SECONDS
 from sandbox_runtime.state.store import Beat, Snapshot, StateStore
 from sandbox_runtime.supervisor import Supervisor
@@ -26,6 +36,8 @@ FLUSH_INTERVAL = 0.002  # pause between flushes while there is more to write (le
 MAX_EVENTS_PER_FLUSH = 2000  # per execution; the rest goes in the next flush
 MAX_BYTES_PER_FLUSH = 8 * 1024 * 1024
 BACKOFF_MAX = 5.0
+TAKE_ID_MARGIN_SECONDS = 1.0  # past a heartbeat TTL, for a dead process's heartbeat to expire
+TAKE_ID_POLL_SECONDS = 0.2
 
 
 class Mirror:
@@ -47,6 +59,8 @@ class Mirror:
         observe_lag: Callable[[float], None] | None = None,
         on_store_lost: Callable[[], object] | None = None,
         supervisor: Supervisor | None = None,
+        on_fenced: Callable[[list[str]], object] | None = None,
+        on_evicted: Callable[[str], object] | None = None,
     ) -> None:
         self.store = store
         self.supervisor = supervisor or Supervisor()
@@ -57,6 +71,17 @@ class Mirror:
         self.known = known
         self.observe_lag = observe_lag
         self.on_store_lost = on_store_lost
+        self.on_fenced = on_fenced
+        self.on_evicted = on_evicted
+        # Why writes are held (None: they are not): this replica's heartbeat lapsed, and what
+        # was taken from it meanwhile is not known yet (see release()); or its id is another
+        # process's now (`evicted`: for good).
+        self.held: str | None = None
+        self.evicted: str | None = None
+        self._released = asyncio.Event()
+        self._released.set()
+        # Executions the store refused (lost, or another incarnation's): never written again.
+        self._fenced: set[str] = set()
         self.heartbeat_interval = min(HEARTBEAT_INTERVAL_SECONDS, heartbeat_ttl / 3)
         self.connected = False
         self.last_error: str | None = None
@@ -83,6 +108,8 @@ class Mirror:
     def mark(self, execution: Execution) -> None:
         """Schedule `execution` (metadata and new events) for the next flush."""
         execution_id = execution.execution_id
+        if execution_id in self._fenced:
+            return
         self._dirty[execution_id] = execution
         self._version[execution_id] = self._version.get(execution_id, 0) + 1
         self._wake.set()
@@ -106,14 +133,15 @@ class Mirror:
         """Flush what is left (bounded), drop the heartbeat, stop the tasks."""
         self._stopping = True
         deadline = time.monotonic() + flush_timeout
-        while self._dirty and time.monotonic() < deadline:
+        while self._dirty and self.evicted is None and time.monotonic() < deadline:
             if not await self.flush_once():
                 await asyncio.sleep(0.2)
         if self._started:  # (a loop stuck in a Redis call must not hold shutdown: bounded)
             await self.supervisor.stop(HEARTBEAT_LOOP, FLUSH_LOOP)
             self._started = False
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.store.drop_replica(self.replica_id), 2)
+            incarnation = self.heartbeat_payload().get("incarnation")
+            await asyncio.wait_for(self.store.drop_replica(self.replica_id, incarnation), 2)
         if self._dirty:
             logger.warning("{} executions were not mirrored before shutdown", len(self._dirty))
         with contextlib.suppress(Exception):  # a half-dead connection must not hold shutdown
@@ -145,9 +173,12 @@ class Mirror:
         return Snapshot(info=info, session_key=self.session_key(execution), events=events)
 
     async def flush_once(self) -> bool:
-        """Write every dirty execution in one batch. False when the store failed."""
+        """Write every dirty execution in one batch. False when the store failed, or writes
+        are held (see `lapsed`)."""
         if not self._dirty:
             return True
+        if self.lapsed():
+            return False
         versions = dict(self._version)
         batch = [self._snapshot(e) for e in self._dirty.values()]
         # (Stopping: no heartbeat published again after the replica has said goodbye.)
@@ -159,18 +190,20 @@ class Mirror:
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
-        if self._reached and (written.beat_restored or not self.connected):
-            self._store_lost_data(
-                "this replica's heartbeat was gone"
-                if written.beat_restored
-                else "back after an outage"
-            )
+        if written.fenced:
+            self._refused(written.fenced)
+        if self._reached and written.beat_restored:
+            self._hold("this replica's heartbeat was gone")
+        elif self._reached and not self.connected:
+            self._store_lost_data("back after an outage")
         self._reached = True
         self._set_connected(True)
         stored = written.stored
         now = time.time()
         for snap in batch:
             execution_id = snap.info.execution_id
+            if execution_id in self._fenced:
+                continue
             if snap.events:
                 self._written_seq[execution_id] = snap.events[-1].seq
                 for event in snap.events:
@@ -195,6 +228,69 @@ class Mirror:
         self._dirty.pop(execution_id, None)
         self._version.pop(execution_id, None)
         self._written_seq.pop(execution_id, None)
+        self._fenced.discard(execution_id)
+
+    # -- fencing -----------------------------------------------------------------------------
+
+    def lapsed(self) -> bool:
+        """Whether writes must wait: they are held, or this replica's last heartbeat that
+        reached the store has expired by now (a freeze or a partition: other replicas may
+        have taken its sessions; the next beat finds out)."""
+        if self.held is not None:
+            return True
+        contact = self.last_contact
+        return contact is not None and time.monotonic() - contact >= self.heartbeat_ttl
+
+    def _hold(self, why: str) -> None:
+        """The heartbeat was gone: hold writes until the loss hook has run and release()d
+        them (it learns what was taken meanwhile, or that the store lost its data)."""
+        if self.held is None:
+            logger.warning("redis: {}; holding writes until what it kept is checked", why)
+        self.held = why
+        self._released.clear()
+        self._run_loss_hooks()
+
+    def release(self) -> None:
+        """What was taken while the heartbeat lapsed is known and stopped: write again what
+        this replica keeps (the store refuses what it must not take)."""
+        if self.held is None or self.evicted is not None:
+            return
+        self.held = None
+        self._released.set()
+        for execution in self.known():
+            self.mark(execution)
+        logger.info("redis: writing again {} executions after the check", len(self._dirty))
+
+    def _refused(self, execution_ids: list[str]) -> None:
+        """The store refused these executions (lost, or another incarnation's): never
+        written again; the hook stops them."""
+        for execution_id in execution_ids:
+            self._dirty.pop(execution_id, None)
+            self._version.pop(execution_id, None)
+            self._fenced.add(execution_id)
+        logger.warning(
+            "redis: {} executions are lost or another process's there; not written again: {}",
+            len(execution_ids),
+            ", ".join(execution_ids[:10]),
+        )
+        if self.on_fenced is not None:
+            try:
+                self.on_fenced(execution_ids)
+            except Exception:  # a hook's failure must not stop mirroring
+                logger.exception("a hook for refused executions failed")
+
+    def _evict(self, exc: ReplicaIdInUseError) -> None:
+        """Another process holds this replica id now: this one writes nothing ever again."""
+        if self.evicted is not None:
+            return
+        self.evicted = self.held = str(exc)
+        self._released.clear()
+        logger.error("fenced for good: {}", exc)
+        if self.on_evicted is not None:
+            try:
+                self.on_evicted(str(exc))
+            except Exception:
+                logger.exception("the hook for an evicted replica failed")
 
     async def _flush_forever(self) -> None:
         backoff = 0.1
@@ -202,6 +298,12 @@ class Mirror:
             await self._wake.wait()
             self._wake.clear()
             while self._dirty:
+                if self.lapsed():  # (the heartbeat loop finds out; release() wakes this)
+                    if self.held is None:
+                        await asyncio.sleep(0.05)
+                    else:
+                        await self._released.wait()
+                    continue
                 if await self.flush_once():
                     backoff = 0.1
                     await asyncio.sleep(FLUSH_INTERVAL)
@@ -238,23 +340,73 @@ class Mirror:
 
     # -- heartbeat ---------------------------------------------------------------
 
+    async def take_id(self, margin: float = TAKE_ID_MARGIN_SECONDS) -> None:
+        """Publish this process's first heartbeat: a compare-and-set on its incarnation. While
+        the id's heartbeat is another incarnation's, wait: a process that died leaves one that
+        expires within a heartbeat TTL; one that is renewed meanwhile is a live process with
+        the same id, and this start is refused. (The store down: the heartbeat loop beats
+        later, and the same compare-and-set fences whichever process comes second.)
+
+        Raises ReplicaIdInUseError.
+        """
+        deadline = time.monotonic() + self.heartbeat_ttl + margin
+        seen: dict[str, Any] | None = None
+        while True:
+            sent = time.monotonic()
+            try:
+                await self.store.heartbeat(
+                    self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
+                )
+            except ReplicaIdInUseError as exc:
+                try:
+                    theirs = await self.store.replica_beat(self.replica_id)
+                except Exception:  # (the store failed between the two: try again)
+                    theirs = seen
+                if seen is not None and theirs is not None and theirs != seen:
+                    raise exc from None  # renewed while this one waited: alive
+                if time.monotonic() >= deadline:
+                    raise exc from None
+                if seen is None:
+                    logger.warning(
+                        "replica id {} has a live heartbeat of another process; waiting up "
+                        "to {} s for it to expire (it died) or be renewed (refused)",
+                        self.replica_id,
+                        self.heartbeat_ttl,
+                    )
+                seen = theirs or {}
+                await asyncio.sleep(TAKE_ID_POLL_SECONDS)
+                continue
+            except Exception as exc:  # the store is down: serve, beat later
+                self._set_connected(False, exc)
+                return
+            self.last_contact = sent
+            self._reached = True
+            self._set_connected(True)
+            self.beaten.set()
+            return
+
     async def beat(self) -> bool:
         """Publish the heartbeat once; whether it reached the store. Noticing that the store
         lost it (restarted empty) or that this is the first beat after an outage runs the
         loss hooks."""
+        if self.evicted is not None:
+            return False
         sent = time.monotonic()
         try:
             existed = await self.store.heartbeat(
                 self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
             )
+        except ReplicaIdInUseError as exc:  # another process took this id meanwhile
+            self._evict(exc)
+            return False
         except Exception as exc:  # Redis down: keep serving, retry next beat
             self._set_connected(False, exc)
             return False
         self.last_contact = sent
-        if self._reached and (not existed or not self.connected):
-            self._store_lost_data(
-                "back after an outage" if existed else "this replica's heartbeat was gone"
-            )
+        if self._reached and not existed:
+            self._hold("this replica's heartbeat was gone")
+        elif self._reached and not self.connected:
+            self._store_lost_data("back after an outage")
         self._reached = True
         self._set_connected(True)
         self.beaten.set()

@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from sandbox_runtime.domain.owner import Owner, valid_owner
 from sandbox_runtime.errors import LimitExceededError, OwnerUnavailableError
+from sandbox_runtime.sessions.clock import redis_time
 from sandbox_runtime.sessions.signing import ClusterSigner, SignatureError
 
 GROUP = "srt-workers"
@@ -182,9 +183,7 @@ class PlacementQueue:
         return list(claimed)
 
     async def _store_time(self) -> float:
-        """The store's clock (Redis TIME), in seconds."""
-        seconds, micros = await self.redis.time()
-        return int(seconds) + int(micros) / 1e6
+        return await redis_time(self.redis)
 
     def _refusal(self, fields: dict[str, str]) -> str | None:
         """Why a request must not make a home (None: it may). Raises KeyError (malformed)."""

@@ -33,11 +33,14 @@ end
 return {redis.call('HGETALL', KEYS[1]), 0, redis.call('GET', ARGV[4] .. f[1])}
 """
 
-# KEYS: record, principal's sessions, new home's sessions, previous home's sessions, epoch.
-# ARGV: expected generation ('' = new session), max sessions, ttl, now, session key, the
-# store's expected epoch ('' = any), then the record's field/value pairs.
+# KEYS: record, principal's sessions, new home's sessions, previous home's sessions, epoch,
+# previous home's heartbeat. ARGV: expected generation ('' = new session), max sessions, ttl,
+# now, session key, the store's expected epoch ('' = any), '1' if the previous home must have
+# no heartbeat (taken from a dead home: one back meanwhile keeps it), then the record's
+# field/value pairs.
 CLAIM_SCRIPT = """
 if ARGV[6] ~= '' and redis.call('HGET', KEYS[5], 'id') ~= ARGV[6] then return 'moved' end
+if ARGV[7] == '1' and redis.call('EXISTS', KEYS[6]) == 1 then return 'moved' end
 local generation = redis.call('HGET', KEYS[1], 'generation')
 if ARGV[1] == '' then
   if generation then return 'exists' end
@@ -48,7 +51,7 @@ else
   redis.call('DEL', KEYS[1])
   redis.call('SREM', KEYS[4], ARGV[5])
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 7))
+redis.call('HSET', KEYS[1], unpack(ARGV, 8))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[2], tonumber(ARGV[4]) + tonumber(ARGV[3]), ARGV[5])
 redis.call('EXPIRE', KEYS[2], ARGV[3])
@@ -155,6 +158,7 @@ class RedisSessionStore:
         ttl: int,
         previous_home: str | None = None,
         epoch: str | None = None,
+        previous_dead: bool = False,
     ) -> ClaimOutcome:
         pairs: list[str] = []
         for name, value in record.fields().items():
@@ -166,6 +170,7 @@ class RedisSessionStore:
                 self.keys.replica_sessions(record.home),
                 self.keys.replica_sessions(previous_home or record.home),
                 self.keys.store_epoch(),
+                self.keys.replica(previous_home or record.home),
             ],
             args=[
                 "" if expected_generation is None else str(expected_generation),
@@ -174,6 +179,7 @@ class RedisSessionStore:
                 repr(record.last_used_at),
                 record.key,
                 epoch or "",
+                "1" if previous_dead else "0",
                 *pairs,
             ],
         )

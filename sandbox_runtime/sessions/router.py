@@ -32,6 +32,7 @@ from sandbox_runtime.sessions.channel import (
 )
 from sandbox_runtime.sessions.cluster import LocalCluster
 from sandbox_runtime.sessions.executions import ExecutionAccess
+from sandbox_runtime.sessions.fence import Fence
 from sandbox_runtime.sessions.models import SessionRecord, SessionReset
 from sandbox_runtime.sessions.operations import OPERATIONS, Parts, Progress, wait_bound
 from sandbox_runtime.sessions.placements import Placement, Placements, RecentHomes
@@ -74,6 +75,8 @@ class Router:
         self.placements = Placements()
         self.recent_homes = RecentHomes()  # (where this replica's forwarded calls went)
         self.queue = queue  # an api replica's PlacementQueue: workers home its sessions
+        # (What it stops when this replica comes back from a lapsed heartbeat: fence.py.)
+        self.fence = Fence(self.replica_id, self.sessions, self.placements, parts, self._record_ttl)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -83,6 +86,7 @@ class Router:
             self._record_ttl,
             self._reclaim_all,
             self.executions.mark_previous_incarnations_lost,
+            self.fence,
         )
 
     async def aclose(self) -> None:
@@ -98,6 +102,8 @@ class Router:
         the home unknown), SandboxSpawnError (this replica is stopping).
         """
         key = session_key(owner.principal, owner.session_id)
+        if self.cluster.evicted is not None:
+            raise OwnerUnavailableError(f"this replica serves no sessions: {self.cluster.evicted}")
         epoch: str | None = None  # the store's epoch in which a fresh start may be claimed
         for _ in range(PLACEMENT_ATTEMPTS):
             now = time.time()
@@ -125,6 +131,9 @@ class Router:
                 reason = "home_stopped" if record.released_reason == "home_stopped" else "home_lost"
                 placement = await self._claim(owner, record, reason)
             elif found.home_heartbeat is None:
+                # Its executions end `lost` first (final): the home, should it come back,
+                # writes nothing over them (state/redis_store.py).
+                await self.executions.elsewhere.listed(owner, set())
                 placement = await self._claim(owner, record, "home_lost")
             else:
                 address = str(found.home_heartbeat.get("cluster_address") or "")
@@ -250,6 +259,8 @@ class Router:
                 self._record_ttl,
                 previous.home if previous else None,
                 epoch or None,
+                # (Taken from a home without a heartbeat: one back meanwhile keeps it.)
+                previous_dead=previous is not None and previous.state == "active",
             )
         except Exception as exc:  # the store failed between lookup and claim
             raise OwnerUnavailableError(
@@ -363,7 +374,7 @@ class Router:
             except HomeUnreachableError as exc:
                 self.metrics.forwarded.labels(op, "unreachable").inc()
                 last_error = exc
-                if await self._home_still_alive(owner, placement.home):
+                if await self.fence.home_alive(owner, placement.home):
                     raise OwnerUnavailableError(
                         f"{exc}; its sessions move to another replica once its heartbeat "
                         f"expires (within {self.settings.heartbeat_ttl} s): retry then"
@@ -408,24 +419,6 @@ class Router:
         self._owed[session_key(owner.principal, owner.session_id)] = reset
         if len(self._owed) > 100_000:
             self._owed.pop(next(iter(self._owed)))
-
-    async def _home_still_alive(self, owner: Owner, home: str) -> bool:
-        """After the home refused a connection: is it still the live, active home?"""
-        with contextlib.suppress(Exception):
-            found = await self.sessions.lookup(
-                session_key(owner.principal, owner.session_id),
-                self.replica_id,
-                time.time(),
-                self._record_ttl,
-            )
-            record = found.record
-            return (
-                record is not None
-                and record.home == home
-                and record.state == "active"
-                and found.home_heartbeat is not None
-            )
-        return True  # the store is down too: do not re-home on a guess
 
     async def serve_forwarded(
         self, call: dict[str, Any], progress: Progress | None

@@ -61,6 +61,7 @@ class SessionStore(Protocol):
         ttl: int,
         previous_home: str | None = None,
         epoch: str | None = None,
+        previous_dead: bool = False,
     ) -> ClaimOutcome:
         """Store `record` as the session's record.
 
@@ -68,7 +69,8 @@ class SessionStore(Protocol):
         only while its principal has fewer than `max_sessions` live sessions. Otherwise only
         if the stored record still has that generation (re-homing; `previous_home` forgets
         the session). With `epoch`, only while the store is in that epoch ("moved"
-        otherwise: it lost its data since).
+        otherwise: it lost its data since). With `previous_dead`, only while `previous_home`
+        has no heartbeat ("moved": it came back between the lookup and the claim).
         """
 
     async def owe_reset(self, key: str, home: str, reason: str, previous_home: str) -> bool:
@@ -139,8 +141,11 @@ class MemorySessionStore:
         ttl: int,
         previous_home: str | None = None,
         epoch: str | None = None,
+        previous_dead: bool = False,
     ) -> ClaimOutcome:
         if epoch is not None and epoch != self._epoch[0]:
+            return "moved"
+        if previous_dead and previous_home in self.heartbeats:
             return "moved"
         current = self._live(record.key)
         sessions = self._principal_sessions.setdefault(record.principal, {})

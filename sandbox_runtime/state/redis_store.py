@@ -18,6 +18,7 @@ from sandbox_runtime.state.store import (
     Beat,
     Snapshot,
     Written,
+    id_in_use,
     incarnation_gone,
     lost_event,
     mark_info_lost,
@@ -26,13 +27,25 @@ from sandbox_runtime.state.store import (
 # Appends only the events that continue the list (seq == LLEN + 1), so a retried flush never
 # duplicates and list index = seq - 1 always holds; the list stops growing at the cap. Keeps
 # the execution in its replica's set of running ones while it is not finished (ARGV[6]).
+# Writes nothing (returns -1) over an execution stored as `lost` (final: readers were told so)
+# or as another incarnation's (ARGV[7]): a process back from a freeze or a partition past its
+# heartbeat never undoes what the cluster decided meanwhile.
 WRITE_SCRIPT = """
+local raw = redis.call('GET', KEYS[1])
+if raw then
+  local ok, stored = pcall(cjson.decode, raw)
+  if ok and type(stored) == 'table' then
+    if stored['status'] == 'lost' then return -1 end
+    local theirs = stored['incarnation']
+    if type(theirs) == 'string' and ARGV[7] ~= '' and theirs ~= ARGV[7] then return -1 end
+  end
+end
 redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[1])
 local n = redis.call('LLEN', KEYS[2])
 local cap = tonumber(ARGV[3])
 local first = tonumber(ARGV[4])
-for i = 7, #ARGV do
-  local seq = first + i - 7
+for i = 8, #ARGV do
+  local seq = first + i - 8
   if seq == n + 1 and n < cap then
     redis.call('RPUSH', KEYS[2], ARGV[i])
     n = n + 1
@@ -48,6 +61,39 @@ else
   redis.call('SREM', KEYS[4], ARGV[5])
 end
 return n
+"""
+
+# A compare-and-set of a replica's heartbeat on its incarnation. KEYS: the heartbeat, the set
+# of replicas. ARGV: payload, ttl, incarnation ('' = an older writer: no check), now, the
+# set's score, its horizon. Returns {existed, nil} or {-1, the other's payload}.
+HEARTBEAT_SCRIPT = """
+local raw = redis.call('GET', KEYS[1])
+if raw and ARGV[3] ~= '' then
+  local ok, beat = pcall(cjson.decode, raw)
+  if ok and type(beat) == 'table' and type(beat['incarnation']) == 'string'
+     and beat['incarnation'] ~= ARGV[3] then
+    return {-1, raw}
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[5], ARGV[6])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+return {raw and 1 or 0, false}
+"""
+
+# KEYS: the heartbeat, the set of replicas. ARGV: replica id, incarnation ('' = any).
+DROP_SCRIPT = """
+local raw = redis.call('GET', KEYS[1])
+if raw and ARGV[2] ~= '' then
+  local ok, beat = pcall(cjson.decode, raw)
+  if ok and type(beat) == 'table' and type(beat['incarnation']) == 'string'
+     and beat['incarnation'] ~= ARGV[2] then
+    return 0
+  end
+end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+return 1
 """
 
 
@@ -93,6 +139,8 @@ class RedisStore:
         }
         self.redis = redis_client(url, socket_timeout=timeout, **common)
         self._write = self.redis.register_script(WRITE_SCRIPT)
+        self._heartbeat = self.redis.register_script(HEARTBEAT_SCRIPT)
+        self._drop = self.redis.register_script(DROP_SCRIPT)
 
     async def write(self, batch: list[Snapshot], beat: Beat | None = None) -> Written:
         if not batch:
@@ -123,14 +171,21 @@ class RedisStore:
                         first,
                         execution_id,
                         "0" if snap.info.status.finished else "1",
+                        snap.info.incarnation or "",
                         *(json.dumps(e.wire(), ensure_ascii=False) for e in snap.events),
                     ],
                     client=pipe,
                 )
             results = await pipe.execute()
-        lengths = results[-len(batch) :]
-        stored = {s.info.execution_id: int(n) for s, n in zip(batch, lengths, strict=True)}
-        return Written(stored, beat is not None and bool(results[0]))
+        lengths = [int(n) for n in results[-len(batch) :]]
+        stored: dict[str, int] = {}
+        fenced: list[str] = []
+        for snap, n in zip(batch, lengths, strict=True):
+            if n < 0:
+                fenced.append(snap.info.execution_id)
+            else:
+                stored[snap.info.execution_id] = n
+        return Written(stored, beat is not None and bool(results[0]), fenced)
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -157,19 +212,26 @@ class RedisStore:
 
     async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> bool:
         now = time.time()
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.exists(self.keys.replica(replica_id))
-            pipe.set(self.keys.replica(replica_id), json.dumps(payload), ex=ttl)
-            pipe.zadd(self.keys.replicas(), {replica_id: now + ttl})
-            pipe.zremrangebyscore(self.keys.replicas(), "-inf", now - 3600)
-            existed, *_ = await pipe.execute()
+        existed, other = await self._heartbeat(
+            keys=[self.keys.replica(replica_id), self.keys.replicas()],
+            args=[
+                json.dumps(payload),
+                ttl,
+                str(payload.get("incarnation") or ""),
+                repr(now - 3600),
+                repr(now + ttl),
+                replica_id,
+            ],
+        )
+        if int(existed) < 0:
+            raise id_in_use(replica_id, _beat(other) or {})
         return bool(existed)
 
-    async def drop_replica(self, replica_id: str) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.delete(self.keys.replica(replica_id))
-            pipe.zrem(self.keys.replicas(), replica_id)
-            await pipe.execute()
+    async def drop_replica(self, replica_id: str, incarnation: str | None = None) -> None:
+        await self._drop(
+            keys=[self.keys.replica(replica_id), self.keys.replicas()],
+            args=[replica_id, incarnation or ""],
+        )
 
     async def live_replicas(self) -> dict[str, dict[str, Any]]:
         ids = [

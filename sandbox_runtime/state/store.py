@@ -12,8 +12,13 @@ from sandbox_runtime.domain.models import (
     ExecutionStatus,
     OutputEvent,
 )
+from sandbox_runtime.errors import ReplicaIdInUseError
 
 LOST_MESSAGE = "the replica that ran this execution stopped answering; its process is gone"
+FENCED_MESSAGE = (
+    "the replica that ran this execution lost its heartbeat and the session moved to another "
+    "replica; the execution was stopped and what it wrote after that is not in the session"
+)
 
 
 @dataclass
@@ -37,11 +42,13 @@ class Beat:
 @dataclass
 class Written:
     """What a write left in the store: how many events each execution has stored afterwards
-    (fewer than written: the store lost data), and whether the writer's heartbeat had to be
-    published again (the store lost it)."""
+    (fewer than written: the store lost data), whether the writer's heartbeat had to be
+    published again (it expired, or the store lost it), and the executions the store refused
+    (`fenced`: stored as `lost`, which is final, or as another incarnation's)."""
 
     stored: dict[str, int]
     beat_restored: bool = False
+    fenced: list[str] = field(default_factory=list)
 
 
 class StateStore(Protocol):
@@ -58,6 +65,10 @@ class StateStore(Protocol):
         empty): a running execution is never readable while its replica looks dead. What is
         returned lets a writer notice that the store lost data (a restarted Redis without
         persistence) and write it again.
+
+        A snapshot is skipped (listed in `fenced`) when the stored execution is `lost` (final:
+        readers were told so) or another incarnation's: a process that was frozen or cut off
+        past its heartbeat never writes over what the cluster decided meanwhile.
         """
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
@@ -71,9 +82,12 @@ class StateStore(Protocol):
 
     async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> bool:
         """Publish (and extend) a replica's heartbeat; whether it was still there before (False
-        on the first beat, after an expiry, or when the store lost it)."""
+        on the first beat, after an expiry, or when the store lost it). A compare-and-set on
+        the payload's `incarnation`: raises ReplicaIdInUseError, writing nothing, while the
+        id's live heartbeat is another incarnation's (two processes never alternate)."""
 
-    async def drop_replica(self, replica_id: str) -> None: ...
+    async def drop_replica(self, replica_id: str, incarnation: str | None = None) -> None:
+        """Remove a replica's heartbeat (with `incarnation`: only if it is that one's)."""
 
     async def replica_alive(self, replica_id: str) -> bool: ...
 
@@ -121,6 +135,37 @@ def incarnation_gone(info: ExecutionInfo, beat: dict[str, Any] | None) -> bool:
     return isinstance(started, int | float) and started >= info.created_at
 
 
+def refuses(stored: ExecutionInfo | None, info: ExecutionInfo) -> bool:
+    """Whether a write of `info` must not replace `stored`: it says `lost` (final), or another
+    incarnation of the replica wrote it."""
+    if stored is None:
+        return False
+    if stored.status is ExecutionStatus.LOST:
+        return True
+    return bool(stored.incarnation and info.incarnation and stored.incarnation != info.incarnation)
+
+
+def taken_by_other(beat: dict[str, Any] | None, payload: dict[str, Any]) -> dict[str, Any] | None:
+    """The live heartbeat `beat` if it is another incarnation's than `payload`'s (None: the
+    id is free, or ours)."""
+    if beat is None:
+        return None
+    theirs, mine = beat.get("incarnation"), payload.get("incarnation")
+    return beat if theirs and mine and theirs != mine else None
+
+
+def id_in_use(replica_id: str, beat: dict[str, Any]) -> ReplicaIdInUseError:
+    started = beat.get("started_at")
+    since = ""
+    if isinstance(started, int | float):
+        since = f", started {time.time() - started:.0f} s ago"
+    where = beat.get("cluster_address") or beat.get("address") or "an unknown address"
+    return ReplicaIdInUseError(
+        f"replica id {replica_id!r} is in use by another live process (at {where}{since}): "
+        "give every replica its own SANDBOX_REPLICA_ID"
+    )
+
+
 def mark_info_lost(info: ExecutionInfo, now: float) -> bool:
     if info.status.finished:
         return False
@@ -162,8 +207,13 @@ class MemoryStore:
             await self.heartbeat(beat.replica_id, beat.payload, beat.ttl)
         deadline = time.monotonic() + self.ttl_seconds
         stored: dict[str, int] = {}
+        fenced: list[str] = []
         for snap in batch:
             execution_id = snap.info.execution_id
+            if refuses(self._infos.get(execution_id, (None, 0))[0], snap.info):
+                fenced.append(execution_id)
+                stored[execution_id] = len(self._events.get(execution_id, []))
+                continue
             self._infos[execution_id] = (snap.info.model_copy(deep=True), deadline)
             events = self._events.setdefault(execution_id, [])
             for event in snap.events:
@@ -176,7 +226,7 @@ class MemoryStore:
             else:
                 running.add(execution_id)
             stored[execution_id] = len(events)
-        return Written(stored, restored)
+        return Written(stored, restored, fenced)
 
     async def get_execution(self, execution_id: str) -> ExecutionInfo | None:
         self._expire()
@@ -196,6 +246,9 @@ class MemoryStore:
         return [self._infos[i][0].model_copy(deep=True) for i in ids if i in self._infos]
 
     async def heartbeat(self, replica_id: str, payload: dict[str, Any], ttl: int) -> bool:
+        other = taken_by_other(await self.replica_beat(replica_id), payload)
+        if other is not None:
+            raise id_in_use(replica_id, other)
         now = time.monotonic()
         existed = self._replicas.get(replica_id, now) > now
         self._replicas[replica_id] = now + ttl
@@ -209,8 +262,10 @@ class MemoryStore:
     async def replica_beats(self) -> dict[str, dict[str, Any]]:
         return await self.live_replicas()  # (one process, one clock)
 
-    async def drop_replica(self, replica_id: str) -> None:
-        self._replicas.pop(replica_id, None)
+    async def drop_replica(self, replica_id: str, incarnation: str | None = None) -> None:
+        beat = self._payloads.get(replica_id, {})
+        if incarnation is None or beat.get("incarnation") in (None, incarnation):
+            self._replicas.pop(replica_id, None)
 
     async def replica_alive(self, replica_id: str) -> bool:
         self._expire()
