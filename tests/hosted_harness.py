@@ -3,10 +3,14 @@ and of the client's errors."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from mcp.types import CallToolResult, TextContent
+from mcp_harness import ServerProcess, stop_all, stop_if_running
 
 
 def toml(catalog: dict[str, dict[str, Any]]) -> str:
@@ -21,6 +25,27 @@ def toml(catalog: dict[str, dict[str, Any]]) -> str:
             else:
                 lines.append(f"{key} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def catalog_server(
+    workdir: Path, catalog: dict[str, dict[str, Any]], tokens: str, **env: str
+) -> Iterator[ServerProcess]:
+    """A real server started with `catalog` as its hosted servers' catalog, `tokens` as its
+    SANDBOX_AUTH_TOKENS, no warm interpreters and `env` besides; stopped at the end."""
+    (workdir / "servers.toml").write_text(toml(catalog))
+    settings = {
+        "SANDBOX_AUTH_TOKENS": tokens,
+        "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
+        "SANDBOX_INTERPRETER_WARM": "",
+        **env,
+    }
+    server = ServerProcess(workdir, settings)
+    try:
+        server.start()
+        yield server
+    finally:
+        stop_all(stop_if_running(server))
 
 
 def text_of(result: CallToolResult) -> str:

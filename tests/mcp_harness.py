@@ -577,3 +577,15 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {within:g}s waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def memory_of(pid: int) -> dict[str, int]:
+    """A process's resident set now (VmRSS) and at its peak (VmHWM), in bytes."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0]) * 1024
+    if "VmRSS" not in out:
+        raise AssertionError(f"no VmRSS for pid {pid}")
+    return out

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from mcp_harness import CLUSTER_SECRET, ServerProcess, eventually, open_client
+from mcp_harness import CLUSTER_SECRET, ServerProcess, eventually, memory_of, open_client
 from split_harness import TOKEN, Split, running_split
 
 from sandbox_runtime.server.heads import HEAD_TIMEOUT_SECONDS
@@ -55,10 +55,7 @@ def beat_of(split: Split, server: ServerProcess) -> dict[str, str]:
 
 
 def rss_kib(server: ServerProcess) -> int:
-    for line in Path(f"/proc/{server.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmRSS")
+    return memory_of(server.pid)["VmRSS"] // 1024
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import toml
-from mcp_harness import ServerProcess, open_client, stop_all, stop_if_running
+from hosted_harness import catalog_server
+from mcp_harness import ServerProcess, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -40,21 +40,10 @@ CATALOG = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("codemode")
-    (workdir / "servers.toml").write_text(toml(CATALOG))
-    server = ServerProcess(
-        workdir,
-        {
-            "SANDBOX_AUTH_TOKENS": f"alice:{ALICE},bob:{BOB}",
-            "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
-            "SANDBOX_INTERPRETER_WARM": "",
-        },
-    )
-    try:
-        server.start()
+    with catalog_server(
+        tmp_path_factory.mktemp("codemode"), CATALOG, f"alice:{ALICE},bob:{BOB}"
+    ) as server:
         yield server
-    finally:
-        stop_all(stop_if_running(server))
 
 
 async def run(

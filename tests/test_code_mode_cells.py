@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hosted_harness import toml
-from mcp_harness import ServerProcess, open_client, stop_all, stop_if_running
+from hosted_harness import catalog_server
+from mcp_harness import ServerProcess, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -29,21 +29,8 @@ ENDED = "ended: the run_code call that allowed these servers has ended"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("cells")
-    (workdir / "servers.toml").write_text(toml(CATALOG))
-    server = ServerProcess(
-        workdir,
-        {
-            "SANDBOX_AUTH_TOKENS": f"alice:{ALICE}",
-            "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
-            "SANDBOX_INTERPRETER_WARM": "",
-        },
-    )
-    try:
-        server.start()
+    with catalog_server(tmp_path_factory.mktemp("cells"), CATALOG, f"alice:{ALICE}") as server:
         yield server
-    finally:
-        stop_all(stop_if_running(server))
 
 
 def stdout(result: dict[str, Any]) -> str:

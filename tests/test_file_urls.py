@@ -21,7 +21,15 @@ from urllib.parse import quote, urlsplit
 
 import httpx2
 import pytest
-from mcp_harness import CLUSTER_SECRET, Conn, ServerProcess, Servers, eventually, open_client
+from mcp_harness import (
+    CLUSTER_SECRET,
+    Conn,
+    ServerProcess,
+    Servers,
+    eventually,
+    memory_of,
+    open_client,
+)
 from topology_harness import TOKEN as TOPOLOGY_TOKEN
 from topology_harness import Topology, running_topology
 
@@ -185,10 +193,7 @@ def make_file(path: Path, size_mb: int) -> str:
 
 
 def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
+    return memory_of(pid)["VmRSS"]
 
 
 class RssWatch:

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import message_of, text_of, toml
-from mcp_harness import ServerProcess, eventually, open_client, stop_all, stop_if_running
+from hosted_harness import catalog_server, message_of, text_of
+from mcp_harness import ServerProcess, eventually, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -53,25 +53,15 @@ CATALOG = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("hosted")
-    catalog = workdir / "servers.toml"
-    catalog.write_text(toml(CATALOG))
     os.environ["HOSTED_TEST_SECRET"] = "the-entry-secret"
-    server = ServerProcess(
-        workdir,
-        {
-            "SANDBOX_AUTH_TOKENS": f"alice:{ALICE},bob:{BOB}",
-            "SANDBOX_SERVERS_FILE": str(catalog),
-            "HOSTED_TEST_SECRET": "the-entry-secret",
-            "SANDBOX_POOL_SIZE": "0",
-            "SANDBOX_INTERPRETER_WARM": "",
-        },
-    )
-    try:
-        server.start()
+    with catalog_server(
+        tmp_path_factory.mktemp("hosted"),
+        CATALOG,
+        f"alice:{ALICE},bob:{BOB}",
+        HOSTED_TEST_SECRET="the-entry-secret",
+        SANDBOX_POOL_SIZE="0",
+    ) as server:
         yield server
-    finally:
-        stop_all(stop_if_running(server))
 
 
 async def still_answering(server: ServerProcess) -> None:

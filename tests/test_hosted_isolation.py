@@ -20,15 +20,13 @@ from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import message_of, text_of, toml
+from hosted_harness import catalog_server, message_of, text_of
 from mcp_harness import (
     ServerProcess,
     eventually,
     open_client,
     proc_cmdline,
     process_tree,
-    stop_all,
-    stop_if_running,
 )
 
 from sandbox_runtime.servers.stubs import StubBudget, write_stubs
@@ -65,23 +63,14 @@ CATALOG = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("isolation")
-    (workdir / "servers.toml").write_text(toml(CATALOG))
-    server = ServerProcess(
-        workdir,
-        {
-            "SANDBOX_AUTH_TOKENS": f"alice:{ALICE},bob:{BOB}",
-            "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
-            "SANDBOX_INTERPRETER_WARM": "",
-            "SANDBOX_MAX_SERVER_INSTANCES": str(MAX_INSTANCES),
-            "SANDBOX_MAX_SERVER_INSTANCES_PER_PRINCIPAL": str(PER_PRINCIPAL),
-        },
-    )
-    try:
-        server.start()
+    with catalog_server(
+        tmp_path_factory.mktemp("isolation"),
+        CATALOG,
+        f"alice:{ALICE},bob:{BOB}",
+        SANDBOX_MAX_SERVER_INSTANCES=str(MAX_INSTANCES),
+        SANDBOX_MAX_SERVER_INSTANCES_PER_PRINCIPAL=str(PER_PRINCIPAL),
+    ) as server:
         yield server
-    finally:
-        stop_all(stop_if_running(server))
 
 
 async def call(host: ServerProcess, token: str, tool: str, **arguments: Any) -> dict[str, Any]:

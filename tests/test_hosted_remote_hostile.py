@@ -17,14 +17,13 @@ from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import message_of, text_of, toml
+from hosted_harness import catalog_server, message_of, text_of
 from mcp_harness import (
     ServerProcess,
     eventually,
     free_port,
+    memory_of,
     open_client,
-    stop_all,
-    stop_if_running,
 )
 
 pytestmark = pytest.mark.e2e
@@ -79,21 +78,8 @@ def server(remote: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
             "secrets": {"API_KEY": "env:FAR_UNSET_SECRET"},
         },
     }
-    (workdir / "servers.toml").write_text(toml(catalog))
-    server = ServerProcess(
-        workdir,
-        {
-            "SANDBOX_AUTH_TOKENS": f"alice:{ALICE},bob:{BOB}",
-            "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
-            "FAR_BEARER": BEARER,
-            "SANDBOX_INTERPRETER_WARM": "",
-        },
-    )
-    try:
-        server.start()
+    with catalog_server(workdir, catalog, f"alice:{ALICE},bob:{BOB}", FAR_BEARER=BEARER) as server:
         yield server
-    finally:
-        stop_all(stop_if_running(server))
 
 
 def far(server: ServerProcess) -> str:
@@ -102,16 +88,6 @@ def far(server: ServerProcess) -> str:
 
 def stats(port: int) -> dict[str, Any]:
     return dict(httpx2.get(f"http://127.0.0.1:{port}/stats", timeout=5).json())
-
-
-def memory(pid: int) -> dict[str, int]:
-    """The process's resident set now and at its peak, in bytes."""
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            out[key] = int(value.split()[0]) * 1024
-    return out
 
 
 def no_credentials(text: str) -> None:
@@ -133,14 +109,14 @@ async def answers_promptly(server: ServerProcess, token: str = BOB) -> None:
 async def test_an_endless_sse_line_or_event_costs_the_limit_not_the_stream(
     server: ServerProcess, remote: int, tool: str
 ) -> None:
-    before = memory(server.pid)
+    before = memory_of(server.pid)
     async with open_client(far(server), ALICE) as conn:
         call = asyncio.ensure_future(conn.client.call_tool(tool, {}))
         await answers_promptly(server)  # (while the remote streams)
         with pytest.raises(Exception) as failed:
             await call
     assert "sent an event over 1024 KiB" in message_of(failed.value), failed.value
-    after = memory(server.pid)
+    after = memory_of(server.pid)
     grown = {k: (after[k] - before[k]) // MiB for k in after}
     print(f"{tool}: server memory before {before}, after {after}; grown MiB {grown}")
     assert after["VmRSS"] - before["VmRSS"] < 100 * MiB, (before, after)

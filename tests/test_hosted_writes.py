@@ -16,8 +16,14 @@ from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import message_of, text_of, toml
-from mcp_harness import Conn, ServerProcess, eventually, open_client, stop_all, stop_if_running
+from hosted_harness import catalog_server, message_of, text_of
+from mcp_harness import (
+    Conn,
+    ServerProcess,
+    eventually,
+    memory_of,
+    open_client,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -59,31 +65,18 @@ CATALOG = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    workdir = tmp_path_factory.mktemp("writes")
-    (workdir / "servers.toml").write_text(toml(CATALOG))
-    server = ServerProcess(
-        workdir,
-        {
-            "SANDBOX_AUTH_TOKENS": f"alice:{ALICE},bob:{BOB}",
-            "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
-            "SANDBOX_MAX_CONCURRENT": "3",
-            "SANDBOX_POOL_SIZE": "0",
-            "SANDBOX_INTERPRETER_WARM": "",
-        },
-    )
-    try:
-        server.start()
+    with catalog_server(
+        tmp_path_factory.mktemp("writes"),
+        CATALOG,
+        f"alice:{ALICE},bob:{BOB}",
+        SANDBOX_MAX_CONCURRENT="3",
+        SANDBOX_POOL_SIZE="0",
+    ) as server:
         yield server
-    finally:
-        stop_all(stop_if_running(server))
 
 
 def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
+    return memory_of(pid)["VmRSS"] / (1 << 20)
 
 
 def code_for(name: str, mode: dict[str, int], then: str = "time.sleep(3600)") -> str:
