@@ -123,5 +123,7 @@ async def test_a_caller_that_never_takes_its_notifications_holds_a_bounded_queue
     await outbox.flush(0.2)  # (bounded: returns though nothing more is taken)
     assert len(taken) == 1 and outbox.queue.qsize() == MAX_QUEUED_NOTIFICATIONS - 1
     assert outbox.dropped == 10_000 - MAX_QUEUED_NOTIFICATIONS
+    # (The oldest waiting were dropped for the newer: what is kept is the newest.)
+    assert taken[0] == {"n": 10_000 - MAX_QUEUED_NOTIFICATIONS}, taken
     outbox.close("t")
     blocked.set()

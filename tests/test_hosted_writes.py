@@ -25,6 +25,8 @@ from mcp_harness import (
     open_client,
 )
 
+from sandbox_runtime.servers.outbox import MAX_QUEUED_NOTIFICATIONS
+
 pytestmark = pytest.mark.e2e
 
 ALICE, BOB = "writes-alice-token-0123456789", "writes-bob-token-0123456789"
@@ -60,6 +62,7 @@ CATALOG = {
     "slots": entry(call_timeout=SLOW, scope="session"),
     "cell": entry(call_timeout=SLOW),
     "chatty": entry(call_timeout=30, scope="shared"),
+    "escaped": entry(call_timeout=QUICK),
 }
 
 
@@ -425,3 +428,51 @@ async def test_a_caller_that_never_reads_does_not_stall_a_shared_instance(
         )
     finally:
         sock.close()
+
+
+async def test_a_caller_that_reads_gets_a_burst_of_progress_in_order_ending_with_the_last(
+    server: ServerProcess,
+) -> None:
+    """A server that sends 300 progress notifications at once, then its answer: a caller that
+    reads its stream gets them in order, the last one included, before the answer (a burst
+    past the caller's queue drops the oldest waiting, never the newest)."""
+    seen: list[float] = []
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        seen.append(value)
+
+    async with open_client(f"{server.base_url}/servers/chatty/mcp", BOB) as conn:
+        result = await conn.client.call_tool(
+            "chatter", {"count": 300, "size": 10}, progress_callback=progress
+        )
+    assert text_of(result) == "chatted 300"
+    print(f"a burst of 300 progress notifications: {len(seen)} delivered")
+    assert seen and seen[-1] == 300, seen[-5:]
+    assert seen == sorted(seen) and len(set(seen)) == len(seen), seen
+    assert len(seen) >= MAX_QUEUED_NOTIFICATIONS, len(seen)
+
+
+async def test_arguments_json_cannot_carry_as_utf8_are_sent_escaped(server: ServerProcess) -> None:
+    """A lone surrogate (valid JSON text, no UTF-8) in a code-mode call's arguments: the call is
+    answered and leaves nothing pending on the instance (each such call once did, for ever)."""
+    code = (
+        "import json, socket, struct, os\n"
+        "for _ in range(3):\n"
+        "    s = socket.socket(socket.AF_UNIX); s.connect(os.environ['MCP_SERVERS_SOCKET'])\n"
+        '    body = b\'{"op":"call","server":"escaped","tool":"ok",\'\n'
+        '    body += b\'"arguments":{"a":"\\\\ud800"}}\'\n'
+        "    s.sendall(struct.pack('>I', len(body)) + body)\n"
+        "    size = struct.unpack('>I', s.recv(4))[0]\n"
+        "    data = b''\n"
+        "    while len(data) < size: data += s.recv(size - len(data))\n"
+        "    print(json.loads(data)['ok'])\n"
+    )
+    async with open_client(server.url, ALICE) as conn:
+        result = await conn.ok(
+            "execute_code",
+            command=["python3", "-c", code],
+            servers=["escaped"],
+            timeout_seconds=60,
+        )
+    out = "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
+    assert out.split() == ["True", "True", "True"], result

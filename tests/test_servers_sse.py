@@ -10,7 +10,8 @@ import json
 import pytest
 
 from sandbox_runtime.servers.catalog import missing_secret, parse_entry, shown_url, url_secrets
-from sandbox_runtime.servers.instance import InstanceError, LogSink
+from sandbox_runtime.servers.instance import InstanceError
+from sandbox_runtime.servers.log_sink import LogSink
 from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.servers.sse import EventReader, EventTooLargeError
 from sandbox_runtime.supervisor import Supervisor

@@ -174,6 +174,8 @@ class Bridge:
             await work
         except (asyncio.CancelledError, ConnectionError):
             pass
+        except Exception:  # (the root of a connection's task: a hostile answer, our bug)
+            logger.exception("a code-mode bridge request failed")
         finally:
             self._active.discard(work)
             writer.close()
@@ -195,7 +197,12 @@ class Bridge:
         if not isinstance(request, dict):
             await _reply(writer, _refusal("protocol", "a request is a JSON object"))
             return
-        await _reply(writer, await self._answer(request, size))
+        try:
+            answer = await self._answer(request, size)
+        except Exception:  # (a hostile server's answer we could not take apart, our bug)
+            logger.exception("a code-mode bridge request failed")
+            answer = _refusal("failed", "the host could not answer this request (see its log)")
+        await _reply(writer, answer)
 
     async def _answer(self, request: dict[str, Any], size: int) -> dict[str, Any]:
         if self.cell is not None and "cell" in request and request["cell"] != self.cell:
@@ -307,13 +314,14 @@ class Bridge:
             return
         if not isinstance(result, dict) or result.get("isError"):
             return
-        content = result.get("content") or []
+        content = result.get("content")
+        content = [b for b in content if isinstance(b, dict)] if isinstance(content, list) else []
         if isinstance(result.get("structuredContent"), dict):
             seen = f"dict|seen: keys {', '.join(sorted(result['structuredContent']))[:200]}"
         elif len(content) == 1 and content[0].get("type") == "text":
             seen = "str|seen: one text block"
         else:
-            kinds = sorted({str(b.get("type")) for b in content if isinstance(b, dict)})
+            kinds = sorted({str(b.get("type")) for b in content})
             seen = f"list|seen: content blocks ({', '.join(kinds)})"
         noted = self.seen_returns.setdefault(entry.name, {})
         if len(noted) < MAX_SEEN:

@@ -36,9 +36,10 @@ from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox.spec import SandboxSpec
 from sandbox_runtime.servers.catalog import Catalog, CatalogError, Entry
 from sandbox_runtime.servers.catalog_file import CatalogFile
-from sandbox_runtime.servers.instance import Instance, InstanceError, LogSink, RemoteError
+from sandbox_runtime.servers.instance import Instance, InstanceError, RemoteError
 from sandbox_runtime.servers.launch import environment, instance_limits, program
 from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, owner_of, sees
+from sandbox_runtime.servers.log_sink import LogSink
 from sandbox_runtime.servers.remote import RemoteInstance
 from sandbox_runtime.supervisor import Supervisor
 

@@ -18,13 +18,13 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from loguru import logger
 
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.sandbox.process import SandboxProcess
+from sandbox_runtime.servers.log_sink import LogSink
 from sandbox_runtime.servers.outbox import NOTIFY_FLUSH, Notify, Outbox
 from sandbox_runtime.servers.stdin import Stdin
 from sandbox_runtime.supervisor import Supervisor
@@ -40,7 +40,6 @@ LIMITS = ("memory", "cpu", "pids", "file_size", "timeout")
 JUNK_BYTES = 1 << 20  # non-JSON-RPC output tolerated on stdout, in all, before the end
 STDERR_BURST = 8 << 20  # stderr within STDERR_WINDOW past which an instance is ended
 STDERR_WINDOW = 10.0
-LOG_MAX_BYTES = 4 << 20  # a log file rotates past this (one previous kept)
 MAX_IN_FLIGHT = 64  # requests waiting on one instance
 READ_CHUNK = 64 * 1024
 START_TIMEOUT = 30.0  # initialize, at most
@@ -56,30 +55,6 @@ class RemoteError(SandboxRuntimeError):
     def __init__(self, error: dict[str, Any]) -> None:
         self.error = error
         super().__init__(str(error.get("message", "error")))
-
-
-class LogSink:
-    """An instance's stderr and the host's notes about it, in the server's log file on disk
-    (`<servers_dir>/logs/<name>.log`, rotated at LOG_MAX_BYTES), for the operator only."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-
-    def write(self, data: bytes) -> None:
-        if self.path is None:
-            return
-        try:
-            if self.path.exists() and self.path.stat().st_size > LOG_MAX_BYTES:
-                self.path.replace(self.path.with_suffix(".log.1"))
-            with open(self.path, "ab") as f:
-                f.write(data)
-        except OSError as exc:  # (a full disk: the instance goes on)
-            logger.debug("server log {} not written: {}", self.path, exc)
-
-    def note(self, text: str) -> None:
-        """A line of the host's own about this instance (start, stop, why it was ended)."""
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.write(f"[srt {stamp}] {text}\n".encode())
 
 
 class Instance:
@@ -173,6 +148,9 @@ class Instance:
         self._next_id += 1
         request_id = self._next_id
         params = with_own_token(params, request_id if listener is not None else None)
+        # (Encoded before anything is registered: a request that cannot be sent leaves
+        # nothing pending.)
+        data = _encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         outbox = Outbox(listener) if listener is not None else None
         if outbox is not None:
             self._listeners[request_id] = outbox
@@ -180,7 +158,6 @@ class Instance:
         self._pending[request_id] = future
         self.last_used = time.monotonic()
         limit = within if within is not None else self.call_timeout
-        data = _encode({"jsonrpc": "2.0", "id": request_id, "method": method, "params": params})
         written = taken = False
 
         def sent() -> None:
@@ -283,6 +260,9 @@ class Instance:
                     return
                 if self.ended is not None:
                     return
+                # (Lets callers' outboxes take what a burst of lines queued, as it comes:
+                # a chunk of many notifications would otherwise overrun them at once.)
+                await asyncio.sleep(0)
             if len(buffer) > self.max_message:
                 self._kill(f"it sent a message over {self.max_message // 1024} KiB")
                 return
@@ -425,7 +405,15 @@ class Instance:
 
 
 def _encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+    """One line of JSON. Raises InstanceError (what cannot be sent as JSON)."""
+    try:
+        text = json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+        try:
+            return text.encode() + b"\n"
+        except UnicodeEncodeError:  # (a lone surrogate, valid in JSON text: sent escaped)
+            return json.dumps(message, separators=(",", ":")).encode() + b"\n"
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InstanceError(f"the request cannot be sent as JSON ({type(exc).__name__})") from None
 
 
 def with_own_token(params: dict[str, Any] | None, token: int | None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ SHARED = ""  # the principal of a shared instance's owner
 CRASH_WINDOW = 300.0  # crashes this recent count toward the backoff
 MAX_HISTORIES = 4096  # instances whose crashes and last error are kept
 MAX_TOOL_LISTS = 512  # instances whose last tool list is kept
-MAX_TOOL_LIST_BYTES = 64 << 20  # those lists' JSON, in all
+MAX_TOOL_LIST_BYTES = 16 << 20  # those lists' JSON, in all (several times that as objects)
 
 Key = tuple[Owner, str]  # an instance: its state's owner and its server's name
 

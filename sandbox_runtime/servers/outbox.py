@@ -2,8 +2,9 @@
 logging for an instance that is not shared): queued for that caller and delivered by a task of
 its own, so the reader of the instance's output never waits on a caller, and a caller that
 does not read its stream holds up no one else. Bounded: past MAX_QUEUED_NOTIFICATIONS waiting,
-new ones are dropped and counted (each is a glimpse of progress; the answer always goes), as
-the cluster listener does for progress lines (sessions/listener.py)."""
+the oldest waiting is dropped for the new one and counted (each is a glimpse of progress, the
+newest the truest; the answer always goes), as the cluster listener bounds progress lines
+(sessions/listener.py)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ class Outbox:
         self._task = scoped(self._deliver_all())
 
     def put(self, message: dict[str, Any]) -> None:
-        try:
-            self.queue.put_nowait(message)
-        except asyncio.QueueFull:
+        if self.queue.full():
+            self.queue.get_nowait()
+            self.queue.task_done()
             self.dropped += 1
+        self.queue.put_nowait(message)
 
     async def flush(self, within: float) -> None:
         """Until what waits has been delivered, at most `within` seconds."""

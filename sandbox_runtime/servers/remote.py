@@ -28,11 +28,12 @@ from sandbox_runtime.servers.instance import (
     PROTOCOL_VERSION,
     START_TIMEOUT,
     InstanceError,
-    LogSink,
     Notify,
     RemoteError,
     with_own_token,
 )
+from sandbox_runtime.servers.log_sink import LogSink
+from sandbox_runtime.servers.outbox import NOTIFY_FLUSH, Outbox
 from sandbox_runtime.servers.sse import EventReader
 from sandbox_runtime.supervisor import Supervisor
 
@@ -119,11 +120,17 @@ class RemoteInstance:
         params = with_own_token(params, request_id if listener is not None else None)
         message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
         limit = within if within is not None else self.call_timeout
+        # (The caller's notifications wait in its own bounded queue: reading the remote's
+        # stream never waits on a caller that does not read.)
+        outbox = Outbox(listener) if listener is not None else None
         self._in_flight += 1
         self.last_used = time.monotonic()
         try:
             async with asyncio.timeout(limit):
-                return await self._post(message, request_id, listener)
+                result = await self._post(message, request_id, outbox)
+            if outbox is not None:  # (the caller's progress goes before its answer)
+                await outbox.flush(NOTIFY_FLUSH)
+            return result
         except TimeoutError:
             self._cancel(request_id, "timed out")
             raise InstanceError(
@@ -139,6 +146,8 @@ class RemoteInstance:
                 f"server {self.name} ({self.shown}): {self._scrub(f'{type(exc).__name__}: {exc}')}"
             ) from None
         finally:
+            if outbox is not None:
+                outbox.close(self.name)
             self._in_flight -= 1
             self.last_used = time.monotonic()
 
@@ -183,7 +192,7 @@ class RemoteInstance:
         return headers
 
     async def _post(
-        self, message: dict[str, Any], request_id: int, listener: Notify | None
+        self, message: dict[str, Any], request_id: int, outbox: Outbox | None
     ) -> dict[str, Any]:
         body = json.dumps(message, separators=(",", ":")).encode()
         request = self.http.build_request("POST", self.url, content=body, headers=self._headers())
@@ -219,7 +228,7 @@ class RemoteInstance:
                     raise InstanceError(f"server {self.name} sent a reply that is not JSON")
                 return self._result(answer, request_id)
             if kind == "text/event-stream":
-                return await self._from_stream(response, request_id, listener)
+                return await self._from_stream(response, request_id, outbox)
             raise InstanceError(
                 f"server {self.name} answered with {kind[:60] or 'no content type'}"
             )
@@ -227,7 +236,7 @@ class RemoteInstance:
             await response.aclose()
 
     async def _from_stream(
-        self, response: httpx2.Response, request_id: int, listener: Notify | None
+        self, response: httpx2.Response, request_id: int, outbox: Outbox | None
     ) -> dict[str, Any]:
         events = EventReader(self.max_message, f"server {self.name}")
         async for chunk in response.aiter_raw():
@@ -237,16 +246,23 @@ class RemoteInstance:
                     continue
                 if message.get("id") == request_id and "method" not in message:
                     return self._result(message, request_id)
-                if "method" in message and "id" not in message and listener is not None:
-                    with contextlib.suppress(Exception):
-                        await listener(message)
+                if "method" in message and "id" not in message and outbox is not None:
+                    outbox.put(message)
         raise InstanceError(f"server {self.name} ended its reply without an answer")
 
     def _result(self, answer: Any, request_id: int) -> dict[str, Any]:
         if not isinstance(answer, dict) or answer.get("id") != request_id:
             raise InstanceError(f"server {self.name} sent a malformed response")
         if isinstance(answer.get("error"), dict):
-            raise RemoteError(answer["error"])
+            error = dict(answer["error"])  # (its words may echo what it was sent: a key)
+            if isinstance(error.get("message"), str):
+                error["message"] = self._scrub(error["message"])
+            if "data" in error:
+                try:
+                    error["data"] = json.loads(self._scrub(json.dumps(error["data"])))
+                except (TypeError, ValueError, RecursionError):
+                    del error["data"]
+            raise RemoteError(error)
         if not isinstance(answer.get("result"), dict):
             raise InstanceError(f"server {self.name} sent a malformed response")
         return answer["result"]

@@ -41,7 +41,7 @@ class StubBudget:
     def write(self, path: Path, text: str, index: bool = False) -> bool:
         """Write `text` to `path` if the budget allows it (False: it did not). A server's
         index counts in bytes only (one a server: it says what was left out)."""
-        data = text.encode()
+        data = text.encode(errors="replace")  # (a lone surrogate from a hostile server)
         new = not index and not path.exists()
         if self.stopped.is_set() or len(data) > self.bytes or (new and self.files <= 0):
             return False
@@ -70,7 +70,12 @@ def write_stubs(
             name = str(tool.get("name", ""))
             if not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
                 continue
-            if not budget.write(directory / f"{name}.py", stub(server, tool, seen.get(name))):
+            try:
+                text = stub(server, tool, seen.get(name))
+            except Exception as exc:  # (a hostile tool's schema: that stub is left out)
+                logger.debug("stub {}.{} not written: {}", server, name, exc)
+                continue
+            if not budget.write(directory / f"{name}.py", text):
                 left_out += 1
                 continue
             summary = str(tool.get("description") or "").strip().splitlines()
@@ -93,7 +98,8 @@ def stub(server: str, tool: dict[str, Any], seen: str | None = None) -> str:
     schema: dict[str, Any] = raw if isinstance(raw, dict) else {}
     raw = schema.get("properties")
     properties: dict[str, Any] = raw if isinstance(raw, dict) else {}
-    required = set(schema.get("required") or [])
+    listed = schema.get("required")
+    required = {r for r in listed if isinstance(r, str)} if isinstance(listed, list) else set()
     params = []
     for arg, spec in list(properties.items())[:100]:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", str(arg)):
