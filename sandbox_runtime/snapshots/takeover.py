@@ -27,6 +27,7 @@ as before.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -50,6 +51,10 @@ TAKEOVER_ATTEMPTS = 3  # the newest snapshot and, if it cannot be restored, two 
 # epoch (it drains, or has not published again yet): past this and a record's lifetime, no
 # session can have lost its record with that beginning.
 EPOCH_LAG_SECONDS = 3600.0
+# A new session's pointer is looked up inside a worker's placement, which the api waits for
+# SANDBOX_PLACEMENT_WAIT_SECONDS (10 s): a store that hangs must not make every new session
+# miss it (the store's own timeout is 30 s); past this it starts empty, as when the store fails.
+POINTER_LOOKUP_SECONDS = 2.0
 EMPTY = "the session starts with an empty workspace"
 
 
@@ -128,10 +133,17 @@ async def lost_record(
     now = time.time()
     if now - store_began >= record_life + EPOCH_LAG_SECONDS:
         return None  # (no record lost when the store began would still be alive now)
-    try:
-        pointer = await snapshots.pointer(owner)
+    try:  # (inside a worker's placement: bounded well within the api's placement wait)
+        pointer = await asyncio.wait_for(snapshots.pointer(owner), POINTER_LOOKUP_SECONDS)
     except Exception as exc:  # (cannot tell: it starts empty, as a new session would)
-        logger.warning("a new session's snapshots could not be looked up: {}", exc)
+        why = (
+            f"no answer within {POINTER_LOOKUP_SECONDS:g} s"
+            if isinstance(exc, TimeoutError)
+            else exc
+        )
+        logger.warning(
+            "a new session's snapshots could not be looked up ({}); it starts empty", why
+        )
         return None
     if pointer is None:
         return None

@@ -1,0 +1,54 @@
+"""Snapshot lookups made on a session's path (a worker's placement): bounded in time whatever
+the store does. A real Snapshots on a real directory store whose pointer is a FIFO nobody
+writes: reading it blocks, as a hung shared filesystem or S3 endpoint would."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sandbox_runtime.domain.owner import Owner, workspace_name
+from sandbox_runtime.snapshots import takeover
+from sandbox_runtime.snapshots.service import Snapshots
+from sandbox_runtime.snapshots.stores import DirectoryStore
+
+pytestmark = pytest.mark.unit
+
+
+@contextlib.contextmanager
+def hanging_pointer(root: Path, snapshots: Snapshots, owner: Owner) -> Iterator[None]:
+    """The owner's pointer a FIFO: a read blocks until the end, which frees it (EOF)."""
+    fifo = root / snapshots.prefix_of(owner.principal) / "latest" / f"{workspace_name(owner)}.json"
+    fifo.parent.mkdir(parents=True)
+    os.mkfifo(fifo)
+    try:
+        yield
+    finally:  # (a reader blocked in a store thread gets EOF and ends)
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        fifo.unlink()
+
+
+async def test_a_new_sessions_pointer_lookup_that_hangs_ends_in_seconds_and_starts_empty(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    snapshots = Snapshots(
+        DirectoryStore(root, timeout=30),  # (the store's own timeout: past the placement wait)
+        None,  # type: ignore[arg-type]  # (a pointer lookup uses no workspace)
+        tmp_path / "staging",
+        CollectorRegistry(),
+    )
+    owner = Owner("alice", "s:one")
+    with hanging_pointer(root, snapshots, owner):
+        began = time.monotonic()
+        restored = await takeover.lost_record(snapshots, owner, "epoch-2", time.time() - 60, 3600)
+        took = time.monotonic() - began
+    assert restored is None  # (it starts empty, as when the store fails)
+    assert takeover.POINTER_LOOKUP_SECONDS <= took < takeover.POINTER_LOOKUP_SECONDS + 2, took
