@@ -1,6 +1,8 @@
-"""Snapshot lookups made on a session's path (a worker's placement): bounded in time whatever
-the store does. A real Snapshots on a real directory store whose pointer is a FIFO nobody
-writes: reading it blocks, as a hung shared filesystem or S3 endpoint would."""
+"""A session's newest-snapshot pointer on its own: looked up on a session's path (a worker's
+placement) within a bound whatever the store does (a pointer that is a FIFO nobody writes
+blocks a read, as a hung shared filesystem or S3 endpoint would); moved by a snapshot only
+while this replica is still the session's home. A real Snapshots on a real directory store,
+workspaces as plain directories."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.snapshots import takeover
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import DirectoryStore
+from sandbox_runtime.workspaces.store import WorkspaceStore
 
 pytestmark = pytest.mark.unit
 
@@ -52,3 +55,38 @@ async def test_a_new_sessions_pointer_lookup_that_hangs_ends_in_seconds_and_star
         took = time.monotonic() - began
     assert restored is None  # (it starts empty, as when the store fails)
     assert takeover.POINTER_LOOKUP_SECONDS <= took < takeover.POINTER_LOOKUP_SECONDS + 2, took
+
+
+async def test_a_snapshot_taken_once_this_replica_is_no_longer_home_does_not_move_the_pointer(
+    tmp_path: Path,
+) -> None:
+    """(A replica back from a freeze mid-upload: the session was taken over meanwhile.)"""
+    workspaces = WorkspaceStore(tmp_path / "ws", size_mb=16, inodes=256, quota="none",
+                                retention_seconds=3600)  # fmt: skip
+    workspaces.start(os.getuid(), os.getgid())
+    snapshots = Snapshots(
+        DirectoryStore(tmp_path / "store", timeout=30),
+        workspaces,
+        tmp_path / "staging",
+        CollectorRegistry(),
+    )
+    owner = Owner("alice", "s:one")
+    path, _ = await workspaces.ensure(workspace_name(owner), owner.principal)
+    (path / "a.txt").write_text("first")
+    first = await snapshots.take(owner, "manual")
+    assert (await snapshots.pointer(owner) or {}).get("snapshot_id") == first["snapshot_id"]
+    home = False
+
+    async def still_home(asked: Owner) -> bool:
+        assert asked == owner
+        return home
+
+    snapshots.still_home = still_home
+    (path / "a.txt").write_text("stale")
+    stale = await snapshots.take(owner, "manual")
+    assert stale["snapshot_id"] != first["snapshot_id"]
+    assert (await snapshots.pointer(owner) or {}).get("snapshot_id") == first["snapshot_id"]
+    home = True
+    newest = await snapshots.take(owner, "manual")
+    assert (await snapshots.pointer(owner) or {}).get("snapshot_id") == newest["snapshot_id"]
+    await workspaces.aclose()

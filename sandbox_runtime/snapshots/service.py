@@ -81,6 +81,10 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+async def _home_here(owner: Owner) -> bool:
+    return True  # (alone: every session's home)
+
+
 class Snapshots:
     """Takes and restores snapshots of this replica's sessions' workspaces."""
 
@@ -120,6 +124,10 @@ class Snapshots:
         # not known yet): in each pointer, so a record lost with the store can be told from
         # one that expired (takeover.lost_record).
         self.store_epoch = store_epoch
+        # Whether this replica is still the session's home (the composition root sets it: a
+        # shared store's record and this replica's heartbeat). A replica back from a freeze
+        # mid-upload must not move a session taken over meanwhile back to its stale snapshot.
+        self.still_home: Callable[[Owner], Awaitable[bool]] = _home_here
 
     @property
     def enabled(self) -> bool:
@@ -220,7 +228,15 @@ class Snapshots:
             await store.put(f"{prefix}/manifests/{snapshot_id}.z", body)
             meta = meta_of(snapshot_id, owner.session_id, trigger, captured, len(body))
             await store.put(f"{prefix}/meta/{snapshot_id}.json", json.dumps(meta).encode())
-            await self.point(store, owner, meta, used_at)
+            if await self.still_home(owner):
+                await self.point(store, owner, meta, used_at)
+            else:
+                logger.warning(
+                    "snapshot {} of a session taken ({}) is not made its newest: this "
+                    "replica's heartbeat lapsed or the session moved to another replica",
+                    snapshot_id,
+                    trigger,
+                )
         finally:
             with contextlib.suppress(SandboxRuntimeError):
                 await store.delete(pending)
