@@ -320,7 +320,7 @@ class Snapshots:
 
     async def own(
         self, owner: Owner, meta: dict[str, Any], trigger: str
-    ) -> Callable[[], Awaitable[None]]:
+    ) -> tuple[Callable[[], Awaitable[None]], dict[str, Any]]:
         """The session now holds what snapshot `meta` holds: see takeover.own."""
         return await own(self, owner, meta, trigger)
 

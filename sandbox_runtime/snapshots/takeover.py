@@ -167,16 +167,18 @@ async def _nothing() -> None:
 
 async def own(
     snapshots: Snapshots, owner: Owner, meta: dict[str, Any], trigger: str
-) -> Callable[[], Awaitable[None]]:
+) -> tuple[Callable[[], Awaitable[None]], dict[str, Any]]:
     """The session now holds what snapshot `meta` (of its principal) holds: give it a
     snapshot of its own with that content and make it the session's newest, unless its
     pointer names `meta` already. Returns what undoes that (when the change it was made for
-    failed). Raises StoreUnavailableError, ManifestError."""
+    failed), and the meta of the snapshot the session's pointer names now: the one to
+    restore from afterwards (the prune after the copy may have removed `meta`'s, the
+    source's). Raises StoreUnavailableError, ManifestError."""
     store = snapshots.need_store()
     prefix = snapshots.prefix_of(owner.principal)
     before = await snapshots.pointer(owner)
     if before is not None and before.get("snapshot_id") == meta["snapshot_id"]:
-        return _nothing
+        return _nothing, meta
     snapshot_id = f"snap-{secrets.token_hex(16)}"
     pending = f"{prefix}/pending/{snapshot_id}.json"
     copy = {**meta, "snapshot_id": snapshot_id, "session": owner.session_id,
@@ -210,4 +212,4 @@ async def own(
             await store.delete(f"{prefix}/meta/{snapshot_id}.json")
             await store.delete(f"{prefix}/manifests/{snapshot_id}.z")
 
-    return undo
+    return undo, copy

@@ -1,8 +1,9 @@
 """A session's newest-snapshot pointer on its own: looked up on a session's path (a worker's
 placement) within a bound whatever the store does (a pointer that is a FIFO nobody writes
 blocks a read, as a hung shared filesystem or S3 endpoint would); moved by a snapshot only
-while this replica is still the session's home. A real Snapshots on a real directory store,
-workspaces as plain directories."""
+while this replica is still the session's home; naming the session's own copy of a snapshot
+it was restored from, which stays restorable when retention removes the source. A real
+Snapshots on a real directory store, workspaces as plain directories."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.snapshots import takeover
+from sandbox_runtime.snapshots.manifest import ManifestError
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import DirectoryStore
 from sandbox_runtime.workspaces.store import WorkspaceStore
@@ -57,19 +59,20 @@ async def test_a_new_sessions_pointer_lookup_that_hangs_ends_in_seconds_and_star
     assert takeover.POINTER_LOOKUP_SECONDS <= took < takeover.POINTER_LOOKUP_SECONDS + 2, took
 
 
+def local_snapshots(tmp_path: Path, keep: int = 5) -> tuple[Snapshots, WorkspaceStore]:
+    workspaces = WorkspaceStore(tmp_path / "ws", size_mb=16, inodes=256, quota="none",
+                                retention_seconds=3600)  # fmt: skip
+    workspaces.start(os.getuid(), os.getgid())
+    store = DirectoryStore(tmp_path / "store", timeout=30)
+    registry = CollectorRegistry()
+    return Snapshots(store, workspaces, tmp_path / "staging", registry, keep=keep), workspaces
+
+
 async def test_a_snapshot_taken_once_this_replica_is_no_longer_home_does_not_move_the_pointer(
     tmp_path: Path,
 ) -> None:
     """(A replica back from a freeze mid-upload: the session was taken over meanwhile.)"""
-    workspaces = WorkspaceStore(tmp_path / "ws", size_mb=16, inodes=256, quota="none",
-                                retention_seconds=3600)  # fmt: skip
-    workspaces.start(os.getuid(), os.getgid())
-    snapshots = Snapshots(
-        DirectoryStore(tmp_path / "store", timeout=30),
-        workspaces,
-        tmp_path / "staging",
-        CollectorRegistry(),
-    )
+    snapshots, workspaces = local_snapshots(tmp_path)
     owner = Owner("alice", "s:one")
     path, _ = await workspaces.ensure(workspace_name(owner), owner.principal)
     (path / "a.txt").write_text("first")
@@ -89,4 +92,33 @@ async def test_a_snapshot_taken_once_this_replica_is_no_longer_home_does_not_mov
     home = True
     newest = await snapshots.take(owner, "manual")
     assert (await snapshots.pointer(owner) or {}).get("snapshot_id") == newest["snapshot_id"]
+    await workspaces.aclose()
+
+
+async def test_a_restored_sessions_own_copy_stays_restorable_when_retention_removes_the_source(
+    tmp_path: Path,
+) -> None:
+    """restore_session of the session's older snapshot: `own` copies it, and the prune after
+    the copy (two kept per session here) removes the source. What own returns is the copy,
+    from which the restore that follows a failed adopt (a mount cap) writes the files."""
+    snapshots, workspaces = local_snapshots(tmp_path, keep=2)
+    owner = Owner("alice", "s:one")
+    path, _ = await workspaces.ensure(workspace_name(owner), owner.principal)
+    (path / "a.txt").write_text("restored")
+    source = await snapshots.take(owner, "manual")
+    meta = await snapshots.meta(owner.principal, source["snapshot_id"])
+    (path / "a.txt").write_text("newer")  # (so the session's pointer names another)
+    await snapshots.take(owner, "manual")
+    _, held = await snapshots.own(owner, meta, "on_demand")
+    assert (
+        held["snapshot_id"] != meta["snapshot_id"] and held["from_snapshot"] == meta["snapshot_id"]
+    )
+    assert (await snapshots.pointer(owner) or {}).get("snapshot_id") == held["snapshot_id"]
+    await workspaces.remove(workspace_name(owner))
+    with pytest.raises(ManifestError):  # (the source is gone: pruned)
+        await snapshots.restore(owner, meta, "on_demand")
+    applied = await snapshots.restore(owner, held, "on_demand")
+    assert applied.files == 1
+    path, _ = await workspaces.ensure(workspace_name(owner), owner.principal)
+    assert (path / "a.txt").read_text() == "restored"
     await workspaces.aclose()
