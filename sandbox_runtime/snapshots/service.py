@@ -144,7 +144,7 @@ class Snapshots:
         limit = quota if usable is None else max(0, min(quota, usable))
         return Bounds(limit, max(1, self.workspaces.inodes))
 
-    def _deadline(self) -> float:
+    def deadline(self) -> float:
         """The event loop's time by which a restore (or a wait for a slot) must be done."""
         return asyncio.get_running_loop().time() + self.restore_seconds
 
@@ -193,7 +193,7 @@ class Snapshots:
         try:
             async with self._lock(name):
                 await self.settled(owner)  # (before a slot: the restore it waits for needs one)
-                async with self._slots.hold(owner.principal, self._deadline()):
+                async with self._slots.hold(owner.principal, self.deadline()):
                     meta = await self._take(store, owner, name, trigger)
             outcome = "ok"
             return meta
@@ -386,19 +386,25 @@ class Snapshots:
     # -- restoring ---------------------------------------------------------------------------
 
     async def restore(
-        self, owner: Owner, meta: dict[str, Any], trigger: str, into: str | None = None
+        self,
+        owner: Owner,
+        meta: dict[str, Any],
+        trigger: str,
+        into: str | None = None,
+        deadline: float | None = None,
     ) -> Applied:
         """Restore snapshot `meta` (of the owner's principal) into the owner's workspace (or
         workspace `into`), which must be empty and unused (a gate held). On failure it is
         left empty and the error raised: ManifestError (corrupt, missing object, more than
         the workspace holds), StoreUnavailableError, SlotsBusyError. Waiting for a slot and
-        fetching are both within the restore's deadline."""
+        fetching are both within the restore's deadline (`deadline`, the event loop's time:
+        one shared by several attempts; None: restore_seconds from now)."""
         store = self.need_store()
         name = into or workspace_name(owner)
         staging = self.staging / secrets.token_hex(8)
         prefix = self.prefix_of(owner.principal)
         outcome = "failed"
-        deadline = self._deadline()
+        deadline = self.deadline() if deadline is None else deadline
         try:
             async with self._slots.hold(owner.principal, deadline):
                 applied = await self._restore(store, owner, meta, name, prefix, staging, deadline)

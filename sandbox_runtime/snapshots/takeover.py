@@ -2,11 +2,11 @@
 newest snapshot (what its newest-snapshot pointer names).
 
 A newest snapshot that cannot be restored (corrupt, incomplete, more than this workspace can
-hold) gives way to the next older snapshot of the session, up to TAKEOVER_ATTEMPTS in all;
-the reset then names the one restored (`restored_from`) and says why the newer failed
-(`newest_failed`), and the one restored becomes the session's newest. A store that does not
-answer, or no slot within the deadline, ends the takeover at once: an older snapshot would
-fare no better, and the caller is waiting.
+hold) gives way to the next older snapshot of the session, up to TAKEOVER_ATTEMPTS in all,
+within one restore deadline; the reset then names the one restored (`restored_from`) and says
+why the newer failed (`newest_failed`), and the one restored becomes the session's newest.
+A store that does not answer, or no slot within the deadline, ends the takeover at once: an
+older snapshot would fare no better, and the caller is waiting.
 
 Whatever changes what a session holds (a restore, a fork into it, a takeover from an older
 snapshot) gives it a snapshot of its own holding that (`own`): a copy of the restored
@@ -72,10 +72,11 @@ async def take_over(snapshots: Snapshots, owner: Owner) -> dict[str, Any]:
     failures: list[str] = []
     tried: list[str] = []
     meta: dict[str, Any] | None = newest
+    deadline = snapshots.deadline()  # (one for all the attempts: the caller is waiting)
     while meta is not None:
         tried.append(meta["snapshot_id"])
         try:
-            applied = await snapshots.restore(owner, meta, "takeover")
+            applied = await snapshots.restore(owner, meta, "takeover", deadline=deadline)
         except ManifestError as exc:  # this snapshot cannot be restored: an older one may
             failures.append(f"snapshot {meta['snapshot_id']}: {exc}")
             logger.warning("a session's snapshot {} could not be restored: {}",
