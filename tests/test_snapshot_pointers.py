@@ -2,13 +2,15 @@
 placement) within a bound whatever the store does (a pointer that is a FIFO nobody writes
 blocks a read, as a hung shared filesystem or S3 endpoint would); moved by a snapshot only
 while this replica is still the session's home; naming the session's own copy of a snapshot
-it was restored from, which stays restorable when retention removes the source. A real
-Snapshots on a real directory store, workspaces as plain directories."""
+it was restored from, which stays restorable when retention removes the source; a takeover's
+attempts within one restore deadline. A real Snapshots on a real directory store, workspaces
+as plain directories."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,13 +61,23 @@ async def test_a_new_sessions_pointer_lookup_that_hangs_ends_in_seconds_and_star
     assert takeover.POINTER_LOOKUP_SECONDS <= took < takeover.POINTER_LOOKUP_SECONDS + 2, took
 
 
-def local_snapshots(tmp_path: Path, keep: int = 5) -> tuple[Snapshots, WorkspaceStore]:
+def local_snapshots(
+    tmp_path: Path, keep: int = 5, restore_seconds: float = 120.0
+) -> tuple[Snapshots, WorkspaceStore]:
     workspaces = WorkspaceStore(tmp_path / "ws", size_mb=16, inodes=256, quota="none",
                                 retention_seconds=3600)  # fmt: skip
     workspaces.start(os.getuid(), os.getgid())
     store = DirectoryStore(tmp_path / "store", timeout=30)
     registry = CollectorRegistry()
-    return Snapshots(store, workspaces, tmp_path / "staging", registry, keep=keep), workspaces
+    snapshots = Snapshots(
+        store,
+        workspaces,
+        tmp_path / "staging",
+        registry,
+        keep=keep,
+        restore_seconds=restore_seconds,
+    )
+    return snapshots, workspaces
 
 
 async def test_a_snapshot_taken_once_this_replica_is_no_longer_home_does_not_move_the_pointer(
@@ -121,4 +133,58 @@ async def test_a_restored_sessions_own_copy_stays_restorable_when_retention_remo
     assert applied.files == 1
     path, _ = await workspaces.ensure(workspace_name(owner), owner.principal)
     assert (path / "a.txt").read_text() == "restored"
+    await workspaces.aclose()
+
+
+def slow_corrupt(fifo: Path, after: float, stop: threading.Event) -> None:
+    """Once a reader opened `fifo`, answer it `after` seconds later with bytes that are no
+    manifest (a store that is slow, then corrupt)."""
+    while not stop.is_set():
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # (ENXIO: no reader yet)
+            stop.wait(0.02)
+            continue
+        stop.wait(after)
+        with contextlib.suppress(OSError):
+            os.write(fd, b"not a manifest")
+        os.close(fd)
+        return
+
+
+async def test_a_takeovers_attempts_share_one_restore_deadline(tmp_path: Path) -> None:
+    """The two newest snapshots each fail after 1.5 s; the restore deadline is 2.5 s. One
+    deadline for all attempts: the second ends at 2.5 s in all and the takeover says so (a
+    deadline for each let it go on to the third, holding its caller past the deadline)."""
+    snapshots, workspaces = local_snapshots(tmp_path, restore_seconds=2.5)
+    owner = Owner("alice", "s:one")
+    path, _ = await workspaces.ensure(workspace_name(owner), owner.principal)
+    taken = []
+    for i in range(3):
+        (path / "a.txt").write_text(f"v{i}")
+        taken.append((await snapshots.take(owner, "manual"))["snapshot_id"])
+    await workspaces.remove(workspace_name(owner))
+    await workspaces.ensure(workspace_name(owner), owner.principal)
+    manifests = tmp_path / "store" / snapshots.prefix_of(owner.principal) / "manifests"
+    stop = threading.Event()
+    writers = []
+    for snapshot_id in taken[1:]:
+        fifo = manifests / f"{snapshot_id}.z"
+        fifo.unlink()
+        os.mkfifo(fifo)
+        writers.append(threading.Thread(target=slow_corrupt, args=(fifo, 1.5, stop)))
+    for writer in writers:
+        writer.start()
+    try:
+        began = time.monotonic()
+        result = await takeover.take_over(snapshots, owner)
+        took = time.monotonic() - began
+    finally:
+        stop.set()
+        for writer in writers:
+            writer.join(10)
+    assert "restore_failed" in result and "restored_from" not in result, result
+    assert f"snapshot {taken[2]}: the manifest of {taken[2]} is corrupt" in result["restore_failed"]
+    assert "could not be restored within 2.5 s" in result["restore_failed"], result
+    assert took < 2.5 + 1, took
     await workspaces.aclose()
