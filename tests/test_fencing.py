@@ -327,3 +327,33 @@ async def test_a_worker_whose_id_was_taken_while_it_was_frozen_serves_nothing_af
             result = await conn.ok("list_files", session=session)
             assert home_of(split, session) == rid(old)
             assert result.get("session_reset", {}).get("reason") in (None, "workspace_removed")
+
+
+async def test_a_worker_frozen_while_redis_restarted_empty_drops_a_session_homed_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """Redis emptied (a restart without persistence) while a worker is frozen; the session is
+    placed anew on the other worker. The frozen one resumes into a new store epoch: it finds
+    the session's record naming the other home and stops what it ran for it (one live home)."""
+    with running_split(tmp_path, apis=1) as split:
+        async with open_client(split.apis[0].url, TOKEN, "auto") as conn:
+            session, marker = unique("epoch"), unique("epoch-mark")
+            await conn.ok("write_file", path="a.txt", content="a", session=session)
+            victim = next(w for w in split.workers if rid(w) == home_of(split, session))
+            survivor = next(w for w in split.workers if w is not victim)
+            loop = "while :; do sleep 0.2; done"
+            await conn.ok("execute_code_async", command=f"sh -c '{loop}' {marker}", session=session)
+            await eventually(lambda: processes_with(marker), 15, "the execution's process")
+            log_at = victim.log_size()
+            with frozen(victim):
+                split.redis.cli("flushall")  # (as Redis restarted empty)
+                await eventually(
+                    lambda: heartbeat(split, rid(survivor)), 15, "the survivor beating again"
+                )
+                moved = await rehome(conn, session, "echo here")
+                assert stdout_of(moved) == "here\n", moved
+                assert home_of(split, session) == rid(survivor)
+            await eventually(lambda: not processes_with(marker), 20, "the old execution stopped")
+            log = victim.log_since(log_at, 2000)
+            assert f"fenced: session s:{session} moved to replica {rid(survivor)}" in log, log
+            assert home_of(split, session) == rid(survivor)

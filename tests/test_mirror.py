@@ -1,14 +1,20 @@
-"""The mirror's reaction to a store that lost what it wrote (its heartbeat gone)."""
+"""The mirror's reaction to a store that lost what it wrote (its heartbeat gone), and to a
+replica id whose heartbeat is another process's."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from mcp_harness import eventually
+from redis_harness import RedisServer
 
 from sandbox_runtime.sessions.mirror import Mirror
+from sandbox_runtime.state.keys import Keys
+from sandbox_runtime.state.redis_store import RedisStore
 from sandbox_runtime.state.store import MemoryStore
 
 
@@ -83,3 +89,62 @@ async def test_coming_back_after_an_outage_runs_the_loss_hooks_once() -> None:
         await eventually(lambda: mirror.connected, 5, "reconnected")
         await asyncio.sleep(0.2)
         assert calls == [1]
+
+
+def beat_of(incarnation: str) -> dict[str, Any]:
+    return {"replica_id": "w1", "incarnation": incarnation, "last_seen": time.time()}
+
+
+@contextlib.asynccontextmanager
+async def restarted_while_redis_is_slow(redis_server: RedisServer) -> AsyncIterator[Mirror]:
+    """A new process (incarnation `new`) of replica w1 whose first contact with the store
+    times out (Redis paused), then beats every 50 ms (heartbeat TTL 2 s)."""
+    store = RedisStore(redis_server.url, timeout=0.3)
+    mirror = Mirror(
+        store,
+        "w1",
+        session_key=lambda e: "alice:s",
+        heartbeat_payload=lambda: beat_of("new"),
+        heartbeat_ttl=2,
+    )
+    mirror.heartbeat_interval = 0.05
+    redis_server.cli("CLIENT", "PAUSE", "700", "ALL")
+    await mirror.take_id()  # (times out: serves, beats later)
+    assert not mirror.connected and not mirror.beaten.is_set() and mirror.evicted is None
+    mirror.start()
+    try:
+        yield mirror
+    finally:
+        await mirror.stop()
+        redis_server.cli("DEL", Keys().replica("w1"))
+
+
+async def test_a_restart_whose_first_contact_fails_takes_the_id_when_the_dead_ones_beat_expires(
+    redis_server: RedisServer,
+) -> None:
+    """SIGKILLed and restarted at once: the dead process's heartbeat (TTL 2 s) refuses the
+    first beats, then expires; the new process is not fenced by it."""
+    dead = RedisStore(redis_server.url)
+    await dead.heartbeat("w1", beat_of("dead"), 2)
+    async with restarted_while_redis_is_slow(redis_server) as mirror:
+        await eventually(lambda: mirror.beaten.is_set(), 10, "the id taken")
+        assert mirror.evicted is None and mirror.connected
+        assert (await dead.replica_beat("w1") or {}).get("incarnation") == "new"
+    await dead.aclose()
+
+
+async def test_a_restart_whose_first_contact_fails_is_refused_while_the_id_is_renewed(
+    redis_server: RedisServer,
+) -> None:
+    """Another live process beats under the same id: refused (fenced), the other unharmed."""
+    live = RedisStore(redis_server.url)
+    await live.heartbeat("w1", beat_of("live"), 2)
+    async with restarted_while_redis_is_slow(redis_server) as mirror:
+        deadline = time.monotonic() + 10
+        while mirror.evicted is None and time.monotonic() < deadline:
+            await live.heartbeat("w1", beat_of("live"), 2)  # (the live one renews its beat)
+            await asyncio.sleep(0.1)
+        assert mirror.evicted is not None and "in use by another live process" in mirror.evicted
+        assert not mirror.beaten.is_set()
+        assert (await live.replica_beat("w1") or {}).get("incarnation") == "live"
+    await live.aclose()

@@ -322,3 +322,36 @@ def test_an_unknown_error_name_is_the_root_error() -> None:
     assert type(raised.value) is SandboxRuntimeError
     with pytest.raises(SandboxRuntimeError, match="refused"):
         raise_error_reply({})
+
+
+# -- MACs that are not hex: a forger's choice --------------------------------------------------
+
+
+NOT_ASCII = ["é" * 64, "\u00ff" * 64, "mac\u0100"]
+
+
+@pytest.mark.parametrize("mac", NOT_ASCII)
+def test_a_call_whose_head_mac_is_not_ascii_is_refused(mac: str) -> None:
+    """(The header is decoded latin-1: any byte reaches the check.)"""
+    fields = parts(sign(signer("b")))
+    fields[5] = mac
+    with pytest.raises(SignatureError, match="bad signature"):
+        verify(signer("a"), ",".join(fields))
+
+
+@pytest.mark.parametrize("mac", NOT_ASCII)
+def test_a_call_whose_body_mac_is_not_ascii_is_refused(mac: str) -> None:
+    fields = parts(sign(signer("b")))
+    fields[6] = mac
+    verifier = signer("a")
+    proof = verifier.check_call_head(",".join(fields), "POST", PATH, len(BODY))
+    with pytest.raises(SignatureError, match="not the one signed"):
+        verifier.check_call_body(proof, BODY)
+
+
+@pytest.mark.parametrize("mac", NOT_ASCII)
+def test_a_placement_or_answer_whose_mac_is_not_ascii_is_refused(mac: str) -> None:
+    with pytest.raises(SignatureError, match="placement"):
+        signer("a").verify_placement(("bob", "s:one", "r", "1.5", "10", "api1"), mac)
+    with pytest.raises(SignatureError, match="answer"):
+        signer("b").verify_answer("a", "f" * 32, b"{}", mac)

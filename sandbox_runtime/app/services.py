@@ -66,6 +66,10 @@ from sandbox_runtime.snapshots.triggers import Triggers
 from sandbox_runtime.supervisor import Supervisor
 from sandbox_runtime.workspaces.store import WorkspaceStore, loop_devices_under
 
+# Asking the shared store whether this replica is still a session's home before its snapshot
+# becomes the session's newest.
+HOME_CHECK_SECONDS = 5.0
+
 
 class Closing:
     """The parts' closes, newest first, run once: by the signal handler's stop or by the
@@ -249,6 +253,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         if queue is not None:
             closing.add(queue.redis.aclose)
         router = Router(settings, parts, cluster, queue if settings.role == "api" else None)
+        snapshots.still_home = _still_home(cluster, router)
         triggers = Triggers(
             snapshots,
             lambda: [owner for _, owner in router.placements.homed_at(settings.replica_id)],
@@ -286,6 +291,26 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
         yield services
+
+
+def _still_home(cluster: LocalCluster, router: Router) -> Callable[[Owner], Awaitable[bool]]:
+    """Whether this replica is still a session's home, before its snapshot becomes the
+    session's newest: not once its heartbeat lapsed (others may have taken the session) or
+    its id is another process's; else as the shared store's record says (the store down or
+    slow: the home it last knew, this one, as for any call it serves without the store)."""
+    mirror = cluster.mirror if isinstance(cluster, RedisCluster) else None
+
+    async def still_home(owner: Owner) -> bool:
+        if cluster.evicted is not None or (mirror is not None and mirror.lapsed()):
+            return False
+        if not cluster.shared:
+            return True
+        try:
+            return await asyncio.wait_for(router.fence.is_home(owner), HOME_CHECK_SECONDS)
+        except Exception:
+            return True
+
+    return still_home
 
 
 def _store_epoch(cluster: LocalCluster) -> Callable[[], str | None]:

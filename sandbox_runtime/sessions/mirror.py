@@ -6,7 +6,8 @@ have taken its sessions and marked its executions lost. Then it holds every writ
 loss hook (`on_store_lost`: the epoch watch) has found out what was taken, stopped it
 (sessions/fence.py) and called `release()`; and the store refuses, per execution, what it must
 no longer write (`Written.fenced`, handed to `on_fenced`). A heartbeat refused because another
-process holds the replica id (`on_evicted`) ends all writing for good.
+process holds the replica id (`on_evicted`) ends all writing for good, once this process
+held it: before, a heartbeat of another incarnation may be a dead predecessor's, which expires.
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ class Mirror:
         self._started = False
         self._stopping = False
         self._reached = False  # a heartbeat or write of ours reached the store once
+        # A heartbeat of ours was in the store once: this process held the id (a heartbeat
+        # refused from then on means another process took it). While it was not yet: the
+        # other incarnation's heartbeat first seen, and until when it may live (`_contested`).
+        self._held_id = False
+        self._contest_seen: dict[str, Any] | None = None
+        self._contest_until = 0.0
         # Set once this process's heartbeat is in the store (it replaced an earlier process's).
         self.beaten = asyncio.Event()
         # (monotonic) when the last heartbeat that reached the store was sent: it lives at
@@ -192,11 +199,12 @@ class Mirror:
             return False
         if written.fenced:
             self._refused(written.fenced)
-        if self._reached and written.beat_restored:
+        if self._held_id and written.beat_restored:
             self._hold("this replica's heartbeat was gone")
         elif self._reached and not self.connected:
             self._store_lost_data("back after an outage")
         self._reached = True
+        self._held_id |= written.beat_restored  # (ours now, where none was)
         self._set_connected(True)
         stored = written.stored
         now = time.time()
@@ -342,15 +350,11 @@ class Mirror:
 
     async def take_id(self, margin: float = TAKE_ID_MARGIN_SECONDS) -> None:
         """Publish this process's first heartbeat: a compare-and-set on its incarnation. While
-        the id's heartbeat is another incarnation's, wait: a process that died leaves one that
-        expires within a heartbeat TTL; one that is renewed meanwhile is a live process with
-        the same id, and this start is refused. (The store down: the heartbeat loop beats
-        later, and the same compare-and-set fences whichever process comes second.)
+        the id's heartbeat is another incarnation's, wait (see `_contested`). (The store down:
+        the heartbeat loop beats later, and waits the same way before it refuses.)
 
         Raises ReplicaIdInUseError.
         """
-        deadline = time.monotonic() + self.heartbeat_ttl + margin
-        seen: dict[str, Any] | None = None
         while True:
             sent = time.monotonic()
             try:
@@ -358,32 +362,46 @@ class Mirror:
                     self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
                 )
             except ReplicaIdInUseError as exc:
-                try:
-                    theirs = await self.store.replica_beat(self.replica_id)
-                except Exception:  # (the store failed between the two: try again)
-                    theirs = seen
-                if seen is not None and theirs is not None and theirs != seen:
-                    raise exc from None  # renewed while this one waited: alive
-                if time.monotonic() >= deadline:
+                if await self._contested(exc, margin):
                     raise exc from None
-                if seen is None:
-                    logger.warning(
-                        "replica id {} has a live heartbeat of another process; waiting up "
-                        "to {} s for it to expire (it died) or be renewed (refused)",
-                        self.replica_id,
-                        self.heartbeat_ttl,
-                    )
-                seen = theirs or {}
                 await asyncio.sleep(TAKE_ID_POLL_SECONDS)
                 continue
             except Exception as exc:  # the store is down: serve, beat later
                 self._set_connected(False, exc)
                 return
-            self.last_contact = sent
-            self._reached = True
-            self._set_connected(True)
-            self.beaten.set()
+            self._took(sent)
             return
+
+    async def _contested(self, exc: ReplicaIdInUseError, margin: float) -> bool:
+        """The id's heartbeat is another incarnation's and this process never held the id:
+        whether to refuse it now. A process that died leaves a heartbeat that expires within
+        a heartbeat TTL (then this one takes the id); one renewed while this one waits, or
+        still there after a TTL, is a live process with the same id."""
+        try:
+            theirs = await self.store.replica_beat(self.replica_id)
+        except Exception:  # (the store failed between the two: try again)
+            theirs = self._contest_seen
+        if self._contest_seen is None:
+            logger.warning(
+                "replica id {} has a live heartbeat of another process; waiting up to {} s "
+                "for it to expire (it died) or be renewed (refused)",
+                self.replica_id,
+                self.heartbeat_ttl,
+            )
+            self._contest_seen = theirs or {}
+            self._contest_until = time.monotonic() + self.heartbeat_ttl + margin
+            self._set_connected(False, exc)
+            return False
+        renewed = theirs is not None and theirs != self._contest_seen
+        return renewed or time.monotonic() >= self._contest_until
+
+    def _took(self, sent: float) -> None:
+        """A heartbeat of this process's reached the store (holding the id from now on)."""
+        self.last_contact = sent
+        self._held_id = self._reached = True
+        self._contest_seen = None
+        self._set_connected(True)
+        self.beaten.set()
 
     async def beat(self) -> bool:
         """Publish the heartbeat once; whether it reached the store. Noticing that the store
@@ -396,20 +414,20 @@ class Mirror:
             existed = await self.store.heartbeat(
                 self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl
             )
-        except ReplicaIdInUseError as exc:  # another process took this id meanwhile
-            self._evict(exc)
+        except ReplicaIdInUseError as exc:
+            # Held once: another process took this id meanwhile. Never held (the store failed
+            # take_id): maybe a dead predecessor's heartbeat, expiring within a TTL.
+            if self._held_id or await self._contested(exc, TAKE_ID_MARGIN_SECONDS):
+                self._evict(exc)
             return False
         except Exception as exc:  # Redis down: keep serving, retry next beat
             self._set_connected(False, exc)
             return False
-        self.last_contact = sent
-        if self._reached and not existed:
+        if self._held_id and not existed:
             self._hold("this replica's heartbeat was gone")
         elif self._reached and not self.connected:
             self._store_lost_data("back after an outage")
-        self._reached = True
-        self._set_connected(True)
-        self.beaten.set()
+        self._took(sent)
         if self._dirty:
             self._wake.set()
         return True

@@ -182,6 +182,8 @@ class Router:
                     owner.session_id,
                     found.record.home,
                 )
+            # What still runs here for it would make two live homes: stopped (fence.py).
+            await self.fence.drop(owner, f"moved to replica {found.record.home} (store lost)")
         return False
 
     async def _check_workspace(self, owner: Owner) -> SessionReset | None:

@@ -144,7 +144,7 @@ class ClusterSigner:
         expected = self._mac(
             "call-v2", self.replica_id, incarnation, method, path, issued, nonce, sent_length
         )
-        if not hmac.compare_digest(expected, head):
+        if not _same(expected, head):
             raise SignatureError("bad signature")
         # Genuine from here on: what is wrong with it can be told to the caller.
         if incarnation != self.incarnation:
@@ -158,7 +158,7 @@ class ClusterSigner:
     def check_call_body(self, proof: CallProof, body: bytes) -> None:
         """Raises SignatureError unless `body` is the one the head's proof was made with."""
         expected = self._mac("body-v2", proof.head, hashlib.sha256(body).digest())
-        if proof.body_mac == "-" or not hmac.compare_digest(expected, proof.body_mac):
+        if proof.body_mac == "-" or not _same(expected, proof.body_mac):
             raise SignatureError("the body is not the one signed")
 
     # -- placement requests ---------------------------------------------------------------------
@@ -169,7 +169,7 @@ class ClusterSigner:
 
     def verify_placement(self, parts: tuple[str, ...], mac: str) -> None:
         """Raises SignatureError unless `mac` is sign_placement's proof of `parts`."""
-        if not hmac.compare_digest(self._mac("placement-v1", *parts), mac):
+        if not _same(self._mac("placement-v1", *parts), mac):
             raise SignatureError("a placement request without a valid proof")
 
     def sign_answer(self, nonce: str, answer: bytes) -> str:
@@ -178,8 +178,15 @@ class ClusterSigner:
 
     def verify_answer(self, home: str, nonce: str, answer: bytes, mac: str) -> None:
         """Raises SignatureError unless replica `home` sent `answer` to our call `nonce`."""
-        if not hmac.compare_digest(self._mac("answer-v1", home, nonce, answer), mac):
+        if not _same(self._mac("answer-v1", home, nonce, answer), mac):
             raise SignatureError("an answer without a valid proof")
+
+
+def _same(expected: str, given: str) -> bool:
+    """Whether a MAC sent (any text: a header decoded latin-1, a field from Redis) is the one
+    expected, in constant time. As bytes: compare_digest raises TypeError for a str that is
+    not ASCII, which a forger chooses."""
+    return hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace"))
 
 
 def nonce_of(header: str) -> str:

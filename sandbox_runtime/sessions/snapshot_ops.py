@@ -56,7 +56,8 @@ async def restore(
         applied = await snapshots.restore(owner, meta, trigger, temp)
         undo = None
         try:
-            undo = await snapshots.own(owner, meta, trigger)
+            # (`held`: the session's own copy of `meta`, which the prune after it keeps.)
+            undo, held = await snapshots.own(owner, meta, trigger)
             stopped = parts.interpreters.forget_owner(owner, "restored")
             deadline = time.monotonic() + IN_USE_WAIT_SECONDS
             while name in workspaces.in_use() and time.monotonic() < deadline:  # noqa: ASYNC110
@@ -67,7 +68,7 @@ async def restore(
                 await workspaces.remove(name)
             if not await workspaces.adopt(temp, name, owner.principal):
                 # (a mount cap): the snapshot is written again where the session's files were
-                applied = await snapshots.restore(owner, meta, trigger)
+                applied = await snapshots.restore(owner, held, trigger)
         except BaseException:
             if undo is not None:  # (the session holds what it held: so does its pointer)
                 await asyncio.shield(undo())

@@ -81,6 +81,10 @@ def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+async def _home_here(owner: Owner) -> bool:
+    return True  # (alone: every session's home)
+
+
 class Snapshots:
     """Takes and restores snapshots of this replica's sessions' workspaces."""
 
@@ -120,6 +124,10 @@ class Snapshots:
         # not known yet): in each pointer, so a record lost with the store can be told from
         # one that expired (takeover.lost_record).
         self.store_epoch = store_epoch
+        # Whether this replica is still the session's home (the composition root sets it: a
+        # shared store's record and this replica's heartbeat). A replica back from a freeze
+        # mid-upload must not move a session taken over meanwhile back to its stale snapshot.
+        self.still_home: Callable[[Owner], Awaitable[bool]] = _home_here
 
     @property
     def enabled(self) -> bool:
@@ -136,7 +144,7 @@ class Snapshots:
         limit = quota if usable is None else max(0, min(quota, usable))
         return Bounds(limit, max(1, self.workspaces.inodes))
 
-    def _deadline(self) -> float:
+    def deadline(self) -> float:
         """The event loop's time by which a restore (or a wait for a slot) must be done."""
         return asyncio.get_running_loop().time() + self.restore_seconds
 
@@ -185,7 +193,7 @@ class Snapshots:
         try:
             async with self._lock(name):
                 await self.settled(owner)  # (before a slot: the restore it waits for needs one)
-                async with self._slots.hold(owner.principal, self._deadline()):
+                async with self._slots.hold(owner.principal, self.deadline()):
                     meta = await self._take(store, owner, name, trigger)
             outcome = "ok"
             return meta
@@ -220,7 +228,15 @@ class Snapshots:
             await store.put(f"{prefix}/manifests/{snapshot_id}.z", body)
             meta = meta_of(snapshot_id, owner.session_id, trigger, captured, len(body))
             await store.put(f"{prefix}/meta/{snapshot_id}.json", json.dumps(meta).encode())
-            await self.point(store, owner, meta, used_at)
+            if await self.still_home(owner):
+                await self.point(store, owner, meta, used_at)
+            else:
+                logger.warning(
+                    "snapshot {} of a session taken ({}) is not made its newest: this "
+                    "replica's heartbeat lapsed or the session moved to another replica",
+                    snapshot_id,
+                    trigger,
+                )
         finally:
             with contextlib.suppress(SandboxRuntimeError):
                 await store.delete(pending)
@@ -304,7 +320,7 @@ class Snapshots:
 
     async def own(
         self, owner: Owner, meta: dict[str, Any], trigger: str
-    ) -> Callable[[], Awaitable[None]]:
+    ) -> tuple[Callable[[], Awaitable[None]], dict[str, Any]]:
         """The session now holds what snapshot `meta` holds: see takeover.own."""
         return await own(self, owner, meta, trigger)
 
@@ -370,19 +386,25 @@ class Snapshots:
     # -- restoring ---------------------------------------------------------------------------
 
     async def restore(
-        self, owner: Owner, meta: dict[str, Any], trigger: str, into: str | None = None
+        self,
+        owner: Owner,
+        meta: dict[str, Any],
+        trigger: str,
+        into: str | None = None,
+        deadline: float | None = None,
     ) -> Applied:
         """Restore snapshot `meta` (of the owner's principal) into the owner's workspace (or
         workspace `into`), which must be empty and unused (a gate held). On failure it is
         left empty and the error raised: ManifestError (corrupt, missing object, more than
         the workspace holds), StoreUnavailableError, SlotsBusyError. Waiting for a slot and
-        fetching are both within the restore's deadline."""
+        fetching are both within the restore's deadline (`deadline`, the event loop's time:
+        one shared by several attempts; None: restore_seconds from now)."""
         store = self.need_store()
         name = into or workspace_name(owner)
         staging = self.staging / secrets.token_hex(8)
         prefix = self.prefix_of(owner.principal)
         outcome = "failed"
-        deadline = self._deadline()
+        deadline = self.deadline() if deadline is None else deadline
         try:
             async with self._slots.hold(owner.principal, deadline):
                 applied = await self._restore(store, owner, meta, name, prefix, staging, deadline)

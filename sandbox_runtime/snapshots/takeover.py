@@ -2,11 +2,11 @@
 newest snapshot (what its newest-snapshot pointer names).
 
 A newest snapshot that cannot be restored (corrupt, incomplete, more than this workspace can
-hold) gives way to the next older snapshot of the session, up to TAKEOVER_ATTEMPTS in all;
-the reset then names the one restored (`restored_from`) and says why the newer failed
-(`newest_failed`), and the one restored becomes the session's newest. A store that does not
-answer, or no slot within the deadline, ends the takeover at once: an older snapshot would
-fare no better, and the caller is waiting.
+hold) gives way to the next older snapshot of the session, up to TAKEOVER_ATTEMPTS in all,
+within one restore deadline; the reset then names the one restored (`restored_from`) and says
+why the newer failed (`newest_failed`), and the one restored becomes the session's newest.
+A store that does not answer, or no slot within the deadline, ends the takeover at once: an
+older snapshot would fare no better, and the caller is waiting.
 
 Whatever changes what a session holds (a restore, a fork into it, a takeover from an older
 snapshot) gives it a snapshot of its own holding that (`own`): a copy of the restored
@@ -27,6 +27,7 @@ as before.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import secrets
@@ -50,6 +51,10 @@ TAKEOVER_ATTEMPTS = 3  # the newest snapshot and, if it cannot be restored, two 
 # epoch (it drains, or has not published again yet): past this and a record's lifetime, no
 # session can have lost its record with that beginning.
 EPOCH_LAG_SECONDS = 3600.0
+# A new session's pointer is looked up inside a worker's placement, which the api waits for
+# SANDBOX_PLACEMENT_WAIT_SECONDS (10 s): a store that hangs must not make every new session
+# miss it (the store's own timeout is 30 s); past this it starts empty, as when the store fails.
+POINTER_LOOKUP_SECONDS = 2.0
 EMPTY = "the session starts with an empty workspace"
 
 
@@ -67,10 +72,11 @@ async def take_over(snapshots: Snapshots, owner: Owner) -> dict[str, Any]:
     failures: list[str] = []
     tried: list[str] = []
     meta: dict[str, Any] | None = newest
+    deadline = snapshots.deadline()  # (one for all the attempts: the caller is waiting)
     while meta is not None:
         tried.append(meta["snapshot_id"])
         try:
-            applied = await snapshots.restore(owner, meta, "takeover")
+            applied = await snapshots.restore(owner, meta, "takeover", deadline=deadline)
         except ManifestError as exc:  # this snapshot cannot be restored: an older one may
             failures.append(f"snapshot {meta['snapshot_id']}: {exc}")
             logger.warning("a session's snapshot {} could not be restored: {}",
@@ -128,10 +134,17 @@ async def lost_record(
     now = time.time()
     if now - store_began >= record_life + EPOCH_LAG_SECONDS:
         return None  # (no record lost when the store began would still be alive now)
-    try:
-        pointer = await snapshots.pointer(owner)
+    try:  # (inside a worker's placement: bounded well within the api's placement wait)
+        pointer = await asyncio.wait_for(snapshots.pointer(owner), POINTER_LOOKUP_SECONDS)
     except Exception as exc:  # (cannot tell: it starts empty, as a new session would)
-        logger.warning("a new session's snapshots could not be looked up: {}", exc)
+        why = (
+            f"no answer within {POINTER_LOOKUP_SECONDS:g} s"
+            if isinstance(exc, TimeoutError)
+            else exc
+        )
+        logger.warning(
+            "a new session's snapshots could not be looked up ({}); it starts empty", why
+        )
         return None
     if pointer is None:
         return None
@@ -155,16 +168,18 @@ async def _nothing() -> None:
 
 async def own(
     snapshots: Snapshots, owner: Owner, meta: dict[str, Any], trigger: str
-) -> Callable[[], Awaitable[None]]:
+) -> tuple[Callable[[], Awaitable[None]], dict[str, Any]]:
     """The session now holds what snapshot `meta` (of its principal) holds: give it a
     snapshot of its own with that content and make it the session's newest, unless its
     pointer names `meta` already. Returns what undoes that (when the change it was made for
-    failed). Raises StoreUnavailableError, ManifestError."""
+    failed), and the meta of the snapshot the session's pointer names now: the one to
+    restore from afterwards (the prune after the copy may have removed `meta`'s, the
+    source's). Raises StoreUnavailableError, ManifestError."""
     store = snapshots.need_store()
     prefix = snapshots.prefix_of(owner.principal)
     before = await snapshots.pointer(owner)
     if before is not None and before.get("snapshot_id") == meta["snapshot_id"]:
-        return _nothing
+        return _nothing, meta
     snapshot_id = f"snap-{secrets.token_hex(16)}"
     pending = f"{prefix}/pending/{snapshot_id}.json"
     copy = {**meta, "snapshot_id": snapshot_id, "session": owner.session_id,
@@ -198,4 +213,4 @@ async def own(
             await store.delete(f"{prefix}/meta/{snapshot_id}.json")
             await store.delete(f"{prefix}/manifests/{snapshot_id}.z")
 
-    return undo
+    return undo, copy
