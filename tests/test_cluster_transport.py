@@ -509,7 +509,9 @@ async def test_a_call_made_for_the_process_before_a_restart_is_looked_up_again(
     with pytest.raises(OwnerUnavailableError, match="restarted since it was looked up"):
         await pair.caller.send(execution.info, {"op": "cancel"}, OWNER)  # (an old heartbeat)
     assert execution.cancelled == []
-    beat = {"cluster_address": pair.address, "incarnation": "b1" * 16}  # (its next beat)
+    # The process before is gone (its heartbeat with it); the new one's first beat is in.
+    await pair.store.drop_replica("ra", INCARNATION)
+    beat = {"cluster_address": pair.address, "incarnation": "b1" * 16}
     await pair.store.heartbeat("ra", beat, 30)
     await pair.caller.send(execution.info, {"op": "cancel"}, OWNER)
     assert execution.cancelled == [False]
