@@ -148,3 +148,33 @@ async def test_a_restart_whose_first_contact_fails_is_refused_while_the_id_is_re
         assert not mirror.beaten.is_set()
         assert (await live.replica_beat("w1") or {}).get("incarnation") == "live"
     await live.aclose()
+
+
+async def test_a_missing_heartbeat_means_a_dead_replica_only_once_the_store_has_settled() -> None:
+    """Back from an outage with its data, the store has let every heartbeat expire: until it
+    has been reachable for a heartbeat TTL (each replica beats again within it), a reader must
+    not take another replica's running executions for lost (sessions/elsewhere.py)."""
+    store = FlakyStore(ttl_seconds=60, max_events=50)
+    mirror = Mirror(
+        store,
+        "r1",
+        session_key=lambda e: "alice:s",
+        heartbeat_payload=lambda: {"replica_id": "r1"},
+        heartbeat_ttl=1,
+    )
+    mirror.heartbeat_interval = 0.02
+    assert not mirror.settled()  # (never reached yet)
+    mirror.start()
+    try:
+        await eventually(lambda: mirror.connected, 5, "the first heartbeat")
+        assert not mirror.settled()  # (just reached)
+        await eventually(mirror.settled, 5, "a heartbeat TTL of contact")
+        store.down = True
+        await eventually(lambda: not mirror.connected, 5, "the outage noticed")
+        assert not mirror.settled()
+        store.down = False
+        await eventually(lambda: mirror.connected, 5, "the store back")
+        assert not mirror.settled()
+        await eventually(mirror.settled, 5, "settled again")
+    finally:
+        await mirror.stop()

@@ -313,7 +313,8 @@ class RedisCluster(LocalCluster):
 
     def elsewhere(self, manager: ExecutionManager, channel: ChannelClient | None) -> NowhereElse:
         """Other replicas' executions: read from the store, controlled over `channel`."""
-        return InTheStore(self.store, manager, ControlChannel(self.store, manager, channel))
+        control = ControlChannel(self.store, manager, channel)
+        return InTheStore(self.store, manager, control, self.mirror.settled)
 
     def changed(self, execution: Execution, events: list[OutputEvent] | None = None) -> None:
         self.mirror.mark(execution)

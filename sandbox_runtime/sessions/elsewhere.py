@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from loguru import logger
@@ -56,9 +57,15 @@ class InTheStore(NowhereElse):
     """The executions of every replica sharing the store."""
 
     def __init__(
-        self, store: StateStore, manager: ExecutionManager, control: ControlChannel
+        self,
+        store: StateStore,
+        manager: ExecutionManager,
+        control: ControlChannel,
+        settled: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
+        # Whether a missing heartbeat means a dead replica yet (sessions/mirror.py settled)
+        self.settled = settled
         self.manager = manager
         self.control_channel = self.sender = control
         self.metrics = manager.metrics
@@ -92,6 +99,8 @@ class InTheStore(NowhereElse):
                 return info  # (ours: not in memory only when it has just ended)
         elif not incarnation_gone(info, await self.store.replica_beat(info.replica_id)):
             return info
+        elif not self.settled():
+            return info  # (the store is just back: its owner may not have beaten again yet)
         return await self._mark_lost(info)
 
     async def _mark_lost(self, info: ExecutionInfo) -> ExecutionInfo:

@@ -85,6 +85,7 @@ class Mirror:
         self._fenced: set[str] = set()
         self.heartbeat_interval = min(HEARTBEAT_INTERVAL_SECONDS, heartbeat_ttl / 3)
         self.connected = False
+        self.connected_at: float | None = None  # (monotonic) since when, this time
         self.last_error: str | None = None
         self.lag_samples: deque[float] = deque(maxlen=10_000)
         self._dirty: dict[str, Execution] = {}
@@ -341,10 +342,20 @@ class Mirror:
         if connected and not self.connected:
             # (Back after an outage, _store_lost_data has marked everything for writing again.)
             logger.info("redis: connected; mirroring {} executions", len(self._dirty))
+            self.connected_at = time.monotonic()
         elif not connected and self.connected:
             logger.warning("redis: unavailable ({}); serving from local state", exc)
         self.connected = connected
         self.last_error = None if connected else f"{type(exc).__name__}: {exc}"
+
+    def settled(self) -> bool:
+        """Whether the store has been reachable for a heartbeat TTL: only then does a missing
+        heartbeat mean a dead replica (a store back from an outage, with its data, has let
+        every replica's heartbeat expire, and each beats again within a TTL)."""
+        since = self.connected_at
+        return (
+            self.connected and since is not None and time.monotonic() - since >= self.heartbeat_ttl
+        )
 
     # -- heartbeat ---------------------------------------------------------------
 
