@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx2
 from mcp.types import CallToolResult, TextContent
-from mcp_harness import ServerProcess, stop_all, stop_if_running
+from mcp_harness import ServerProcess, free_port, stop_all, stop_if_running
 
 
 def toml(catalog: dict[str, dict[str, Any]]) -> str:
@@ -25,6 +29,39 @@ def toml(catalog: dict[str, dict[str, Any]]) -> str:
             else:
                 lines.append(f"{key} = {json.dumps(value)}")
     return "\n".join(lines) + "\n"
+
+
+SCRIPTS = Path(__file__).resolve().parent / "hosted_servers"
+
+
+def script_entry(script: str, *args: str, **fields: Any) -> dict[str, Any]:
+    """A catalog entry running one of tests/hosted_servers/ (bound at /opt/srt-server)."""
+    return {
+        "command": ["/usr/bin/python3", f"/opt/srt-server/{script}", *args],
+        "directory": str(SCRIPTS),
+        **fields,
+    }
+
+
+@contextlib.contextmanager
+def remote_server(script: str, probe: str) -> Iterator[int]:
+    """One of tests/hosted_servers/'s HTTP servers on a free port of its own (the port), once
+    it answers GET `probe`; killed at the end."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / script), str(port)])
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                httpx2.get(f"http://127.0.0.1:{port}{probe}", timeout=1)
+                break
+            except httpx2.TransportError:
+                assert time.monotonic() < deadline, f"{script} did not start"
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait(10)
 
 
 @contextlib.contextmanager

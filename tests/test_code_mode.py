@@ -7,34 +7,24 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import catalog_server
+from hosted_harness import catalog_server, script_entry
 from mcp_harness import ServerProcess, open_client
 
 pytestmark = pytest.mark.e2e
 
 ALICE, BOB = "codemode-alice-token-0123456", "codemode-bob-token-0123456"
-SCRIPTS = Path(__file__).resolve().parent / "hosted_servers"
-
-
-def entry(script: str, **fields: Any) -> dict[str, Any]:
-    return {
-        "command": ["/usr/bin/python3", f"/opt/srt-server/{script}"],
-        "directory": str(SCRIPTS),
-        **fields,
-    }
 
 
 CATALOG = {
-    "echoenv": entry("echoenv.py", tools_deny=["env"]),
-    "snoop": entry("snoop.py"),
-    "aliceonly": entry("echoenv.py", principals=["alice"]),
-    "crash": entry("crash.py"),
-    "giant": entry("giant.py"),
+    "echoenv": script_entry("echoenv.py", tools_deny=["env"]),
+    "snoop": script_entry("snoop.py"),
+    "aliceonly": script_entry("echoenv.py", principals=["alice"]),
+    "crash": script_entry("crash.py"),
+    "giant": script_entry("giant.py"),
 }
 
 

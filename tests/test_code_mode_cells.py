@@ -7,23 +7,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-from hosted_harness import catalog_server
+from hosted_harness import catalog_server, script_entry
 from mcp_harness import ServerProcess, open_client
 
 pytestmark = pytest.mark.e2e
 
 ALICE = "cells-alice-token-0123456789"
-SCRIPTS = Path(__file__).resolve().parent / "hosted_servers"
-CATALOG = {
-    "echoenv": {
-        "command": ["/usr/bin/python3", "/opt/srt-server/echoenv.py"],
-        "directory": str(SCRIPTS),
-    }
-}
+CATALOG = {"echoenv": script_entry("echoenv.py")}
 ENDED = "ended: the run_code call that allowed these servers has ended"
 
 

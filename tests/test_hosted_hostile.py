@@ -8,45 +8,35 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import catalog_server, message_of, text_of
+from hosted_harness import catalog_server, message_of, script_entry, text_of
 from mcp_harness import ServerProcess, eventually, open_client
 
 pytestmark = pytest.mark.e2e
 
 ALICE, BOB = "hosted-alice-token-0123456789", "hosted-bob-token-0123456789"
-SCRIPTS = Path(__file__).resolve().parent / "hosted_servers"
-
-
-def entry(script: str, *args: str, **fields: Any) -> dict[str, Any]:
-    return {
-        "command": ["/usr/bin/python3", f"/opt/srt-server/{script}", *args],
-        "directory": str(SCRIPTS),
-        **fields,
-    }
 
 
 CATALOG = {
-    "snoop": entry("snoop.py", idle_timeout=2),
-    "crash": entry("crash.py"),
-    "flood": entry("flood.py", call_timeout=10),
-    "silent": entry("silent.py", call_timeout=2),
-    "mute": entry("silent.py", "--no-init", call_timeout=2),
-    "giant": entry("giant.py", max_message_kb=1024),
-    "echoenv": entry(
+    "snoop": script_entry("snoop.py", idle_timeout=2),
+    "crash": script_entry("crash.py"),
+    "flood": script_entry("flood.py", call_timeout=10),
+    "silent": script_entry("silent.py", call_timeout=2),
+    "mute": script_entry("silent.py", "--no-init", call_timeout=2),
+    "giant": script_entry("giant.py", max_message_kb=1024),
+    "echoenv": script_entry(
         "echoenv.py",
         env={"GREETING": "hello"},
         secrets={"API_KEY": "env:HOSTED_TEST_SECRET"},
         tools_deny=["env_deny_probe"],
     ),
-    "aliceonly": entry("echoenv.py", principals=["alice"]),
-    "shared": entry("snoop.py", scope="shared"),
-    "persession": entry("snoop.py", scope="session"),
-    "hog": entry("hog.py", memory_mb=64, pids=16),
+    "aliceonly": script_entry("echoenv.py", principals=["alice"]),
+    "shared": script_entry("snoop.py", scope="shared"),
+    "persession": script_entry("snoop.py", scope="session"),
+    "hog": script_entry("hog.py", memory_mb=64, pids=16),
     "broken": {"command": ["/bin/true"], "scope": "everyone"},  # left out; the others load
 }
 

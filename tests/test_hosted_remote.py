@@ -4,41 +4,22 @@ the entry's headers (secrets resolved on the host) out."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import httpx2
 import pytest
-from hosted_harness import text_of
-from mcp_harness import ServerProcess, free_port, open_client, stop_all, stop_if_running
+from hosted_harness import remote_server, text_of
+from mcp_harness import ServerProcess, open_client, stop_all, stop_if_running
 
 pytestmark = pytest.mark.e2e
 
 TOKEN = "remote-entry-client-token-0123"
 SECRET = "remote-upstream-secret-77"
-SCRIPT = Path(__file__).resolve().parent / "hosted_servers" / "remote_http.py"
 
 
 @pytest.fixture(scope="module")
 def remote() -> Iterator[str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(port)])
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                httpx2.get(f"http://127.0.0.1:{port}/mcp", timeout=1)
-                break
-            except httpx2.TransportError:
-                assert time.monotonic() < deadline, "the remote test server did not start"
-                time.sleep(0.1)
+    with remote_server("remote_http.py", "/mcp") as port:
         yield f"http://127.0.0.1:{port}/mcp"
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import catalog_server, message_of, text_of
+from hosted_harness import catalog_server, message_of, remote_server, script_entry, text_of
 from mcp_harness import (
     ServerProcess,
     eventually,
@@ -31,8 +28,6 @@ pytestmark = pytest.mark.e2e
 ALICE, BOB = "hostile-remote-alice-token-01", "hostile-remote-bob-token-0123"
 BEARER = "Bearer far-upstream-bearer-5150"
 PASSWORD, QUERY_KEY = "pa55-in-the-url", "K3Y-in-the-query"
-SCRIPT = Path(__file__).resolve().parent / "hosted_servers" / "remote_hostile.py"
-SCRIPTS = SCRIPT.parent
 CALL_TIMEOUT = 4
 MiB = 1024 * 1024
 
@@ -43,21 +38,8 @@ def with_credentials(port: int) -> str:
 
 @pytest.fixture(scope="module")
 def remote() -> Iterator[int]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), str(port)])
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                httpx2.get(f"http://127.0.0.1:{port}/stats", timeout=1)
-                break
-            except httpx2.TransportError:
-                assert time.monotonic() < deadline, "the hostile remote did not start"
-                time.sleep(0.1)
+    with remote_server("remote_hostile.py", "/stats") as port:
         yield port
-    finally:
-        proc.kill()
-        proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +54,7 @@ def server(remote: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         },
         "nokey": {"url": with_credentials(remote), "headers": {"Authorization": "env:FAR_UNSET"}},
         "gone": {"url": with_credentials(free_port()), "call_timeout": CALL_TIMEOUT},
-        "nosecret": {
-            "command": ["/usr/bin/python3", "/opt/srt-server/echoenv.py"],
-            "directory": str(SCRIPTS),
-            "secrets": {"API_KEY": "env:FAR_UNSET_SECRET"},
-        },
+        "nosecret": script_entry("echoenv.py", secrets={"API_KEY": "env:FAR_UNSET_SECRET"}),
     }
     with catalog_server(workdir, catalog, f"alice:{ALICE},bob:{BOB}", FAR_BEARER=BEARER) as server:
         yield server

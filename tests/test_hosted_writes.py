@@ -11,12 +11,11 @@ import json
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from hosted_harness import catalog_server, message_of, text_of
+from hosted_harness import catalog_server, message_of, script_entry, text_of
 from mcp_harness import (
     Conn,
     ServerProcess,
@@ -30,7 +29,6 @@ from sandbox_runtime.servers.outbox import MAX_QUEUED_NOTIFICATIONS
 pytestmark = pytest.mark.e2e
 
 ALICE, BOB = "writes-alice-token-0123456789", "writes-bob-token-0123456789"
-SCRIPTS = Path(__file__).resolve().parent / "hosted_servers"
 PAD = 400_000  # the issue's argument: far past a pipe's 64 KiB
 QUICK = 3  # a call_timeout: a write that cannot finish fails the call this soon
 SLOW = 10  # a call_timeout past the executions' own timeouts (3 s, 4 s)
@@ -44,11 +42,7 @@ MODES = {
 
 
 def entry(**fields: Any) -> dict[str, Any]:
-    return {
-        "command": ["/usr/bin/python3", "/opt/srt-server/deaf.py"],
-        "directory": str(SCRIPTS),
-        **fields,
-    }
+    return script_entry("deaf.py", **fields)
 
 
 # An entry per test and mode: each deaf instance ended is a crash of its entry, and crashes
