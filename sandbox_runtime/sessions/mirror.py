@@ -85,7 +85,8 @@ class Mirror:
         self._fenced: set[str] = set()
         self.heartbeat_interval = min(HEARTBEAT_INTERVAL_SECONDS, heartbeat_ttl / 3)
         self.connected = False
-        self.connected_at: float | None = None  # (monotonic) since when, this time
+        self.reconnected_at: float | None = None  # (monotonic) back after an outage
+        self._was_connected = False
         self.last_error: str | None = None
         self.lag_samples: deque[float] = deque(maxlen=10_000)
         self._dirty: dict[str, Execution] = {}
@@ -342,20 +343,20 @@ class Mirror:
         if connected and not self.connected:
             # (Back after an outage, _store_lost_data has marked everything for writing again.)
             logger.info("redis: connected; mirroring {} executions", len(self._dirty))
-            self.connected_at = time.monotonic()
+            if self._was_connected:  # (not the first contact: back after an outage)
+                self.reconnected_at = time.monotonic()
+            self._was_connected = True
         elif not connected and self.connected:
             logger.warning("redis: unavailable ({}); serving from local state", exc)
         self.connected = connected
         self.last_error = None if connected else f"{type(exc).__name__}: {exc}"
 
     def settled(self) -> bool:
-        """Whether the store has been reachable for a heartbeat TTL: only then does a missing
-        heartbeat mean a dead replica (a store back from an outage, with its data, has let
-        every replica's heartbeat expire, and each beats again within a TTL)."""
-        since = self.connected_at
-        return (
-            self.connected and since is not None and time.monotonic() - since >= self.heartbeat_ttl
-        )
+        """Whether a missing heartbeat means a dead replica: not for a heartbeat TTL after this
+        replica is back in contact from an outage (a store back with its data has let every
+        replica's heartbeat expire, and each beats again within a TTL)."""
+        back = self.reconnected_at
+        return self.connected and (back is None or time.monotonic() - back >= self.heartbeat_ttl)
 
     # -- heartbeat ---------------------------------------------------------------
 
