@@ -64,6 +64,7 @@ from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import open_store
 from sandbox_runtime.snapshots.triggers import Triggers
 from sandbox_runtime.supervisor import Supervisor
+from sandbox_runtime.workspaces.diskguard import GUARD_INTERVAL
 from sandbox_runtime.workspaces.store import WorkspaceStore, loop_devices_under
 
 # Asking the shared store whether this replica is still a session's home before its snapshot
@@ -189,6 +190,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             max_mounted_per_principal=settings.max_mounted_workspaces_per_principal,
             reserve=settings.workspace_reserve,
             min_free_mb=settings.min_free_disk_mb,
+            headroom_mb=settings.workspace_headroom_mb,
             blanks=settings.workspace_pool,
         )
         closing.add(workspaces.aclose)
@@ -290,6 +292,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         if snapshots.enabled and settings.snapshot_idle_seconds > 0:
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
+        if workspaces.mode == "image":
+            supervisor.every("workspace disk guard", GUARD_INTERVAL, workspaces.guard.step)
         yield services
 
 

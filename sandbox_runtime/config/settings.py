@@ -9,6 +9,7 @@ import secrets
 import socket
 from pathlib import Path
 
+from loguru import logger
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -269,26 +270,40 @@ class Settings(BaseSettings):
         ge=16,
         le=16 * 1024 * 1024,
         description="Size of each workspace, MiB: writes past it fail with ENOSPC inside the "
-        "sandbox and uploads are refused (a filesystem image per workspace: with "
-        "SANDBOX_WORKSPACE_RESERVE=allocate, the default, each one takes this much of the "
-        "state filesystem from its creation until it is removed).",
+        "sandbox and uploads are refused (a thin filesystem image per workspace: it takes "
+        "what it holds; with SANDBOX_WORKSPACE_RESERVE=allocate each one takes this much of "
+        "the state filesystem from its creation until it is removed).",
     )
     workspace_reserve: str = Field(
-        "allocate",
-        description="`allocate`: each workspace image is allocated in full when it is made "
-        "(fallocate), so a full state filesystem can never fail a write a workspace already "
-        "accepted; it costs SANDBOX_WORKSPACE_MB of disk per workspace (kept ones included) "
-        "and a new session is refused when the disk has no room for it. `sparse`: images take "
-        "only what is written; more sessions fit, but a state filesystem that fills up under "
-        "them aborts their journals (writes fail, files may be lost: the workspace is then "
-        "checked and repaired or set aside).",
+        "thin",
+        description="`thin`: workspace images take what they hold (plus ~170 KiB of ext4 "
+        "metadata) and give deleted files' blocks back; a new session is refused when the "
+        "state filesystem has no room above SANDBOX_MIN_FREE_DISK_MB for a margin per mounted "
+        "workspace (SANDBOX_WORKSPACE_HEADROOM_MB), and under that line writes inside "
+        "workspaces fail with ENOSPC before any accepted one could be lost. `allocate`: each "
+        "image is allocated in full when made (fallocate), so nothing filling the state "
+        "filesystem can fail a write a workspace accepted; it costs SANDBOX_WORKSPACE_MB of "
+        "disk per workspace (kept ones, pooled blanks and warm slots included). `sparse` is "
+        "the old name of `thin`.",
+    )
+    workspace_headroom_mb: int = Field(
+        64,
+        ge=8,
+        le=1024 * 1024,
+        description="Free space, MiB, kept on the state filesystem for each mounted thin "
+        "workspace above SANDBOX_MIN_FREE_DISK_MB: half is what it may hold written but not "
+        "yet flushed (its loop device's dirty-page limit), half what its journal and inode "
+        "tables may still take. New sessions are refused, and writes inside workspaces stop "
+        "with ENOSPC, before this room is gone.",
     )
     min_free_disk_mb: int = Field(
         1024,
         ge=0,
         description="Free space, MiB, kept on the state filesystem (SANDBOX_STATE_DIR): below "
-        "it /ready answers 503, /health says `disk: low`, and no new workspace is made (0: no "
-        "floor).",
+        "it /ready answers 503, /health says `disk: low`, no new workspace is made and thin "
+        "workspaces take no new data (writes fail with ENOSPC; what they accepted is flushed "
+        "into this room, so it must exceed what the kernel holds unflushed: see "
+        "DEPLOYMENT.md); 0: no floor.",
     )
     workspace_inodes: int | None = Field(
         None,
@@ -468,8 +483,12 @@ class Settings(BaseSettings):
     @field_validator("workspace_reserve")
     @classmethod
     def _reserve(cls, value: str) -> str:
-        allowed = ("allocate", "sparse")
-        return parsing.choice(value, allowed, "workspace_reserve must be `allocate` or `sparse`")
+        allowed = ("thin", "allocate", "sparse")
+        chosen = parsing.choice(value, allowed, "workspace_reserve must be `thin` or `allocate`")
+        if chosen == "sparse":
+            logger.info("SANDBOX_WORKSPACE_RESERVE=sparse is now called `thin`")
+            return "thin"
+        return chosen
 
     @field_validator("log_level")
     @classmethod

@@ -205,6 +205,7 @@ def create_app(
                 "free_mb": disk.free_bytes // 2**20,
                 "min_free_mb": settings.min_free_disk_mb,
                 "reserve": current.workspaces.disk.reserve,
+                "writes_stopped": current.workspaces.guard.stopped,
                 "damaged_workspaces": len(damaged),
             },
             "file_descriptors": descriptors.as_dict(),

@@ -1,16 +1,52 @@
-"""The state filesystem's space: workspace images reserved in full, a floor of free space kept.
+"""The state filesystem's space: thin workspace images, the room they may still take, a floor.
 
-A sparse image promises the sandbox bytes the host may not have: when the state filesystem
-fills, writes an image already acknowledged fail in the loop device's writeback, the kernel
-aborts the workspace's journal and files are lost. So by default (`allocate`) an image gets
-all its blocks when it is made (fallocate: a few ms per GiB on ext4, nothing written) and is
-mounted without `discard` (which would punch them back out): a workspace then never needs a
-block of the host's, whatever else fills the host filesystem, and a new workspace is refused
-(DiskFullError) when it does not fit above the floor. We chose allocation over counting what
-sparse images may still grow against free space: counting cannot stop another program from
-filling the disk under them. The cost is the whole quota of disk per workspace, idle ones kept
-for the retention period included. `sparse` keeps the old behaviour for hosts that prefer
-density; the floor and the damage checks (workspaces/repair.py) still apply.
+A workspace image is thin by default (`thin`): it takes from the state filesystem what it
+holds, plus its ext4 metadata (about 170 KiB for a 1 GiB image: a 4 MiB journal and the
+inode tables made lazily, no resize inode; see images.mkfs_argv), and it is mounted with
+`discard`, so a file deleted inside gives its blocks back to the host.
+
+A thin image promises the sandbox bytes the host may not have. The danger is not a write
+refused (that is ENOSPC, clean) but a write accepted and then lost: the kernel takes a write
+into the workspace's page cache, and only when it writes it back does the loop device ask
+the host for a block; a host that has none fails that writeback, the workspace's journal
+aborts and what was acknowledged may be lost. So what a workspace may have accepted without
+the host having the blocks for it is bounded, and kept room for:
+
+- Each mounted workspace may hold at most half of SANDBOX_WORKSPACE_HEADROOM_MB (the margin,
+  64 MiB by default) of written data not yet on the host (its loop device's dirty-page limit,
+  strict: workspaces/diskguard.py); the other half covers what its journal and inode tables
+  may still need (a 4 MiB journal; a few blocks per file made).
+- A new session is refused (DiskFullError, naming the free space and the settings) when the
+  free space, less a margin for every mounted workspace and the new one, would be under the
+  floor (SANDBOX_MIN_FREE_DISK_MB): free < floor + (mounted + 1) * margin.
+- A watchdog (diskguard.py, every 0.25 s: one statvfs) stops every mounted workspace from
+  accepting more data when the free space falls under its line, max(floor, mounted *
+  margin): each workspace's filesystem then counts all its free space as reserved (ext4's
+  reserved_clusters), so a writer gets ENOSPC ("No space left on device") at its next write,
+  and what it had accepted is flushed at once into the room the line kept. When space
+  returns, writes work again. Nothing of this is damage: the workspace is never made
+  read-only, checked or repaired for it.
+
+Why not make the workspaces read-only (`remount,ro`) at the floor: Linux refuses it (EBUSY)
+while any file in them is open for writing, which is exactly when it is needed (a `dd` into
+the workspace). Why not reservations grown ahead of use (blocks allocated in the image ahead
+of the filesystem inside using them): ext4 inside chooses where it writes, so only the whole
+image can be allocated ahead; that is `allocate`.
+
+What this holds against: anything the sessions write (from inside, uploads, file tools) and
+a state filesystem filling from outside more slowly than the watchdog looks (0.25 s) with
+the floor covering what lands meanwhile. What it cannot hold against: another program taking
+the last of the floor at once (a few hundred MiB in a quarter of a second); that may still
+cost the workspaces what they had not yet flushed and abort their journals (the workspace is
+then checked: workspaces/damage.py). What an fsync acknowledged (every file tool, file URL
+and `dd conv=fsync`) is on the host already and is never lost. Give the state directory a
+filesystem of its own, or choose `allocate`.
+
+`allocate` (the operator's choice) gives every image all its blocks when it is made
+(fallocate: a few ms per GiB, nothing written) and mounts it without `discard`: a workspace
+never needs a block of the host's, whatever fills the host, at the cost of its whole quota of
+disk per workspace, idle ones kept for the retention period, pooled blanks and warm slots
+included. `sparse` is the old name of `thin`.
 """
 
 from __future__ import annotations
@@ -18,6 +54,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,14 +80,33 @@ class DiskStatus:
 
 
 class StateDisk:
-    """Space on the filesystem under `root` (SANDBOX_STATE_DIR's): what images reserve, what
-    is left, and whether that is below `min_free_mb` (logged when it changes)."""
+    """Space on the filesystem under `root` (SANDBOX_STATE_DIR's): what images reserve or may
+    still take, what is left, and whether that is below `min_free_mb` (logged when it
+    changes)."""
 
-    def __init__(self, root: Path, *, reserve: str = "allocate", min_free_mb: int = 0) -> None:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        reserve: str = "thin",
+        min_free_mb: int = 0,
+        headroom_mb: int = 64,
+    ) -> None:
         self.root = root
-        self.reserve = reserve  # allocate, sparse
+        self.reserve = reserve  # thin, allocate
         self.min_free_mb = min_free_mb
+        self.headroom = headroom_mb * MIB  # kept free per mounted thin image
         self.low = False  # below the floor when last looked
+        # Images mounted and being mounted (set by the store).
+        self.mounted: Callable[[], int] = lambda: 0
+
+    def free_bytes(self) -> int:
+        """Free bytes now (one statvfs; 0 if it fails)."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return 0
+        return st.f_bavail * st.f_frsize
 
     def status(self) -> DiskStatus:
         """Free and total bytes now; a change across the floor is logged."""
@@ -74,41 +130,55 @@ class StateDisk:
                 logger.info("the state filesystem {} has {} MiB free again", self.root, free // MIB)
         return DiskStatus(free, st.f_blocks * st.f_frsize, low)
 
+    @property
+    def thin(self) -> bool:
+        return self.reserve != "allocate"
+
+    def line(self, mounted: int) -> int:
+        """Free bytes under which mounted thin workspaces stop accepting data: the floor, or
+        a margin for each of them if that is more (what they may still have to flush)."""
+        return max(self.min_free_mb * MIB, mounted * self.headroom) if self.thin else 0
+
     def mount_options(self, base: str) -> str:
-        # `discard` gives a deleted file's blocks back to the host: right for a sparse image,
+        # `discard` gives a deleted file's blocks back to the host: right for a thin image,
         # wrong for an allocated one (it would punch holes in the reservation).
-        return base if self.reserve == "allocate" else f"{base},discard"
+        return f"{base},discard" if self.thin else base
 
     def check_room(self, size: int) -> None:
-        """Refuse a new image of `size` bytes (what it reserves) that would leave less than
-        the floor free. Raises DiskFullError."""
-        reserved = size if self.reserve == "allocate" else 0
-        free = self.status().free_bytes
-        if free - reserved < self.min_free_mb * MIB:
+        """Refuse to mount a workspace (a new image of `size` bytes, or an existing one; it
+        is counted in `mounted()` already) when the state filesystem has no room for what it
+        would reserve (allocate) or what the mounted ones may still take (thin) above the
+        floor. Raises DiskFullError."""
+        free = self.free_bytes()
+        floor = self.min_free_mb * MIB
+        mounted = max(1, self.mounted())
+        if self.thin and free - mounted * self.headroom < floor:
+            raise DiskFullError(self._no_room_thin(free, mounted))
+        if not self.thin and free - size < floor:
             raise DiskFullError(self._no_room(free, size))
 
     def allocate(self, fd: int, size: int, image: Path, existing: bool = False) -> None:
-        """Give the image (open as `fd`) all its `size` bytes now, if reserving; `existing`:
-        an image made sparse before. Raises DiskFullError, OSError."""
-        if self.reserve != "allocate" or _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+        """Give the image (open as `fd`) all its `size` bytes now, if allocating; `existing`:
+        an image made thin before. Raises DiskFullError, OSError."""
+        if self.thin or _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, 0, size) == 0:
             return
         err = ctypes.get_errno()
         if err == errno.ENOSPC:
-            raise DiskFullError(self._no_room(self.status().free_bytes, size, existing))
+            raise DiskFullError(self._no_room(self.free_bytes(), size, existing))
         if err == errno.EOPNOTSUPP:
             logger.warning(
                 "the state filesystem cannot allocate workspace images (fallocate): they stay "
-                "sparse, and a full disk can lose their writes (put SANDBOX_STATE_DIR on ext4 "
-                "or xfs)"
+                "thin (SANDBOX_WORKSPACE_RESERVE=thin; put SANDBOX_STATE_DIR on ext4 or xfs "
+                "to allocate them)"
             )
-            self.reserve = "sparse"
+            self.reserve = "thin"
             return
         raise OSError(err, os.strerror(err), str(image))
 
     def allocate_existing(self, image: Path) -> None:
-        """Allocate in full an image made sparse (by an earlier setting) before it is mounted.
+        """Allocate in full an image made thin (by an earlier setting) before it is mounted.
         Raises DiskFullError, OSError."""
-        if self.reserve != "allocate":
+        if self.thin:
             return
         st = image.stat()
         if st.st_blocks * 512 >= st.st_size:
@@ -119,11 +189,22 @@ class StateDisk:
         finally:
             os.close(fd)
 
+    def _no_room_thin(self, free: int, mounted: int) -> str:
+        margin = self.headroom // MIB
+        return (
+            f"this replica's state filesystem (SANDBOX_STATE_DIR) has {free // MIB} MiB free: "
+            f"no room to mount another workspace: it keeps {self.min_free_mb} MiB free "
+            f"(SANDBOX_MIN_FREE_DISK_MB) plus {margin} MiB for each mounted workspace "
+            f"({mounted} with this one: SANDBOX_WORKSPACE_HEADROOM_MB; "
+            "SANDBOX_WORKSPACE_RESERVE=thin). Existing sessions keep working; retry later or "
+            "on another replica"
+        )
+
     def _no_room(self, free: int, size: int, existing: bool = False) -> str:
         if existing:
             return (
                 f"this replica's state filesystem (SANDBOX_STATE_DIR) has {free // MIB} MiB "
-                f"free: no room to reserve the {size // MIB} MiB of this workspace, made sparse "
+                f"free: no room to reserve the {size // MIB} MiB of this workspace, made thin "
                 "before SANDBOX_WORKSPACE_RESERVE=allocate; its files are kept: retry once "
                 "there is room"
             )

@@ -19,8 +19,10 @@ killed server left are detached at start. Where images cannot be mounted (no roo
 devices, no mkfs.ext4), `quota="auto"` falls back to plain directories without a quota, and
 says so (doctor, /health).
 
-Disk space is reserved, not promised: by default an image is allocated in full when made and
-a new one is refused when the state filesystem has no room for it (workspaces/diskspace.py).
+Images are thin: a workspace costs the disk what it holds. A new mount is refused when the
+state filesystem has no room above its floor for what the mounted ones may still take, and
+a watchdog stops writes (ENOSPC) before a full disk could fail one it accepted
+(workspaces/diskspace.py, diskguard.py).
 
 The store is put together here from its parts: images.py (making and mounting an image,
 stateless), store_state.py (what the store knows, naming, use), mountcaps.py (the mount caps
@@ -46,6 +48,7 @@ from pathlib import Path
 from loguru import logger
 
 from sandbox_runtime.errors import (
+    DiskFullError,
     LimitExceededError,
     SandboxRuntimeError,
     SandboxSpawnError,
@@ -239,6 +242,11 @@ class WorkspaceStore(MountCaps, DamageCourse):
             self.refill()
         if blank is None:
             return False
+        try:
+            self.disk.check_room(self.size_mb * 1024 * 1024)  # (a new session, all the same)
+        except DiskFullError:
+            self._blanks.append(blank)
+            raise
         async with self._lock(blank):
             try:
                 taken = await asyncio.to_thread(self._adopt_sync, blank, name, principal)
@@ -280,6 +288,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
         if fresh:
             make_image(image, self.size_mb, self.inodes, (self.uid, self.gid), self.disk)
         else:
+            self.disk.check_room(self.size_mb * 1024 * 1024)
             self.disk.allocate_existing(image)
         with contextlib.suppress(FileExistsError):
             point.mkdir(mode=0)
@@ -298,6 +307,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
             with contextlib.suppress(OSError):
                 os.rmdir(point / "lost+found")
         os.chmod(point, 0o700)  # the filesystem's root, owned by the sandbox user (mkfs)
+        self.guard.mounted(point)
         self._sweep_uploads(name)
         self._mounted.add(name)
         self._ready[name] = time.monotonic()

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 from sandbox_runtime.errors import InvalidRequestError
+from sandbox_runtime.workspaces.diskguard import DiskGuard
 from sandbox_runtime.workspaces.diskspace import StateDisk
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
@@ -43,13 +44,16 @@ class StoreState:
         retention_seconds: float,
         max_mounted: int = 1024,
         max_mounted_per_principal: int = 64,
-        reserve: str = "allocate",
+        reserve: str = "thin",
         min_free_mb: int = 0,
+        headroom_mb: int = 64,
         blanks: int = 0,
     ) -> None:
         self.root = root
         self.size_mb = size_mb
-        self.disk = StateDisk(root, reserve=reserve, min_free_mb=min_free_mb)
+        self.disk = StateDisk(
+            root, reserve=reserve, min_free_mb=min_free_mb, headroom_mb=headroom_mb
+        )
         self.inodes = inodes
         self.wanted = quota  # auto, image, none
         self.uid = self.gid = -1  # the sandbox user's, set by start()
@@ -64,6 +68,10 @@ class StoreState:
         # Mounted images, and those being mounted, with their principal (None: a warm slot):
         # what the mount caps count.
         self._principals: dict[str, str | None] = {}
+        self.disk.mounted = lambda: len(self._principals)
+        # Stops thin workspaces taking data while the state filesystem is under its line (a
+        # supervised loop runs its step: app/services.py).
+        self.guard = DiskGuard(self.disk, lambda: [self.path(n) for n in list(self._mounted)])
         self._touched: dict[str, float] = {}  # name -> when its use was last put on disk
         self._locks: dict[str, asyncio.Lock] = {}
         self._holds: dict[str, int] = {}

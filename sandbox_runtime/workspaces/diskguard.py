@@ -1,0 +1,168 @@
+"""The watchdog of thin workspace images: no write accepted that the state filesystem could
+not hold (the accounting it keeps: workspaces/diskspace.py).
+
+Two kernel knobs per mounted image, found from its mount point's device (its loop device):
+- the loop device's dirty-page limit (/sys/class/bdi/<major:minor>/max_bytes, strict): what
+  the workspace may hold written but not yet on the host, half its margin. Set when it is
+  mounted, set back when it is unmounted (loop devices are reused by anything).
+- the free space its ext4 keeps from writes (/sys/fs/ext4/<loopN>/reserved_clusters): raised
+  to all of it while the state filesystem is under the line, so every write that needs a new
+  block gets ENOSPC there and then, whoever writes (root included); set back when space
+  returns. Deleting, reading and rewriting in place keep working. Unlike a read-only
+  remount this works with files open for writing, and it is not an error of the filesystem:
+  nothing marks the workspace damaged.
+
+`step` runs every GUARD_INTERVAL under the supervisor (one statvfs when nothing changes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from loguru import logger
+
+from sandbox_runtime.workspaces.diskspace import MIB, StateDisk
+
+GUARD_INTERVAL = 0.25  # seconds between looks at the free space
+RELEASE_MARGIN = 8 * MIB  # above the line before writes are let in again (no flapping)
+LOOP_MAJOR = 7
+BDI_DEFAULT_MAX_RATIO = "100"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _device(point: Path) -> tuple[int, str] | None:
+    """The device number and block device name (loopN) of a loop-mounted mount point."""
+    with contextlib.suppress(OSError):
+        dev = os.stat(point).st_dev
+        if os.major(dev) == LOOP_MAJOR:
+            link = os.readlink(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+            return dev, os.path.basename(link)
+    return None
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def limit_dirty(point: Path, limit: int) -> None:
+    """Cap what the workspace mounted at `point` may hold written but not yet on the host."""
+    found = _device(point)
+    if found is None:
+        return
+    dev = found[0]
+    bdi = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}"
+    try:
+        _write(f"{bdi}/max_bytes", str(limit))
+        _write(f"{bdi}/strict_limit", "1")
+    except OSError as exc:  # (kernels before 6.2 have no max_bytes)
+        logger.warning("no dirty-page limit for the workspace at {}: {}", point, exc)
+
+
+def unlimit_dirty(dev: int) -> None:
+    """Set the dirty-page limit of loop device `dev` back (before it serves another file)."""
+    if os.major(dev) != LOOP_MAJOR:
+        return
+    bdi = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}"
+    with contextlib.suppress(OSError):
+        _write(f"{bdi}/strict_limit", "0")
+        _write(f"{bdi}/max_ratio", BDI_DEFAULT_MAX_RATIO)
+
+
+class DiskGuard:
+    """Stops the mounted thin workspaces (`points`) taking data while the state filesystem
+    is under its line, and lets them again once there is room."""
+
+    def __init__(self, disk: StateDisk, points: Callable[[], Iterable[Path]]) -> None:
+        self.disk = disk
+        self.points = points
+        # Workspaces stopped now: mount point -> (device, reserved_clusters file, its value
+        # before).
+        self._held: dict[Path, tuple[int, str, str]] = {}
+        self._lock = threading.Lock()  # (mounted() runs in worker threads)
+        self.stopped = False
+
+    def mounted(self, point: Path) -> None:
+        """A thin workspace was mounted at `point`: cap its dirty pages, and stop it too if
+        the others are stopped. Blocks (a worker thread's)."""
+        if not self.disk.thin:
+            return
+        limit_dirty(point, self.disk.headroom // 2)
+        if self.stopped:
+            self._stop([point])
+
+    async def step(self) -> None:
+        """Look at the free space: stop or let go the workspaces as it says."""
+        if not self.disk.thin:
+            return
+        points = list(self.points())
+        free = self.disk.free_bytes()
+        line = self.disk.line(len(points))
+        if free < line:
+            with self._lock:
+                todo = [p for p in points if p not in self._held]
+            if not self.stopped or todo:
+                if not self.stopped:
+                    logger.error(
+                        "the state filesystem {} has {} MiB free, under the {} MiB kept for "
+                        "SANDBOX_MIN_FREE_DISK_MB and SANDBOX_WORKSPACE_HEADROOM_MB: the {} "
+                        "mounted workspaces take no new data (writers get ENOSPC) until there "
+                        "is room",
+                        self.disk.root,
+                        free // MIB,
+                        line // MIB,
+                        len(points),
+                    )
+                self.stopped = True
+                await asyncio.to_thread(self._stop, todo)
+        elif self.stopped and free >= line + RELEASE_MARGIN:
+            self.stopped = False
+            await asyncio.to_thread(self._release)
+            logger.info(
+                "the state filesystem {} has {} MiB free again: workspaces take data again",
+                self.disk.root,
+                free // MIB,
+            )
+        with self._lock:
+            for point in [p for p in self._held if p not in points]:
+                del self._held[point]  # (unmounted: its filesystem is gone, its setting too)
+
+    def _stop(self, points: list[Path]) -> None:
+        """Reserve all the free space of each workspace, then flush what it had accepted."""
+        for point in points:
+            found = _device(point)
+            if found is None:
+                continue
+            dev, name = found
+            knob = f"/sys/fs/ext4/{name}/reserved_clusters"
+            try:
+                before = Path(knob).read_text().strip()
+                clusters = int(Path(f"/sys/block/{name}/size").read_text()) * 512 // 4096
+                _write(knob, str(clusters - 1))  # (the most ext4 takes: all but one)
+            except (OSError, ValueError) as exc:
+                logger.warning("the workspace at {} could not be stopped: {}", point, exc)
+                continue
+            with self._lock:
+                self._held[point] = (dev, knob, before)
+        for point in points:
+            with contextlib.suppress(OSError):
+                fd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    _libc.syncfs(fd)
+                finally:
+                    os.close(fd)
+
+    def _release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, {}
+        for point, (dev, knob, before) in held.items():
+            with contextlib.suppress(OSError):
+                if os.stat(point).st_dev == dev:  # (still the filesystem it was set on)
+                    _write(knob, before)
