@@ -27,7 +27,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from sandbox_runtime.workspaces.diskspace import MIB, StateDisk
+from sandbox_runtime.workspaces.diskspace import MIB, StateDisk, allocate_ranges
+from sandbox_runtime.workspaces.ext4meta import metadata_ranges
 
 GUARD_INTERVAL = 0.25  # seconds between looks at the free space
 RELEASE_MARGIN = 8 * MIB  # above the line before writes are let in again (no flapping)
@@ -80,7 +81,7 @@ class DiskGuard:
     """Stops the mounted thin workspaces (`points`) taking data while the state filesystem
     is under its line, and lets them again once there is room."""
 
-    def __init__(self, disk: StateDisk, points: Callable[[], Iterable[Path]]) -> None:
+    def __init__(self, disk: StateDisk, points: Callable[[], Iterable[tuple[Path, Path]]]) -> None:
         self.disk = disk
         self.points = points
         # Workspaces stopped now: mount point -> (device, reserved_clusters file, its value
@@ -89,25 +90,26 @@ class DiskGuard:
         self._lock = threading.Lock()  # (mounted() runs in worker threads)
         self.stopped = False
 
-    def mounted(self, point: Path) -> None:
-        """A thin workspace was mounted at `point`: cap its dirty pages, and stop it too if
-        the others are stopped. Blocks (a worker thread's)."""
+    def mounted(self, point: Path, image: Path) -> None:
+        """A thin workspace (`image`) was mounted at `point`: cap its dirty pages, and stop it
+        too if the others are stopped. Blocks (a worker thread's)."""
         if not self.disk.thin:
             return
-        limit_dirty(point, self.disk.headroom // 2)
+        limit_dirty(point, self.disk.dirty_limit())
         if self.stopped:
-            self._stop([point])
+            self._stop([(point, image)])
 
     async def step(self) -> None:
         """Look at the free space: stop or let go the workspaces as it says."""
         if not self.disk.thin:
             return
-        points = list(self.points())
+        mounts = list(self.points())
+        points = [point for point, _ in mounts]
         free = self.disk.free_bytes()
         line = self.disk.line(len(points))
         if free < line:
             with self._lock:
-                todo = [p for p in points if p not in self._held]
+                todo = [m for m in mounts if m[0] not in self._held]
             if not self.stopped or todo:
                 if not self.stopped:
                     logger.error(
@@ -134,9 +136,12 @@ class DiskGuard:
             for point in [p for p in self._held if p not in points]:
                 del self._held[point]  # (unmounted: its filesystem is gone, its setting too)
 
-    def _stop(self, points: list[Path]) -> None:
-        """Reserve all the free space of each workspace, then flush what it had accepted."""
-        for point in points:
+    def _stop(self, mounts: list[tuple[Path, Path]]) -> None:
+        """Reserve all the free space of each workspace's filesystem (writes that need a new
+        block fail), give its image the host blocks its metadata may still need (journal,
+        inode tables, bitmaps: a metadata write must never meet a full host), then flush what
+        it had accepted: all into the room its margin kept."""
+        for point, _ in mounts:
             found = _device(point)
             if found is None:
                 continue
@@ -151,7 +156,11 @@ class DiskGuard:
                 continue
             with self._lock:
                 self._held[point] = (dev, knob, before)
-        for point in points:
+        for point, image in mounts:
+            try:
+                allocate_ranges(image, metadata_ranges(image))
+            except OSError as exc:
+                logger.warning("the metadata of {} could not be given its blocks: {}", image, exc)
             with contextlib.suppress(OSError):
                 fd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
                 try:

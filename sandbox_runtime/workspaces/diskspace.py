@@ -64,6 +64,7 @@ from sandbox_runtime.errors import DiskFullError
 
 FALLOC_FL_KEEP_SIZE = 0x01
 MIB = 1024 * 1024
+MIN_DIRTY = 4 * MIB  # the least a workspace may hold unflushed (writes are throttled to it)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
@@ -95,7 +96,8 @@ class StateDisk:
         self.root = root
         self.reserve = reserve  # thin, allocate
         self.min_free_mb = min_free_mb
-        self.headroom = headroom_mb * MIB  # kept free per mounted thin image
+        self.headroom_mb = headroom_mb  # kept free per mounted thin image (see margin)
+        self.metadata = 0  # what an image's ext4 metadata may still take (set by the store)
         self.low = False  # below the floor when last looked
         # Images mounted and being mounted (set by the store).
         self.mounted: Callable[[], int] = lambda: 0
@@ -134,10 +136,20 @@ class StateDisk:
     def thin(self) -> bool:
         return self.reserve != "allocate"
 
+    @property
+    def margin(self) -> int:
+        """Bytes kept free for each mounted thin image: SANDBOX_WORKSPACE_HEADROOM_MB, or more
+        if its metadata would leave less than MIN_DIRTY of it for unflushed data."""
+        return max(self.headroom_mb * MIB, self.metadata + MIN_DIRTY)
+
+    def dirty_limit(self) -> int:
+        """What a mounted thin image may hold written but not yet flushed to the host."""
+        return self.margin - self.metadata
+
     def line(self, mounted: int) -> int:
         """Free bytes under which mounted thin workspaces stop accepting data: the floor, or
         a margin for each of them if that is more (what they may still have to flush)."""
-        return max(self.min_free_mb * MIB, mounted * self.headroom) if self.thin else 0
+        return max(self.min_free_mb * MIB, mounted * self.margin) if self.thin else 0
 
     def mount_options(self, base: str) -> str:
         # `discard` gives a deleted file's blocks back to the host: right for a thin image,
@@ -152,7 +164,7 @@ class StateDisk:
         free = self.free_bytes()
         floor = self.min_free_mb * MIB
         mounted = max(1, self.mounted())
-        if self.thin and free - mounted * self.headroom < floor:
+        if self.thin and free - mounted * self.margin < floor:
             raise DiskFullError(self._no_room_thin(free, mounted))
         if not self.thin and free - size < floor:
             raise DiskFullError(self._no_room(free, size))
@@ -190,7 +202,7 @@ class StateDisk:
             os.close(fd)
 
     def _no_room_thin(self, free: int, mounted: int) -> str:
-        margin = self.headroom // MIB
+        margin = -(-self.margin // MIB)
         return (
             f"this replica's state filesystem (SANDBOX_STATE_DIR) has {free // MIB} MiB free: "
             f"no room to mount another workspace: it keeps {self.min_free_mb} MiB free "
@@ -215,3 +227,16 @@ class StateDisk:
             "keeps free (SANDBOX_MIN_FREE_DISK_MB). Existing sessions keep working; retry later "
             "or on another replica"
         )
+
+
+def allocate_ranges(image: Path, ranges: list[tuple[int, int]]) -> None:
+    """Give these (offset, length) ranges of `image` host blocks (those it has cost nothing).
+    Raises OSError (ENOSPC: the host has no room)."""
+    fd = os.open(image, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for offset, length in ranges:
+            if _libc.fallocate(fd, FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), str(image))
+    finally:
+        os.close(fd)

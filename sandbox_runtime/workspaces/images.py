@@ -23,14 +23,11 @@ from pathlib import Path
 
 from sandbox_runtime.workspaces.diskguard import unlimit_dirty
 from sandbox_runtime.workspaces.diskspace import StateDisk
+from sandbox_runtime.workspaces.ext4meta import INODE_SIZE, JOURNAL_MB
 
 # errors=remount-ro: a filesystem error stops writes at once (and we see the mount turn
 # read-only) rather than letting them go on into a damaged filesystem.
 MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable,errors=remount-ro"
-# The journal: its smallest size (1024 blocks). A thin image's journal takes host blocks as it
-# is first written round (up to this, per mounted workspace: part of its margin); 4 MiB holds
-# transactions of 1 MiB of metadata, plenty for one workspace.
-JOURNAL_MB = 4
 MS_BIND = 4096
 MNT_DETACH = 2
 COMMAND_TIMEOUT = 30.0
@@ -112,7 +109,7 @@ def mkfs_argv(image: Path, inodes: int, owner: tuple[int, int]) -> list[str]:
     uid, gid = owner
     options = f"root_owner={uid}:{gid},lazy_itable_init=1,lazy_journal_init=1"
     mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes)]
-    mkfs += ["-J", f"size={JOURNAL_MB}", "-O", "^resize_inode"]
+    mkfs += ["-I", str(INODE_SIZE), "-J", f"size={JOURNAL_MB}", "-O", "^resize_inode"]
     return [*mkfs, "-E", f"{options},nodiscard", str(image)]
 
 

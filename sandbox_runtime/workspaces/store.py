@@ -307,7 +307,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
             with contextlib.suppress(OSError):
                 os.rmdir(point / "lost+found")
         os.chmod(point, 0o700)  # the filesystem's root, owned by the sandbox user (mkfs)
-        self.guard.mounted(point)
+        self.guard.mounted(point, image)
         self._sweep_uploads(name)
         self._mounted.add(name)
         self._ready[name] = time.monotonic()

@@ -21,9 +21,12 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+from loguru import logger
+
 from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.workspaces.diskguard import DiskGuard
 from sandbox_runtime.workspaces.diskspace import StateDisk
+from sandbox_runtime.workspaces.ext4meta import metadata_bytes
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 BLANK_PREFIX = "blank-"  # a workspace made ahead of need (store.py)
@@ -71,7 +74,18 @@ class StoreState:
         self.disk.mounted = lambda: len(self._principals)
         # Stops thin workspaces taking data while the state filesystem is under its line (a
         # supervised loop runs its step: app/services.py).
-        self.guard = DiskGuard(self.disk, lambda: [self.path(n) for n in list(self._mounted)])
+        self.disk.metadata = metadata_bytes(size_mb, inodes)
+        if self.disk.margin > headroom_mb * 1024 * 1024:
+            logger.info(
+                "each mounted workspace keeps {} MiB free, more than SANDBOX_WORKSPACE_HEADROOM_MB"
+                "={}: its metadata may take {} MiB",
+                -(-self.disk.margin // 2**20),
+                headroom_mb,
+                -(-self.disk.metadata // 2**20),
+            )
+        self.guard = DiskGuard(
+            self.disk, lambda: [(self.path(n), self.image(n)) for n in list(self._mounted)]
+        )
         self._touched: dict[str, float] = {}  # name -> when its use was last put on disk
         self._locks: dict[str, asyncio.Lock] = {}
         self._holds: dict[str, int] = {}
