@@ -99,6 +99,19 @@ class DiskGuard:
         if self.stopped:
             self._stop([(point, image)])
 
+    def why_stopped(self) -> str | None:
+        """What a write refused now is told, if workspaces are stopped (None: they are not)."""
+        if not self.stopped:
+            return None
+        free = self.disk.free_bytes()
+        return (
+            f"this replica's state filesystem (SANDBOX_STATE_DIR) has {free // MIB} MiB free, "
+            f"under the {-(-self.disk.line(len(self._held)) // MIB)} MiB it keeps "
+            "(SANDBOX_MIN_FREE_DISK_MB, or SANDBOX_WORKSPACE_HEADROOM_MB per mounted "
+            "workspace): workspaces take no new data until there is room. Files already "
+            "written are kept: read, delete or rewrite them in place; retry later"
+        )
+
     async def step(self) -> None:
         """Look at the free space: stop or let go the workspaces as it says."""
         if not self.disk.thin:

@@ -35,7 +35,12 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from sandbox_runtime.errors import FileAccessError, InvalidRequestError
+from sandbox_runtime.errors import (
+    DiskFullError,
+    FileAccessError,
+    InvalidRequestError,
+    WorkspaceFullError,
+)
 from sandbox_runtime.workspaces.beneath import (
     lstat_at,
     open_beneath,
@@ -88,11 +93,13 @@ class WorkspaceFiles:
         *,
         use_openat2: bool | None = None,
         on_damage: Callable[[str], None] | None = None,
+        stopped: Callable[[], str | None] | None = None,
     ) -> None:
         self.root = root
         self.uid, self.gid = uid, gid
         self.use_openat2 = openat2_available() if use_openat2 is None else use_openat2
         self.on_damage = on_damage
+        self.stopped = stopped  # why writes are stopped on a full host (None: they are not)
 
     # -- resolution --------------------------------------------------------------------------
 
@@ -111,8 +118,11 @@ class WorkspaceFiles:
         self, exc: OSError, parts: tuple[str, ...], doing: str, synced: bool = False
     ) -> Exception:
         """The domain error for `exc` met while `doing` `parts` (workspaces/fserrors.py); a
-        failed filesystem is reported to `on_damage` first."""
-        return domain_error(exc, parts, doing, synced, self.on_damage)
+        failed filesystem is reported to `on_damage` first; a write refused while the state
+        filesystem is full is DiskFullError, saying so."""
+        error = domain_error(exc, parts, doing, synced, self.on_damage)
+        why = self.stopped() if self.stopped is not None else None
+        return DiskFullError(why) if isinstance(error, WorkspaceFullError) and why else error
 
     # -- reading -----------------------------------------------------------------------------
 

@@ -153,6 +153,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
             self.uid,
             self.gid,
             on_damage=lambda detail: self.mark_damaged(name, detail),
+            stopped=self.guard.why_stopped,
         )
 
     async def ensure(
