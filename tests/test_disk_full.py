@@ -1,19 +1,24 @@
-"""A full state disk loses no acknowledged write and says so (issue 32, finding 1).
+"""A filling state disk loses no acknowledged write, damages no workspace, and says so (issues
+32 and 41).
 
 The state directory is a small ext4 filesystem of the test's own (a loop-mounted image), filled
-from the sessions' own `dd` and from outside (a file written straight into it); every write
-the server acknowledged must read back identical after `sync; echo 3 > drop_caches` and after
-a restart; refusals name the cause and the setting; /ready is unready while the disk is low and
-ready again once space returns. A real server, real images, the official client.
+from the sessions' own `dd` and from outside (a file written straight into it) while they
+write; with thin images (the default) every write the server acknowledged must read back
+identical after `sync; echo 3 > drop_caches` and after a restart, writers get ENOSPC with
+words, no workspace is marked damaged, refusals name the cause and the settings, /ready is
+unready while the disk is low and ready again once space returns. A real server, real
+images, the official client. Image mode is forced (SANDBOX_WORKSPACE_QUOTA=image).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import errno
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -23,7 +28,7 @@ from typing import Any
 
 import httpx2
 import pytest
-from mcp_harness import Conn, ServerProcess, error_text, eventually, open_client, running_server
+from mcp_harness import Conn, ServerProcess, eventually, open_client, running_server
 
 pytestmark = [
     pytest.mark.e2e,
@@ -35,22 +40,29 @@ pytestmark = [
 
 TOKEN = "disk-full-token-0123456789"
 MIB = 1024 * 1024
-STATE_FS_MB = 96
+STATE_FS_MB = 256
+FLOOR_MB = 48
+# 256 MiB workspaces (more than the disk: the disk stops them, not their quota), a margin of
+# 16 MiB each (the least for their 8 MiB of metadata plus a dirty-page limit): with three
+# mounted, writes stop under max(48, 3 * 16) = 48 MiB free.
 SETTINGS = {
     "SANDBOX_AUTH_TOKEN": TOKEN,
-    "SANDBOX_WORKSPACE_MB": "16",
-    "SANDBOX_MIN_FREE_DISK_MB": "8",
+    "SANDBOX_WORKSPACE_QUOTA": "image",
+    "SANDBOX_WORKSPACE_MB": "256",
+    "SANDBOX_WORKSPACE_HEADROOM_MB": "16",
+    "SANDBOX_MIN_FREE_DISK_MB": str(FLOOR_MB),
     "SANDBOX_INTERPRETER_WARM": "python=0",
+    "SANDBOX_WORKSPACE_POOL": "0",
 }
 
 
-@pytest.fixture
-def workdir(tmp_path: Path) -> Iterator[Path]:
-    """A server workdir whose state directory is a fresh STATE_FS_MB ext4 filesystem."""
+@contextlib.contextmanager
+def state_filesystem(tmp_path: Path, mb: int) -> Iterator[Path]:
+    """A server workdir whose state directory is a fresh `mb` MiB ext4 filesystem."""
     image, state = tmp_path / "state-fs.img", tmp_path / "work" / "state"
     state.mkdir(parents=True)
     with open(image, "wb") as f:
-        f.truncate(STATE_FS_MB * MIB)
+        f.truncate(mb * MIB)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True)
     subprocess.run(["mount", "-o", "loop", str(image), str(state)], check=True)
     try:
@@ -58,9 +70,25 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
     finally:
         # (The server unmounted its workspaces when it stopped; a lazy unmount covers a
         # failed test whose server was killed.)
+        for point in sorted(
+            (p for p in mounted_under(state)), key=lambda p: len(p.parts), reverse=True
+        ):
+            subprocess.run(["umount", "-l", str(point)], check=False)
         if subprocess.run(["umount", str(state)], capture_output=True).returncode != 0:
             subprocess.run(["umount", "-l", str(state)], check=False)
         image.unlink(missing_ok=True)
+
+
+def mounted_under(root: Path) -> list[Path]:
+    prefix = f"{root}/"
+    with open("/proc/self/mountinfo") as f:
+        return [Path(line.split()[4]) for line in f if line.split()[4].startswith(prefix)]
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Iterator[Path]:
+    with state_filesystem(tmp_path, STATE_FS_MB) as work:
+        yield work
 
 
 def session() -> str:
@@ -127,82 +155,148 @@ async def check_all(conn: Conn, written: dict[tuple[str, str], str]) -> None:
         assert await sha256_in(conn, s, path) == digest, f"{s}:{path} changed"
 
 
-async def test_a_full_state_disk_loses_no_acknowledged_write(workdir: Path) -> None:
-    """Sessions fill the state filesystem, then a file from outside fills the rest: every
-    write acknowledged before and while it is full reads back identical after the caches
-    are dropped and after a restart; new sessions are refused naming the setting; /ready is
-    503 while the disk is low and 200 again once the outside file is gone."""
+# Writes 2 MiB files with `dd conv=fsync` until one fails: an acknowledged file (dd exited 0)
+# is printed with its digest, the failure with dd's words.
+WRITER = r"""
+i=0
+while [ $i -lt 200 ]; do
+  i=$((i+1))
+  if out=$(dd if=/dev/urandom of=f$i bs=1M count=2 conv=fsync status=none 2>&1); then
+    echo "OK f$i $(sha256sum f$i | cut -d' ' -f1)"
+  else
+    echo "FAILED f$i: $out"; break
+  fi
+done
+"""
+
+
+def free_bytes(state: Path) -> int:
+    st = os.statvfs(state)
+    return st.f_bavail * st.f_frsize
+
+
+def fill_gradually(state: Path, until_free: int, name: str = "outside.fill") -> Path:
+    """Write into the state filesystem from outside, 1 MiB at a time put on disk, until it
+    has less than `until_free` bytes free (a program filling the disk as the sessions
+    write)."""
+    path = state / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        while free_bytes(state) >= until_free:
+            try:
+                os.write(fd, b"\x5a" * MIB)
+                os.fsync(fd)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+                break
+    finally:
+        os.close(fd)
+    return path
+
+
+def acknowledged(s: str, ran: dict[str, Any], written: dict[tuple[str, str], str]) -> str:
+    """Record the files the writer had acknowledged; the words of its failure."""
+    assert ran["exit_code"] == 0, ran
+    failure = ""
+    for line in output(ran).splitlines():
+        if line.startswith("OK "):
+            _, path, digest = line.split()
+            written[(s, path)] = digest
+        elif line.startswith("FAILED "):
+            failure = line
+    return failure
+
+
+async def test_a_filling_state_disk_stops_writers_cleanly_and_damages_nothing(
+    workdir: Path,
+) -> None:
+    """Three sessions write with dd while the state filesystem fills from inside and from
+    outside: every write acknowledged (write_file; dd conv=fsync that exited 0) reads back
+    identical after the caches are dropped, the disk filled to its last block from outside
+    and a restart; writers get ENOSPC; no workspace is marked damaged; new sessions are
+    refused naming the free space and the settings; /ready is 503 while the disk is low and
+    200 once space returns, when writes and new sessions work again."""
     state = workdir / "state"
     written: dict[tuple[str, str], str] = {}
-    ballast = fill_from_outside(state, 16, "ballast.fill")  # (given back at the end)
     server = ServerProcess(workdir, dict(SETTINGS)).start()
     try:
         assert ready(server)[0] == 200
+        assert server.health()["disk"]["reserve"] == "thin"
         async with open_client(server.url, TOKEN, "auto") as conn:
-            sessions: list[str] = []
-            refused = ""
-            for _ in range(12):  # 16 MiB each on ~70 MiB with 8 kept free: about 3 fit
-                s = session()
-                result = await dd(conn, s, "big", 6)
-                if result.is_error:
-                    refused = error_text(result)
-                    break
-                ran = dict(result.structured_content or {})
-                assert ran["exit_code"] == 0, ran
-                written[(s, "big")] = output(ran).split()[0]
-                sessions.append(s)
-            assert len(sessions) >= 2, refused
-            assert "SANDBOX_MIN_FREE_DISK_MB" in refused and "SANDBOX_WORKSPACE_MB" in refused
+            sessions = [session() for _ in range(3)]
+            for s in sessions:
+                data = os.urandom(300_000)
+                content = base64.b64encode(data).decode()
+                await conn.ok(
+                    "write_file", path="w.bin", content=content, encoding="base64", session=s
+                )
+                written[(s, "w.bin")] = hashlib.sha256(data).hexdigest()
 
-            outside = fill_from_outside(state)
+            # From inside (each session could take more than the whole disk) and from
+            # outside at once, until the disk is under its floor.
+            *runs, _ = await asyncio.gather(
+                *(
+                    conn.ok("execute_code", command=WRITER, session=s, timeout_seconds=120)
+                    for s in sessions
+                ),
+                asyncio.to_thread(fill_gradually, state, (FLOOR_MB // 2) * MIB),
+            )
+            for s, ran in zip(sessions, runs, strict=True):
+                failure = acknowledged(s, ran, written)
+                assert "No space left on device" in failure, ran
+            assert len(written) > 3 + 10, written  # (they wrote before the disk stopped them)
             status, body = ready(server)
             assert status == 503 and any(r.startswith("disk:") for r in body["reasons"]), body
-            assert server.health()["disk"]["status"] == "low"
+            health = server.health()["disk"]
+            assert health["status"] == "low" and health["writes_stopped"], health
             assert metric(server, "srt_state_disk_low") == 1
 
-            # The sessions that have a workspace keep working on a full host disk: their
-            # images hold their blocks already.
-            first, second, last = sessions[0], sessions[1], sessions[-1]
-            result = await dd(conn, first, "more", 3)
-            ran = dict(result.structured_content or {})
-            assert not result.is_error and ran["exit_code"] == 0, error_text(result) or ran
-            written[(first, "more")] = output(ran).split()[0]
-            data = os.urandom(1_900_000)
-            wrote = await conn.ok(
-                "write_file",
-                path="inline.bin",
-                content=base64.b64encode(data).decode(),
-                encoding="base64",
-                session=second,
-            )
-            assert wrote["size"] == len(data)
-            written[(second, "inline.bin")] = hashlib.sha256(data).hexdigest()
-            made = await conn.ok("create_file_url", path="up.bin", method="PUT", session=last)
-            upload = os.urandom(1_500_000)
-            put = httpx2.put(made["url"], content=upload, timeout=30)
-            assert put.status_code == 201, put.text
-            written[(last, "up.bin")] = hashlib.sha256(upload).hexdigest()
-            refused = await conn.error("execute_code", command="true", session=session())
-            assert "SANDBOX_MIN_FREE_DISK_MB" in refused, refused
-
+            # Nothing they accepted waits for the host any more: the disk filled to its last
+            # block from outside loses none of it.
+            last = fill_from_outside(state, name="last.fill")
             drop_caches()
             await check_all(conn, written)
+            first = sessions[0]
+            refused = await conn.error(
+                "write_file", path="more.txt", content="x" * 100_000, session=first
+            )
+            assert "state filesystem" in refused and "SANDBOX_MIN_FREE_DISK_MB" in refused
+            ran = await conn.ok(
+                "execute_code",
+                command="/bin/echo more > more.txt; echo $?; cat w.bin | wc -c",
+                session=first,
+            )
+            assert "No space left on device" in "".join(
+                e.get("data") or "" for e in ran["output"]
+            ), ran
+            ran = await conn.ok("execute_code", command="rm f1 && echo gone", session=first)
+            assert output(ran) == "gone\n", ran  # (deleting works, and gives blocks back)
+            del written[(first, "f1")]
+            refused = await conn.error("execute_code", command="true", session=session())
+            assert re.search(r"has \d+ MiB free", refused), refused
+            for setting in ("SANDBOX_MIN_FREE_DISK_MB", "SANDBOX_WORKSPACE_HEADROOM_MB"):
+                assert setting in refused, refused
+            assert metric(server, "srt_workspace_damage_total", 'event="detected"') == 0
+            assert server.health()["disk"]["damaged_workspaces"] == 0
 
-            outside.unlink()
+            last.unlink()
+            (state / "outside.fill").unlink()
             await eventually(lambda: ready(server)[0] == 200, 10, "/ready once space returns")
-            ballast.unlink()  # (room for one more workspace above the floor)
-            assert server.health()["disk"]["status"] == "ok"
+            await eventually(
+                lambda: not server.health()["disk"]["writes_stopped"], 10, "writes let in again"
+            )
             assert metric(server, "srt_state_disk_low") == 0
+            ran = await dd(conn, first, "again", 2)
+            assert not ran.is_error and ran.structured_content["exit_code"] == 0, ran
+            written[(first, "again")] = output(dict(ran.structured_content)).split()[0]
             ran = await conn.ok("execute_code", command="echo fresh", session=session())
             assert output(ran) == "fresh\n"
         server.stop()
+        assert not list((state / "workspaces").glob("*.damaged"))
+        assert not (state / "workspaces" / ".quarantine").exists()
 
-        # Files survive a restart, even one on a full disk (which must not turn the images
-        # into empty directories: the start's test image has no room either).
-        outside = fill_from_outside(state)
         server = ServerProcess(workdir, dict(SETTINGS)).start()
         drop_caches()
-        assert server.health()["disk"]["status"] == "low"
         async with open_client(server.url, TOKEN, "auto") as conn:
             await check_all(conn, written)
         assert metric(server, "srt_workspace_damage_total", 'event="detected"') == 0
@@ -211,14 +305,22 @@ async def test_a_full_state_disk_loses_no_acknowledged_write(workdir: Path) -> N
             server.stop()
 
 
-async def test_a_workspace_whose_filesystem_fails_says_so_and_is_checked(workdir: Path) -> None:
-    """With sparse images (SANDBOX_WORKSPACE_RESERVE=sparse) a full host disk fails writes
-    inside an image: the write_file that meets it is an error, never a success; the workspace
-    is marked and, once there is room, checked by e2fsck before it is served again; the
-    caller learns how that ended; what was acknowledged before reads back identical."""
-    state = workdir / "state"
-    settings = {**SETTINGS, "SANDBOX_WORKSPACE_RESERVE": "sparse", "SANDBOX_WORKSPACE_MB": "64"}
-    with running_server(workdir, **settings) as server:
+def workspace_device(state: Path) -> str:
+    """The loop device (loopN) of the one session workspace mounted under `state`."""
+    points = [p for p in mounted_under(state / "workspaces") if p.name.startswith("ws-")]
+    assert len(points) == 1, points
+    dev = os.stat(points[0]).st_dev
+    return os.path.basename(os.readlink(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
+
+
+async def test_a_workspace_whose_filesystem_fails_says_so_and_is_checked(tmp_path: Path) -> None:
+    """A workspace's filesystem that fails (the kernel finds an error in it and makes it
+    read-only: ext4's own error path, triggered through its sysfs knob) fails the write_file
+    that meets it, never a success; the workspace is marked and checked by e2fsck before it
+    is served again; the caller learns how that ended; what was acknowledged before reads
+    back identical."""
+    state = tmp_path / "state"
+    with running_server(tmp_path, **SETTINGS) as server:
         async with open_client(server.url, TOKEN, "auto") as conn:
             s = session()
             kept = os.urandom(300_000)
@@ -229,7 +331,9 @@ async def test_a_workspace_whose_filesystem_fails_says_so_and_is_checked(workdir
                 encoding="base64",
                 session=s,
             )
-            outside = fill_from_outside(state)
+            name = workspace_device(state)
+            with open(f"/sys/fs/ext4/{name}/trigger_fs_error", "w") as knob:  # noqa: ASYNC230
+                knob.write("test: failed under us\n")
             failed = await conn.error(
                 "write_file",
                 path="lost.bin",
@@ -240,10 +344,7 @@ async def test_a_workspace_whose_filesystem_fails_says_so_and_is_checked(workdir
             assert "filesystem failed" in failed, failed
             assert metric(server, "srt_workspace_damage_total", 'event="detected"') == 1
             assert server.health()["disk"]["damaged_workspaces"] == 1
-            refused = await conn.error("read_file", path="kept.bin", session=s)
-            assert "filesystem failed" in refused, refused  # not served until checked
 
-            outside.unlink()
             got = await conn.ok("read_file", path="kept.bin", encoding="base64", session=s)
             reset = got.get("session_reset")
             checked = [
@@ -254,7 +355,6 @@ async def test_a_workspace_whose_filesystem_fails_says_so_and_is_checked(workdir
             assert len(checked) == 1, checked
             if checked == ["quarantined"]:
                 assert reset and reset["reason"] == "workspace_quarantined", got
-                assert any((state / "workspaces" / ".quarantine").iterdir())
             else:
                 assert base64.b64decode(got["content"]) == kept
                 if checked == ["repaired"]:

@@ -64,7 +64,6 @@ from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import open_store
 from sandbox_runtime.snapshots.triggers import Triggers
 from sandbox_runtime.supervisor import Supervisor
-from sandbox_runtime.workspaces.diskguard import GUARD_INTERVAL
 from sandbox_runtime.workspaces.store import WorkspaceStore, loop_devices_under
 
 # Asking the shared store whether this replica is still a session's home before its snapshot
@@ -293,7 +292,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
         _spawn_fill(supervisor, workspaces)
         if workspaces.mode == "image":
-            supervisor.every("workspace disk guard", GUARD_INTERVAL, workspaces.guard.step)
+            guard = workspaces.guard
+            supervisor.every("workspace disk guard", guard.interval, guard.step)
         yield services
 
 

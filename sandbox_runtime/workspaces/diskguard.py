@@ -8,7 +8,7 @@ Two kernel knobs per mounted image, found from its mount point's device (its loo
 - the free space its ext4 keeps from writes (/sys/fs/ext4/<loopN>/reserved_clusters): raised
   to all of it while the state filesystem is under the line, so every write that needs a new
   block gets ENOSPC there and then, whoever writes (root included); set back when space
-  returns. Deleting, reading and rewriting in place keep working. Unlike a read-only
+  returns. Reading and deleting keep working. Unlike a read-only
   remount this works with files open for writing, and it is not an error of the filesystem:
   nothing marks the workspace damaged.
 
@@ -31,6 +31,8 @@ from sandbox_runtime.workspaces.diskspace import MIB, StateDisk, allocate_ranges
 from sandbox_runtime.workspaces.ext4meta import metadata_ranges
 
 GUARD_INTERVAL = 0.25  # seconds between looks at the free space
+NEAR_INTERVAL = 0.05  # ... once it is within NEAR times the line
+NEAR = 2
 RELEASE_MARGIN = 8 * MIB  # above the line before writes are let in again (no flapping)
 LOOP_MAJOR = 7
 BDI_DEFAULT_MAX_RATIO = "100"
@@ -89,6 +91,7 @@ class DiskGuard:
         self._held: dict[Path, tuple[int, str, str]] = {}
         self._lock = threading.Lock()  # (mounted() runs in worker threads)
         self.stopped = False
+        self._free = self._line = 0  # as last seen
 
     def mounted(self, point: Path, image: Path) -> None:
         """A thin workspace (`image`) was mounted at `point`: cap its dirty pages, and stop it
@@ -98,6 +101,13 @@ class DiskGuard:
         limit_dirty(point, self.disk.dirty_limit())
         if self.stopped:
             self._stop([(point, image)])
+
+    def interval(self) -> float:
+        """Seconds until the next step: shorter as the free space nears the line (what lands
+        between two looks is what the floor must absorb)."""
+        if not self.disk.thin or self.stopped:
+            return GUARD_INTERVAL
+        return NEAR_INTERVAL if self._free < NEAR * self._line else GUARD_INTERVAL
 
     def why_stopped(self) -> str | None:
         """What a write refused now is told, if workspaces are stopped (None: they are not)."""
@@ -109,7 +119,7 @@ class DiskGuard:
             f"under the {-(-self.disk.line(len(self._held)) // MIB)} MiB it keeps "
             "(SANDBOX_MIN_FREE_DISK_MB, or SANDBOX_WORKSPACE_HEADROOM_MB per mounted "
             "workspace): workspaces take no new data until there is room. Files already "
-            "written are kept: read, delete or rewrite them in place; retry later"
+            "written are kept and can be read or deleted; retry later"
         )
 
     async def step(self) -> None:
@@ -120,6 +130,7 @@ class DiskGuard:
         points = [point for point, _ in mounts]
         free = self.disk.free_bytes()
         line = self.disk.line(len(points))
+        self._free, self._line = free, line
         if free < line:
             with self._lock:
                 todo = [m for m in mounts if m[0] not in self._held]
