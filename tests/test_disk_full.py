@@ -387,3 +387,58 @@ async def test_an_image_that_will_not_mount_is_set_aside_and_the_session_told(
             assert [e["path"] for e in listed["entries"]] == ["g.txt"]
             assert metric(server, "srt_workspace_damage_total", 'event="quarantined"') == 1
     assert len(list((tmp_path / "state" / "workspaces" / ".quarantine").iterdir())) == 1
+
+
+def used_bytes(state: Path) -> int:
+    st = os.statvfs(state)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def image_bytes(state: Path) -> int:
+    """What the workspace images take of the state filesystem."""
+    return sum(p.stat().st_blocks * 512 for p in (state / "workspaces").glob("*.img"))
+
+
+async def test_thin_workspaces_cost_what_they_hold(tmp_path: Path) -> None:
+    """1 GiB workspaces: two pooled blanks and a warm interpreter's slot cost their metadata
+    only, and fifty sessions that each wrote 10 KB take under 50 MB of the state filesystem
+    in all (allocated in full, they took 53 GiB)."""
+    settings = {
+        **SETTINGS,
+        "SANDBOX_WORKSPACE_MB": "1024",
+        "SANDBOX_WORKSPACE_HEADROOM_MB": "64",
+        "SANDBOX_MIN_FREE_DISK_MB": "64",
+        "SANDBOX_WORKSPACE_POOL": "2",
+        "SANDBOX_INTERPRETER_WARM": "python=1",
+    }
+    with state_filesystem(tmp_path, 6 * 1024) as work:
+        state = work / "state"
+        before = used_bytes(state)
+        with running_server(work, **settings) as server:
+
+            def mounted(kind: str) -> int:
+                return int(metric(server, "srt_workspaces_mounted{", f'kind="{kind}"'))
+
+            await eventually(
+                lambda: mounted("blank") == 2 and mounted("slot") == 1, 60, "blanks, warm slot"
+            )
+            idle_images, idle_used = image_bytes(state), used_bytes(state) - before
+            print(f"blanks and warm slot: images {idle_images} B, state fs {idle_used} B")
+            assert idle_images < 2 * MIB, idle_images  # (about 155 KiB each)
+            assert idle_used < 4 * MIB, idle_used
+
+            async with open_client(server.url, TOKEN, "auto") as conn:
+                names = [session() for _ in range(50)]
+                for batch in range(0, len(names), 10):
+                    await asyncio.gather(
+                        *(
+                            conn.ok("write_file", path="f.bin", content="x" * 10_000, session=s)
+                            for s in names[batch : batch + 10]
+                        )
+                    )
+                got = await conn.ok("read_file", path="f.bin", session=names[-1])
+                assert got["content"] == "x" * 10_000
+            images, used = image_bytes(state), used_bytes(state) - before
+            print(f"50 sessions of 10 KB: images {images} B, state fs {used} B")
+            assert used < 50 * 1000 * 1000, used
+            assert images < 50 * 1000 * 1000, images
