@@ -78,9 +78,8 @@ def server_env(state_dir: Path, port: int, **settings: str) -> dict[str, str]:
             "SANDBOX_LOG_LEVEL": "INFO",
             "SANDBOX_CLUSTER_PORT": "0",  # with Redis: a free port of its own for peers' calls
             "SANDBOX_RUNTIME_DIR": str(runtime_dir()),
-            # Workspace images are allocated in full (SANDBOX_WORKSPACE_RESERVE): the default
-            # GiB each would take tens of GiB of the test machine's disk across a test's
-            # sessions. Tests that need more ask for it.
+            # Small workspaces (with SANDBOX_WORKSPACE_RESERVE=allocate the default GiB each
+            # would take tens of GiB across a test's sessions). Tests that need more ask.
             "SANDBOX_WORKSPACE_MB": "64",
             "PYTHONUNBUFFERED": "1",
         }

@@ -150,8 +150,8 @@ class Settings(BaseSettings):
         le=64,
         description="Empty workspaces made ahead of need, per replica (with workspace images): "
         "a new session's first call takes one instead of making its image. Each counts "
-        "against SANDBOX_MAX_MOUNTED_WORKSPACES and, with SANDBOX_WORKSPACE_RESERVE=allocate, "
-        "takes SANDBOX_WORKSPACE_MB of disk (0: none).",
+        "against SANDBOX_MAX_MOUNTED_WORKSPACES and takes ~155 KiB of disk (thin; with "
+        "SANDBOX_WORKSPACE_RESERVE=allocate, SANDBOX_WORKSPACE_MB) (0: none).",
     )
     pool_idle_seconds: float = Field(
         60, gt=0, le=240, description="A sandbox started ahead and unused this long is ended."
