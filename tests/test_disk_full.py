@@ -442,3 +442,31 @@ async def test_thin_workspaces_cost_what_they_hold(tmp_path: Path) -> None:
             print(f"50 sessions of 10 KB: images {images} B, state fs {used} B")
             assert used < 50 * 1000 * 1000, used
             assert images < 50 * 1000 * 1000, images
+
+
+def test_a_workspace_images_metadata_is_where_dumpe2fs_says(tmp_path: Path) -> None:
+    """The ranges the watchdog allocates when it stops a workspace (its metadata: bitmaps,
+    inode tables, journal) are read right from the image (checked against dumpe2fs and
+    debugfs), and a new thin 1 GiB image costs the host under 256 KiB."""
+    from sandbox_runtime.workspaces.ext4meta import metadata_bytes, metadata_ranges
+    from sandbox_runtime.workspaces.images import mkfs_argv
+
+    image = tmp_path / "ws.img"
+    with open(image, "wb") as f:
+        f.truncate(1024 * MIB)
+    subprocess.run(mkfs_argv(image, 65536, (0, 0)), check=True)
+    assert image.stat().st_blocks * 512 < 256 * 1024
+    blocks: set[int] = set()
+    for offset, length in metadata_ranges(image):
+        blocks.update(range(offset // 4096, (offset + length) // 4096))
+    dump = subprocess.run(["dumpe2fs", str(image)], capture_output=True, text=True).stdout
+    for start, end in re.findall(r"Inode table at (\d+)-(\d+)", dump):
+        assert set(range(int(start), int(end) + 1)) <= blocks
+    for at in re.findall(r"(?:Block|Inode) bitmap at (\d+)", dump):
+        assert int(at) in blocks
+    journal = subprocess.run(
+        ["debugfs", "-R", "stat <8>", str(image)], capture_output=True, text=True
+    ).stdout
+    first, last = re.search(r"\(0-\d+\):(\d+)-(\d+)", journal).groups()  # type: ignore[union-attr]
+    assert set(range(int(first), int(last) + 1)) <= blocks
+    assert len(blocks) * 4096 <= metadata_bytes(1024, 65536)
