@@ -245,6 +245,7 @@ async def test_a_filling_state_disk_stops_writers_cleanly_and_damages_nothing(
                 failure = acknowledged(s, ran, written)
                 assert "No space left on device" in failure, ran
             assert len(written) > 3 + 10, written  # (they wrote before the disk stopped them)
+            print(f"{len(written)} writes acknowledged; {free_bytes(state) // MIB} MiB left free")
             status, body = ready(server)
             assert status == 503 and any(r.startswith("disk:") for r in body["reasons"]), body
             health = server.health()["disk"]
