@@ -76,3 +76,12 @@ def test_settings_still_derive_through_parsing() -> None:
     )
     with pytest.raises(ValueError, match="egress settings"):
         Settings(_env_file=None, egress_resolver="dns.example")  # type: ignore[call-arg]
+
+
+def test_workspace_reserve_is_thin_by_default_and_sparse_is_its_old_name() -> None:
+    assert Settings(_env_file=None).workspace_reserve == "thin"  # type: ignore[call-arg]
+    for value, chosen in (("sparse", "thin"), ("Allocate", "allocate"), ("thin", "thin")):
+        settings = Settings(_env_file=None, workspace_reserve=value)  # type: ignore[call-arg]
+        assert settings.workspace_reserve == chosen
+    with pytest.raises(ValueError, match="`thin` or `allocate`"):
+        Settings(_env_file=None, workspace_reserve="lazy")  # type: ignore[call-arg]
