@@ -471,3 +471,20 @@ def test_a_workspace_images_metadata_is_where_dumpe2fs_says(tmp_path: Path) -> N
     first, last = re.search(r"\(0-\d+\):(\d+)-(\d+)", journal).groups()  # type: ignore[union-attr]
     assert set(range(int(first), int(last) + 1)) <= blocks
     assert len(blocks) * 4096 <= metadata_bytes(1024, 65536)
+
+
+async def test_a_workspace_allocated_before_gives_its_free_space_back(tmp_path: Path) -> None:
+    """An image allocated in full under SANDBOX_WORKSPACE_RESERVE=allocate is trimmed to what
+    it holds when a thin server mounts it; its files are kept."""
+    settings = {**SETTINGS, "SANDBOX_WORKSPACE_MB": "64"}
+    s = session()
+    with running_server(tmp_path, **settings, SANDBOX_WORKSPACE_RESERVE="allocate") as server:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            await conn.ok("write_file", path="kept.txt", content="kept", session=s)
+    (image,) = (tmp_path / "state" / "workspaces").glob("ws-*.img")
+    assert image.stat().st_blocks * 512 >= 64 * MIB
+    with running_server(tmp_path, **settings) as server:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            got = await conn.ok("read_file", path="kept.txt", session=s)
+            assert got["content"] == "kept"
+            assert image.stat().st_blocks * 512 < 8 * MIB

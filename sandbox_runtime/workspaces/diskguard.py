@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
+import struct
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -35,6 +37,7 @@ NEAR_INTERVAL = 0.05  # ... once it is within NEAR times the line
 NEAR = 2
 RELEASE_MARGIN = 8 * MIB  # above the line before writes are let in again (no flapping)
 LOOP_MAJOR = 7
+FITRIM = 0xC0185879  # _IOWR('X', 121, struct fstrim_range)
 BDI_DEFAULT_MAX_RATIO = "100"
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -79,6 +82,16 @@ def unlimit_dirty(dev: int) -> None:
         _write(f"{bdi}/max_ratio", BDI_DEFAULT_MAX_RATIO)
 
 
+def trim(point: Path) -> None:
+    """Give the host back every free block of the filesystem mounted at `point` (FITRIM:
+    the loop device punches them out of its image). Raises OSError."""
+    fd = os.open(point, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, FITRIM, bytearray(struct.pack("QQQ", 0, 2**64 - 1, 0)))
+    finally:
+        os.close(fd)
+
+
 class DiskGuard:
     """Stops the mounted thin workspaces (`points`) taking data while the state filesystem
     is under its line, and lets them again once there is room."""
@@ -94,11 +107,16 @@ class DiskGuard:
         self._free = self._line = 0  # as last seen
 
     def mounted(self, point: Path, image: Path) -> None:
-        """A thin workspace (`image`) was mounted at `point`: cap its dirty pages, and stop it
-        too if the others are stopped. Blocks (a worker thread's)."""
+        """A thin workspace (`image`) was mounted at `point`: cap its dirty pages, give back
+        the free space of an image allocated before (SANDBOX_WORKSPACE_RESERVE=allocate), and
+        stop it too if the others are stopped. Blocks (a worker thread's)."""
         if not self.disk.thin:
             return
         limit_dirty(point, self.disk.dirty_limit())
+        with contextlib.suppress(OSError):
+            st, inside = os.stat(image), os.statvfs(point)
+            if st.st_blocks * 512 > (inside.f_blocks - inside.f_bfree) * inside.f_frsize * 2:
+                trim(point)
         if self.stopped:
             self._stop([(point, image)])
 
