@@ -36,6 +36,7 @@ GUARD_INTERVAL = 0.25  # seconds between looks at the free space
 NEAR_INTERVAL = 0.05  # ... once it is within NEAR times the line
 NEAR = 2
 RELEASE_MARGIN = 8 * MIB  # above the line before writes are let in again (no flapping)
+TRIM_SLACK = 16 * MIB  # an image holding this much more than its files and metadata is trimmed
 LOOP_MAJOR = 7
 FITRIM = 0xC0185879  # _IOWR('X', 121, struct fstrim_range)
 BDI_DEFAULT_MAX_RATIO = "100"
@@ -115,7 +116,8 @@ class DiskGuard:
         limit_dirty(point, self.disk.dirty_limit())
         with contextlib.suppress(OSError):
             st, inside = os.stat(image), os.statvfs(point)
-            if st.st_blocks * 512 > (inside.f_blocks - inside.f_bfree) * inside.f_frsize * 2:
+            used = (inside.f_blocks - inside.f_bfree) * inside.f_frsize
+            if st.st_blocks * 512 > 2 * used + self.disk.metadata + TRIM_SLACK:
                 trim(point)
         if self.stopped:
             self._stop([(point, image)])
