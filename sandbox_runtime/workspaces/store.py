@@ -63,6 +63,7 @@ from sandbox_runtime.workspaces.store_state import BLANK_PREFIX, IMAGE_SUFFIX
 
 PROBE = ".probe"
 PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
+CLOSE_WAIT_STEPS = 200  # times 0.05 s: for a blank being made when the store closes
 
 
 class WorkspaceStore(MountCaps, DamageCourse):
@@ -131,7 +132,12 @@ class WorkspaceStore(MountCaps, DamageCourse):
 
     async def aclose(self) -> None:
         """Remove the blanks and unmount every workspace (the server is stopping; nothing runs
-        in them now)."""
+        in them now). A blank being made is removed by its fill, which this waits for."""
+        self._closing = True
+        for _ in range(CLOSE_WAIT_STEPS):
+            if not self._filling:
+                break
+            await asyncio.sleep(0.05)
         blanks, self._blanks = self._blanks, []
         for name in blanks:
             with contextlib.suppress(OSError):
@@ -215,7 +221,7 @@ class WorkspaceStore(MountCaps, DamageCourse):
         self._filling = True
         try:
             self._blanks = [n for n in self._blanks if self._blank_ready(n)]
-            while len(self._blanks) < self.blanks_wanted:
+            while len(self._blanks) < self.blanks_wanted and not self._closing:
                 name = f"{BLANK_PREFIX}{uuid.uuid4().hex[:20]}"
                 try:
                     await self.ensure(name, None, ahead=True)
@@ -223,6 +229,9 @@ class WorkspaceStore(MountCaps, DamageCourse):
                     logger.debug("no blank workspace made now: {}", exc)
                     if self.exists(name):
                         await self.remove(name)
+                    return
+                if self._closing:  # (made while the store closed: aclose waits for this)
+                    await self.remove(name)
                     return
                 self._blanks.append(name)
         finally:

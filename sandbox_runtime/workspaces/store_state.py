@@ -107,6 +107,7 @@ class StoreState:
         self.blanks_wanted = blanks
         self._blanks: list[str] = []
         self._filling = False
+        self._closing = False  # (aclose has begun: no more blanks)
         self.refill: Callable[[], None] | None = None
 
     # -- naming ------------------------------------------------------------------------------
