@@ -56,23 +56,25 @@ from sandbox_runtime.workspaces.fsops import WorkspaceFiles, remove_partial_uplo
 from sandbox_runtime.workspaces.images import bind, make_image, mount, mounts_under, umount
 from sandbox_runtime.workspaces.images import loop_devices_under as loop_devices_under
 from sandbox_runtime.workspaces.mountcaps import MountCaps
+from sandbox_runtime.workspaces.quotamode import QuotaMode
 from sandbox_runtime.workspaces.store_state import BLANK_PREFIX, IMAGE_SUFFIX
 
 PROBE = ".probe"
 PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
 
 
-class WorkspaceStore(MountCaps, DamageCourse):
+class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
     """Creates, mounts, measures and removes this replica's workspaces (its state, hooks and
     constructor: workspaces/store_state.py)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, uid: int, gid: int) -> None:
-        """Prepare the root, detach mounts a dead server left, and decide on images; files
-        are made for the sandbox user uid/gid.
+        """Prepare the root, detach mounts a dead server left, and decide on the mode
+        (project, image or directory); files are made for the sandbox user uid/gid.
 
-        Raises SandboxUnavailableError when quota="image" and images cannot be used.
+        Raises SandboxUnavailableError when quota="project" or "image" and that mode cannot
+        be used.
         """
         self.uid, self.gid = uid, gid
         self.root.mkdir(parents=True, exist_ok=True)
@@ -82,6 +84,13 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 umount(point)
                 logger.info("detached a workspace a previous server left mounted: {}", point)
         self.remove_all(BLANK_PREFIX)  # (a previous server's, made ahead of need)
+        if self._start_project():
+            return
+        if self.wanted == "project":
+            raise SandboxUnavailableError(
+                "project-quota workspaces (SANDBOX_WORKSPACE_QUOTA=project) cannot be used: "
+                f"{self.project_problem}. To enable them: {self.enable_hint}"
+            )
         if self.wanted == "none":
             self.problem = "workspace quotas are turned off (SANDBOX_WORKSPACE_QUOTA=none)"
         else:
@@ -95,6 +104,14 @@ class WorkspaceStore(MountCaps, DamageCourse):
             )
         if self.wanted != "none":
             logger.warning("workspaces have no quota: {}", self.problem)
+        if self.project_problem is not None:
+            logger.info(
+                "workspaces are {} rather than directories with a project quota ({}; to enable: "
+                "{})",
+                "images" if self.mode == "image" else "plain directories",
+                self.project_problem,
+                self.enable_hint,
+            )
 
     def _probe(self) -> str | None:
         """Why workspace images cannot be made and mounted here (None: they can)."""
@@ -174,6 +191,8 @@ class WorkspaceStore(MountCaps, DamageCourse):
             existed = self.exists(name)
             if name in self._damaged and name in self._mounted:
                 await self._release_damaged(name)
+            elif name in self._damaged and name in self._quotaed:
+                await self._release_damaged_dir(name)
             if name in self._ready:  # made ready by the call this one waited for
                 self._ready[name] = time.monotonic()
                 return self.path(name), True
@@ -252,7 +271,9 @@ class WorkspaceStore(MountCaps, DamageCourse):
         return taken
 
     def _needs_mount(self, name: str) -> bool:
-        """Whether making `name` ready mounts an image (not a plain directory)."""
+        """Whether making `name` ready mounts an image (not a quota'd or plain directory)."""
+        if self.mode == "project":  # (an image from before project mode is served as one)
+            return self.image(name).exists()
         if self.mode != "image":
             return False
         point = self.path(name)
@@ -263,7 +284,15 @@ class WorkspaceStore(MountCaps, DamageCourse):
 
     def _ensure_sync(self, name: str) -> None:
         point, image = self.path(name), self.image(name)
-        if self.mode != "image" or (point.is_dir() and not image.exists() and any(point.iterdir())):
+        if self.mode == "project" and not image.exists():
+            self._ensure_quota_dir(name)
+            if name in self._quotaed:
+                self._sweep_uploads(name)
+                self._ready[name] = time.monotonic()
+                self._touch(name)
+                return
+        images = self.mode == "image" or (self.mode == "project" and image.exists())
+        if not images or (point.is_dir() and not image.exists() and any(point.iterdir())):
             # No images here, or a plain directory from before images (kept as it is; nothing
             # can check or repair it: a failure found in it was reported, and it is served on).
             self._damaged.pop(name, None)
@@ -367,9 +396,12 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 return False  # an unmounted image: the session has been used
             self._remove_sync(name)
         source = self.path(slot)
-        if slot not in self._mounted:  # a plain directory
+        if slot not in self._mounted:  # a quota'd or plain directory
             os.rename(source, target)
             self._ready.pop(slot, None)
+            if slot in self._quotaed:
+                self._quotaed.discard(slot)
+                self._quotaed.add(name)
             self._ready[name] = time.monotonic()
             return True
         target.mkdir(mode=0)

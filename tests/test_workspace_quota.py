@@ -1,0 +1,267 @@
+"""Project mode on btrfs (issue 41): each workspace a subvolume with a qgroup limit, on a
+loop-mounted btrfs state filesystem the tests make (`btrfs quota enable`). The quota holds
+from inside the sandbox and through uploads, the sandbox cannot escape it (no subvolume of its
+own: its seccomp filter refuses btrfs ioctls), a warm interpreter's workspace is adopted by a
+rename, snapshots capture and restore, retention gives the space back, 2,000 sessions fit one
+replica for little disk, and a full state filesystem loses no acknowledged write. A real
+server, real bwrap sandboxes, the official client. (The ext4/XFS project-quota path runs for
+real in the VM harness; its pure parts are tested in test_workspace_projects.py.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from loopfs_harness import btrfs_qgroups, disk_used, loop_filesystem
+from mcp_harness import Conn, eventually, open_client, running_server
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "workspace-quota-token-0123"
+MIB = 1024 * 1024
+SETTINGS = {
+    "SANDBOX_AUTH_TOKEN": TOKEN,
+    "SANDBOX_WORKSPACE_MB": "16",
+    "SANDBOX_WORKSPACE_QUOTA": "project",
+    "SANDBOX_MIN_FREE_DISK_MB": "16",
+    "SANDBOX_INTERPRETER_WARM": "python=0",
+}
+SUBVOL_CREATE = """
+import fcntl, os
+args = bytearray(4096); args[8:13] = b"inner"
+fd = os.open(".", os.O_RDONLY)
+try:
+    fcntl.ioctl(fd, 0x5000940E, args)
+    print("made")
+except OSError as exc:
+    print("refused", exc.errno)
+xattr = bytearray(28)
+try:
+    fcntl.ioctl(fd, 0x801C581F, xattr)
+    xattr[12:16] = (1).to_bytes(4, "little")
+    fcntl.ioctl(fd, 0x401C5820, xattr)
+    print("projid set")
+except OSError as exc:
+    print("projid refused", exc.errno)
+"""
+
+
+@pytest.fixture(scope="module")
+def btrfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with loop_filesystem(tmp_path_factory.mktemp("btrfs"), "btrfs", 1024) as point:
+        yield point
+
+
+def session() -> str:
+    return f"q-{uuid.uuid4().hex[:8]}"
+
+
+def stdout_of(ran: dict[str, Any]) -> str:
+    return "".join(e.get("data") or "" for e in ran["output"] if e.get("type") == "stdout")
+
+
+def all_output(ran: dict[str, Any]) -> str:
+    return "".join(e.get("data") or "" for e in ran["output"])
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def workdir(btrfs: Path) -> Path:
+    return btrfs / uuid.uuid4().hex[:8]
+
+
+def subvolume_id(path: Path) -> str:
+    done = subprocess.run(
+        ["btrfs", "subvolume", "show", str(path)], check=True, capture_output=True, text=True
+    )
+    line = next(x for x in done.stdout.splitlines() if "Subvolume ID:" in x)
+    return line.split(":")[1].strip()
+
+
+async def test_the_quota_holds_inside_and_through_uploads(btrfs: Path) -> None:
+    """In project mode (said by /health), a workspace is a subvolume of the state filesystem
+    with a 16 MiB limit: dd past it gets "Disk quota exceeded", and so do write_file and a
+    PUT to a file URL; the sandbox can neither make a subvolume of its own nor change a
+    project id, and the quota still holds after it tried; list_files shows the use."""
+    with running_server(workdir(btrfs), **SETTINGS) as server:
+        health = server.health()
+        assert health["workspaces"] == {"mode": "project", "quota": "btrfs"}, health
+        s = session()
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            ran = await conn.ok("execute_code", command="head -c 2000000 /dev/urandom > a; ls",
+                                session=s)  # fmt: skip
+            assert ran["exit_code"] == 0, ran
+            root = server.state_dir / "workspaces"
+            [ws] = [p for p in root.iterdir() if not p.name.startswith(".")]
+            assert os.stat(ws).st_ino == 256, "the workspace is a subvolume's root"
+            assert (os.stat(ws).st_mode & 0o777) == 0o700
+            assert not any(p.suffix == ".img" for p in root.iterdir()), "no image was made"
+
+            ran = await conn.ok("execute_code", command="dd if=/dev/zero of=big bs=1M count=40",
+                                session=s)  # fmt: skip
+            assert ran["exit_code"] != 0 and "Disk quota exceeded" in all_output(ran), ran
+
+            listed = await conn.ok("list_files", session=s)
+            usage = listed["usage"]
+            assert usage["bytes_limit"] == 16 * MIB and usage["files_limit"] is None, usage
+            assert 15 * MIB <= usage["bytes_used"] <= 17 * MIB, usage
+
+            fill = "rm -f big; dd if=/dev/zero of=fill bs=1M count=15 status=none; sync"
+            await conn.ok("execute_code", command=fill, session=s)
+            refused = await conn.error("write_file", path="w.bin", content=b64(os.urandom(MIB * 2 - 4096)),
+                                       encoding="base64", session=s)  # fmt: skip
+            assert "workspace is full" in refused, refused
+            made = await conn.ok("create_file_url", path="up.bin", method="PUT", session=s)
+            put = httpx2.put(made["url"], content=os.urandom(3 * MIB), timeout=60)
+            assert put.status_code == 507 and "bytes free" in put.text, put.text
+            await conn.ok("execute_code", command="rm fill", session=s)
+            # (an upload that fits: a temp file renamed inside the subvolume)
+            put = httpx2.put(made["url"], content=b"fits", timeout=30)
+            assert put.status_code == 201, put.text
+            read = await conn.ok("read_file", path="up.bin", session=s)
+            assert read["content"] == "fits"
+
+            ran = await conn.ok("execute_code", command=f"python3 -c '{SUBVOL_CREATE}'", session=s)
+            out = stdout_of(ran)
+            assert "refused 1" in out and "made" not in out, all_output(ran)
+            assert "projid set" not in out, all_output(ran)
+            ran = await conn.ok("execute_code", command="dd if=/dev/zero of=big bs=1M count=40",
+                                session=s)  # fmt: skip
+            assert ran["exit_code"] != 0 and "Disk quota exceeded" in all_output(ran), ran
+
+
+async def test_warm_adoption_snapshots_and_retention(btrfs: Path, tmp_path: Path) -> None:
+    """A warm interpreter's workspace becomes a session's (a rename: the quota goes with
+    it); a snapshot captures and restores; a removed workspace's subvolume and qgroup go and
+    its space comes back."""
+    settings = {**SETTINGS, "SANDBOX_INTERPRETER_WARM": "python=1"}
+    with running_server(workdir(btrfs), **settings) as server:
+        root = server.state_dir / "workspaces"
+
+        async def warm_waiting() -> bool:
+            return server.metric(TOKEN, "srt_interpreters{", 'state="warm"', "python") >= 1
+
+        await eventually(warm_waiting, 60, "a warm python interpreter")
+        s = session()
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            ran = await conn.ok("run_code", code="open('k.txt','w').write('kept')", session=s)
+            assert server.metric(TOKEN, "srt_interpreter_events_total{", "warm_hit") >= 1
+            listed = await conn.ok("list_files", session=s)
+            assert listed["usage"]["bytes_limit"] == 16 * MIB, listed
+            ran = await conn.ok("execute_code", command="cat k.txt; dd if=/dev/zero of=z "
+                                "bs=1M count=40 2>&1 | tail -1", session=s)  # fmt: skip
+            assert stdout_of(ran).startswith("kept") and "quota" in stdout_of(ran), ran
+
+            await conn.ok("execute_code", command="rm z; echo one > one.txt", session=s)
+            taken = await conn.ok("snapshot_session", session=s)
+            await conn.ok("execute_code", command="rm one.txt; echo two > two.txt", session=s)
+            restored = await conn.ok(
+                "restore_session", snapshot_id=taken["snapshot_id"], session=s
+            )
+            assert restored["restored_from"]["snapshot_id"] == taken["snapshot_id"]
+            ran = await conn.ok("execute_code", command="cat one.txt; ls", session=s)
+            assert stdout_of(ran).startswith("one\n") and "two.txt" not in stdout_of(ran)
+            ran = await conn.ok("execute_code", command="dd if=/dev/zero of=z bs=1M count=40",
+                                session=s)  # fmt: skip
+            assert "Disk quota exceeded" in all_output(ran), "the restored workspace is limited"
+
+        spaces = [p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()]
+        ids = {f"0/{subvolume_id(p)}" for p in spaces}
+        assert ids <= btrfs_qgroups(btrfs)
+        old = time.time() - 3 * 86400
+        for p in spaces:
+            os.utime(p, (old, old))  # (unused for three days: past the retention)
+    # The server stopped; the next one's start removes what is past the retention.
+    with running_server(server.workdir, **SETTINGS) as server:
+        await eventually(
+            lambda: not any(p.exists() for p in spaces), 30, "the expired workspaces removed"
+        )
+        subprocess.run(["btrfs", "subvolume", "sync", str(btrfs)], check=True, timeout=60)
+        await eventually(lambda: not ids & btrfs_qgroups(btrfs), 30, "their qgroups gone")
+
+
+async def test_two_thousand_sessions_on_one_replica(btrfs: Path) -> None:
+    """2,000 sessions, each writing a file, cost the state filesystem a few MiB of metadata
+    (images would take 2,000 x SANDBOX_WORKSPACE_MB)."""
+    with running_server(workdir(btrfs), **SETTINGS) as server:
+        before = disk_used(btrfs)
+        started = time.monotonic()
+
+        async def client(k: int) -> None:
+            async with open_client(server.url, TOKEN, "auto") as conn:
+                for i in range(500):
+                    await conn.ok("write_file", path="note.txt", content=f"{k}-{i}",
+                                  session=f"m-{k}-{i}")  # fmt: skip
+
+        await asyncio.gather(*(client(k) for k in range(4)))
+        took = time.monotonic() - started
+        used = disk_used(btrfs) - before
+        root = server.state_dir / "workspaces"
+        made = [p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()]
+        assert len(made) >= 2000 and all(os.stat(p).st_ino == 256 for p in made[:50])
+        print(f"2000 sessions: {took:.1f} s, {used / MIB:.1f} MiB of disk")
+        assert used < 200 * MIB, f"{used / MIB:.0f} MiB for 2,000 sessions"
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            read = await conn.ok("read_file", path="note.txt", session="m-3-499")
+            assert read["content"] == "3-499"
+        assert server.health()["status"] == "ok"
+
+
+async def test_a_full_state_filesystem_loses_no_acknowledged_write(tmp_path: Path) -> None:
+    """Sessions write into a small btrfs until it is full: each writer gets ENOSPC or EDQUOT
+    (a clean refusal), every write_file the server acknowledged reads back identical after
+    the caches are dropped, and the server stays healthy."""
+    with (
+        loop_filesystem(tmp_path, "btrfs", 256) as point,
+        running_server(point / "w", **{**SETTINGS, "SANDBOX_WORKSPACE_MB": "64",
+                                       "SANDBOX_MIN_FREE_DISK_MB": "0"}) as server,  # fmt: skip
+    ):
+        written: dict[tuple[str, str], str] = {}
+        refusals: list[str] = []
+        async with open_client(server.url, TOKEN, "auto") as conn:
+
+            async def writer(s: str) -> None:
+                for i in range(40):
+                    data = os.urandom(1_500_000)
+                    result = await conn.call("write_file", path=f"f{i}.bin", content=b64(data),
+                                             encoding="base64", session=s)  # fmt: skip
+                    if result.is_error:
+                        text = "".join(getattr(c, "text", "") for c in result.content)
+                        refusals.append(text)
+                        return
+                    written[(s, f"f{i}.bin")] = hashlib.sha256(data).hexdigest()
+
+            sessions = [session() for _ in range(6)]
+            await asyncio.gather(*(writer(s) for s in sessions))
+            assert refusals, "the filesystem filled"
+            assert all("full" in r for r in refusals), refusals
+            ran = await conn.ok("execute_code", command="dd if=/dev/zero of=x bs=1M count=64",
+                                session=sessions[0])  # fmt: skip
+            assert ran["exit_code"] != 0, ran
+            assert any(w in all_output(ran) for w in ("No space left", "Disk quota")), ran
+
+            subprocess.run(["sync"], check=True)
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            for (s, path), digest in written.items():
+                read = await conn.ok("read_file", path=path, session=s, encoding="base64")
+                assert hashlib.sha256(base64.b64decode(read["content"])).hexdigest() == digest
+            health = server.health()
+            assert health["disk"]["damaged_workspaces"] == 0, health
+            with contextlib.suppress(Exception):
+                await conn.ok("execute_code", command="rm -f f*.bin x", session=sessions[0])
+            ran = await conn.ok("execute_code", command="echo alive", session=sessions[1])
+            assert stdout_of(ran) == "alive\n"
