@@ -267,3 +267,30 @@ async def test_a_full_state_filesystem_loses_no_acknowledged_write(tmp_path: Pat
                 await conn.ok("execute_code", command="rm -f f*.bin x", session=sessions[0])
             ran = await conn.ok("execute_code", command="echo alive", session=sessions[1])
             assert stdout_of(ran) == "alive\n"
+
+
+async def test_workspaces_from_before_keep_their_files(btrfs: Path) -> None:
+    """A host that now gets project mode serves an image and a plain directory made before
+    as they were (their files kept), and makes new workspaces as subvolumes."""
+    work = workdir(btrfs)
+    imaged, plain, new = session(), session(), session()
+    with running_server(work, **{**SETTINGS, "SANDBOX_WORKSPACE_QUOTA": "image"}) as server:
+        assert server.health()["workspaces"]["mode"] == "image"
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            await conn.ok("write_file", path="old.txt", content="from an image", session=imaged)
+    with running_server(work, **{**SETTINGS, "SANDBOX_WORKSPACE_QUOTA": "none"}) as server:
+        assert server.health()["workspaces"]["mode"] == "directory"
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            await conn.ok("write_file", path="old.txt", content="from a directory", session=plain)
+    with running_server(work, **{**SETTINGS, "SANDBOX_WORKSPACE_QUOTA": "auto"}) as server:
+        assert server.health()["workspaces"] == {"mode": "project", "quota": "btrfs"}
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            read = await conn.ok("read_file", path="old.txt", session=imaged)
+            assert read["content"] == "from an image"
+            usage = (await conn.ok("list_files", session=imaged))["usage"]
+            assert usage["files_limit"] is not None, "still an ext4 image: its inode quota"
+            read = await conn.ok("read_file", path="old.txt", session=plain)
+            assert read["content"] == "from a directory"
+            await conn.ok("write_file", path="new.txt", content="new", session=new)
+            usage = (await conn.ok("list_files", session=new))["usage"]
+            assert usage["bytes_limit"] == 16 * MIB and usage["files_limit"] is None, usage
