@@ -28,7 +28,6 @@ import os
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -131,15 +130,21 @@ async def bench_mode(mode: str, args: argparse.Namespace, base: Path) -> list[tu
             rows.append((f"time for those {args.sessions} (4 clients)", f"{took:.1f} s"))
             async with open_client(server.url, TOKEN, "auto") as conn:
                 first = [
-                    await timed(conn, "execute_code", command="true", session=f"f-{uuid.uuid4().hex}")
-                    for _ in range(20)
-                ]  # fmt: skip
+                    await timed(conn, "execute_code", command="true", session=f"f-{i}")
+                    for i in range(20)
+                ]
                 rows.append(("new session's first call (execute_code), p50/p95", ms(first)))
                 for label, size in (("1 KiB", 1024), ("1 MiB", MIB)):
                     content = base64.b64encode(os.urandom(size)).decode()
                     times = [
-                        await timed(conn, "write_file", path=f"w{i}", content=content,
-                                    encoding="base64", session="w")  # fmt: skip
+                        await timed(
+                            conn,
+                            "write_file",
+                            path=f"w{i}",
+                            content=content,
+                            encoding="base64",
+                            session="w",
+                        )
                         for i in range(30)
                     ]
                     rows.append((f"write_file {label}, p50/p95", ms(times)))

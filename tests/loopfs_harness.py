@@ -48,9 +48,7 @@ def give_back(point: Path) -> None:
     """Unmount `point` and whatever is mounted below it (a server's leftovers), lazily if
     busy; the loop device goes with it (mount -o loop sets autoclear)."""
     with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
-        below = [
-            line.split()[4] for line in f if line.split()[4].startswith(str(point) + "/")
-        ]
+        below = [line.split()[4] for line in f if line.split()[4].startswith(str(point) + "/")]
     for inner in sorted(below, key=len, reverse=True):
         subprocess.run(["umount", "-l", inner], check=False, capture_output=True)
     for _ in range(20):

@@ -65,8 +65,10 @@ def test_errors_are_said_in_words() -> None:
     )
     entry = parse_mountinfo(line)
     assert entry == MountEntry(
-        "/srv/state", "ext4", "/dev/loop1", frozenset({"rw", "noatime", "prjquota",
-                                                       "errors=remount-ro"})  # fmt: skip
+        "/srv/state",
+        "ext4",
+        "/dev/loop1",
+        frozenset({"rw", "noatime", "prjquota", "errors=remount-ro"}),
     )
     assert projects.setup_problem(entry) is None
     plain = MountEntry("/srv", "ext4", "/dev/sda1", frozenset({"rw"}))

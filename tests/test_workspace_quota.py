@@ -25,7 +25,7 @@ from typing import Any
 import httpx2
 import pytest
 from loopfs_harness import btrfs_qgroups, disk_used, loop_filesystem
-from mcp_harness import Conn, eventually, open_client, running_server
+from mcp_harness import eventually, open_client, running_server
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +80,11 @@ def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
 
+def drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def workdir(btrfs: Path) -> Path:
     return btrfs / uuid.uuid4().hex[:8]
 
@@ -122,7 +127,8 @@ async def test_the_quota_holds_inside_and_through_uploads(btrfs: Path) -> None:
 
             fill = "rm -f big; dd if=/dev/zero of=fill bs=1M count=15 status=none; sync"
             await conn.ok("execute_code", command=fill, session=s)
-            refused = await conn.error("write_file", path="w.bin", content=b64(os.urandom(MIB * 2 - 4096)),
+            content = b64(os.urandom(MIB * 2 - 4096))
+            refused = await conn.error("write_file", path="w.bin", content=content,
                                        encoding="base64", session=s)  # fmt: skip
             assert "workspace is full" in refused, refused
             made = await conn.ok("create_file_url", path="up.bin", method="PUT", session=s)
@@ -169,9 +175,7 @@ async def test_warm_adoption_snapshots_and_retention(btrfs: Path, tmp_path: Path
             await conn.ok("execute_code", command="rm z; echo one > one.txt", session=s)
             taken = await conn.ok("snapshot_session", session=s)
             await conn.ok("execute_code", command="rm one.txt; echo two > two.txt", session=s)
-            restored = await conn.ok(
-                "restore_session", snapshot_id=taken["snapshot_id"], session=s
-            )
+            restored = await conn.ok("restore_session", snapshot_id=taken["snapshot_id"], session=s)
             assert restored["restored_from"]["snapshot_id"] == taken["snapshot_id"]
             ran = await conn.ok("execute_code", command="cat one.txt; ls", session=s)
             assert stdout_of(ran).startswith("one\n") and "two.txt" not in stdout_of(ran)
@@ -190,7 +194,8 @@ async def test_warm_adoption_snapshots_and_retention(btrfs: Path, tmp_path: Path
         await eventually(
             lambda: not any(p.exists() for p in spaces), 30, "the expired workspaces removed"
         )
-        subprocess.run(["btrfs", "subvolume", "sync", str(btrfs)], check=True, timeout=60)
+        sync = ["btrfs", "subvolume", "sync", str(btrfs)]
+        await asyncio.to_thread(subprocess.run, sync, check=True, timeout=60)
         await eventually(lambda: not ids & btrfs_qgroups(btrfs), 30, "their qgroups gone")
 
 
@@ -227,8 +232,10 @@ async def test_a_full_state_filesystem_loses_no_acknowledged_write(tmp_path: Pat
     the caches are dropped, and the server stays healthy."""
     with (
         loop_filesystem(tmp_path, "btrfs", 256) as point,
-        running_server(point / "w", **{**SETTINGS, "SANDBOX_WORKSPACE_MB": "64",
-                                       "SANDBOX_MIN_FREE_DISK_MB": "0"}) as server,  # fmt: skip
+        running_server(
+            point / "w",
+            **{**SETTINGS, "SANDBOX_WORKSPACE_MB": "64", "SANDBOX_MIN_FREE_DISK_MB": "0"},
+        ) as server,  # fmt: skip
     ):
         written: dict[tuple[str, str], str] = {}
         refusals: list[str] = []
@@ -254,8 +261,7 @@ async def test_a_full_state_filesystem_loses_no_acknowledged_write(tmp_path: Pat
             assert ran["exit_code"] != 0, ran
             assert any(w in all_output(ran) for w in ("No space left", "Disk quota")), ran
 
-            subprocess.run(["sync"], check=True)
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+            await asyncio.to_thread(drop_caches)
             for s in sessions:
                 ran = await conn.ok("execute_code", command="sha256sum f*.bin", session=s)
                 sums = {line.split()[1]: line.split()[0] for line in stdout_of(ran).splitlines()}

@@ -321,8 +321,9 @@ class Settings(BaseSettings):
         ge=1,
         le=65536,
         description="Session workspace images one token principal has mounted at once on "
-        "this replica (images only, like SANDBOX_MAX_MOUNTED_WORKSPACES); past it, that principal's least recently used idle workspace is unmounted, "
-        "and the call is refused when every one is in use.",
+        "this replica (images only, like SANDBOX_MAX_MOUNTED_WORKSPACES); past it, that "
+        "principal's least recently used idle workspace is unmounted, and the call is "
+        "refused when every one is in use.",
     )
     workspace_retention_seconds: int = Field(
         86400,

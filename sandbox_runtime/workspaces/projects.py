@@ -30,7 +30,7 @@ import errno
 import fcntl
 import os
 import platform
-import random
+import secrets
 import shutil
 import struct
 from pathlib import Path
@@ -169,7 +169,7 @@ class Projects:
 
     def _free_id(self, fd: int) -> int:
         for _ in range(64):
-            ident = random.randrange(ID_LOW, ID_HIGH)
+            ident = secrets.randbelow(ID_HIGH - ID_LOW) + ID_LOW
             got = self._get(fd, ident)
             if not (got.bytes_used or got.bytes_limit or got.files_used or got.files_limit):
                 return ident

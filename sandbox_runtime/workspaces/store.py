@@ -1,35 +1,43 @@
-"""The workspaces of this replica: one ext4 image per workspace (its quota), mounted while used.
+"""The workspaces of this replica, in one of three modes chosen at start (SANDBOX_WORKSPACE_QUOTA):
 
-Why an image: a byte and an inode quota the kernel enforces for writes from inside (ENOSPC)
-need either filesystem quotas (mount options on the host's filesystem, rarely there) or a
-filesystem of the workspace's own. An image file formatted with `mkfs.ext4 -N` and
-loop-mounted costs a few ms to make and ~3 ms to mount, and makes a workspace one movable
-file. It also puts the workspace on a filesystem of its own: a hard link to a
-file outside cannot exist, and host-side file operations cannot cross into another mount.
-The sandbox only ever sees the mounted filesystem; the image file is root's, 0600, outside.
+- project: a directory of the state filesystem with a quota that filesystem enforces (an
+  ext4/XFS project quota, or a btrfs subvolume with a qgroup limit: workspaces/quotamode.py,
+  projects.py, subvolumes.py). A few syscalls to make, nothing mounted or preallocated: a
+  workspace costs what it holds, a full disk is an ENOSPC/EDQUOT to the writer. `auto` takes
+  it first where the state filesystem has it.
+- image: one ext4 image per workspace (its quota), mounted while used. An image file
+  formatted with `mkfs.ext4 -N` and loop-mounted costs a few ms to make and ~3 ms to mount; it
+  puts the workspace on a filesystem of its own (a hard link to a file outside cannot exist,
+  host-side file operations cannot cross into another mount). The sandbox only ever sees the
+  mounted filesystem; the image file is root's, 0600, outside. `auto` takes it where project
+  quotas are missing and the host can mount images (root, loop devices, mkfs.ext4).
+- directory: plain directories without a quota (neither is possible, or `none`), and said
+  so (doctor, /health).
 
-Layout under the root: `<name>.img` (the image) and `<name>/` (its mount point, root-owned
-mode 0 while nothing is mounted, so nothing is ever written to the host's disk through it).
-An image is mounted when first used, unmounted after UNMOUNT_IDLE_SECONDS without use, and
-removed with its mount point after the retention period. Each mount holds a loop device and a
-journal thread in the kernel, so mounts are capped per replica and per principal: a mount past
-a cap first unmounts the least recently used idle workspace (its image stays: its files come
-back on its next use), and is refused (LimitExceededError) when every one is in use. Mounts a
-killed server left are detached at start. Where images cannot be mounted (no root, no loop
-devices, no mkfs.ext4), `quota="auto"` falls back to plain directories without a quota, and
-says so (doctor, /health).
+Workspaces made in another mode before are served as they were made: an image stays an image
+(mounted, counted by the mount caps), a plain directory with files stays one.
 
-Disk space is reserved, not promised: by default an image is allocated in full when made and
-a new one is refused when the state filesystem has no room for it (workspaces/diskspace.py).
+Image layout under the root: `<name>.img` (the image) and `<name>/` (its mount point,
+root-owned mode 0 while nothing is mounted, so nothing is ever written to the host's disk
+through it). An image is mounted when first used, unmounted after UNMOUNT_IDLE_SECONDS
+without use, and removed with its mount point after the retention period. Each mount holds a
+loop device and a journal thread in the kernel, so mounts are capped per replica and per
+principal: a mount past a cap first unmounts the least recently used idle workspace (its
+image stays: its files come back on its next use), and is refused (LimitExceededError) when
+every one is in use. Mounts a killed server left are detached at start. Disk space for images
+is reserved, not promised: workspaces/diskspace.py. Project-mode workspaces are `<name>/`
+only; the mount caps do not count them.
 
 The store is put together here from its parts: images.py (making and mounting an image,
-stateless), store_state.py (what the store knows, naming, use), mountcaps.py (the mount caps
-and making room), retention.py (unmounting idle workspaces, removing expired ones) and
-damage.py (a failed filesystem's course). This module keeps the lifecycle (start, close),
-making a workspace ready (ensure) and handing a warm slot's workspace to a session (adopt).
+stateless), quotamode.py (project mode), store_state.py (what the store knows, naming, use),
+mountcaps.py (the mount caps and making room), retention.py (unmounting idle workspaces,
+removing expired ones) and damage.py (a failed filesystem's course). This module keeps the
+lifecycle (start, close), making a workspace ready (ensure) and handing a warm slot's
+workspace to a session (adopt: a rename, or for an image a bind then a rename of its file).
 
 A workspace whose filesystem fails is marked damaged, checked before its next use, then
-repaired or set aside: workspaces/damage.py says how.
+repaired or set aside: workspaces/damage.py says how (an image), quotamode.py (a project-mode
+directory: set aside whole, it cannot be checked on its own).
 """
 
 from __future__ import annotations
