@@ -300,3 +300,31 @@ async def test_workspaces_from_before_keep_their_files(btrfs: Path) -> None:
             await conn.ok("write_file", path="new.txt", content="new", session=new)
             usage = (await conn.ok("list_files", session=new))["usage"]
             assert usage["bytes_limit"] == 16 * MIB and usage["files_limit"] is None, usage
+
+
+async def test_a_damaged_project_workspace_is_set_aside_and_replaced(btrfs: Path) -> None:
+    """A project-mode workspace whose filesystem failed cannot be checked on its own: its
+    next use moves it whole to .quarantine/ (files kept for the operator) and makes a fresh
+    one with the quota, and the session is told (`workspace_quarantined`), once."""
+    from sandbox_runtime.workspaces.store import WorkspaceStore
+
+    root = workdir(btrfs) / "workspaces"
+    store = WorkspaceStore(root, size_mb=16, inodes=4096, quota="project",
+                           retention_seconds=3600)  # fmt: skip
+    store.start(os.geteuid(), os.getegid())
+    assert (store.mode, store.quota_kind) == ("project", "btrfs")
+    path, existed = await store.ensure("ws-damaged")
+    assert not existed and os.stat(path).st_ino == 256
+    (path / "kept.txt").write_text("for the operator")
+    store.mark_damaged("ws-damaged", "an I/O error (test)")
+    path, _ = await store.ensure("ws-damaged")
+    assert store.take_reset("ws-damaged") == "workspace_quarantined"
+    assert store.take_reset("ws-damaged") is None
+    assert not (path / "kept.txt").exists() and os.stat(path).st_ino == 256
+    assert store.usage("ws-damaged")["bytes_limit"] == 16 * MIB
+    [kept] = (root / ".quarantine").iterdir()
+    assert (kept / "kept.txt").read_text() == "for the operator"
+    assert not store.damaged()
+    await store.remove("ws-damaged")
+    assert not path.exists()
+    await store.aclose()
