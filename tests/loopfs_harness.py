@@ -20,19 +20,27 @@ def _run(*argv: str) -> None:
 
 @contextlib.contextmanager
 def loop_filesystem(base: Path, kind: str, size_mb: int) -> Iterator[Path]:
-    """A fresh `kind` filesystem (btrfs: with quotas enabled; ext4) of `size_mb` MiB mounted
-    at base/mnt, traversable by the sandbox user."""
+    """A fresh `kind` filesystem of `size_mb` MiB mounted at base/mnt, traversable by the
+    sandbox user: btrfs (quotas enabled), ext4, ext4-project (the `project` and `quota`
+    features, mounted `prjquota`) or xfs (mounted `pquota`; at least 300 MiB)."""
     image, point = base / f"{kind}.img", base / "mnt"
     point.mkdir(parents=True, exist_ok=True)
     with open(image, "wb") as f:
         f.truncate(size_mb * MIB)
     mounted = False
     try:
+        options = "loop"
         if kind == "btrfs":
             _run("mkfs.btrfs", "-q", "-f", str(image))
+        elif kind == "xfs":
+            _run("mkfs.xfs", "-q", "-f", str(image))
+            options += ",pquota"
+        elif kind == "ext4-project":
+            _run("mkfs.ext4", "-q", "-F", "-m", "0", "-O", "project,quota", str(image))
+            options += ",prjquota"
         else:
             _run("mkfs.ext4", "-q", "-F", "-m", "0", str(image))
-        _run("mount", "-o", "loop", str(image), str(point))
+        _run("mount", "-o", options, str(image), str(point))
         mounted = True
         if kind == "btrfs":
             _run("btrfs", "quota", "enable", str(point))

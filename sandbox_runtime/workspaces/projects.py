@@ -160,7 +160,12 @@ class Projects:
 
     def _get(self, fd: int, ident: int) -> QuotaUsage:
         buf = ctypes.create_string_buffer(DQBLK.size)
-        quotactl(fd, Q_GETQUOTA, ident, buf)
+        try:
+            quotactl(fd, Q_GETQUOTA, ident, buf)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:  # (XFS: no quota record for the id, nothing used)
+                raise
+            return QuotaUsage(0, None, 0, None)
         return unpack_usage(buf.raw)
 
     def _set(self, fd: int, ident: int, limit_bytes: int, inodes: int) -> None:
