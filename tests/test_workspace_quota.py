@@ -286,9 +286,9 @@ async def test_two_thousand_sessions_on_one_replica(quotafs: Path) -> None:
 
 
 async def test_a_full_state_filesystem_loses_no_acknowledged_write(tmp_path: Path) -> None:
-    """Sessions write into a small state filesystem until it is full: each writer gets ENOSPC or EDQUOT
-    (a clean refusal), every write_file the server acknowledged reads back identical after
-    the caches are dropped, and the server stays healthy."""
+    """Sessions write into a small state filesystem until it is full: each writer gets
+    ENOSPC or EDQUOT (a clean refusal), every write_file the server acknowledged reads back
+    identical after the caches are dropped, and the server stays healthy."""
     with (
         loop_filesystem(tmp_path, FS, 320) as point,
         running_server(
