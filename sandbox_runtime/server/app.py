@@ -208,6 +208,7 @@ def create_app(
                 "writes_stopped": current.workspaces.guard.stopped,
                 "damaged_workspaces": len(damaged),
             },
+            "workspaces": current.workspaces.describe_mode(),
             "file_descriptors": descriptors.as_dict(),
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }
