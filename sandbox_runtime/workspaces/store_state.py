@@ -76,6 +76,10 @@ class StoreState:
         # sandbox started ahead of need holds a bind of it: it must end first; mounting the
         # image again while a detached mount of it lives on would corrupt it).
         self.before_release: list[Callable[[str], Awaitable[None]]] = []
+        # Called with a damaged workspace's name before it is released to be checked: users
+        # that idle in it (an interpreter between calls) are stopped and waited for.
+        self.release_idle: list[Callable[[str], Awaitable[None]]] = []
+        self._fsid: int | None = None  # the root's filesystem's statfs id (damage.py)
         self._damaged: dict[str, str] = {}  # name -> what failed, until checked
         self._resets: dict[str, str] = {}  # name -> a session_reset reason not yet told
         # Called with detected, clean, repaired or quarantined (a damaged workspace's course).
