@@ -48,6 +48,10 @@ def images(state: Path) -> set[Path]:
     return set((state / "workspaces").glob("ws-*.img"))
 
 
+def sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
 def break_superblock(image: Path) -> None:
     with open(image, "r+b") as f:
         f.write(b"\0" * 8192)  # the primary superblock (e2fsck -p does not look for backups)
@@ -121,7 +125,7 @@ async def test_a_quarantined_workspace_leaves_its_session_usable(tmp_path: Path)
                 (made[s],) = images(state) - before
         kill_hard(server)
         for s in sessions.values():  # (broken after the kill: a mount of it stays till then)
-            subprocess.run(["umount", str(made[s].with_suffix(""))], check=True)
+            sh("umount", str(made[s].with_suffix("")))
             # (The kernel writes the superblock when it lets the filesystem go: after that.)
             await eventually(lambda i=made[s]: not loop_attached(i), 10, "the loop detached")
             break_superblock(made[s])
@@ -155,14 +159,8 @@ async def test_a_repaired_workspace_works_on(tmp_path: Path) -> None:
     (image,) = images(state)
     # Mark it as the kernel does after an error (s_state's error bit), and break a block
     # bitmap's count the way e2fsck -p repairs.
-    subprocess.run(
-        ["debugfs", "-w", "-R", "ssv state 3", str(image)], check=True, capture_output=True
-    )
-    subprocess.run(
-        ["debugfs", "-w", "-R", "ssv free_blocks_count 1", str(image)],
-        check=True,
-        capture_output=True,
-    )
+    sh("debugfs", "-w", "-R", "ssv state 3", str(image))
+    sh("debugfs", "-w", "-R", "ssv free_blocks_count 1", str(image))
     try:
         with running_server(tmp_path, **SETTINGS) as server:
             async with open_client(server.url, TOKEN, "auto") as conn:
@@ -189,7 +187,7 @@ async def test_a_workspace_that_fails_under_its_interpreter_is_checked_at_once(
                 await conn.ok("run_code", code="x = 41", session=s)
                 (image,) = images(state) - before
                 point = image.with_suffix("")
-                subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+                sh("mount", "-o", "remount,ro", str(point))
                 got = await conn.ok("read_file", path="old.txt", session=s)
                 assert got["content"] == "old", got
                 ran = await conn.ok("run_code", code="1", session=s)
@@ -212,7 +210,7 @@ async def test_a_mount_lost_under_the_server_is_mounted_again(tmp_path: Path) ->
                 await conn.ok("run_code", code="x = 41", session=s)
                 await conn.ok("execute_code", command="true", session=s)
                 (image,) = images(state) - before
-                subprocess.run(["umount", "-l", str(image.with_suffix(""))], check=True)
+                sh("umount", "-l", str(image.with_suffix("")))
                 for tool in ["execute_code", "list_files", "read_file"]:
                     if tool == "execute_code":
                         ran = await conn.ok("execute_code", command="cat old.txt", session=s)
