@@ -7,9 +7,10 @@ a `<name>.damaged` file beside the image): the call that found it fails, and its
 unmounts it, once nothing runs in it (an interpreter idle in it is stopped first: it would
 otherwise hold the workspace until its idle timeout, failing every call meanwhile), and
 checks it (e2fsck -p), as does any mount of an image whose superblock records an error. A
-mount gone from under the server (unmounted by another process) is treated the same way. Repaired, it is mounted again and the session is told
-(`workspace_repaired`: files may be missing); beyond automatic repair, the image is moved to
-`.quarantine/` for the operator and the session starts afresh (`workspace_quarantined`).
+mount gone from under the server (unmounted by another process) is treated the same way.
+Repaired, it is mounted again and the session is told (`workspace_repaired`: files may be
+missing); beyond automatic repair, the image is moved to `.quarantine/` for the operator and
+the session starts afresh (`workspace_quarantined`).
 The checking itself is workspaces/repair.py.
 """
 
