@@ -3,6 +3,7 @@
 Read top to bottom, `build` says how the program is put together:
 
     Settings
+      ├─ (the state directory's lock: app/state_lock.py; one live server per directory)
       ├─ Supervisor            every background loop and task of every part below, named,
       │                        under one policy; closed last
       ├─ Metrics               the Prometheus registry every part counts into
@@ -43,6 +44,7 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.app.roles import API_ROLE, placement_queue, serve_placements
+from sandbox_runtime.app.state_lock import holding, needs_lock
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.supervisor import EgressProxy
@@ -157,6 +159,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
     `cluster_address`: where other replicas reach this one's cluster listener ("": none).
     """
     async with contextlib.AsyncExitStack() as stack:
+        if needs_lock(settings.role):  # (the CLI took it already: shared within a process)
+            stack.enter_context(holding(settings.state_dir))
         supervisor = Supervisor()
         stack.push_async_callback(supervisor.aclose)  # last: whatever is left ends here
         closing = Closing(supervisor)  # (the parts below, in reverse; see Services.stop)
