@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import asyncio
+import contextlib
 import ipaddress
 import sys
 from collections.abc import Coroutine
@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"refusing to start: {exc}", file=sys.stderr)
                 return 1
             except OSError as exc:
-                print(f"cannot lock the state directory (SANDBOX_STATE_DIR): {exc}", file=sys.stderr)
+                print(
+                    f"cannot lock the state directory (SANDBOX_STATE_DIR): {exc}", file=sys.stderr
+                )
                 return 1
         return _run(serve(settings))
 

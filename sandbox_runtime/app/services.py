@@ -194,6 +194,9 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             reserve=settings.workspace_reserve,
             min_free_mb=settings.min_free_disk_mb,
             blanks=settings.workspace_pool,
+            idle_budget_mb=settings.idle_workspaces_mb,
+            idle_budget_mb_per_principal=settings.idle_workspaces_mb_per_principal,
+            idle_after_seconds=settings.idle_workspace_seconds,
         )
         closing.add(workspaces.aclose)
         if settings.role == "api":  # (an api replica runs nothing: its sessions live on workers)
@@ -265,6 +268,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             settings.snapshot_idle_seconds,
             settings.snapshot_drain_seconds,
         )
+        workspaces.before_budget_removal.append(triggers.before_removal)
+        workspaces.kept_elsewhere.append(triggers.kept)
         manager.bridges.append(_bridges(settings, servers, router))
         stack.push_async_callback(router.aclose)
         services = Services(
@@ -390,6 +395,7 @@ def _link(
     workspaces.before_release.append(lambda name: pool.discard_workspace(workspaces.path(name)))
     workspaces.on_refused.append(lambda cap: metrics.rejections.labels(cap).inc())
     workspaces.on_damage.append(lambda event: metrics.damage.labels(event).inc())
+    workspaces.on_removed.append(lambda reason: metrics.workspaces_removed.labels(reason).inc())
     metrics.bind_disk(
         lambda: workspaces.disk.status().free_bytes,
         lambda: 1 if workspaces.disk.status().low else 0,

@@ -327,8 +327,11 @@ class Router:
         name = workspace_name(owner)
         if self.manager.backend.unavailable_reason is not None:
             return self.manager.workspaces.exists(name)
+        workspaces = self.manager.workspaces
         try:
-            return (await self.manager.workspaces.ensure(name, owner.principal, ahead=True))[1]
+            existed = (await workspaces.ensure(name, owner.principal, ahead=True))[1]
+            workspaces.record_owner(name, owner)  # (whose it is, for the idle budgets)
+            return existed
         except LimitExceededError:  # (a mount cap: the operation itself says so)
             return None
         except SandboxRuntimeError:  # the operation itself says why

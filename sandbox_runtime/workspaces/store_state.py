@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.workspaces.diskspace import StateDisk
 
@@ -28,6 +29,7 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 BLANK_PREFIX = "blank-"  # a workspace made ahead of need (store.py)
 IMAGE_SUFFIX = ".img"
 DAMAGED_SUFFIX = ".damaged"
+OWNER_SUFFIX = ".owner"  # whose a workspace is (budget.py)
 
 
 class StoreState:
@@ -46,6 +48,9 @@ class StoreState:
         reserve: str = "allocate",
         min_free_mb: int = 0,
         blanks: int = 0,
+        idle_budget_mb: int = 0,
+        idle_budget_mb_per_principal: int = 0,
+        idle_after_seconds: float = 300.0,
     ) -> None:
         self.root = root
         self.size_mb = size_mb
@@ -79,6 +84,18 @@ class StoreState:
         # Called with a damaged workspace's name before it is released to be checked: users
         # that idle in it (an interpreter between calls) are stopped and waited for.
         self.release_idle: list[Callable[[str], Awaitable[None]]] = []
+        # Byte budgets of idle workspaces (budget.py): whose each is (principal, session),
+        # plain directories' measures (bytes, when), removals counted by reason (age,
+        # budget), and what keeps a workspace's files before a budget removes it (snapshots):
+        # an async step that may snapshot it, and a check under its lock that it is kept.
+        self.budget_bytes = idle_budget_mb * 1024 * 1024  # (0: none)
+        self.budget_bytes_per_principal = idle_budget_mb_per_principal * 1024 * 1024
+        self.idle_after_seconds = idle_after_seconds
+        self._owners: dict[str, tuple[str, str]] = {}
+        self._dir_bytes: dict[str, tuple[int, float]] = {}
+        self.on_removed: list[Callable[[str], None]] = []
+        self.before_budget_removal: list[Callable[[Owner], Awaitable[bool]]] = []
+        self.kept_elsewhere: list[Callable[[Owner], bool]] = []
         self._fsid: int | None = None  # the root's filesystem's statfs id (damage.py)
         self._damaged: dict[str, str] = {}  # name -> what failed, until checked
         self._resets: dict[str, str] = {}  # name -> a session_reset reason not yet told
