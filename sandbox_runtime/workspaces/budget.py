@@ -105,7 +105,12 @@ class Budgets(Retention):
         self._owners[name] = known
         record = json.dumps({"principal": owner.principal, "session": owner.session_id})
         with contextlib.suppress(OSError):  # (unrecorded, it counts for the replica only)
-            self._owner_file(name).write_text(record)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+            fd = os.open(self._owner_file(name), flags, 0o600)
+            try:
+                os.write(fd, record.encode())
+            finally:
+                os.close(fd)
 
     def _owner_file(self, name: str) -> Path:
         return self.root / f"{name}{OWNER_SUFFIX}"

@@ -24,7 +24,8 @@ a new one is refused when the state filesystem has no room for it (workspaces/di
 
 The store is put together here from its parts: images.py (making and mounting an image,
 stateless), store_state.py (what the store knows, naming, use), mountcaps.py (the mount caps
-and making room), retention.py (unmounting idle workspaces, removing expired ones) and
+and making room), retention.py (unmounting idle workspaces, removing expired ones), budget.py
+(the byte budgets of idle workspaces) and
 damage.py (a failed filesystem's course). This module keeps the lifecycle (start, close),
 making a workspace ready (ensure) and handing a warm slot's workspace to a session (adopt).
 
@@ -45,6 +46,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import (
     LimitExceededError,
     SandboxRuntimeError,
@@ -365,7 +367,10 @@ class WorkspaceStore(MountCaps, DamageCourse):
                         return False
             else:
                 return False  # an unmounted image: the session has been used
+            known = self._owner(name)  # (whose it is stays recorded: budget.py)
             self._remove_sync(name)
+            if known is not None:
+                self.record_owner(name, Owner(principal=known[0], session_id=known[1]))
         source = self.path(slot)
         if slot not in self._mounted:  # a plain directory
             os.rename(source, target)
