@@ -170,3 +170,31 @@ async def test_without_a_store_a_removed_session_starts_afresh(tmp_path: Path) -
                 assert not again.get("session_reset"), again
     finally:
         release_disk(state)
+
+
+@pytest.mark.e2e
+@needs_images
+async def test_the_budget_holds_across_a_restart(tmp_path: Path) -> None:
+    """Whose each workspace is stays recorded beside it: a server started later applies the
+    per-principal budget to a previous run's unmounted images (measured by their allocated
+    blocks: sparse images here), oldest first."""
+    state = tmp_path / "state"
+    settings = {**SETTINGS, "SANDBOX_WORKSPACE_RESERVE": "sparse", "SANDBOX_SNAPSHOT_STORE": "none"}
+    try:
+        with running_server(tmp_path, **settings) as server:
+            async with open_client(server.url, TOKEN, "auto") as conn:
+                made = await sessions_writing(conn, state, 3, 3)
+        assert all(i.exists() and i.with_suffix(".owner").exists() for _, i in made)
+        budget = {**settings, "SANDBOX_IDLE_WORKSPACES_MB_PER_PRINCIPAL": "5"}
+        with running_server(tmp_path, **budget) as server:
+            await eventually(
+                lambda: not made[0][1].exists() and not made[1][1].exists(),
+                40,
+                "the two oldest removed after the restart",
+            )
+            assert made[2][1].exists()
+            assert not made[0][1].with_suffix(".owner").exists()
+            order = removed_in_order(server.stderr_text())
+            assert order == [i.with_suffix("").name for _, i in made[:2]], order
+    finally:
+        release_disk(state)

@@ -15,8 +15,9 @@ What a workspace holds: a mounted image's used blocks (statfs), an unmounted ima
 blocks (st_blocks, the same stat the sweep makes anyway), a plain directory's allocated blocks
 by a walk bounded to DIR_WALK_ENTRIES entries and repeated at most every DIR_MEASURE_SECONDS.
 Its principal and session are recorded beside it (`<name>.owner`, written once per run when a
-session is placed here), so the budgets hold across restarts; a workspace without a record
-(made before) counts against the replica's budget only.
+session is placed here, its mtime touched with each recorded use), so the budgets hold across
+restarts; a workspace without a record (made before) counts against the replica's budget
+only, by its image's mtime.
 """
 
 from __future__ import annotations
@@ -126,36 +127,50 @@ class Budgets(Retention):
 
     def idle_held(self, now: float | None = None) -> list[Held]:
         """The idle workspaces and what each holds."""
+        return self._idle_held(*self._view(), now)
+
+    def _view(self) -> tuple[set[str], dict[str, float], set[str]]:
+        """What the measuring needs of the store's state, copied on the event loop: names
+        not to count (in use, a sandbox waiting in them, locked, blanks), last uses this run,
+        the mounted."""
+        skip = self._in_use() | self._standing_by() | set(self._blanks)
+        skip |= {name for name, lock in self._locks.items() if lock.locked()}
+        return skip, dict(self._ready), set(self._mounted)
+
+    def _idle_held(
+        self, skip: set[str], ready: dict[str, float], mounted: set[str], now: float | None
+    ) -> list[Held]:
         now = time.time() if now is None else now
         wall = now - time.monotonic()  # (a monotonic time + wall = its wall-clock time)
-        busy = self._in_use() | self._standing_by()
         found: dict[str, Held] = {}
         with contextlib.suppress(OSError), os.scandir(self.root) as entries:
             for entry in entries:
                 name = entry.name.removesuffix(IMAGE_SUFFIX)
-                if name in found or name in busy or not NAME.fullmatch(name):
+                if name in found or name in skip or not NAME.fullmatch(name):
                     continue
-                if name.startswith(BLANK_PREFIX) or name in self._blanks:
+                if name.startswith(BLANK_PREFIX):
                     continue
-                if name in self._locks and self._locks[name].locked():
-                    continue
-                held = self._measure(name, wall)
+                held = self._measure(name, wall, ready.get(name), name in mounted)
                 if held is not None and held.last_used + self.idle_after_seconds <= now:
                     found[name] = held
         return list(found.values())
 
-    def _measure(self, name: str, wall: float) -> Held | None:
+    def _measure(self, name: str, wall: float, ready: float | None, mounted: bool) -> Held | None:
         image = self.image(name)
         try:
             st = image.stat() if image.exists() else self.path(name).stat()
         except OSError:
             return None
-        used = st.st_mtime
-        if name in self._ready:
-            used = max(used, self._ready[name] + wall)
-        if name in self._mounted:
+        try:  # (its last use: an image's own mtime moves when its mount writes back)
+            used = self._owner_file(name).stat().st_mtime
+        except OSError:
+            used = st.st_mtime
+        if ready is not None:
+            used = max(used, ready + wall)
+        if mounted:
             try:
-                held = self.usage(name)["bytes_used"] or 0
+                fs = os.statvfs(self.path(name))
+                held = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
             except OSError:
                 held = st.st_blocks * 512
         elif image.exists():
@@ -186,7 +201,7 @@ class Budgets(Retention):
         """Remove the least recently used idle workspaces past a budget: how many."""
         if self.budget_bytes <= 0 and self.budget_bytes_per_principal <= 0:
             return 0
-        held = await asyncio.to_thread(self.idle_held)
+        held = await asyncio.to_thread(self._idle_held, *self._view(), None)
         doomed = over_budget(held, self.budget_bytes, self.budget_bytes_per_principal)
         removed = 0
         for victim in doomed[:MAX_REMOVED_PER_PASS]:

@@ -155,6 +155,10 @@ class StoreState:
         handle = self.image(name) if self.image(name).exists() else self.path(name)
         with contextlib.suppress(OSError):
             os.utime(handle)
+        # (An image's own mtime also moves when its mount writes back, e.g. at an unmount:
+        # the owner record's is when it was last used, for the budgets' order.)
+        with contextlib.suppress(OSError):
+            os.utime(self.root / f"{name}{OWNER_SUFFIX}")
 
     @contextlib.contextmanager
     def hold(self, name: str) -> Iterator[None]:
