@@ -235,6 +235,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         signer = FileUrlSigner(url_key(settings))
         servers = ServerHost(settings, manager, metrics, supervisor)
         manager.workspaces.busy.append(servers.workspaces_in_use)
+        manager.workspaces.release_idle.append(servers.stop_idle_in)
         snapshots = Snapshots(
             open_store(
                 settings.snapshot_store,
