@@ -6,10 +6,10 @@ SANDBOX_IDLE_WORKSPACES_MB_PER_PRINCIPAL (0: no budget). A workspace is idle whe
 it and it has not been used for SANDBOX_IDLE_WORKSPACE_SECONDS; blanks and warm slots never
 count. Past a budget, the least recently used idle workspaces are removed first until it
 holds; one in use never is. Where a snapshot store is set, a workspace changed since its last
-snapshot is snapshotted first (the `before_budget_removal` hooks: one that fails keeps the
-workspace for the next pass; `kept_elsewhere` checks again, under the workspace's lock, that
-nothing changed since), and its session's next call restores it (`session_reset:
-workspace_removed`, as after the age limit).
+snapshot (or not used this run) is snapshotted first (the `before_budget_removal` hooks: one
+that fails keeps the workspace, tried again after KEEP_RETRY_SECONDS; `kept_elsewhere` checks
+again, under the workspace's lock, that nothing changed since), and its session's next call
+restores it (`session_reset: workspace_removed`, as after the age limit).
 
 What a workspace holds: a mounted image's used blocks (statfs), an unmounted image's allocated
 blocks (st_blocks, the same stat the sweep makes anyway), a plain directory's allocated blocks
@@ -41,6 +41,7 @@ from sandbox_runtime.workspaces.store_state import BLANK_PREFIX, IMAGE_SUFFIX, N
 DIR_WALK_ENTRIES = 10_000  # a plain directory's measure stops here (a lower bound then)
 DIR_MEASURE_SECONDS = 600.0
 MAX_REMOVED_PER_PASS = 256  # (the rest wait for the next sweep)
+KEEP_RETRY_SECONDS = 600.0  # after a snapshot before removal failed
 
 
 @dataclass(frozen=True)
@@ -222,14 +223,26 @@ class Budgets(Retention):
         """Remove an idle workspace past a budget, after a snapshot where a store is set;
         whether it did (not when it is used meanwhile, or its snapshot failed)."""
         owner = self._owner(victim.name)
+        failed = self._keep_failed.get(victim.name)
+        if failed is not None and time.monotonic() - failed < KEEP_RETRY_SECONDS:
+            return False
         if owner is not None:
             who = Owner(principal=owner[0], session_id=owner[1])
             for keep in self.before_budget_removal:
                 try:
                     if not await keep(who):
                         return False
-                except Exception as exc:  # (a store down: kept for the next pass)
-                    logger.warning("idle workspace {} kept: {}", victim.name, exc)
+                except Exception as exc:  # (a store down, too large: kept, tried again later)
+                    self._keep_failed[victim.name] = time.monotonic()
+                    if len(self._keep_failed) > 10_000:
+                        self._keep_failed.clear()
+                    logger.warning(
+                        "idle workspace {} kept over the budget (its snapshot failed: {}); "
+                        "tried again in {:g} s",
+                        victim.name,
+                        exc,
+                        KEEP_RETRY_SECONDS,
+                    )
                     return False
         else:
             who = None

@@ -93,6 +93,7 @@ class StoreState:
         self.idle_after_seconds = idle_after_seconds
         self._owners: dict[str, tuple[str, str]] = {}
         self._dir_bytes: dict[str, tuple[int, float]] = {}
+        self._keep_failed: dict[str, float] = {}  # name -> when its snapshot failed
         self.on_removed: list[Callable[[str], None]] = []
         self.before_budget_removal: list[Callable[[Owner], Awaitable[bool]]] = []
         self.kept_elsewhere: list[Callable[[Owner], bool]] = []
