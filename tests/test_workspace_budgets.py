@@ -174,12 +174,16 @@ async def test_without_a_store_a_removed_session_starts_afresh(tmp_path: Path) -
 
 @pytest.mark.e2e
 @needs_images
-async def test_the_budget_holds_across_a_restart(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["none", "local"])
+async def test_the_budget_holds_across_a_restart(tmp_path: Path, store: str) -> None:
     """Whose each workspace is stays recorded beside it: a server started later applies the
     per-principal budget to a previous run's unmounted images (measured by their allocated
-    blocks: sparse images here), oldest first."""
+    blocks: sparse images here), oldest first. The session, forgotten by the restart, is told
+    on its next call (`workspace_removed`) and, with a store, gets its files back."""
     state = tmp_path / "state"
-    settings = {**SETTINGS, "SANDBOX_WORKSPACE_RESERVE": "sparse", "SANDBOX_SNAPSHOT_STORE": "none"}
+    settings = {**SETTINGS, "SANDBOX_WORKSPACE_RESERVE": "sparse"}
+    if store == "none":
+        settings["SANDBOX_SNAPSHOT_STORE"] = "none"
     try:
         with running_server(tmp_path, **settings) as server:
             async with open_client(server.url, TOKEN, "auto") as conn:
@@ -196,5 +200,14 @@ async def test_the_budget_holds_across_a_restart(tmp_path: Path) -> None:
             assert not made[0][1].with_suffix(".owner").exists()
             order = removed_in_order(server.stderr_text())
             assert order == [i.with_suffix("").name for _, i in made[:2]], order
+            async with open_client(server.url, TOKEN, "auto") as conn:
+                got = await conn.ok("list_files", session=made[0][0])
+                names = [e["path"] for e in got["entries"]]
+                assert names == ([] if store == "none" else ["f.bin"]), got
+                reset = got.get("session_reset") or {}
+                assert reset.get("reason") == "workspace_removed", got
+                assert bool(reset.get("restored_from")) == (store == "local"), got
+                again = await conn.ok("list_files", session=made[0][0])
+                assert not again.get("session_reset"), again
     finally:
         release_disk(state)

@@ -9,7 +9,9 @@ holds; one in use never is. Where a snapshot store is set, a workspace changed s
 snapshot (or not used this run) is snapshotted first (the `before_budget_removal` hooks: one
 that fails keeps the workspace, tried again after KEEP_RETRY_SECONDS; `kept_elsewhere` checks
 again, under the workspace's lock, that nothing changed since), and its session's next call
-restores it (`session_reset: workspace_removed`, as after the age limit).
+restores it (`session_reset: workspace_removed`, as after the age limit). A `<name>.removed`
+mark is left so that a session this replica forgot meanwhile (a restart without Redis) is
+told too and restored; marks go after the retention period.
 
 What a workspace holds: a mounted image's used blocks (statfs), an unmounted image's allocated
 blocks (st_blocks, the same stat the sweep makes anyway), a plain directory's allocated blocks
@@ -42,6 +44,8 @@ DIR_WALK_ENTRIES = 10_000  # a plain directory's measure stops here (a lower bou
 DIR_MEASURE_SECONDS = 600.0
 MAX_REMOVED_PER_PASS = 256  # (the rest wait for the next sweep)
 KEEP_RETRY_SECONDS = 600.0  # after a snapshot before removal failed
+REMOVED_SUFFIX = ".removed"  # a workspace removed over a budget (its session not told yet)
+MARKER_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -193,6 +197,7 @@ class Budgets(Retention):
         """The age limit's removals and the idle unmounts (retention.py), then the budgets':
         how many were removed and unmounted."""
         removed, unmounted = await super().sweep()
+        await asyncio.to_thread(self._forget_old_marks)
         for hook in self.on_removed:
             for _ in range(removed):
                 hook("age")
@@ -260,4 +265,29 @@ class Budgets(Retention):
             if name in self._in_use():
                 return False
             await asyncio.to_thread(self._remove_sync, name)
+            if who is not None:  # (its session, forgotten by a restart, is told all the same)
+                with contextlib.suppress(OSError):
+                    os.close(os.open(self._removed_marker(name), MARKER_FLAGS, 0o600))
         return True
+
+    def _removed_marker(self, name: str) -> Path:
+        return self.root / f"{name}{REMOVED_SUFFIX}"
+
+    def take_removed(self, name: str) -> bool:
+        """Whether the workspace was removed over a budget since its session's last call
+        (once: the mark is consumed)."""
+        try:
+            self._removed_marker(name).unlink()
+        except OSError:
+            return False
+        return True
+
+    def _forget_old_marks(self) -> None:
+        """Removal marks kept past the retention period go (their sessions are long gone)."""
+        cutoff = time.time() - self.retention_seconds
+        with contextlib.suppress(OSError), os.scandir(self.root) as entries:
+            for entry in entries:
+                if entry.name.endswith(REMOVED_SUFFIX):
+                    with contextlib.suppress(OSError):
+                        if entry.stat().st_mtime < cutoff:
+                            os.unlink(entry.path)
