@@ -148,11 +148,13 @@ class Budgets(Retention):
         now = time.time() if now is None else now
         wall = now - time.monotonic()  # (a monotonic time + wall = its wall-clock time)
         found: dict[str, Held] = {}
+        seen: set[str] = set()
         with contextlib.suppress(OSError), os.scandir(self.root) as entries:
             for entry in entries:
                 name = entry.name.removesuffix(IMAGE_SUFFIX)
-                if name in found or name in skip or not NAME.fullmatch(name):
+                if name in seen or name in skip or not NAME.fullmatch(name):
                     continue
+                seen.add(name)  # (an image and its mount point: one workspace)
                 if name.startswith(BLANK_PREFIX):
                     continue
                 held = self._measure(name, wall, ready.get(name), name in mounted)
@@ -161,9 +163,12 @@ class Budgets(Retention):
         return list(found.values())
 
     def _measure(self, name: str, wall: float, ready: float | None, mounted: bool) -> Held | None:
-        image = self.image(name)
+        image, is_image = self.image(name), True
         try:
-            st = image.stat() if image.exists() else self.path(name).stat()
+            try:
+                st = image.stat()
+            except FileNotFoundError:
+                st, is_image = self.path(name).stat(), False
         except OSError:
             return None
         try:  # (its last use: an image's own mtime moves when its mount writes back)
@@ -178,7 +183,7 @@ class Budgets(Retention):
                 held = (fs.f_blocks - fs.f_bfree) * fs.f_frsize
             except OSError:
                 held = st.st_blocks * 512
-        elif image.exists():
+        elif is_image:
             held = st.st_blocks * 512
         else:
             held = self._directory_bytes(name)
