@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import sys
 from collections.abc import Coroutine
@@ -164,9 +165,22 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         logger.warning("serving on {} WITHOUT authentication", settings.host)
+    from sandbox_runtime.app.state_lock import StateDirInUseError, holding, needs_lock
     from sandbox_runtime.server.run import serve
 
-    return _run(serve(settings))
+    with contextlib.ExitStack() as held:
+        if needs_lock(settings.role):  # before anything touches the state directory
+            try:
+                held.enter_context(holding(settings.state_dir))
+            except StateDirInUseError as exc:
+                print(f"refusing to start: {exc}", file=sys.stderr)
+                return 1
+            except OSError as exc:
+                print(
+                    f"cannot lock the state directory (SANDBOX_STATE_DIR): {exc}", file=sys.stderr
+                )
+                return 1
+        return _run(serve(settings))
 
 
 def _runtime(settings: Settings, args: argparse.Namespace) -> int:

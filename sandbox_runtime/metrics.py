@@ -271,6 +271,13 @@ class Metrics:
             ["event"],
             registry=r,
         )
+        self.workspaces_removed = Counter(
+            "srt_workspaces_removed_total",
+            "Idle workspaces removed, by reason: age (unused for SANDBOX_WORKSPACE_RETENTION_"
+            "SECONDS), budget (over SANDBOX_IDLE_WORKSPACES_MB or its per-principal budget).",
+            ["reason"],
+            registry=r,
+        )
         self.disk_free = Gauge(
             "srt_state_disk_free_bytes",
             "Free bytes on the state filesystem (SANDBOX_STATE_DIR) for new workspaces.",

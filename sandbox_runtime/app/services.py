@@ -3,6 +3,7 @@
 Read top to bottom, `build` says how the program is put together:
 
     Settings
+      ├─ (the state directory's lock: app/state_lock.py; one live server per directory)
       ├─ Supervisor            every background loop and task of every part below, named,
       │                        under one policy; closed last
       ├─ Metrics               the Prometheus registry every part counts into
@@ -43,6 +44,7 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.app.roles import API_ROLE, placement_queue, serve_placements
+from sandbox_runtime.app.state_lock import holding, needs_lock
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.supervisor import EgressProxy
@@ -157,6 +159,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
     `cluster_address`: where other replicas reach this one's cluster listener ("": none).
     """
     async with contextlib.AsyncExitStack() as stack:
+        if needs_lock(settings.role):  # (the CLI took it already: shared within a process)
+            stack.enter_context(holding(settings.state_dir))
         supervisor = Supervisor()
         stack.push_async_callback(supervisor.aclose)  # last: whatever is left ends here
         closing = Closing(supervisor)  # (the parts below, in reverse; see Services.stop)
@@ -191,6 +195,9 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             min_free_mb=settings.min_free_disk_mb,
             headroom_mb=settings.workspace_headroom_mb,
             blanks=settings.workspace_pool,
+            idle_budget_mb=settings.idle_workspaces_mb,
+            idle_budget_mb_per_principal=settings.idle_workspaces_mb_per_principal,
+            idle_after_seconds=settings.idle_workspace_seconds,
         )
         closing.add(workspaces.aclose)
         if settings.role == "api":  # (an api replica runs nothing: its sessions live on workers)
@@ -229,6 +236,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         signer = FileUrlSigner(url_key(settings))
         servers = ServerHost(settings, manager, metrics, supervisor)
         manager.workspaces.busy.append(servers.workspaces_in_use)
+        manager.workspaces.release_idle.append(servers.stop_idle_in)
         snapshots = Snapshots(
             open_store(
                 settings.snapshot_store,
@@ -262,6 +270,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             settings.snapshot_idle_seconds,
             settings.snapshot_drain_seconds,
         )
+        workspaces.before_budget_removal.append(triggers.before_removal)
+        workspaces.kept_elsewhere.append(triggers.kept)
         manager.bridges.append(_bridges(settings, servers, router))
         stack.push_async_callback(router.aclose)
         services = Services(
@@ -390,6 +400,7 @@ def _link(
     workspaces.before_release.append(lambda name: pool.discard_workspace(workspaces.path(name)))
     workspaces.on_refused.append(lambda cap: metrics.rejections.labels(cap).inc())
     workspaces.on_damage.append(lambda event: metrics.damage.labels(event).inc())
+    workspaces.on_removed.append(lambda reason: metrics.workspaces_removed.labels(reason).inc())
     metrics.bind_disk(
         lambda: workspaces.disk.status().free_bytes,
         lambda: 1 if workspaces.disk.status().low else 0,

@@ -346,6 +346,26 @@ class Settings(BaseSettings):
         description="A workspace unused this long (no execution, interpreter or file tool) is "
         "removed with its files; the session's next call reports `session_reset`.",
     )
+    idle_workspaces_mb: int = Field(
+        51200,
+        ge=0,
+        description="What the idle workspaces of this replica may hold on disk (MiB; 0: no "
+        "budget): past it the least recently used are removed first (after a snapshot where "
+        "a store is set), besides the age limit; the session's next call reports "
+        "`session_reset: workspace_removed`.",
+    )
+    idle_workspaces_mb_per_principal: int = Field(
+        10240,
+        ge=0,
+        description="What one token principal's idle workspaces on this replica may hold "
+        "(MiB; 0: no budget); its least recently used are removed first.",
+    )
+    idle_workspace_seconds: int = Field(
+        300,
+        ge=1,
+        description="A workspace unused this long (and not in use) is idle: the budgets above "
+        "may remove it.",
+    )
     max_inline_bytes: int = Field(
         2 * 1024 * 1024,
         ge=1024,

@@ -55,6 +55,7 @@ QUEUE_LIMIT = 16  # calls waiting for one interpreter
 REAP_LOOP = "interpreter reaping"
 REAP_INTERVAL = 10.0
 ENDED_REMEMBERED = 10_000
+STOP_WAIT = 10.0  # for interpreters stopped so that their failed workspace can be checked
 
 
 class InterpreterManager:
@@ -86,6 +87,7 @@ class InterpreterManager:
         workspaces = self.manager.workspaces
         workspaces.remove_all(SLOT_PREFIX)  # a previous server's pooled kernels' workspaces
         workspaces.busy.append(self._busy_workspaces)
+        workspaces.release_idle.append(self.stop_idle_in)
         self.supervisor.every(REAP_LOOP, REAP_INTERVAL, self._reap)
         self._reaping = True
         if self.runtime is not None and self.manager.backend.unavailable_reason is None:
@@ -230,6 +232,20 @@ class InterpreterManager:
         for key in keys:
             self._forget(key, reason)
         return [language for _, language in keys]
+
+    async def stop_idle_in(self, workspace: str) -> None:
+        """Stop the interpreters idle in `workspace` (its filesystem failed: it is checked
+        now) and wait until they are gone; their next call says `state_reset: workspace_failed`."""
+        keys = [
+            key
+            for key, i in self._interpreters.items()
+            if i.idle and workspace_name(key[0]) == workspace
+        ]
+        for key in keys:
+            self._forget(key, "workspace_failed")
+        stopping = [task for task, name in self._stopping.items() if name == workspace]
+        if stopping:
+            await asyncio.wait(stopping, timeout=STOP_WAIT)
 
     def interpreter_died(self, interpreter: Interpreter, killed: bool) -> None:
         """A call found its interpreter's kernel dead (`killed`: by the call's own stop): it

@@ -43,7 +43,8 @@ class StateReset(BaseModel):
         "when interrupted), flooded (stopped for sending more than 64 MiB outside its calls within "
         "10 s), restarted, rehomed (the session moved to another replica), evicted (stopped, "
         "idle, to make room for another session's interpreter at the token's limit), restored "
-        "(restore_session replaced the workspace: a snapshot keeps files, not memory)."
+        "(restore_session replaced the workspace: a snapshot keeps files, not memory), "
+        "workspace_failed (its workspace's filesystem failed and was checked)."
     )
 
 

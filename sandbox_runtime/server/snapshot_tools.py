@@ -26,7 +26,8 @@ class SnapshotInfo(BaseModel):
     session: str = Field(description="The session it was taken of.")
     taken_at: float = Field(description="Unix time.")
     trigger: str = Field(
-        description="on_demand, idle, drain (the replica stopped) or fork; or, with "
+        description="on_demand, idle, drain (the replica stopped), retention (before its idle "
+        "workspace was removed over a byte budget) or fork; or, with "
         "from_snapshot, on_demand, fork or takeover: the session's own copy of a snapshot "
         "restored into it."
     )

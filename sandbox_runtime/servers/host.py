@@ -415,6 +415,12 @@ class ServerHost:
     def workspaces_in_use(self) -> set[str]:
         return {workspace_name(owner) for owner, _ in self._instances}
 
+    async def stop_idle_in(self, workspace: str) -> None:
+        """Stop the idle instances in `workspace` (its filesystem failed: it is checked now)."""
+        keys = [k for k in self._instances if workspace_name(k[0]) == workspace]
+        idle = [self._stop(k, "its workspace failed") for k in keys if not self._instances[k].busy]
+        await asyncio.gather(*idle, return_exceptions=True)
+
     def status(self, name: str, principal: str | None) -> dict[str, Any]:
         """One server's state on this replica as `principal` sees it: its own instances and
         the shared one (None: every instance, the operator's view). Never a running state

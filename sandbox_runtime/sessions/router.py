@@ -199,6 +199,7 @@ class Router:
             async with snapshots.gate(owner):
                 existed = await self._ensure_workspace(owner)
                 if existed is False and key not in self._unmade:
+                    workspaces.take_removed(name)  # (told here: its record lived on)
                     restored = await snapshots.take_over(owner)
         if existed is None:
             return None  # (not mounted now: no verdict yet)
@@ -282,8 +283,17 @@ class Router:
                 if len(self._unmade) > 100_000:  # (forgetting one costs a false reset)
                     self._unmade.clear()
                 self._unmade.add(session_key(owner.principal, owner.session_id))
-            self.metrics.sessions.labels("created").inc()
             lost = await self._lost_record(owner) if made is False else None
+            if made is False and self.manager.workspaces.take_removed(workspace_name(owner)):
+                # Removed over an idle budget after this replica forgot the session (it
+                # restarted): its newest snapshot, if any, and the session is told.
+                self.metrics.sessions.labels("workspace_removed").inc()
+                restored = await self.parts.snapshots.take_over(owner)
+                lost = SessionReset(
+                    reason="workspace_removed", previous_replica=self.replica_id, **restored
+                )
+            else:
+                self.metrics.sessions.labels("created").inc()
             return Placement(True, self.replica_id, reset=lost)
         # A fresh workspace: whatever this replica kept from an earlier stay is stale.
         workspaces = self.manager.workspaces
@@ -327,8 +337,11 @@ class Router:
         name = workspace_name(owner)
         if self.manager.backend.unavailable_reason is not None:
             return self.manager.workspaces.exists(name)
+        workspaces = self.manager.workspaces
         try:
-            return (await self.manager.workspaces.ensure(name, owner.principal, ahead=True))[1]
+            existed = (await workspaces.ensure(name, owner.principal, ahead=True))[1]
+            workspaces.record_owner(name, owner)  # (whose it is, for the idle budgets)
+            return existed
         except LimitExceededError:  # (a mount cap: the operation itself says so)
             return None
         except SandboxRuntimeError:  # the operation itself says why

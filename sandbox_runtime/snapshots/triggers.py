@@ -99,3 +99,20 @@ class Triggers:
                 self.drain_seconds,
             )
         return taken
+
+    async def before_removal(self, owner: Owner) -> bool:
+        """An idle workspace is to be removed (over a byte budget): snapshot it first if it
+        changed since its last snapshot, or was not used this run. Whether its files are kept
+        (True without a store: nothing to keep them in). Raises what a snapshot raises (it is
+        then kept)."""
+        if not self.snapshots.enabled:
+            return True
+        # (Not used this run: a previous run's changes since its last snapshot are unknown.)
+        unknown = self.snapshots.workspaces.last_used(workspace_name(owner)) is None
+        if unknown or self.snapshots.changed_since_snapshot(owner):
+            await self.snapshots.take(owner, "retention")
+        return not self.snapshots.changed_since_snapshot(owner)
+
+    def kept(self, owner: Owner) -> bool:
+        """Whether the owner's files are in its last snapshot (nothing changed since)."""
+        return not self.snapshots.enabled or not self.snapshots.changed_since_snapshot(owner)

@@ -4,10 +4,13 @@ use, then repaired or set aside.
 A workspace whose filesystem fails (an I/O error, EROFS once the kernel aborted its journal,
 found by a file operation or by the mount turning read-only) is marked damaged (in memory and
 a `<name>.damaged` file beside the image): the call that found it fails, and its next use
-unmounts it, once nothing runs in it, and checks it (e2fsck -p), as does any mount of an image
-whose superblock records an error. Repaired, it is mounted again and the session is told
-(`workspace_repaired`: files may be missing); beyond automatic repair, the image is moved to
-`.quarantine/` for the operator and the session starts afresh (`workspace_quarantined`).
+unmounts it, once nothing runs in it (an interpreter idle in it is stopped first: it would
+otherwise hold the workspace until its idle timeout, failing every call meanwhile), and
+checks it (e2fsck -p), as does any mount of an image whose superblock records an error. A
+mount gone from under the server (unmounted by another process) is treated the same way.
+Repaired, it is mounted again and the session is told (`workspace_repaired`: files may be
+missing); beyond automatic repair, the image is moved to `.quarantine/` for the operator and
+the session starts afresh (`workspace_quarantined`).
 The checking itself is workspaces/repair.py.
 """
 
@@ -43,6 +46,11 @@ class DamageCourse(StoreState):
         for hook in self.on_damage:
             hook("detected")
 
+    def _root_fsid(self) -> int:
+        if self._fsid is None:
+            self._fsid = os.statvfs(self.root).f_fsid
+        return self._fsid
+
     def damaged(self) -> dict[str, str]:
         """Workspaces marked damaged and not yet checked: name -> what failed."""
         return dict(self._damaged)
@@ -52,18 +60,24 @@ class DamageCourse(StoreState):
         return self._resets.pop(name, None)
 
     def check_damage(self, name: str) -> bool:
-        """Whether a ready workspace must be checked before use: marked damaged, or its
-        mount turned read-only (the kernel's answer to an error: errors=remount-ro)."""
+        """Whether a ready workspace must be checked before use: marked damaged, its mount
+        turned read-only (the kernel's answer to an error: errors=remount-ro), or its mount
+        gone (the image is checked and mounted again)."""
         if name in self._damaged:
             return True
         if name in self._mounted:
             try:
-                read_only = bool(os.statvfs(self.path(name)).f_flag & os.ST_RDONLY)
+                st = os.statvfs(self.path(name))
             except OSError as exc:
-                read_only, detail = True, f"statfs failed: {exc}"
+                failed, detail = True, f"statfs failed: {exc}"
             else:
+                failed = bool(st.f_flag & os.ST_RDONLY)
                 detail = "the kernel made its filesystem read-only after an error"
-            if read_only:
+                if st.f_fsid == self._root_fsid():  # (one statfs; the root's is kept)
+                    # Unmounted behind this server's back (another process on the state
+                    # directory): never served as the bare mount point (mode 0, empty).
+                    failed, detail = True, "its mount went away under the server"
+            if failed:
                 self.mark_damaged(name, detail)
                 return True
         return False
@@ -73,6 +87,8 @@ class DamageCourse(StoreState):
 
         Raises WorkspaceDamagedError while something still runs in it.
         """
+        for release in self.release_idle:  # (an idle interpreter would hold it for good)
+            await release(name)
         busy = name in self._in_use()
         if not busy:
             self._ready.pop(name, None)  # (from here, new users wait for the lock)

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from loguru import logger
 
 from sandbox_runtime.errors import LimitExceededError
-from sandbox_runtime.workspaces.retention import Retention
+from sandbox_runtime.workspaces.budget import Budgets
 from sandbox_runtime.workspaces.store_state import BLANK_PREFIX
 
 REPLICA_CAP = "mounted_workspaces"  # what a refusal is counted as (metrics' label)
@@ -86,7 +86,7 @@ def refusal(mine: bool, max_mounted: int, max_per_principal: int) -> LimitExceed
     )
 
 
-class MountCaps(Retention):
+class MountCaps(Budgets):
     """A store's mount counts, and making room under its caps (by unmounting idle ones)."""
 
     def mounted_count(self, principal: str | None = None) -> int:

@@ -17,7 +17,7 @@ import shutil
 import time
 
 from sandbox_runtime.workspaces.images import mounts_under, umount
-from sandbox_runtime.workspaces.store_state import IMAGE_SUFFIX, NAME, StoreState
+from sandbox_runtime.workspaces.store_state import IMAGE_SUFFIX, NAME, OWNER_SUFFIX, StoreState
 
 UNMOUNT_IDLE_SECONDS = 300.0
 
@@ -50,6 +50,10 @@ class Retention(StoreState):
             self.image(name).unlink()
         with contextlib.suppress(FileNotFoundError):
             self._marker(name).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / f"{name}{OWNER_SUFFIX}").unlink()
+        self._owners.pop(name, None)
+        self._dir_bytes.pop(name, None)
         shutil.rmtree(point, ignore_errors=True)
 
     def remove_all(self, prefix: str) -> int:

@@ -33,9 +33,10 @@ diskguard.py). Project-mode workspaces are `<name>/` only; the mount caps do not
 The store is put together here from its parts: images.py (making and mounting an image,
 stateless), quotamode.py (project mode), store_state.py (what the store knows, naming, use),
 mountcaps.py (the mount caps and making room), retention.py (unmounting idle workspaces,
-removing expired ones) and damage.py (a failed filesystem's course). This module keeps the
-lifecycle (start, close), making a workspace ready (ensure) and handing a warm slot's
-workspace to a session (adopt: a rename, or for an image a bind then a rename of its file).
+removing expired ones), budget.py (the byte budgets of idle workspaces) and damage.py (a
+failed filesystem's course). This module keeps the lifecycle (start, close), making a
+workspace ready (ensure) and handing a warm slot's workspace to a session (adopt: a rename,
+or for an image a bind then a rename of its file).
 
 A workspace whose filesystem fails is marked damaged, checked before its next use, then
 repaired or set aside: workspaces/damage.py says how (an image), quotamode.py (a project-mode
@@ -55,6 +56,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import (
     DiskFullError,
     LimitExceededError,
@@ -422,7 +424,10 @@ class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
                         return False
             else:
                 return False  # an unmounted image: the session has been used
+            known = self._owner(name)  # (whose it is stays recorded: budget.py)
             self._remove_sync(name)
+            if known is not None:
+                self.record_owner(name, Owner(principal=known[0], session_id=known[1]))
         source = self.path(slot)
         if slot not in self._mounted:  # a quota'd or plain directory
             os.rename(source, target)

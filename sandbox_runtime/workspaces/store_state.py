@@ -23,6 +23,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.workspaces.diskguard import DiskGuard
 from sandbox_runtime.workspaces.diskspace import StateDisk
@@ -33,6 +34,7 @@ NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 BLANK_PREFIX = "blank-"  # a workspace made ahead of need (store.py)
 IMAGE_SUFFIX = ".img"
 DAMAGED_SUFFIX = ".damaged"
+OWNER_SUFFIX = ".owner"  # whose a workspace is (budget.py)
 
 
 class StoreState:
@@ -52,6 +54,9 @@ class StoreState:
         min_free_mb: int = 0,
         headroom_mb: int = 64,
         blanks: int = 0,
+        idle_budget_mb: int = 0,
+        idle_budget_mb_per_principal: int = 0,
+        idle_after_seconds: float = 300.0,
     ) -> None:
         self.root = root
         self.size_mb = size_mb
@@ -106,6 +111,23 @@ class StoreState:
         # sandbox started ahead of need holds a bind of it: it must end first; mounting the
         # image again while a detached mount of it lives on would corrupt it).
         self.before_release: list[Callable[[str], Awaitable[None]]] = []
+        # Called with a damaged workspace's name before it is released to be checked: users
+        # that idle in it (an interpreter between calls) are stopped and waited for.
+        self.release_idle: list[Callable[[str], Awaitable[None]]] = []
+        # Byte budgets of idle workspaces (budget.py): whose each is (principal, session),
+        # plain directories' measures (bytes, when), removals counted by reason (age,
+        # budget), and what keeps a workspace's files before a budget removes it (snapshots):
+        # an async step that may snapshot it, and a check under its lock that it is kept.
+        self.budget_bytes = idle_budget_mb * 1024 * 1024  # (0: none)
+        self.budget_bytes_per_principal = idle_budget_mb_per_principal * 1024 * 1024
+        self.idle_after_seconds = idle_after_seconds
+        self._owners: dict[str, tuple[str, str]] = {}
+        self._dir_bytes: dict[str, tuple[int, float]] = {}
+        self._keep_failed: dict[str, float] = {}  # name -> when its snapshot failed
+        self.on_removed: list[Callable[[str], None]] = []
+        self.before_budget_removal: list[Callable[[Owner], Awaitable[bool]]] = []
+        self.kept_elsewhere: list[Callable[[Owner], bool]] = []
+        self._fsid: int | None = None  # the root's filesystem's statfs id (damage.py)
         self._damaged: dict[str, str] = {}  # name -> what failed, until checked
         self._resets: dict[str, str] = {}  # name -> a session_reset reason not yet told
         # Called with detected, clean, repaired or quarantined (a damaged workspace's course).
@@ -165,6 +187,10 @@ class StoreState:
         handle = self.image(name) if self.image(name).exists() else self.path(name)
         with contextlib.suppress(OSError):
             os.utime(handle)
+        # (An image's own mtime also moves when its mount writes back, e.g. at an unmount:
+        # the owner record's is when it was last used, for the budgets' order.)
+        with contextlib.suppress(OSError):
+            os.utime(self.root / f"{name}{OWNER_SUFFIX}")
 
     @contextlib.contextmanager
     def hold(self, name: str) -> Iterator[None]:
