@@ -1,4 +1,5 @@
-"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install` or `servers …`."""
+"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, or
+`connect|disconnect|clients|token` (sandbox_runtime/connect)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from loguru import logger
 from pydantic import ValidationError
 
 from sandbox_runtime import __version__
-from sandbox_runtime.config import Settings
+from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.logs import setup_logging
 
 FLAG_TO_SETTING = {
@@ -51,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="serve",
         help="serve (default); doctor: check the host; runtime install: build the sandbox "
         "runtime (Python data stack, Deno, kernels) into SANDBOX_RUNTIME_DIR; servers "
-        "add|list|remove|install|logs|import: the hosted MCP servers (servers --help)",
+        "add|list|remove|install|logs|import: the hosted MCP servers (servers --help); "
+        "connect CLIENT…|disconnect|clients: wire MCP clients (Claude Code, Cursor, VS Code, "
+        "…) to this server (connect --help); token new: make a bearer token",
     )
     parser.add_argument("action", nargs="?", choices=["install"], help=argparse.SUPPRESS)
     parser.add_argument(
@@ -139,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_runtime.servers.cli import main as servers_main
 
         return servers_main(argv[1:])
+    if argv[:1] and argv[0] in ("connect", "disconnect", "clients", "token"):
+        from sandbox_runtime.connect.cli import main as connect_main
+
+        return connect_main(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(args)
@@ -177,7 +184,7 @@ def _runtime(settings: Settings, args: argparse.Namespace) -> int:
     )
 
     if args.action != "install":
-        print("usage: srt-mcp-server runtime install [--force] [--if-missing]", file=sys.stderr)
+        print(f"usage: {cli_name()} runtime install [--force] [--if-missing]", file=sys.stderr)
         return 2
     path = settings.runtime_path()
     if args.if_missing and load_runtime(path) is not None:
