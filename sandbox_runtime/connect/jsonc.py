@@ -9,6 +9,7 @@ and ends; an edit is a splice of text at those offsets.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -330,8 +331,8 @@ def _skip_blank(text: str, at: int) -> int:
 
 
 def _only_comment(rest: str) -> bool:
-    rest = rest.strip()
-    return not rest or rest.startswith("//")
+    """Nothing but comments (that end on the line) and blanks."""
+    return re.fullmatch(r"\s*(/\*.*?\*/\s*)*(//.*)?", rest) is not None
 
 
 def _dump(value: Any, indent: str, unit: str) -> str:

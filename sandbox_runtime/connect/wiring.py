@@ -197,3 +197,5 @@ def _drop_unused_inputs(doc: jsonc.Document, client: Client) -> None:
     for item in list(doc.get(["inputs"]) or []):
         if isinstance(item, dict) and item.get("id") == VSCODE_INPUT:
             doc.remove_item(["inputs"], item)
+    if doc.get(["inputs"]) == []:
+        doc.remove(["inputs"])  # (connect made it)
