@@ -369,3 +369,16 @@ def test_hints_name_a_command_that_runs(tmp_path: Path) -> None:
     hint = next(line for line in done.stdout.splitlines() if "install it before use" in line)
     command = hint.split(": ", 1)[1]
     assert command.split()[0] == str(entry), hint  # not `srt-mcp-server`: not on PATH
+
+
+def test_an_unusable_state_dir_says_what_to_set(tmp_path: Path) -> None:
+    """(As a user who is not root, the default /var/lib/sandbox-runtime: not writable.)"""
+    from mcp_harness import run_server_once
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code, stderr = run_server_once(tmp_path, SANDBOX_STATE_DIR=str(blocker / "state"))
+    assert code == 2, stderr
+    assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
+    assert f"cannot use the state dir {blocker / 'state'}" in stderr, stderr
+    assert "set SANDBOX_STATE_DIR (or --state-dir) to a directory this user can write" in stderr
