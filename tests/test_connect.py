@@ -102,9 +102,12 @@ def _cline(e: dict[str, Any], url: str) -> None:
     }
 
 
-STRICT = '{\n  "theme": "dark",\n  "mcpServers": {\n    "other": {"command": "uvx", "args": ["x"]}\n  }\n}\n'
+STRICT = (
+    '{\n  "theme": "dark",\n  "mcpServers": {\n'
+    '    "other": {"command": "uvx", "args": ["x"]}\n  }\n}\n'
+)
 WITH_COMMENTS = (
-    "// my settings: keep this comment\n{\n  /* font */ \"ui_font_size\": 15,\n"
+    '// my settings: keep this comment\n{\n  /* font */ "ui_font_size": 15,\n'
     '  "KEY": {\n    "other": {"url": "http://example.com/mcp"} // mine\n  }\n}\n'
 )
 CODEX = (
@@ -336,7 +339,9 @@ def test_toml_tables_keep_the_rest() -> None:
     new = toml_tables.set_table(CODEX, ["mcp_servers", "srt"], {"url": "u", "env": {"A": "1"}})
     assert tomllib.loads(new)["mcp_servers"]["srt"] == {"url": "u", "env": {"A": "1"}}
     assert new.startswith(CODEX)
-    assert toml_tables.set_table(new, ["mcp_servers", "srt"], {"url": "u", "env": {"A": "1"}}) == new
+    assert (
+        toml_tables.set_table(new, ["mcp_servers", "srt"], {"url": "u", "env": {"A": "1"}}) == new
+    )
     changed = toml_tables.set_table(new, ["mcp_servers", "srt"], {"url": "v"})
     assert tomllib.loads(changed)["mcp_servers"]["srt"] == {"url": "v"}
     assert toml_tables.remove_table(new, ["mcp_servers", "srt"]) == CODEX

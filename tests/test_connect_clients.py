@@ -87,7 +87,9 @@ def test_claude_code_lists_the_entry_connected(server: ServerProcess, home: Path
     assert "no change" in srt(env, home, "connect", "claude-code", "--url", server.url, *extra)
     wrong = {**env, "SANDBOX_AUTH_TOKEN": "wrong-token-0123456789"}
     listed = client_cli(wrong, home / "project", "claude", "mcp", "list")
-    assert "Connected" not in listed.replace("Connected to", ""), listed  # the token does come from the variable
+    assert "Connected" not in listed.replace("Connected to", ""), (
+        listed
+    )  # the token does come from the variable
     srt(env, home, "disconnect", "claude-code", *extra)
     assert "sandbox-runtime" not in client_cli(env, home / "project", "claude", "mcp", "list")
 

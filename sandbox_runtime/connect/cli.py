@@ -11,7 +11,7 @@ import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
@@ -20,7 +20,7 @@ from sandbox_runtime.connect import wiring
 from sandbox_runtime.connect.clients import ALIASES, CLIENTS, SCOPES, Client, Target, lookup
 
 DEFAULT_NAME = "sandbox-runtime"
-TOKEN_VAR = "SANDBOX_AUTH_TOKEN"
+TOKEN_VAR = "SANDBOX_AUTH_TOKEN"  # noqa: S105 (the variable's name, not a token)
 PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,63}")
 
 
@@ -51,8 +51,9 @@ def main(command: str, argv: Sequence[str]) -> int:
 
 
 def _settings() -> Settings:
+    environment_only: dict[str, Any] = {}  # (no flags: the environment and .env)
     try:
-        return Settings()
+        return Settings(**environment_only)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise UsageError(f"invalid settings: {problems}") from None
@@ -86,7 +87,9 @@ def _parse(command: str, argv: list[str]) -> argparse.Namespace:
             help=f"the entry's name in the client (default {DEFAULT_NAME}, or "
             f"{DEFAULT_NAME}-NAME with --server)",
         )
-        p.add_argument("--dry-run", action="store_true", help="say what would change; write nothing")
+        p.add_argument(
+            "--dry-run", action="store_true", help="say what would change; write nothing"
+        )
         p.add_argument(
             "--no-cli",
             dest="use_cli",
@@ -232,8 +235,10 @@ def _report(
         print(f"{client.key}: would change {where}:")
         sys.stdout.write(out.diff)
         return
-    done = f"wired {target.name} -> {target.url}" if command == "connect" else (
-        f"removed {target.name}"
+    done = (
+        f"wired {target.name} -> {target.url}"
+        if command == "connect"
+        else (f"removed {target.name}")
     )
     backup = f" (the previous file: {_shown(out.backup)})" if out.backup else ""
     print(f"{client.key}: {done} in {where}{backup}")
@@ -296,7 +301,7 @@ def _token(argv: list[str]) -> int:
         raise UsageError(f"--principal {principal!r}: letters, digits, '.', '_', '@', '-' only")
     if principal == "default":
         line = f"{TOKEN_VAR}={token}"
-        note = f"add it to .env (or the server's environment) and restart the server"
+        note = "add it to .env (or the server's environment) and restart the server"
     else:
         line = f"SANDBOX_AUTH_TOKENS={principal}:{token}"
         note = (

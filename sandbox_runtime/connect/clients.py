@@ -319,4 +319,3 @@ ALIASES = {
 def lookup(name: str) -> Client | None:
     key = name.strip().lower()
     return CLIENTS.get(ALIASES.get(key, key))
-

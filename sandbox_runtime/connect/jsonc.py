@@ -261,7 +261,9 @@ class Document:
         inner = _line_indent(text, at)
         after = _skip_blank(text, last.end)
         trailing = after < len(text) and text[after] == ","
-        dumped = _dump(value, inner, self._unit()) if inner else json.dumps(value, ensure_ascii=False)
+        dumped = (
+            _dump(value, inner, self._unit()) if inner else json.dumps(value, ensure_ascii=False)
+        )
         member = prefix + dumped
         if trailing:  # keep the file's style: the new last member has its comma too
             member += ","

@@ -86,9 +86,7 @@ def _run(argv: list[str], cwd: Path) -> None:
         )
 
 
-def connect(
-    client: Client, scope: str, target: Target, *, dry_run: bool, use_cli: bool
-) -> Outcome:
+def connect(client: Client, scope: str, target: Target, *, dry_run: bool, use_cli: bool) -> Outcome:
     path = client.file(scope)
     if path is None:
         other = "project" if scope == "user" else "user"
@@ -112,9 +110,7 @@ def connect(
     return _edit(client, path, target.name, change, dry_run=dry_run, remove=False)
 
 
-def disconnect(
-    client: Client, scope: str, name: str, *, dry_run: bool, use_cli: bool
-) -> Outcome:
+def disconnect(client: Client, scope: str, name: str, *, dry_run: bool, use_cli: bool) -> Outcome:
     path = client.file(scope)
     if path is None:
         raise WiringError(f"{client.title} has no {scope}-scope config")
@@ -181,8 +177,7 @@ def _edited(client: Client, text: str, name: str, change: Change, remove: bool) 
         doc.set(table, change.entry)
         for item in change.inputs:
             if not any(
-                isinstance(i, dict) and i.get("id") == item["id"]
-                for i in doc.get(["inputs"]) or []
+                isinstance(i, dict) and i.get("id") == item["id"] for i in doc.get(["inputs"]) or []
             ):
                 doc.append(["inputs"], item)
     return doc.text if (text.strip() or not remove) else text
