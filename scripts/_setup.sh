@@ -85,8 +85,10 @@ ensure_venv() {
 
 # The agent-framework clients tests/test_frameworks.py drives, pinned in tests/clients/: a venv
 # on mcp 1.x (.clients/py: LangChain, OpenAI Agents, Pydantic AI, google-genai; the 2025 era),
-# one on mcp 2.x (.clients/py2: those that can negotiate 2026-07-28) and the TypeScript SDKs
-# (.clients/node, npm ci of tests/clients/node). Each is rebuilt only when its lock file changed.
+# one on mcp 2.x (.clients/py2: those that can negotiate 2026-07-28) and the TypeScript SDKs,
+# mcp-remote and the claude, codex and gemini CLIs tests/test_connect_clients.py has read what
+# `connect` writes (.clients/node, npm ci of tests/clients/node; ~900 MB, mostly the two CLIs'
+# native binaries). Each is rebuilt only when its lock file changed.
 CLIENTS="${SRT_CLIENTS_DIR:-$ROOT/.clients}"
 
 ensure_clients() {

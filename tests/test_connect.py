@@ -387,3 +387,27 @@ def test_an_unusable_state_dir_says_what_to_set(tmp_path: Path) -> None:
     assert stderr.count("\n") == 1 and "Traceback" not in stderr, stderr
     assert f"cannot use the state dir {blocker / 'state'}" in stderr, stderr
     assert "set SANDBOX_STATE_DIR (or --state-dir) to a directory this user can write" in stderr
+
+
+def test_all_detected_and_project_scope(
+    home: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no client's command: detected by its files
+    (home / ".cursor").mkdir()
+    (home / ".codeium" / "windsurf").mkdir(parents=True)
+    code, out, err = run(capsys, "connect", "--all-detected", "--dry-run")
+    assert code == 0, err
+    assert [line.split(":")[0] for line in out.splitlines() if "would change" in line] == [
+        "cursor",
+        "windsurf",
+    ], out
+    code, out, err = run(capsys, "clients")
+    installed = {line.split()[0] for line in out.splitlines()[1:] if line.split()[1] == "yes"}
+    assert installed == {"cursor", "windsurf"}, out
+
+    code, out, err = run(capsys, "connect", "cursor", "claude-code", "--scope", "project")
+    assert code == 0, err
+    assert "sandbox-runtime" in json.loads(Path(".cursor/mcp.json").read_text())["mcpServers"]
+    assert "sandbox-runtime" in json.loads(Path(".mcp.json").read_text())["mcpServers"]
+    code, _, err = run(capsys, "connect", "windsurf", "--scope", "project")
+    assert code == 1 and "Windsurf has no project-scope config (use --scope user)" in err, err
