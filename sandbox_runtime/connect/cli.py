@@ -213,7 +213,8 @@ def _wire(command: str, args: argparse.Namespace, settings: Settings) -> int:
     if by_reference and target.token_env:
         have = "is set" if os.environ.get(target.token_env) else "is NOT set in this shell"
         print(
-            f"{', '.join(by_reference)} read the token from ${target.token_env} ({have}): "
+            f"{', '.join(by_reference)} {'reads' if len(by_reference) == 1 else 'read'} the "
+            f"token from ${target.token_env} ({have}): "
             f"export {target.token_env}=<token> where they start"
         )
     return 1 if failed else 0
