@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import difflib
 import json
 import shlex
 import sys
@@ -26,7 +25,7 @@ from sandbox_runtime.servers.catalog import (
     entry_from_source,
     load_catalog,
 )
-from sandbox_runtime.servers.catalog_file import save_catalog
+from sandbox_runtime.servers.catalog_file import save_catalog, unknown_name
 from sandbox_runtime.servers.desktop import import_desktop_config
 from sandbox_runtime.servers.installs import (
     INSTALL_MOUNT,
@@ -397,11 +396,8 @@ def _logs(args: argparse.Namespace, settings: Settings) -> int:
     if args.lines < 1:
         raise UsageError("--lines takes a positive number")
     path = settings.servers_dir() / "logs" / f"{args.name}.log"
-    names = sorted(load_catalog(settings.servers_path()).entries)
-    if args.name not in names and not path.exists():
-        close = difflib.get_close_matches(args.name, names, n=1)
-        hint = f"(did you mean {close[0]!r}?)" if close else f"in {settings.servers_path()}"
-        raise CatalogError(f"no server named {args.name!r} {hint}")
+    if not path.exists() and (close := unknown_name(settings.servers_path(), args.name)):
+        raise CatalogError(f"no server named {args.name!r} {close}")
     try:
         with open(path, "rb") as f:
             tail = collections.deque(f, maxlen=args.lines)
