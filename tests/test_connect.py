@@ -328,6 +328,18 @@ def test_jsonc_edits_round_trip(text: str) -> None:
         assert doc.text == text, doc.text
 
 
+def test_jsonc_keeps_crlf_line_ends() -> None:
+    text = '{\r\n  "servers": {\r\n    "x": 1 // mine\r\n  }\r\n}\r\n'
+    doc = jsonc.Document(text)
+    doc.set(["servers", "srt"], {"url": "u"})
+    out = doc.rendered()
+    assert "\n" not in out.replace("\r\n", "") and jsonc.loads(out)["servers"]["srt"] == {
+        "url": "u"
+    }
+    doc.remove(["servers", "srt"])
+    assert doc.rendered() == text
+
+
 def test_jsonc_reports_where_it_is_broken() -> None:
     for bad, where in [('{"a": 1', "line 1 column 8"), ('{\n "a": tru }', "line 2 column 7"),
                        ("{/* x", "line 1 column 2"), ('["a"]', "not an object")]:  # fmt: skip
@@ -346,6 +358,10 @@ def test_toml_tables_keep_the_rest() -> None:
     assert tomllib.loads(changed)["mcp_servers"]["srt"] == {"url": "v"}
     assert toml_tables.remove_table(new, ["mcp_servers", "srt"]) == CODEX
     assert toml_tables.remove_table(CODEX, ["mcp_servers", "srt"]) is None
+    crlf = CODEX.replace("\n", "\r\n")
+    added = toml_tables.set_table(crlf, ["mcp_servers", "srt"], {"url": "u"})
+    assert added.count("\n") == added.count("\r\n")
+    assert toml_tables.remove_table(added, ["mcp_servers", "srt"]) == crlf
     with pytest.raises(toml_tables.TomlError, match="inline"):
         toml_tables.set_table('mcp_servers = { srt = { url = "x" } }\n', ["mcp_servers", "srt"],
                               {"url": "y"})  # fmt: skip

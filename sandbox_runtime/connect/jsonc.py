@@ -146,10 +146,17 @@ class Document:
     """A JSONC text with in-place edits by path (a list of object keys)."""
 
     def __init__(self, text: str) -> None:
+        # edited with \n line ends; a file written with \r\n gets them back (rendered())
+        self.crlf = "\r\n" in text
+        text = text.replace("\r\n", "\n")
         self.text = text if text.strip() else "{}\n"
         self.root = parse(self.text)
         if not isinstance(self.root.value, dict):
             raise JsoncError("the document is not an object")
+
+    def rendered(self) -> str:
+        """The text to write: with the line ends the file had."""
+        return self.text.replace("\n", "\r\n") if self.crlf else self.text
 
     @property
     def value(self) -> Any:

@@ -80,6 +80,8 @@ def render(table: list[str], values: dict[str, Any]) -> str:
 
 def set_table(text: str, table: list[str], values: dict[str, Any]) -> str:
     """`text` with `table` holding exactly `values` (appended when missing)."""
+    if "\r\n" in text:  # edited with \n, given back with the file's line ends
+        return set_table(text.replace("\r\n", "\n"), table, values).replace("\n", "\r\n")
     current = loads(text)
     for key in table:
         current = current.get(key) if isinstance(current, dict) else None  # type: ignore[assignment]
@@ -104,6 +106,9 @@ def set_table(text: str, table: list[str], values: dict[str, Any]) -> str:
 
 def remove_table(text: str, table: list[str]) -> str | None:
     """`text` without `table`; None when it has no such table."""
+    if "\r\n" in text:
+        out = remove_table(text.replace("\r\n", "\n"), table)
+        return None if out is None else out.replace("\n", "\r\n")
     lines = text.splitlines(keepends=True)
     span = _span(lines, table)
     if span is None:

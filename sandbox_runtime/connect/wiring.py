@@ -180,7 +180,7 @@ def _edited(client: Client, text: str, name: str, change: Change, remove: bool) 
                 isinstance(i, dict) and i.get("id") == item["id"] for i in doc.get(["inputs"]) or []
             ):
                 doc.append(["inputs"], item)
-    return doc.text if (text.strip() or not remove) else text
+    return doc.rendered() if (text.strip() or not remove) else text
 
 
 def _drop_unused_inputs(doc: jsonc.Document, client: Client) -> None:
