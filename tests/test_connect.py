@@ -426,3 +426,35 @@ def test_all_detected_and_project_scope(
     assert "sandbox-runtime" in json.loads(Path(".mcp.json").read_text())["mcpServers"]
     code, _, err = run(capsys, "connect", "windsurf", "--scope", "project")
     assert code == 1 and "Windsurf has no project-scope config (use --scope user)" in err, err
+
+
+def test_concurrent_connects_lose_no_entry(home: Path) -> None:
+    """Eight `connect`s at once into one file: each reads, edits and replaces it under the
+    directory's lock, so none writes over another's entry."""
+    env = {**os.environ, "HOME": str(home)}
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sandbox_runtime.cli",
+                "connect",
+                "cursor",
+                "--no-cli",
+                "--url",
+                "http://127.0.0.1:9/mcp",
+                "--server",
+                f"s{i}",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        for i in range(8)
+    ]
+    for proc in procs:
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+    servers = servers_in(home / ".cursor" / "mcp.json", "mcpServers")
+    assert sorted(servers) == [f"sandbox-runtime-s{i}" for i in range(8)], servers
+    assert not [p.name for p in (home / ".cursor").iterdir() if p.name.startswith(".mcp.json.")]
