@@ -449,7 +449,7 @@ def test_concurrent_connects_lose_no_entry(home: Path) -> None:
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
-        )  # fmt: skip
+        )
         for i in range(8)
     ]
     for proc in procs:
