@@ -1,20 +1,24 @@
-"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install` or `servers …`."""
+"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, or
+`connect|disconnect|clients|token` (sandbox_runtime/connect)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import ipaddress
+import os
 import sys
 from collections.abc import Coroutine
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from loguru import logger
 from pydantic import ValidationError
 
 from sandbox_runtime import __version__
-from sandbox_runtime.config import Settings
+from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.logs import setup_logging
 
 FLAG_TO_SETTING = {
@@ -52,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="serve",
         help="serve (default); doctor: check the host; runtime install: build the sandbox "
         "runtime (Python data stack, Deno, kernels) into SANDBOX_RUNTIME_DIR; servers "
-        "add|list|remove|install|logs|import: the hosted MCP servers (servers --help)",
+        "add|list|remove|install|logs|import: the hosted MCP servers (servers --help); "
+        "connect CLIENT…|disconnect|clients: wire MCP clients (Claude Code, Cursor, VS Code, "
+        "…) to this server (connect --help); token new: make a bearer token",
     )
     parser.add_argument("action", nargs="?", choices=["install"], help=argparse.SUPPRESS)
     parser.add_argument(
@@ -62,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--if-missing",
         action="store_true",
         help="runtime install: do nothing (quietly) when a runtime is installed",
+    )
+    parser.add_argument(
+        "--progress-log",
+        metavar="FILE",
+        help="runtime install: append its progress to FILE (shown when it fails), not stderr",
     )
     parser.add_argument("--host", help="address to listen on (SANDBOX_HOST, default 127.0.0.1)")
     parser.add_argument("--port", "-p", type=int, help="port (SANDBOX_PORT, default 8080)")
@@ -125,6 +136,29 @@ def _describe_validation(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
+def state_dir_problem(path: Path) -> str | None:
+    """One line saying what to set when the state dir (or a directory in it) cannot be made
+    or written, e.g. the default /var/lib/sandbox-runtime for a user who is not root."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        unwritable = [p for p in (path, *path.iterdir()) if p.is_dir() and not _writable(p)]
+    except OSError as exc:
+        unwritable, reason = [Path(exc.filename or path)], exc.strerror or str(exc)
+    else:
+        reason = "not writable by this user"
+    if not unwritable:
+        return None
+    return (
+        f"cannot use the state dir {path} ({unwritable[0]}: {reason}): set SANDBOX_STATE_DIR "
+        f"(or --state-dir) to a directory this user can write, e.g. "
+        f"SANDBOX_STATE_DIR={Path.home()}/.local/state/sandbox-runtime"
+    )
+
+
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK | os.X_OK)
+
+
 def is_loopback(host: str) -> bool:
     if host in ("localhost", "ip6-localhost"):
         return True
@@ -140,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_runtime.servers.cli import main as servers_main
 
         return servers_main(argv[1:])
+    if argv[:1] and argv[0] in ("connect", "disconnect", "clients", "token"):
+        from sandbox_runtime.connect.cli import main as connect_main
+
+        return connect_main(argv[0], argv[1:])
     args = build_parser().parse_args(argv)
     try:
         settings = load_settings(args)
@@ -155,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         return run_doctor(settings)
     if args.command == "runtime":
         return _runtime(settings, args)
+    problem = state_dir_problem(settings.state_dir)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     setup_logging(settings)
     if not settings.tokens() and not is_loopback(settings.host):
         if not settings.allow_unauthenticated:
@@ -180,33 +222,62 @@ def main(argv: list[str] | None = None) -> int:
                     f"cannot lock the state directory (SANDBOX_STATE_DIR): {exc}", file=sys.stderr
                 )
                 return 1
-        return _run(serve(settings))
+        try:
+            return _run(serve(settings))
+        except KeyboardInterrupt:  # a second Ctrl+C while stopping: the server has said so
+            return 130
 
 
 def _runtime(settings: Settings, args: argparse.Namespace) -> int:
-    from sandbox_runtime.interpreters.runtime import (
-        RuntimeInstallError,
-        install_runtime,
-        load_runtime,
-    )
+    from sandbox_runtime.interpreters.runtime import load_runtime
 
     if args.action != "install":
-        print("usage: srt-mcp-server runtime install [--force] [--if-missing]", file=sys.stderr)
+        print(f"usage: {cli_name()} runtime install [--force] [--if-missing]", file=sys.stderr)
         return 2
     path = settings.runtime_path()
     if args.if_missing and load_runtime(path) is not None:
         return 0
+    if not args.progress_log:
+        return _install_runtime(settings, args, sys.stderr)
+    print(
+        f"installing the sandbox runtime into {path} (~1 min; log: {args.progress_log})",
+        file=sys.stderr,
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(args.progress_log, "a") as progress:
+        # the installers it runs (pip, deno) write to fds 1 and 2: into the log too
+        os.dup2(progress.fileno(), 1)
+        os.dup2(progress.fileno(), 2)
+        try:
+            code = _install_runtime(settings, args, progress)
+        finally:
+            progress.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+    if code:
+        with open(args.progress_log, errors="replace") as f:
+            sys.stderr.writelines(collections.deque(f, maxlen=40))
+    return code
+
+
+def _install_runtime(settings: Settings, args: argparse.Namespace, out: TextIO) -> int:
+    from sandbox_runtime.interpreters.runtime import RuntimeInstallError, install_runtime
+
     try:
         runtime = install_runtime(
-            path,
+            settings.runtime_path(),
             requirements=settings.runtime_requirements,
             force=args.force,
-            log=lambda line: print(line, file=sys.stderr, flush=True),
+            log=lambda line: print(line, file=out, flush=True),
         )
     except RuntimeInstallError as exc:
-        print(f"runtime install failed: {exc}", file=sys.stderr)
+        print(f"runtime install failed: {exc}", file=out)
         return 1
-    print(f"languages: {', '.join(runtime.languages)}", file=sys.stderr)
+    print(f"languages: {', '.join(runtime.languages)}", file=out)
     return 0
 
 

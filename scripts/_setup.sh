@@ -4,7 +4,29 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${SRT_VENV:-$ROOT/.venv}"
 
+SETUP_LOG="${SRT_SETUP_LOG:-$ROOT/.setup.log}"
+
 log() { printf '[setup] %s\n' "$*" >&2; }
+
+# Run an install step with its output in $SETUP_LOG; on failure, say so and show its end.
+quietly() {
+    local what="$1"; shift
+    printf '\n[%s] %s: %s\n' "$(date -u +%FT%TZ)" "$what" "$*" >>"$SETUP_LOG"
+    if ! "$@" >>"$SETUP_LOG" 2>&1; then
+        log "$what failed; the end of its log ($SETUP_LOG):"
+        tail -n 40 "$SETUP_LOG" >&2
+        return 1
+    fi
+}
+
+# A user who is not root: state under ~/.local/state and sandboxes run as that user (the
+# defaults, /var/lib/sandbox-runtime and a system user made for them, need root).
+user_defaults() {
+    if [ "$(id -u)" -ne 0 ] && [ -z "${SANDBOX_STATE_DIR:-}" ]; then
+        export SANDBOX_STATE_DIR="${XDG_STATE_HOME:-$HOME/.local/state}/sandbox-runtime"
+        export SANDBOX_SANDBOX_USER="${SANDBOX_SANDBOX_USER:-$(id -un)}"
+    fi
+}
 
 # apt packages needed for the given commands, installed only when missing and only as root.
 ensure_packages() {
@@ -20,8 +42,8 @@ ensure_packages() {
     fi
     log "installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq >/dev/null
-    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    quietly "apt-get update" apt-get update -qq
+    quietly "apt-get install ${missing[*]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
 
 find_python() {
@@ -53,9 +75,9 @@ ensure_venv() {
     fi
     local stamp="$VENV/.srt-installed$extras"
     if [ ! -f "$stamp" ] || [ "$ROOT/pyproject.toml" -nt "$stamp" ]; then
-        log "installing sandbox_runtime$extras into $VENV"
+        log "installing sandbox_runtime$extras into $VENV (log: $SETUP_LOG)"
         "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-        "$VENV/bin/python" -m pip install -q -e "$ROOT$extras"
+        quietly "pip install" "$VENV/bin/python" -m pip install -q -e "$ROOT$extras"
         touch "$stamp"
     fi
     PY="$VENV/bin/python"
@@ -63,8 +85,10 @@ ensure_venv() {
 
 # The agent-framework clients tests/test_frameworks.py drives, pinned in tests/clients/: a venv
 # on mcp 1.x (.clients/py: LangChain, OpenAI Agents, Pydantic AI, google-genai; the 2025 era),
-# one on mcp 2.x (.clients/py2: those that can negotiate 2026-07-28) and the TypeScript SDKs
-# (.clients/node, npm ci of tests/clients/node). Each is rebuilt only when its lock file changed.
+# one on mcp 2.x (.clients/py2: those that can negotiate 2026-07-28) and the TypeScript SDKs,
+# mcp-remote and the claude, codex and gemini CLIs tests/test_connect_clients.py has read what
+# `connect` writes (.clients/node, npm ci of tests/clients/node; ~900 MB, mostly the two CLIs'
+# native binaries). Each is rebuilt only when its lock file changed.
 CLIENTS="${SRT_CLIENTS_DIR:-$ROOT/.clients}"
 
 ensure_clients() {
@@ -82,7 +106,7 @@ ensure_clients() {
             "$python" -m venv "$dir"
         fi
         "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-        "$dir/bin/python" -m pip install -q -r "$lock"
+        quietly "pip install -r $lock" "$dir/bin/python" -m pip install -q -r "$lock"
         cp "$lock" "$dir/.srt-installed"
     done
     ensure_packages node:nodejs npm:npm
@@ -93,7 +117,7 @@ ensure_clients() {
         rm -rf "$dir"
         mkdir -p "$dir"
         cp "$ROOT/tests/clients/node/package.json" "$lock" "$dir/"
-        npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error >/dev/null
+        quietly "npm ci" npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
         cp "$lock" "$dir/.srt-installed"
     fi
     export SRT_CLIENTS_PY="$CLIENTS/py/bin/python"

@@ -397,7 +397,12 @@ def test_import_reports_and_reminds_to_install(
 
 def test_logs_prints_the_end_of_the_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(tmp_path, capsys, "logs", "time")
-    assert code == 1 and "no log for time" in err
+    assert code == 1 and "no server named 'time' in " in err, err
+    assert run(tmp_path, capsys, "add", "time", "pypi:mcp-server-time")[0] == 0
+    code, _, err = run(tmp_path, capsys, "logs", "time")
+    assert code == 1 and "no log for time" in err and "no instance of it has run" in err, err
+    code, _, err = run(tmp_path, capsys, "logs", "tme")
+    assert code == 1 and err.endswith("no server named 'tme' (did you mean 'time'?)\n"), err
     logs = tmp_path / "state" / "servers" / "logs"
     logs.mkdir(parents=True)
     (logs / "time.log").write_bytes(b"".join(b"line %d\n" % i for i in range(100)) + b"\xff")

@@ -5,5 +5,6 @@ checks across fields); parsing.py: the pure parsing of the settings' own small l
 (tokens, warm interpreters, DNS servers) and what is derived from them.
 """
 
+from sandbox_runtime.config.command import cli_name as cli_name
 from sandbox_runtime.config.settings import REPLICA_ID as REPLICA_ID
 from sandbox_runtime.config.settings import Settings as Settings

@@ -11,7 +11,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from sandbox_runtime.config import Settings
+from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.doctor.host import Check, in_container, read, sandbox_user
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
@@ -249,7 +249,7 @@ async def check_languages(settings: Settings) -> list[Check]:
 
     path = settings.runtime_path()
     runtime = load_runtime(path)
-    fix = "srt-mcp-server runtime install (./scripts/serve does it on first use)"
+    fix = f"{cli_name()} runtime install (./scripts/serve does it on first use)"
     if runtime is None:
         return [Check("languages", False, f"no runtime at {path}: run_code is off", fix, False)]
     manifest = runtime.manifest

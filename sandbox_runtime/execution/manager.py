@@ -13,7 +13,7 @@ from typing import Any
 
 from loguru import logger
 
-from sandbox_runtime.config import Settings
+from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.domain.models import (
@@ -204,7 +204,7 @@ class ExecutionManager:
         if self.backend.unavailable_reason is not None:
             raise SandboxUnavailableError(
                 f"sandbox unavailable: {self.backend.unavailable_reason} "
-                "(run `srt-mcp-server doctor`)"
+                f"(run `{cli_name()} doctor`)"
             )
 
         execution_id = await self.slots.take(owner)

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from sandbox_runtime.config import Settings
+from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import (
     InvalidRequestError,
@@ -143,7 +143,7 @@ class InterpreterManager:
             self.runtime = load_runtime(self.runtime_dir)  # installed since we started?
         if self.runtime is None:
             raise SandboxUnavailableError(
-                f"no runtime is installed at {self.runtime_dir}: run `srt-mcp-server runtime "
+                f"no runtime is installed at {self.runtime_dir}: run `{cli_name()} runtime "
                 "install` (./scripts/serve does it on first use)"
             )
         if not isinstance(language, str) or language.lower() not in self.runtime.kernels:

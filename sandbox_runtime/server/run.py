@@ -11,7 +11,7 @@ from loguru import logger
 from sse_starlette.sse import AppStatus
 
 from sandbox_runtime.app.services import Root
-from sandbox_runtime.config import Settings
+from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.logs import setup_logging
 from sandbox_runtime.server.app import create_app
@@ -122,12 +122,19 @@ async def serve(settings: Settings) -> int:
         http=HeadTimeoutProtocol,  # (a head sent too slowly is cut: heads.py)
     )
     server = _Server(config, root)
+    principals = sorted(set(settings.tokens().values()))
+    base = f"http://{settings.host}:{settings.port}"
     logger.info(
-        "srt-mcp-server replica {} listening on http://{}:{}/mcp (auth: {})",
+        "srt-mcp-server replica {} listening on {}/mcp (auth: {})\n  health: {}/health, "
+        "readiness: {}/ready\n  wire an MCP client to it: {} connect claude-code (or cursor, "
+        "vscode, windsurf, codex, gemini, zed, cline, claude-desktop; `{} clients` lists them)",
         settings.replica_id,
-        settings.host,
-        settings.port,
-        "bearer" if settings.tokens() else "none",
+        base,
+        f"bearer token, principals: {', '.join(principals)}" if principals else "none",
+        base,
+        base,
+        cli_name(),
+        cli_name(),
     )
     await server.serve(sockets=sockets)
     return 0

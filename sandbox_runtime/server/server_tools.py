@@ -8,6 +8,7 @@ from fastmcp import Context, FastMCP
 from pydantic import BaseModel, Field
 
 from sandbox_runtime.app.services import Root
+from sandbox_runtime.config import cli_name
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.server.calls import owner_of
 from sandbox_runtime.server.hosted import call_instance
@@ -67,7 +68,7 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
             if entry.kind in ("pypi", "npm"):
                 installed = read_installed(host.servers_dir, entry.name)
                 if installed is None:
-                    problem = "not installed (srt-mcp-server servers install)"
+                    problem = f"not installed ({cli_name()} servers install {entry.name})"
                 elif installed.package != entry.package:
                     problem = f"{installed.package} installed, {entry.package} configured"
                 else:

@@ -5,6 +5,7 @@ problems, told to each principal only as far as they concern entries that princi
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -108,3 +109,18 @@ def save_catalog(path: Path, catalog: Catalog) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def unknown_name(path: Path, name: str) -> str | None:
+    """None when the catalog at `path` has a server `name` (an invalid entry's name too; any
+    name when the catalog cannot be read), else what to say: the name meant, or where the
+    catalog is."""
+    broken: list[Broken] = []
+    try:
+        names = [*load_catalog(path, broken).entries, *(b.name for b in broken)]
+    except CatalogError:
+        return None
+    if name in names:
+        return None
+    close = difflib.get_close_matches(name, names, n=1)
+    return f"(did you mean {close[0]!r}?)" if close else f"in {path}"

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
-from sandbox_runtime.config import Settings
+from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.servers.catalog import (
     NAME,
     SCOPES,
@@ -25,7 +25,7 @@ from sandbox_runtime.servers.catalog import (
     entry_from_source,
     load_catalog,
 )
-from sandbox_runtime.servers.catalog_file import save_catalog
+from sandbox_runtime.servers.catalog_file import save_catalog, unknown_name
 from sandbox_runtime.servers.desktop import import_desktop_config
 from sandbox_runtime.servers.installs import (
     INSTALL_MOUNT,
@@ -35,7 +35,6 @@ from sandbox_runtime.servers.installs import (
     remove_install,
 )
 
-PROG = "srt-mcp-server servers"
 LOG_LINES = 50
 # `add`'s options whose dest is the entry's field, taken as they are when given.
 SCALAR_FIELDS = "directory state scope memory_mb cpus pids call_timeout idle_timeout warm".split()
@@ -80,7 +79,7 @@ def main(argv: Sequence[str], settings: Settings | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"{PROG}: {message}", file=sys.stderr)
+    print(f"{cli_name()} servers: {message}", file=sys.stderr)
     return code
 
 
@@ -96,10 +95,8 @@ def _settings(args: argparse.Namespace, settings: Settings | None) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         problems = "; ".join(
-            f"SANDBOX_{'.'.join(str(p) for p in err['loc']).upper()}: {err['msg']}"
-            if err["loc"]
-            else str(err["msg"])
-            for err in exc.errors()
+            f"SANDBOX_{'.'.join(map(str, e['loc'])).upper()}: {e['msg']}" if e["loc"] else e["msg"]
+            for e in exc.errors()
         )
         raise UsageError(f"invalid settings: {problems}") from None
 
@@ -119,7 +116,7 @@ def _common(parser: argparse.ArgumentParser, default: Any) -> None:
 
 def _parse(words: list[str]) -> argparse.Namespace:
     top = _Parser(
-        prog=PROG,
+        prog=f"{cli_name()} servers",
         description="The catalog of hosted MCP servers: add, list, remove, install, logs, import.",
     )
     _common(top, None)
@@ -127,7 +124,7 @@ def _parse(words: list[str]) -> argparse.Namespace:
     top.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = top.parse_args(words)
     build, run = ACTIONS[args.action]
-    sub = _Parser(prog=f"{PROG} {args.action}")
+    sub = _Parser(prog=f"{cli_name()} servers {args.action}")
     _common(sub, argparse.SUPPRESS)  # (given before the action too: kept then)
     build(sub)
     rest: list[str] = args.rest
@@ -246,7 +243,7 @@ def _add(args: argparse.Namespace, settings: Settings) -> int:
         remove_install(settings.servers_dir(), entry.name)  # another package's (or none)
     print(f"{'replaced' if old else 'added'} {entry.name}: {_source(entry)} ({entry.scope} scope)")
     if entry.kind in ("pypi", "npm"):
-        print(f"install it before use: srt-mcp-server servers install {entry.name}")
+        print(f"install it before use: {cli_name()} servers install {entry.name}")
     return 0
 
 
@@ -272,7 +269,7 @@ def _list(args: argparse.Namespace, settings: Settings) -> int:
         print(json.dumps(described, indent=1))
         return 0
     if not entries:
-        print(f"no servers in {path} (add one: srt-mcp-server servers add NAME SOURCE)")
+        print(f"no servers in {path} (add one: {cli_name()} servers add NAME SOURCE)")
         return 0
     rows = [("NAME", "KIND", "SOURCE", "SCOPE", "INSTALLED", "")]
     for e in entries:
@@ -399,6 +396,8 @@ def _logs(args: argparse.Namespace, settings: Settings) -> int:
     if args.lines < 1:
         raise UsageError("--lines takes a positive number")
     path = settings.servers_dir() / "logs" / f"{args.name}.log"
+    if not path.exists() and (close := unknown_name(settings.servers_path(), args.name)):
+        raise CatalogError(f"no server named {args.name!r} {close}")
     try:
         with open(path, "rb") as f:
             tail = collections.deque(f, maxlen=args.lines)
@@ -428,7 +427,7 @@ def _import(args: argparse.Namespace, settings: Settings) -> int:
     if not report:
         print("the file names no servers")
     elif any(e.kind in ("pypi", "npm") for e in _imported(catalog, report)):
-        print("install their packages before use: srt-mcp-server servers install")
+        print(f"install their packages before use: {cli_name()} servers install")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sandbox_runtime.config import cli_name
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import PolicyViolationError
 from sandbox_runtime.sandbox.host import WORKSPACE
@@ -24,13 +25,13 @@ def program(entry: Entry, servers_dir: Path) -> tuple[list[str], Path | None]:
     installed = read_installed(servers_dir, entry.name)
     if installed is None:
         raise CatalogError(
-            f"server {entry.name} is not installed: run `srt-mcp-server servers install "
-            f"{entry.name}` (a start never downloads)"
+            f"server {entry.name} is not installed: run `{cli_name()} servers "
+            f"install {entry.name}` (a start never downloads)"
         )
     if installed.package != entry.package:
         raise CatalogError(
             f"server {entry.name}: {installed.package} is installed but the catalog asks "
-            f"for {entry.package}: run `srt-mcp-server servers install {entry.name}`"
+            f"for {entry.package}: run `{cli_name()} servers install {entry.name}`"
         )
     return [*installed.program, *entry.args], servers_dir / "install" / entry.name
 

@@ -1,0 +1,95 @@
+"""Replacing a client's config file safely: under a lock, atomically, with a backup.
+
+A client's file is also written by the client itself and by hand, so a change is read, made
+and written while holding an exclusive lock on the file's directory (two `connect` runs do not
+interleave), goes to a temporary file in the same directory that replaces the old one in one
+rename (a crash leaves the old file or the new one, never half of either), and the previous
+content is kept beside it as `NAME.srt-backup`. A symlinked file (dotfiles kept in a repository)
+is replaced at its target, so the link stays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import stat
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+BACKUP_SUFFIX = ".srt-backup"
+
+
+class FileError(Exception):
+    """A config file that cannot be read or written: says which and why."""
+
+
+def read_text(path: Path) -> str | None:
+    """The file's text, None when it does not exist."""
+    try:
+        return path.read_text("utf-8")
+    except FileNotFoundError:
+        return None
+    except UnicodeDecodeError:
+        raise FileError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise FileError(f"{path}: cannot read it ({exc.strerror})") from None
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[Path]:
+    """Holds an exclusive lock on `path`'s directory (made when missing); yields the real path
+    to write (a symlink's target)."""
+    real = path.resolve() if path.is_symlink() else path
+    try:
+        real.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(real.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as exc:
+        raise FileError(f"{real.parent}: cannot use the directory ({exc.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield real
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def replace(path: Path, text: str, *, private: bool) -> Path | None:
+    """Writes `text` to `path` atomically (the caller holds `locked`); returns the backup of
+    the previous content (None when there was no file). `private`: mode 0600 (a token is in
+    it); otherwise the old file's mode, or 0644 less the umask for a new one."""
+    old = read_text(path)
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode) if old is not None else None
+    except OSError:
+        mode = None
+    if private:
+        mode = 0o600
+    elif mode is None:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o644 & ~umask
+    backup = None
+    try:
+        if old is not None:
+            backup = path.with_name(path.name + BACKUP_SUFFIX)
+            _write(backup, old, 0o600)
+        _write(path, text, mode)
+    except OSError as exc:
+        raise FileError(f"{path}: cannot write it ({exc.strerror})") from None
+    return backup
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

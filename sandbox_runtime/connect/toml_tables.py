@@ -1,0 +1,124 @@
+"""Setting or removing one `[mcp_servers.NAME]` table of a TOML file (Codex's config.toml),
+every other line kept as it was (comments, other tables, their order).
+
+A table is its header line, the lines up to the next header that is not one of its own
+sub-tables (`[mcp_servers.NAME.env]`). Reading goes through `tomllib`; the result of an edit
+is parsed again before it is written, so an edit never leaves a file the client cannot read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from typing import Any
+
+HEADER = re.compile(r"^\s*\[\[?\s*(?P<path>[^\]]+?)\s*\]\]?\s*(#.*)?$")
+
+
+class TomlError(ValueError):
+    """The file is not TOML, or the edit would not be."""
+
+
+def loads(text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise TomlError(str(exc)) from None
+
+
+def _path(header: str) -> list[str]:
+    """The keys of a table header (`mcp_servers."a.b"` -> ['mcp_servers', 'a.b'])."""
+    return [
+        json.loads(part) if part.startswith('"') else part.strip("'")
+        for part in re.findall(r'"(?:[^"\\]|\\.)*"|\'[^\']*\'|[^.\s]+', header)
+    ]
+
+
+def _span(lines: list[str], table: list[str]) -> tuple[int, int] | None:
+    """The [start, end) lines of `table` and its sub-tables; None when it has no header."""
+    start = None
+    for i, line in enumerate(lines):
+        match = HEADER.match(line)
+        if not match:
+            continue
+        path = _path(match["path"])
+        if start is None:
+            if path == table:
+                start = i
+        elif path[: len(table)] != table:
+            end = i
+            while end > start + 1 and _is_note(lines[end - 1]):
+                end -= 1  # comments and blank lines just above the next table are its own
+            return start, end
+    return None if start is None else (start, len(lines))
+
+
+def _is_note(line: str) -> bool:
+    stripped = line.strip()
+    return not stripped or stripped.startswith("#")
+
+
+def _key(name: str) -> str:
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)
+
+
+def render(table: list[str], values: dict[str, Any]) -> str:
+    """`[a.b]` with its scalar values, then a sub-table per dict value."""
+    lines = [f"[{'.'.join(_key(k) for k in table)}]"]
+    subs = []
+    for key, value in values.items():
+        if isinstance(value, dict):
+            subs.append((key, value))
+        else:
+            lines.append(f"{_key(key)} = {json.dumps(value, ensure_ascii=False)}")
+    text = "\n".join(lines) + "\n"
+    for key, value in subs:
+        text += "\n" + render([*table, key], value)
+    return text
+
+
+def set_table(text: str, table: list[str], values: dict[str, Any]) -> str:
+    """`text` with `table` holding exactly `values` (appended when missing)."""
+    if "\r\n" in text:  # edited with \n, given back with the file's line ends
+        return set_table(text.replace("\r\n", "\n"), table, values).replace("\n", "\r\n")
+    current = loads(text)
+    for key in table:
+        current = current.get(key) if isinstance(current, dict) else None  # type: ignore[assignment]
+    if current == values:
+        return text
+    lines = text.splitlines(keepends=True)
+    block = render(table, values)
+    span = _span(lines, table)
+    if span is None:
+        if current is not None:
+            raise TomlError(f"{'.'.join(table)} is defined inline: edit it by hand")
+        head = text if not text or text.endswith("\n") else text + "\n"
+        new = head + ("\n" if head.strip() else "") + block
+    else:
+        start, end = span
+        tail = lines[end:]
+        gap = "\n" if tail and lines[end - 1].strip() else ""
+        new = "".join(lines[:start]) + block + gap + "".join(tail)
+    loads(new)
+    return new
+
+
+def remove_table(text: str, table: list[str]) -> str | None:
+    """`text` without `table`; None when it has no such table."""
+    if "\r\n" in text:
+        out = remove_table(text.replace("\r\n", "\n"), table)
+        return None if out is None else out.replace("\n", "\r\n")
+    lines = text.splitlines(keepends=True)
+    span = _span(lines, table)
+    if span is None:
+        return None
+    start, end = span
+    while start > 0 and not lines[start - 1].strip():
+        start -= 1  # the blank line set_table put before it
+    if start == 0:
+        while end < len(lines) and not lines[end].strip():
+            end += 1
+    new = "".join(lines[:start]) + "".join(lines[end:])
+    loads(new)
+    return new
