@@ -186,9 +186,23 @@ class Budgets(Retention):
         elif is_image:
             held = st.st_blocks * 512
         else:
-            held = self._directory_bytes(name)
+            quota_held = self._quota_bytes(name)
+            held = self._directory_bytes(name) if quota_held is None else quota_held
         owner = self._owner(name)
         return Held(name, owner[0] if owner else None, held, used)
+
+    def _quota_bytes(self, name: str) -> int | None:
+        """What a project-mode workspace holds, by its quota (one syscall or sysfs read; None:
+        not a quota'd directory)."""
+        quotas = self.quotas
+        if quotas is None:
+            return None
+        try:
+            if not quotas.is_workspace(self.path(name)):
+                return None
+            return quotas.usage(self.path(name)).bytes_used
+        except OSError:
+            return None
 
     def _directory_bytes(self, name: str) -> int:
         cached = self._dir_bytes.get(name)

@@ -18,8 +18,12 @@ import ctypes
 import errno
 import os
 import re
+import shutil
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+
+from loguru import logger
 
 from sandbox_runtime.workspaces.diskguard import unlimit_dirty
 from sandbox_runtime.workspaces.diskspace import StateDisk
@@ -134,7 +138,7 @@ def make_image(
     fd = os.open(image, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, size)
-        if not probe:  # (a full disk must not fail the start: see WorkspaceStore._probe)
+        if not probe:  # (a full disk must not fail the start: see images_problem)
             disk.allocate(fd, size, image)
     except BaseException:
         os.close(fd)
@@ -153,3 +157,41 @@ def make_image(
 def mount(image: Path, point: Path, disk: StateDisk) -> None:
     """Mount `image` on `point` (with the state disk's options). Raises OSError."""
     run(mount_argv(image, point, disk.mount_options(MOUNT_OPTIONS)))
+
+
+PROBE = ".probe"
+PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
+
+
+def images_problem(
+    root: Path, owner: tuple[int, int], disk: StateDisk, remove: Callable[[str], None]
+) -> str | None:
+    """Why workspace images cannot be made and mounted under `root` (None: they can), tried
+    with a small image named PROBE that `remove` (the store's removal by name) takes away."""
+    if os.geteuid() != 0:
+        return "mounting workspace images needs a server running as root"
+    if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
+        return "mkfs.ext4 or mount is missing (apt-get install e2fsprogs mount)"
+    if not os.path.exists("/dev/loop-control") and not os.path.exists("/dev/loop0"):
+        return "there are no loop devices (/dev/loop-control)"
+    image, point = root / f"{PROBE}.img", root / PROBE
+    try:
+        remove(PROBE)
+        make_image(image, 16, 256, owner, disk, probe=True)
+        point.mkdir(mode=0)
+        mount(image, point, disk)
+        umount(point)
+    except (OSError, subprocess.SubprocessError) as exc:
+        if disk.status().free_bytes < PROBE_ROOM:
+            # (A full disk must not turn the images it holds into empty directories.)
+            logger.warning(
+                "no room to try a workspace image ({}); images are assumed to work (root, "
+                "loop devices and mkfs.ext4 are there)",
+                exc,
+            )
+            return None
+        return f"a test image could not be made and mounted: {exc}"
+    finally:
+        with contextlib.suppress(OSError):
+            remove(PROBE)
+    return None

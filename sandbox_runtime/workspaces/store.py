@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import subprocess
 import time
 import uuid
@@ -66,14 +65,19 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.workspaces.damage import DamageCourse
 from sandbox_runtime.workspaces.fsops import WorkspaceFiles, remove_partial_uploads
-from sandbox_runtime.workspaces.images import bind, make_image, mount, mounts_under, umount
+from sandbox_runtime.workspaces.images import (
+    bind,
+    images_problem,
+    make_image,
+    mount,
+    mounts_under,
+    umount,
+)
 from sandbox_runtime.workspaces.images import loop_devices_under as loop_devices_under
 from sandbox_runtime.workspaces.mountcaps import MountCaps
 from sandbox_runtime.workspaces.quotamode import QuotaMode
-from sandbox_runtime.workspaces.store_state import BLANK_PREFIX, IMAGE_SUFFIX
+from sandbox_runtime.workspaces.store_state import BLANK_PREFIX
 
-PROBE = ".probe"
-PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
 CLOSE_WAIT_STEPS = 200  # times 0.05 s: for a blank being made when the store closes
 
 
@@ -129,33 +133,7 @@ class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
 
     def _probe(self) -> str | None:
         """Why workspace images cannot be made and mounted here (None: they can)."""
-        if os.geteuid() != 0:
-            return "mounting workspace images needs a server running as root"
-        if shutil.which("mkfs.ext4") is None or shutil.which("mount") is None:
-            return "mkfs.ext4 or mount is missing (apt-get install e2fsprogs mount)"
-        if not os.path.exists("/dev/loop-control") and not os.path.exists("/dev/loop0"):
-            return "there are no loop devices (/dev/loop-control)"
-        image, point = self.root / f"{PROBE}{IMAGE_SUFFIX}", self.root / PROBE
-        try:
-            self._remove_sync(PROBE)
-            make_image(image, 16, 256, (self.uid, self.gid), self.disk, probe=True)
-            point.mkdir(mode=0)
-            mount(image, point, self.disk)
-            umount(point)
-        except (OSError, subprocess.SubprocessError) as exc:
-            if self.disk.status().free_bytes < PROBE_ROOM:
-                # (A full disk must not turn the images it holds into empty directories.)
-                logger.warning(
-                    "no room to try a workspace image ({}); images are assumed to work (root, "
-                    "loop devices and mkfs.ext4 are there)",
-                    exc,
-                )
-                return None
-            return f"a test image could not be made and mounted: {exc}"
-        finally:
-            with contextlib.suppress(OSError):
-                self._remove_sync(PROBE)
-        return None
+        return images_problem(self.root, (self.uid, self.gid), self.disk, self._remove_sync)
 
     async def aclose(self) -> None:
         """Remove the blanks and unmount every workspace (the server is stopping; nothing runs
