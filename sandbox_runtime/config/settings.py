@@ -300,15 +300,18 @@ class Settings(BaseSettings):
     )
     workspace_quota: str = Field(
         "auto",
-        description="`auto`: a quota'd filesystem image per workspace where the host allows "
-        "(root, loop devices, mkfs.ext4), else plain directories without a quota; `image`: "
-        "refuse to run without; `none`: plain directories.",
+        description="`auto`: a directory with a project quota per workspace where the state "
+        "filesystem allows (ext4 `prjquota`, XFS `pquota`, btrfs with quotas enabled), else a "
+        "quota'd filesystem image per workspace where the host allows (root, loop devices, "
+        "mkfs.ext4), else plain directories without a quota; `project`: refuse to run without "
+        "project quotas; `image`: refuse to run without images; `none`: plain directories.",
     )
     max_mounted_workspaces: int = Field(
         1024,
         ge=1,
         le=65536,
-        description="Workspace images mounted at once on this replica (each holds a loop "
+        description="Workspace images mounted at once on this replica (images only: project-"
+        "quota directories mount nothing and are not counted; each image holds a loop "
         "device and a kernel journal thread); warm interpreters' workspaces count too. Past "
         "it, the least recently used idle workspace is unmounted (its files stay in its image "
         "and come back on next use); when every one is in use, the call is refused.",
@@ -317,9 +320,10 @@ class Settings(BaseSettings):
         64,
         ge=1,
         le=65536,
-        description="Session workspaces one token principal has mounted at once on this "
-        "replica; past it, that principal's least recently used idle workspace is unmounted, "
-        "and the call is refused when every one is in use.",
+        description="Session workspace images one token principal has mounted at once on "
+        "this replica (images only, like SANDBOX_MAX_MOUNTED_WORKSPACES); past it, that "
+        "principal's least recently used idle workspace is unmounted, and the call is "
+        "refused when every one is in use.",
     )
     workspace_retention_seconds: int = Field(
         86400,
@@ -462,8 +466,10 @@ class Settings(BaseSettings):
     @field_validator("workspace_quota")
     @classmethod
     def _quota(cls, value: str) -> str:
-        allowed = ("auto", "image", "none")
-        return parsing.choice(value, allowed, "workspace_quota must be `auto`, `image` or `none`")
+        allowed = ("auto", "project", "image", "none")
+        return parsing.choice(
+            value, allowed, "workspace_quota must be `auto`, `project`, `image` or `none`"
+        )
 
     @field_validator("workspace_reserve")
     @classmethod

@@ -117,10 +117,12 @@ async def check_live(settings: Settings) -> list[Check]:
 
 def check_workspaces(settings: Settings) -> list[Check]:
     """How workspaces get their quota here, and how file tools resolve paths safely."""
-    from sandbox_runtime.workspaces.fsops import openat2_available
     from sandbox_runtime.workspaces.store import WorkspaceStore
 
-    checks = []
+    checks = [check_project_quotas(settings)]
+    if checks[0].ok and settings.workspace_quota in ("auto", "project"):
+        checks.append(_file_tools())
+        return checks
     user, _ = sandbox_user(settings)
     try:
         entry = pwd.getpwnam(user)
@@ -156,13 +158,50 @@ def check_workspaces(settings: Settings) -> list[Check]:
                 )
         except SandboxRuntimeError as exc:
             checks.append(Check("workspace quota", False, str(exc), "SANDBOX_WORKSPACE_QUOTA"))
-    if openat2_available():
-        checks.append(Check("file tools", True, "paths resolved with openat2 (RESOLVE_BENEATH)"))
-    else:
-        checks.append(
-            Check("file tools", True, "no openat2 (kernel < 5.6): paths walked with O_NOFOLLOW")
-        )
+    checks.append(_file_tools())
     return checks
+
+
+def _file_tools() -> Check:
+    from sandbox_runtime.workspaces.fsops import openat2_available
+
+    if openat2_available():
+        return Check("file tools", True, "paths resolved with openat2 (RESOLVE_BENEATH)")
+    return Check("file tools", True, "no openat2 (kernel < 5.6): paths walked with O_NOFOLLOW")
+
+
+def check_project_quotas(settings: Settings) -> Check:
+    """Whether the state filesystem gives workspaces a project quota (the first choice of
+    SANDBOX_WORKSPACE_QUOTA=auto), and the one command that enables it where it does not."""
+    from sandbox_runtime.workspaces.quotamode import quota_dirs
+
+    where = settings.state_dir / "workspaces"
+    while not where.exists() and where != where.parent:  # (the doctor makes nothing)
+        where = where.parent
+    dirs = quota_dirs(where)
+    problem = dirs.probe()
+    wanted = settings.workspace_quota
+    if problem is None:
+        detail = (
+            f"{dirs.kind} directories with a quota on the state filesystem ({where}): "
+            f"{settings.workspace_mb} MiB"
+            + (
+                " (btrfs has no file limit: metadata bytes count)"
+                if dirs.kind == "btrfs"
+                else f", {settings.workspace_inode_count()} files"
+            )
+        )
+        if wanted not in ("auto", "project"):
+            detail += f"; not used: SANDBOX_WORKSPACE_QUOTA={wanted}"
+        return Check("workspace project quota", True, detail)
+    fallback = "images (if the next check passes)" if wanted == "auto" else "not used"
+    return Check(
+        "workspace project quota",
+        False,
+        f"unavailable: {problem}; workspaces are {fallback}",
+        f"to enable: {dirs.enable_command()}",
+        wanted == "project",
+    )
 
 
 def _backend(

@@ -73,6 +73,11 @@ DENIED_SYSCALLS = (
 TIOCSTI = 0x5412
 TIOCLINUX = 0x541C
 TIOCSETD = 0x5423  # a line discipline other than the default can autoload a module
+# Every btrfs ioctl (type 0x94): an unprivileged BTRFS_IOC_SUBVOL_CREATE in a workspace that is
+# a subvolume would make a tree outside its qgroup, i.e. outside the workspace's quota. FICLONE
+# is type 0x94 too: `cp --reflink=auto` falls back to copying.
+BTRFS_IOCTL_TYPE = 0x9400
+IOCTL_TYPE_MASK = 0xFF00
 AF_UNIX = 1
 AF_INET = 2
 AF_INET6 = 10
@@ -119,6 +124,7 @@ def compile_filter(network: bool = False, inet: bool = False) -> bytes:
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSTI))
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSETD))
+        filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, IOCTL_TYPE_MASK, BTRFS_IOCTL_TYPE))
         for flag in CLONE_NS_FLAGS:  # one rule per bit: MASKED_EQ needs every masked bit set
             filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
         # clone3 passes its flags in memory the filter cannot read: make libc fall back to clone.

@@ -207,6 +207,7 @@ def create_app(
                 "reserve": current.workspaces.disk.reserve,
                 "damaged_workspaces": len(damaged),
             },
+            "workspaces": current.workspaces.describe_mode(),
             "file_descriptors": descriptors.as_dict(),
             "uptime_seconds": round(time.time() - current.started_at, 1),
         }

@@ -43,6 +43,9 @@ class Retention(StoreState):
         self._touched.pop(name, None)
         self._damaged.pop(name, None)
         self._swept.discard(name)
+        self._quotaed.discard(name)
+        if self.quotas is not None and self.quotas.is_workspace(point):
+            self.quotas.remove(point)  # (and its quota: a project's limits, a qgroup)
         with contextlib.suppress(FileNotFoundError):
             self.image(name).unlink()
         with contextlib.suppress(FileNotFoundError):

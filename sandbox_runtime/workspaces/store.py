@@ -1,35 +1,43 @@
-"""The workspaces of this replica: one ext4 image per workspace (its quota), mounted while used.
+"""The workspaces of this replica, in one of three modes chosen at start (SANDBOX_WORKSPACE_QUOTA):
 
-Why an image: a byte and an inode quota the kernel enforces for writes from inside (ENOSPC)
-need either filesystem quotas (mount options on the host's filesystem, rarely there) or a
-filesystem of the workspace's own. An image file formatted with `mkfs.ext4 -N` and
-loop-mounted costs a few ms to make and ~3 ms to mount, and makes a workspace one movable
-file. It also puts the workspace on a filesystem of its own: a hard link to a
-file outside cannot exist, and host-side file operations cannot cross into another mount.
-The sandbox only ever sees the mounted filesystem; the image file is root's, 0600, outside.
+- project: a directory of the state filesystem with a quota that filesystem enforces (an
+  ext4/XFS project quota, or a btrfs subvolume with a qgroup limit: workspaces/quotamode.py,
+  projects.py, subvolumes.py). A few syscalls to make, nothing mounted or preallocated: a
+  workspace costs what it holds, a full disk is an ENOSPC/EDQUOT to the writer. `auto` takes
+  it first where the state filesystem has it.
+- image: one ext4 image per workspace (its quota), mounted while used. An image file
+  formatted with `mkfs.ext4 -N` and loop-mounted costs a few ms to make and ~3 ms to mount; it
+  puts the workspace on a filesystem of its own (a hard link to a file outside cannot exist,
+  host-side file operations cannot cross into another mount). The sandbox only ever sees the
+  mounted filesystem; the image file is root's, 0600, outside. `auto` takes it where project
+  quotas are missing and the host can mount images (root, loop devices, mkfs.ext4).
+- directory: plain directories without a quota (neither is possible, or `none`), and said
+  so (doctor, /health).
 
-Layout under the root: `<name>.img` (the image) and `<name>/` (its mount point, root-owned
-mode 0 while nothing is mounted, so nothing is ever written to the host's disk through it).
-An image is mounted when first used, unmounted after UNMOUNT_IDLE_SECONDS without use, and
-removed with its mount point after the retention period. Each mount holds a loop device and a
-journal thread in the kernel, so mounts are capped per replica and per principal: a mount past
-a cap first unmounts the least recently used idle workspace (its image stays: its files come
-back on its next use), and is refused (LimitExceededError) when every one is in use. Mounts a
-killed server left are detached at start. Where images cannot be mounted (no root, no loop
-devices, no mkfs.ext4), `quota="auto"` falls back to plain directories without a quota, and
-says so (doctor, /health).
+Workspaces made in another mode before are served as they were made: an image stays an image
+(mounted, counted by the mount caps), a plain directory with files stays one.
 
-Disk space is reserved, not promised: by default an image is allocated in full when made and
-a new one is refused when the state filesystem has no room for it (workspaces/diskspace.py).
+Image layout under the root: `<name>.img` (the image) and `<name>/` (its mount point,
+root-owned mode 0 while nothing is mounted, so nothing is ever written to the host's disk
+through it). An image is mounted when first used, unmounted after UNMOUNT_IDLE_SECONDS
+without use, and removed with its mount point after the retention period. Each mount holds a
+loop device and a journal thread in the kernel, so mounts are capped per replica and per
+principal: a mount past a cap first unmounts the least recently used idle workspace (its
+image stays: its files come back on its next use), and is refused (LimitExceededError) when
+every one is in use. Mounts a killed server left are detached at start. Disk space for images
+is reserved, not promised: workspaces/diskspace.py. Project-mode workspaces are `<name>/`
+only; the mount caps do not count them.
 
 The store is put together here from its parts: images.py (making and mounting an image,
-stateless), store_state.py (what the store knows, naming, use), mountcaps.py (the mount caps
-and making room), retention.py (unmounting idle workspaces, removing expired ones) and
-damage.py (a failed filesystem's course). This module keeps the lifecycle (start, close),
-making a workspace ready (ensure) and handing a warm slot's workspace to a session (adopt).
+stateless), quotamode.py (project mode), store_state.py (what the store knows, naming, use),
+mountcaps.py (the mount caps and making room), retention.py (unmounting idle workspaces,
+removing expired ones) and damage.py (a failed filesystem's course). This module keeps the
+lifecycle (start, close), making a workspace ready (ensure) and handing a warm slot's
+workspace to a session (adopt: a rename, or for an image a bind then a rename of its file).
 
 A workspace whose filesystem fails is marked damaged, checked before its next use, then
-repaired or set aside: workspaces/damage.py says how.
+repaired or set aside: workspaces/damage.py says how (an image), quotamode.py (a project-mode
+directory: set aside whole, it cannot be checked on its own).
 """
 
 from __future__ import annotations
@@ -56,23 +64,25 @@ from sandbox_runtime.workspaces.fsops import WorkspaceFiles, remove_partial_uplo
 from sandbox_runtime.workspaces.images import bind, make_image, mount, mounts_under, umount
 from sandbox_runtime.workspaces.images import loop_devices_under as loop_devices_under
 from sandbox_runtime.workspaces.mountcaps import MountCaps
+from sandbox_runtime.workspaces.quotamode import QuotaMode
 from sandbox_runtime.workspaces.store_state import BLANK_PREFIX, IMAGE_SUFFIX
 
 PROBE = ".probe"
 PROBE_ROOM = 64 * 1024 * 1024  # free space below which a failed probe is blamed on the disk
 
 
-class WorkspaceStore(MountCaps, DamageCourse):
+class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
     """Creates, mounts, measures and removes this replica's workspaces (its state, hooks and
     constructor: workspaces/store_state.py)."""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self, uid: int, gid: int) -> None:
-        """Prepare the root, detach mounts a dead server left, and decide on images; files
-        are made for the sandbox user uid/gid.
+        """Prepare the root, detach mounts a dead server left, and decide on the mode
+        (project, image or directory); files are made for the sandbox user uid/gid.
 
-        Raises SandboxUnavailableError when quota="image" and images cannot be used.
+        Raises SandboxUnavailableError when quota="project" or "image" and that mode cannot
+        be used.
         """
         self.uid, self.gid = uid, gid
         self.root.mkdir(parents=True, exist_ok=True)
@@ -82,6 +92,13 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 umount(point)
                 logger.info("detached a workspace a previous server left mounted: {}", point)
         self.remove_all(BLANK_PREFIX)  # (a previous server's, made ahead of need)
+        if self._start_project():
+            return
+        if self.wanted == "project":
+            raise SandboxUnavailableError(
+                "project-quota workspaces (SANDBOX_WORKSPACE_QUOTA=project) cannot be used: "
+                f"{self.project_problem}. To enable them: {self.enable_hint}"
+            )
         if self.wanted == "none":
             self.problem = "workspace quotas are turned off (SANDBOX_WORKSPACE_QUOTA=none)"
         else:
@@ -95,6 +112,14 @@ class WorkspaceStore(MountCaps, DamageCourse):
             )
         if self.wanted != "none":
             logger.warning("workspaces have no quota: {}", self.problem)
+        if self.project_problem is not None:
+            logger.info(
+                "workspaces are {} rather than directories with a project quota ({}; to enable: "
+                "{})",
+                "images" if self.mode == "image" else "plain directories",
+                self.project_problem,
+                self.enable_hint,
+            )
 
     def _probe(self) -> str | None:
         """Why workspace images cannot be made and mounted here (None: they can)."""
@@ -174,6 +199,8 @@ class WorkspaceStore(MountCaps, DamageCourse):
             existed = self.exists(name)
             if name in self._damaged and name in self._mounted:
                 await self._release_damaged(name)
+            elif name in self._damaged and name in self._quotaed:
+                await self._release_damaged_dir(name)
             if name in self._ready:  # made ready by the call this one waited for
                 self._ready[name] = time.monotonic()
                 return self.path(name), True
@@ -252,7 +279,9 @@ class WorkspaceStore(MountCaps, DamageCourse):
         return taken
 
     def _needs_mount(self, name: str) -> bool:
-        """Whether making `name` ready mounts an image (not a plain directory)."""
+        """Whether making `name` ready mounts an image (not a quota'd or plain directory)."""
+        if self.mode == "project":  # (an image from before project mode is served as one)
+            return self.image(name).exists()
         if self.mode != "image":
             return False
         point = self.path(name)
@@ -263,7 +292,15 @@ class WorkspaceStore(MountCaps, DamageCourse):
 
     def _ensure_sync(self, name: str) -> None:
         point, image = self.path(name), self.image(name)
-        if self.mode != "image" or (point.is_dir() and not image.exists() and any(point.iterdir())):
+        if self.mode == "project" and not image.exists():
+            self._ensure_quota_dir(name)
+            if name in self._quotaed:
+                self._sweep_uploads(name)
+                self._ready[name] = time.monotonic()
+                self._touch(name)
+                return
+        images = self.mode == "image" or (self.mode == "project" and image.exists())
+        if not images or (point.is_dir() and not image.exists() and any(point.iterdir())):
             # No images here, or a plain directory from before images (kept as it is; nothing
             # can check or repair it: a failure found in it was reported, and it is served on).
             self._damaged.pop(name, None)
@@ -367,9 +404,12 @@ class WorkspaceStore(MountCaps, DamageCourse):
                 return False  # an unmounted image: the session has been used
             self._remove_sync(name)
         source = self.path(slot)
-        if slot not in self._mounted:  # a plain directory
+        if slot not in self._mounted:  # a quota'd or plain directory
             os.rename(source, target)
             self._ready.pop(slot, None)
+            if slot in self._quotaed:
+                self._quotaed.discard(slot)
+                self._quotaed.add(name)
             self._ready[name] = time.monotonic()
             return True
         target.mkdir(mode=0)

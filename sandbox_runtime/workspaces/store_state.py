@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.workspaces.diskspace import StateDisk
+from sandbox_runtime.workspaces.quotainfo import QuotaDirs
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,128}")
 BLANK_PREFIX = "blank-"  # a workspace made ahead of need (store.py)
@@ -51,13 +52,20 @@ class StoreState:
         self.size_mb = size_mb
         self.disk = StateDisk(root, reserve=reserve, min_free_mb=min_free_mb)
         self.inodes = inodes
-        self.wanted = quota  # auto, image, none
+        self.wanted = quota  # auto, project, image, none
         self.uid = self.gid = -1  # the sandbox user's, set by start()
         self.retention_seconds = retention_seconds
         self.max_mounted = max_mounted
         self.max_mounted_per_principal = max_mounted_per_principal
-        self.mode = "directory"  # or "image" once start() found images work
+        self.mode = "directory"  # or "project" / "image": what start() found works
         self.problem: str | None = None  # why there is no quota
+        # Project mode (workspaces/quotamode.py): the quota'd directories, their kind (ext4,
+        # xfs, btrfs), why the mode is not used here, and the command that enables it.
+        self.quotas: QuotaDirs | None = None
+        self.quota_kind: str | None = None
+        self.project_problem: str | None = None
+        self.enable_hint: str | None = None
+        self._quotaed: set[str] = set()  # names made ready as quota'd directories this run
         self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
         self._mounted: set[str] = set()  # those of them that are mounted images
         self._swept: set[str] = set()  # names whose partial uploads were removed this run
@@ -171,7 +179,16 @@ class StoreState:
     # -- measuring ---------------------------------------------------------------------------
 
     def usage(self, name: str) -> dict[str, int | None]:
-        """Bytes and files used and allowed (None: no quota) of a mounted workspace."""
+        """Bytes and files used and allowed (None: no quota, or not counted) of a mounted
+        or quota'd workspace."""
+        if name in self._quotaed and self.quotas is not None:
+            got = self.quotas.usage(self.path(name))
+            return {
+                "bytes_used": got.bytes_used,
+                "bytes_limit": got.bytes_limit,
+                "files_used": got.files_used,
+                "files_limit": got.files_limit,
+            }
         if name not in self._mounted:
             return {
                 "bytes_used": None,
@@ -188,6 +205,13 @@ class StoreState:
         }
 
     def free_bytes(self, name: str) -> int | None:
+        if name in self._quotaed and self.quotas is not None:
+            got = self.quotas.usage(self.path(name))
+            st = os.statvfs(self.path(name))  # (the shared filesystem may have less)
+            room = st.f_bavail * st.f_frsize
+            if got.bytes_limit is None:
+                return room
+            return max(0, min(room, got.bytes_limit - got.bytes_used))
         if name not in self._mounted:
             return None
         st = os.statvfs(self.path(name))
