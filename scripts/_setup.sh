@@ -117,6 +117,7 @@ ensure_kernel_vm() {
             log "the kernel VM needs Debian's ${pkg%%:*} unpacked in $dir: run this as root on Debian"
             return 1
         fi
+        log "unpacking Debian's ${pkg%%:*} into $dir"
         tmp="$(mktemp -d)"
         chmod 0755 "$tmp"  # (apt downloads as its own user)
         if ! (cd "$tmp" && apt-get download -qq "${pkg%%:*}" >/dev/null 2>&1); then

@@ -126,22 +126,22 @@ def module_files() -> list[Path]:
         raise KernelVMError(f"no User-mode Linux modules in {CACHE / 'uml'}: {SETUP_HINT}")
     base = found[-1].parent
     deps: dict[str, list[str]] = {}
+    files: dict[str, Path] = {}
     for line in found[-1].read_text().splitlines():
         name, _, rest = line.partition(":")
-        deps[Path(name).name.removesuffix(".ko")] = [Path(d).name for d in rest.split()]
-    paths = {Path(line.partition(":")[0]).name: line.partition(":")[0] for line in
-             found[-1].read_text().splitlines()}
+        stem = Path(name).name.removesuffix(".ko")
+        files[stem] = base / name
+        deps[stem] = [Path(d).name.removesuffix(".ko") for d in rest.split()]
     order: list[Path] = []
 
     def visit(stem: str) -> None:
-        if f"{stem}.ko" not in paths:
+        if stem not in files:
             raise KernelVMError(f"module {stem} is not in {found[-1]}")
-        path = base / paths[f"{stem}.ko"]
-        if path in order:
+        if files[stem] in order:
             return
         for dep in deps[stem]:
-            visit(dep.removesuffix(".ko"))
-        order.append(path)
+            visit(dep)
+        order.append(files[stem])
 
     for stem in MODULES:
         visit(stem)
@@ -245,7 +245,11 @@ def run_in_vm(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "TMPDIR": memory_dir(), "HOME": tmp},
+                env={
+                    "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                    "TMPDIR": memory_dir(),
+                    "HOME": tmp,
+                },
             )
             try:
                 proc.wait(timeout=timeout)
@@ -272,10 +276,18 @@ def run_in_vm(
 
 
 def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """Kill the VM's process group (the kernel and a host process per VM address space)."""
+    """Kill the VM's process group (the kernel and a host process per VM address space) and
+    wait until it is empty (the others are reaped by the host's init)."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ server, real sandboxes, the official client.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kernel_vm import REPO, default_env, needs_vm_kernel, run_in_vm
+from kernel_vm import REPO, KernelVMError, default_env, kernel, needs_vm_kernel, run_in_vm
 from loopfs_harness import loop_filesystem
 from mcp_harness import traversable_by_others
 
@@ -45,6 +46,12 @@ NOBODY = 65534
 OVER = (errno.EDQUOT, errno.ENOSPC)  # (ext4 says EDQUOT, XFS ENOSPC for a project)
 
 _libc = ctypes.CDLL(None, use_errno=True)
+# Give `path` project id 1, by FS_IOC_FSGETXATTR and FS_IOC_FSSETXATTR.
+SET_PROJID = (
+    "import fcntl, os; fd = os.open({path!r}, os.O_RDONLY); raw = bytearray(28);"
+    "fcntl.ioctl(fd, 0x801C581F, raw); raw[12:16] = (1).to_bytes(4, 'little');"
+    "fcntl.ioctl(fd, 0x401C5820, raw)"
+)
 
 
 def set_project(path: Path, projid: int) -> None:
@@ -166,9 +173,7 @@ def test_inside_what_root_may_and_a_user_namespace_may_not(quota_fs: Path) -> No
     os.chown(ws, NOBODY, NOBODY)
     moved = as_nobody(
         "unshare", "--user", "--map-root-user", "/usr/bin/python3", "-c",
-        "import fcntl,os,struct; fd=os.open(%r, os.O_RDONLY); raw=bytearray(28);"
-        "fcntl.ioctl(fd,0x801C581F,raw); raw[12:16]=(1).to_bytes(4,'little');"
-        "fcntl.ioctl(fd,0x401C5820,raw)" % str(ws),
+        SET_PROJID.format(path=str(ws)),
     )  # fmt: skip
     assert moved.returncode != 0 and "Invalid argument" in moved.stderr, moved
     assert get_project(ws)[1] == projid
@@ -181,6 +186,50 @@ def mount_type(point: Path) -> str:
             if fields[1] == str(point):
                 return fields[2]
     return ""
+
+
+# -- outside: the VM itself -------------------------------------------------------------------
+
+
+def vm_processes() -> set[int]:
+    """The host processes of User-mode Linux kernels (each VM has several)."""
+    found = set()
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{name}/exe").resolve() == kernel():
+                    found.add(int(name))
+    return found
+
+
+def test_the_vm_runs_a_command_and_gives_back_only_its_shares(tmp_path: Path) -> None:
+    """A command in the VM: its stdout, stderr and exit status come back, it runs as root on
+    this machine's files under a kernel with quota support, a share is written through, and
+    what it writes elsewhere (even over the host's own files) stays in the VM."""
+    before = vm_processes()
+    outside = REPO / "tests" / "kernel_vm.py"
+    original = outside.read_bytes()
+    script = (
+        f"echo out; echo err >&2; id -u; uname -r; grep -c '^quota_v2 ' /proc/modules;"
+        f" echo made > {tmp_path}/shared.txt; echo over > {outside}; touch /usr/vm-only;"
+        f" test -f {outside} && exit 42"
+    )
+    done = run_in_vm(["sh", "-c", script], share=[tmp_path], timeout=120)
+    assert done.returncode == 42, done
+    assert done.stdout.split("\n")[:2] == ["out", "0"] and done.stderr == "err\n", done
+    assert done.stdout.split("\n")[3] == "1", "quota_v2 loaded"
+    assert (tmp_path / "shared.txt").read_text() == "made\n"
+    assert outside.read_bytes() == original and not Path("/usr/vm-only").exists()
+    assert vm_processes() <= before, "the VM's processes are gone"
+
+
+def test_a_vm_past_its_timeout_is_killed(tmp_path: Path) -> None:
+    """A command that does not end in time: the VM is killed with all its processes, and the
+    error says so with the console's tail."""
+    before = vm_processes()
+    with pytest.raises(KernelVMError, match=r"did not finish in 8s \(killed\)"):
+        run_in_vm(["sleep", "600"], timeout=8)
+    assert vm_processes() <= before
 
 
 # -- outside: start the VM, run the tests above (and the product's) in it ----------------------
@@ -210,15 +259,15 @@ def run_pytest_in_vm(
     return outcomes
 
 
+@pytest.mark.timeout(600)
 def test_the_kernel_facts_hold_in_the_vm(tmp_path: Path) -> None:
     """The `inside` tests of this module pass under a kernel with quota support."""
-    outcomes = run_pytest_in_vm(
-        tmp_path, "facts", [__file__, "-k", "inside"], {}, timeout=300
-    )
+    outcomes = run_pytest_in_vm(tmp_path, "facts", [__file__, "-k", "inside"], {}, timeout=300)
     assert len(outcomes) == 4, outcomes  # (two tests on ext4 and on XFS)
 
 
 @pytest.mark.e2e
+@pytest.mark.timeout(1500)
 @pytest.mark.parametrize("fs", ["ext4-project", "xfs"])
 def test_project_mode_on_the_filesystem_in_the_vm(tmp_path: Path, fs: str) -> None:
     """tests/test_workspace_quota.py on an ext4 `prjquota` / XFS `pquota` state filesystem
@@ -227,4 +276,3 @@ def test_project_mode_on_the_filesystem_in_the_vm(tmp_path: Path, fs: str) -> No
     module = REPO / "tests" / "test_workspace_quota.py"
     outcomes = run_pytest_in_vm(tmp_path, fs, [str(module)], {"SRT_QUOTA_FS": fs}, 900)
     assert len(outcomes) >= 6, outcomes
-
