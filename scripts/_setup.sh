@@ -108,7 +108,7 @@ ensure_clients() {
 KERNEL_VM="${SRT_KERNEL_VM_DIR:-$ROOT/.kernel-vm}"
 
 ensure_kernel_vm() {
-    ensure_packages mkfs.xfs:xfsprogs xfs_quota:xfsprogs setquota:quota
+    ensure_packages mkfs.xfs:xfsprogs
     local pkg dir tmp
     for pkg in user-mode-linux:uml busybox-static:busybox; do
         dir="$KERNEL_VM/${pkg##*:}"

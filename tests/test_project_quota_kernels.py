@@ -268,11 +268,13 @@ def test_the_kernel_facts_hold_in_the_vm(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("fs", ["ext4-project", "xfs"])
-def test_project_mode_on_the_filesystem_in_the_vm(tmp_path: Path, fs: str) -> None:
+@pytest.mark.parametrize(("fs", "select"), [("ext4-project", "not two_thousand"), ("xfs", "")])
+def test_project_mode_on_the_filesystem_in_the_vm(tmp_path: Path, fs: str, select: str) -> None:
     """tests/test_workspace_quota.py on an ext4 `prjquota` / XFS `pquota` state filesystem
     made in the VM: project mode chosen by `auto`, the quota from the sandbox and through
-    uploads, warm adoption, snapshots, retention, 2,000 sessions, a full disk."""
+    uploads, warm adoption, snapshots, retention, a full disk; 2,000 sessions on XFS only
+    (~40 s in the VM; the same calls make an ext4 workspace, and CI's time is counted)."""
     module = REPO / "tests" / "test_workspace_quota.py"
-    outcomes = run_pytest_in_vm(tmp_path, fs, [str(module)], {"SRT_QUOTA_FS": fs}, 900)
-    assert len(outcomes) >= 6, outcomes
+    args = [str(module), *(["-k", select] if select else [])]
+    outcomes = run_pytest_in_vm(tmp_path, fs, args, {"SRT_QUOTA_FS": fs}, 900)
+    assert len(outcomes) >= (5 if select else 6), outcomes
