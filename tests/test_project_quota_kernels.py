@@ -227,8 +227,8 @@ def test_a_vm_past_its_timeout_is_killed(tmp_path: Path) -> None:
     """A command that does not end in time: the VM is killed with all its processes, and the
     error says so with the console's tail."""
     before = vm_processes()
-    with pytest.raises(KernelVMError, match=r"did not finish in 8s \(killed\)"):
-        run_in_vm(["sleep", "600"], timeout=8)
+    with pytest.raises(KernelVMError, match=r"did not finish in 5s \(killed\)"):
+        run_in_vm(["sleep", "600"], timeout=5)
     assert vm_processes() <= before
 
 
@@ -268,13 +268,14 @@ def test_the_kernel_facts_hold_in_the_vm(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize(("fs", "select"), [("ext4-project", "not two_thousand"), ("xfs", "")])
-def test_project_mode_on_the_filesystem_in_the_vm(tmp_path: Path, fs: str, select: str) -> None:
+@pytest.mark.parametrize("fs", ["ext4-project", "xfs"])
+def test_project_mode_on_the_filesystem_in_the_vm(tmp_path: Path, fs: str) -> None:
     """tests/test_workspace_quota.py on an ext4 `prjquota` / XFS `pquota` state filesystem
     made in the VM: project mode chosen by `auto`, the quota from the sandbox and through
-    uploads, warm adoption, snapshots, retention, a full disk; 2,000 sessions on XFS only
-    (~40 s in the VM; the same calls make an ext4 workspace, and CI's time is counted)."""
+    uploads, warm adoption, snapshots, retention, a full disk. (Not its 2,000 sessions: ~40 s
+    each in the VM, for the store's code that the same module runs on btrfs on the host; an
+    ext4 or XFS workspace adds one mkdir, two ioctls and a quotactl, tested here.)"""
     module = REPO / "tests" / "test_workspace_quota.py"
-    args = [str(module), *(["-k", select] if select else [])]
+    args = [str(module), "-k", "not two_thousand"]
     outcomes = run_pytest_in_vm(tmp_path, fs, args, {"SRT_QUOTA_FS": fs}, 900)
-    assert len(outcomes) >= (5 if select else 6), outcomes
+    assert len(outcomes) >= 5, outcomes
