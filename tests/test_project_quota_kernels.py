@@ -24,6 +24,7 @@ import os
 import struct
 import subprocess
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -43,6 +44,7 @@ DQBLK = struct.Struct("=QQQQQQQQI4x")  # struct if_dqblk
 Q_GETQUOTA, Q_SETQUOTA, PRJQUOTA, QIF_LIMITS = 0x800007, 0x800008, 2, 5
 SYS_QUOTACTL_FD = 443
 NOBODY = 65534
+CAP_SYS_RESOURCE = 24
 OVER = (errno.EDQUOT, errno.ENOSPC)  # (ext4 says EDQUOT, XFS ENOSPC for a project)
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -153,22 +155,26 @@ def test_inside_a_project_directory_is_limited(quota_fs: Path) -> None:
 
 @needs_vm_kernel
 def test_inside_what_root_may_and_a_user_namespace_may_not(quota_fs: Path) -> None:
-    """Root past a project limit: ext4 lets CAP_SYS_RESOURCE through (a server writing for a
-    workspace must drop it or check the room itself), XFS refuses root too. A process in a
+    """Root past a project limit: ext4 lets CAP_SYS_RESOURCE through, XFS refuses root too;
+    a thread of root's that took CAP_SYS_RESOURCE out of its effective set is refused on both
+    (how a server that writes into workspaces is held to their quotas). A process in a
     user namespace (every sandbox) cannot change a project id, even its own files' (EINVAL)."""
     ws, projid = quota_fs / "ws", 7_654_321
     ws.mkdir()
     set_project(ws, projid)
     set_limits(quota_fs, projid, 2 * MIB, 100)
     data = os.urandom(3 * MIB)
-    try:
-        (ws / "root.bin").write_bytes(data)
-        os.sync()
-        passed = True
-    except OSError as exc:
-        assert exc.errno in OVER, exc
-        passed = False
-    assert passed == (mount_type(quota_fs) == "ext4"), f"root wrote past the limit: {passed}"
+    ext4 = mount_type(quota_fs) == "ext4"
+    passed = write_past(ws / "root.bin", data)
+    assert passed == ext4, f"root wrote past the limit: {passed}"
+    (ws / "root.bin").unlink()
+    errors: list[bool] = []
+    worker = threading.Thread(target=lambda: errors.append(without_sys_resource(ws, data)))
+    worker.start()
+    worker.join()
+    assert errors == [False], "a thread without CAP_SYS_RESOURCE is held to the limit"
+    if ext4:
+        assert write_past(ws / "again.bin", data), "the other threads keep theirs"
 
     os.chown(ws, NOBODY, NOBODY)
     moved = as_nobody(
@@ -177,6 +183,28 @@ def test_inside_what_root_may_and_a_user_namespace_may_not(quota_fs: Path) -> No
     )  # fmt: skip
     assert moved.returncode != 0 and "Invalid argument" in moved.stderr, moved
     assert get_project(ws)[1] == projid
+
+
+def write_past(path: Path, data: bytes) -> bool:
+    """Whether `data` was written whole (False: refused with EDQUOT or ENOSPC)."""
+    try:
+        path.write_bytes(data)
+        os.sync()
+    except OSError as exc:
+        assert exc.errno in OVER, exc
+        return False
+    return True
+
+
+def without_sys_resource(ws: Path, data: bytes) -> bool:
+    """write_past in this thread after taking CAP_SYS_RESOURCE out of its effective set
+    (capabilities are a thread's own: capset changes only the caller's)."""
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    caps = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable; two words each
+    assert _libc.capget(header, caps) == 0
+    caps[0] &= ~(1 << CAP_SYS_RESOURCE)
+    assert _libc.capset(header, caps) == 0, ctypes.get_errno()
+    return write_past(ws / "thread.bin", data)
 
 
 def mount_type(point: Path) -> str:
