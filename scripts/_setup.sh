@@ -124,3 +124,34 @@ ensure_clients() {
     export SRT_CLIENTS_PY2="$CLIENTS/py2/bin/python"
     export SRT_CLIENTS_NODE="$dir"
 }
+
+# The kernel VM of the project-quota tests (tests/kernel_vm.py): Debian's User-mode Linux and a
+# static busybox unpacked into $ROOT/.kernel-vm (apt-get download + dpkg-deb -x: nothing is
+# installed on the host). The host's own kernel may have no quota support (CONFIG_QFMT_V2,
+# CONFIG_XFS_QUOTA); that one has both, and runs as a plain process (no /dev/kvm needed).
+KERNEL_VM="${SRT_KERNEL_VM_DIR:-$ROOT/.kernel-vm}"
+
+ensure_kernel_vm() {
+    ensure_packages mkfs.xfs:xfsprogs
+    local pkg dir tmp
+    for pkg in user-mode-linux:uml busybox-static:busybox; do
+        dir="$KERNEL_VM/${pkg##*:}"
+        [ -f "$dir/.srt-installed" ] && continue
+        if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+            log "the kernel VM needs Debian's ${pkg%%:*} unpacked in $dir: run this as root on Debian"
+            return 1
+        fi
+        log "unpacking Debian's ${pkg%%:*} into $dir"
+        tmp="$(mktemp -d)"
+        chmod 0755 "$tmp"  # (apt downloads as its own user)
+        if ! (cd "$tmp" && apt-get download -qq "${pkg%%:*}" >/dev/null 2>&1); then
+            apt-get update -qq >/dev/null
+            (cd "$tmp" && apt-get download -qq "${pkg%%:*}" >/dev/null)
+        fi
+        rm -rf "$dir"
+        mkdir -p "$dir"
+        dpkg-deb -x "$tmp"/*.deb "$dir"
+        (cd "$tmp" && ls -- *.deb) > "$dir/.srt-installed"
+        rm -rf "$tmp"
+    done
+}
