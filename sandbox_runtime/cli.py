@@ -209,9 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         logger.warning("serving on {} WITHOUT authentication", settings.host)
     from sandbox_runtime.app.state_lock import StateDirInUseError, holding, needs_lock
     from sandbox_runtime.server.run import serve
+    from sandbox_runtime.workspaces.override import give_up_quota_override
 
     with contextlib.ExitStack() as held:
         if needs_lock(settings.role):  # before anything touches the state directory
+            with contextlib.suppress(OSError):  # (before any thread: workspaces/override.py)
+                give_up_quota_override()
             try:
                 held.enter_context(holding(settings.state_dir))
             except StateDirInUseError as exc:
