@@ -198,3 +198,33 @@ def test_the_servers_connect_hint_names_its_port(monkeypatch: pytest.MonkeyPatch
     assert hint.endswith("(with SANDBOX_AUTH_TOKEN set to the token given by --token)"), hint
     monkeypatch.setenv("SANDBOX_AUTH_TOKEN", "a-token-given-as-a-flag")
     assert "(with" not in connect_hint(Settings())
+
+
+@pytest.mark.parametrize(
+    ("client", "rel", "text"),
+    [
+        ("zed", ".config/zed/settings.json", '// zed\n{\n  "theme": "One Dark"\n}\n'),
+        ("claude-code", ".claude.json", '{"numStartups": 3, "projects": {}}'),
+        ("cursor", ".cursor/mcp.json", "{}\n"),
+        ("codex", ".codex/config.toml", 'model = "o3"\n'),
+    ],
+)
+def test_disconnect_gives_back_a_file_that_had_no_servers(
+    home: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    client: str,
+    rel: str,
+    text: str,
+) -> None:
+    """(The README: `disconnect` "gives the client's file back as it was"; the servers' object
+    `connect` had to make goes with its last entry.)"""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    path = home / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    assert run(capsys, "connect", client)[0] == 0
+    assert "sandbox-runtime" in path.read_text()
+    code, _, err = run(capsys, "disconnect", client)
+    assert code == 0, err
+    assert path.read_text() == text

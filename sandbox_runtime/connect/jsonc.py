@@ -240,6 +240,16 @@ class Document:
         self._cut(parent, index)
         return True
 
+    def blank(self, path: list[str]) -> bool:
+        """The member at `path` is `{}` (or `[]`) with nothing inside, not even a comment."""
+        node = self._find(path)
+        return (
+            node is not None
+            and not node.members
+            and isinstance(node.value, dict | list)
+            and not self.text[node.start + 1 : node.end - 1].strip()
+        )
+
     def remove_item(self, path: list[str], item: Any) -> bool:
         """Removes `item` from the array at `path`; False when it is not there."""
         node = self._find(path)

@@ -146,10 +146,24 @@ def _with(document: dict[str, Any], table: list[str], values: dict[str, Any] | N
     return out
 
 
+def without_empty(document: Any, path: list[str]) -> Any:
+    """`document` less the tables on `path` left empty (`[mcp_servers]` goes with its last
+    sub-table unless it has a header of its own)."""
+    out = copy.deepcopy(document)
+    for depth in range(len(path), 0, -1):
+        parent: Any = out
+        for key in path[: depth - 1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and parent.get(path[depth - 1]) == {}:
+            del parent[path[depth - 1]]
+    return out
+
+
 def _expect(new: str, expected: Any, table: list[str]) -> None:
     """The edited text parses, to what the edit meant: the lines taken for the table's were
     its and only its (not, say, a header-like line inside a multi-line string)."""
-    if loads(new) != expected:
+    got = loads(new)
+    if got != expected and got != without_empty(expected, table[:-1]):
         raise TomlError(
             f"{'.'.join(table)} is not only where its header says (a table header inside a "
             "multi-line string, or its sub-tables further on?): edit it by hand"

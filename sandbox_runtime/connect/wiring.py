@@ -192,7 +192,7 @@ def _check(client: Client, old: str, new: str, name: str, entry: dict[str, Any] 
     if client.key == "vscode":  # its `inputs` (the token's prompt) change with the entry
         expected.pop("inputs", None)
         got.pop("inputs", None)
-    if got != expected:
+    if got != expected and got != toml_tables.without_empty(expected, list(client.container)):
         how = "removing" if entry is None else "writing"
         raise MisreadError(
             f"{how} {name!r} would change more than its entry (is it written inline or in "
@@ -219,6 +219,8 @@ def _edited(client: Client, text: str, name: str, change: Change, remove: bool) 
     if remove:
         entry = doc.get(table) or {}
         doc.remove(table)
+        if doc.blank(list(client.container)):  # the object connect made goes with its entry
+            doc.remove(list(client.container))
         if client.key == "vscode" and "${input:" in str(entry):
             _drop_unused_inputs(doc, client)
     else:
