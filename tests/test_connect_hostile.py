@@ -228,3 +228,20 @@ def test_disconnect_gives_back_a_file_that_had_no_servers(
     code, _, err = run(capsys, "disconnect", client)
     assert code == 0, err
     assert path.read_text() == text
+
+
+@pytest.mark.parametrize("client", ["zed", "cline", "claude-desktop"])
+def test_dry_run_shows_no_token(
+    home: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    client: str,
+) -> None:
+    """A client given the token as text: --dry-run's diff (pasted into a ticket, kept in a CI
+    log) names it without printing it."""
+    token = "dry-run-token-0123456789abcdef"
+    monkeypatch.setenv("SANDBOX_AUTH_TOKEN", token)
+    code, out, err = run(capsys, "connect", client, "--dry-run")
+    assert code == 0 and "would change" in out, err
+    assert token not in out + err, out
+    assert "Bearer <$SANDBOX_AUTH_TOKEN>" in out, out

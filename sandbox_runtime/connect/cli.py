@@ -231,7 +231,10 @@ def _report(
         return
     if dry_run:
         print(f"{client.key}: would change {where}:")
-        sys.stdout.write(out.diff)
+        diff = out.diff
+        if target.token:  # (a diff is pasted into tickets and kept in logs)
+            diff = diff.replace(target.token, f"<${target.token_env}>")
+        sys.stdout.write(diff)
         return
     done = (
         f"wired {target.name} -> {target.url}"
