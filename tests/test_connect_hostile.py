@@ -245,3 +245,63 @@ def test_dry_run_shows_no_token(
     assert code == 0 and "would change" in out, err
     assert token not in out + err, out
     assert "Bearer <$SANDBOX_AUTH_TOKEN>" in out, out
+
+
+def test_a_project_file_linked_out_of_the_project_is_refused(
+    home: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """A repository can hold symlinks: `.mcp.json -> /dev/null` (replaced by a regular file
+    when run as root), `.cursor -> /etc`, a link to a file that does not exist yet anywhere.
+    Project scope edits only files inside the project (the working directory)."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.json"
+    victim.write_text('{"mine": 1}\n')
+    project = Path.cwd()
+    (project / ".mcp.json").symlink_to(victim)
+    (project / ".cursor").symlink_to(outside)
+    (project / ".gemini").mkdir()
+    (project / ".gemini" / "settings.json").symlink_to(outside / "new-file.json")
+    before = files_under(outside)
+    for client in ("claude-code", "cursor", "gemini"):
+        code, out, err = run(capsys, "connect", client, "--scope", "project")
+        assert code == 1 and "outside the project" in err, (client, out, err)
+    assert files_under(outside) == before and victim.read_text() == '{"mine": 1}\n'
+    (project / "real.json").write_text("{}\n")
+    (project / ".mcp.json").unlink()
+    (project / ".mcp.json").symlink_to("real.json")  # inside: edited at its target
+    assert run(capsys, "connect", "claude-code", "--scope", "project")[0] == 0
+    assert "sandbox-runtime" in (project / "real.json").read_text()
+
+
+def test_a_device_a_fifo_or_a_huge_file_is_refused(
+    home: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    """(Read as a config, a FIFO blocks for ever and /dev/zero never ends.)"""
+    path = home / ".cursor" / "mcp.json"
+    path.parent.mkdir()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(65 * 1024 * 1024)  # sparse
+    for target, said in [
+        (Path("/dev/zero"), "not a regular file"),
+        (fifo, "not a regular file"),
+        (huge, "larger than 64 MiB"),
+    ]:
+        path.unlink(missing_ok=True)
+        path.symlink_to(target)
+        for command in ("connect", "disconnect", "clients"):
+            code, out, err = (
+                run(capsys, command, "cursor") if command != "clients" else run(capsys, command)
+            )
+            assert code == (0 if command == "clients" else 1), (target, command, out, err)
+            assert said in out + err, (target, command, out, err)
+        assert stat.S_ISCHR(os.stat("/dev/zero").st_mode)

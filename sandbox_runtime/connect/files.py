@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 BACKUP_SUFFIX = ".srt-backup"
+MAX_BYTES = 64 << 20  # a client's config is kilobytes; ~/.claude.json can reach megabytes
 
 
 class FileError(Exception):
@@ -26,15 +27,35 @@ class FileError(Exception):
 
 
 def read_text(path: Path) -> str | None:
-    """The file's text, None when it does not exist."""
+    """The file's text, None when it does not exist. Only a regular file of at most MAX_BYTES
+    is read: a config path that is (or links to) a FIFO would block for ever, /dev/zero never
+    end, and a device would be replaced by the edit."""
     try:
-        return path.read_text("utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    except OSError as exc:
+        raise FileError(f"{path}: cannot read it ({exc.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FileError(f"{path}: cannot read it: not a regular file (a directory, a device?)")
+        if info.st_size > MAX_BYTES:
+            raise FileError(f"{path}: larger than {MAX_BYTES >> 20} MiB: not a config file")
+        chunks = []
+        size = 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BYTES:  # (it grew while read)
+                raise FileError(f"{path}: larger than {MAX_BYTES >> 20} MiB: not a config file")
+        return b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError:
         raise FileError(f"{path}: not UTF-8 text") from None
     except OSError as exc:
         raise FileError(f"{path}: cannot read it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -93,11 +93,25 @@ def _run(argv: list[str], cwd: Path) -> None:
         )
 
 
+def _inside_project(path: Path) -> None:
+    """A project's file is edited only inside the project: a repository can hold a symlink
+    (`.mcp.json -> /dev/null`, `.cursor -> /etc`) that would have it written elsewhere."""
+    project = Path.cwd().resolve()
+    real = path.resolve()
+    if real != project and project not in real.parents:
+        raise WiringError(
+            f"{path} leads to {real}, outside the project ({project}): refused (edit it by "
+            "hand, or run connect from that file's project)"
+        )
+
+
 def connect(client: Client, scope: str, target: Target, *, dry_run: bool, use_cli: bool) -> Outcome:
     path = client.file(scope)
     if path is None:
         other = "project" if scope == "user" else "user"
         raise WiringError(f"{client.title} has no {scope}-scope config (use --scope {other})")
+    if scope == "project":
+        _inside_project(path)
     try:
         change = client.build(target)
     except ValueError as exc:
@@ -121,6 +135,8 @@ def disconnect(client: Client, scope: str, name: str, *, dry_run: bool, use_cli:
     path = client.file(scope)
     if path is None:
         raise WiringError(f"{client.title} has no {scope}-scope config")
+    if scope == "project":
+        _inside_project(path)
     if name not in read_entries(client, path):
         return Outcome(False, "file", path)
     dummy = Target("", name, None, None)
