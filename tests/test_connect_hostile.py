@@ -305,3 +305,36 @@ def test_a_device_a_fifo_or_a_huge_file_is_refused(
             assert code == (0 if command == "clients" else 1), (target, command, out, err)
             assert said in out + err, (target, command, out, err)
         assert stat.S_ISCHR(os.stat("/dev/zero").st_mode)
+
+
+@pytest.mark.parametrize(
+    ("client", "rel", "text"),
+    [
+        (
+            "cursor",
+            ".cursor/mcp.json",
+            '{\r\n  "a": 1,\n  "mcpServers": {\r\n    "x": {}\n  }\n}\r\n',
+        ),
+        ("codex", ".codex/config.toml", 'model = "o3"\r\n[profiles.x]\nmodel = "o4"\r\n'),
+    ],
+)
+def test_mixed_line_ends_are_kept(
+    home: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    client: str,
+    rel: str,
+    text: str,
+) -> None:
+    """A file with both \\r\\n and \\n line ends keeps each line's own (only a file written
+    with \\r\\n throughout gets \\r\\n on the lines connect adds)."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    path = home / rel
+    path.parent.mkdir(parents=True)
+    path.write_bytes(text.encode())
+    assert run(capsys, "connect", client)[0] == 0
+    after = path.read_bytes().decode()
+    for line in text.splitlines(keepends=True):  # (one may have gained a comma)
+        assert line.replace(",", "") in after.replace(",", ""), (line, after)
+    assert run(capsys, "disconnect", client)[0] == 0
+    assert path.read_bytes().decode() == text

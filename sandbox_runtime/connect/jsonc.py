@@ -157,9 +157,11 @@ class Document:
     """A JSONC text with in-place edits by path (a list of object keys)."""
 
     def __init__(self, text: str) -> None:
-        # edited with \n line ends; a file written with \r\n gets them back (rendered())
-        self.crlf = "\r\n" in text
-        text = text.replace("\r\n", "\n")
+        # edited with \n line ends; a file written with \r\n throughout gets them back
+        # (rendered()); one with both is edited as it is, each line keeping its own
+        self.crlf = "\r\n" in text and text.count("\r\n") == text.count("\n")
+        if self.crlf:
+            text = text.replace("\r\n", "\n")
         self.text = text if text.strip() else "{}\n"
         self.root = parse(self.text)
         if not isinstance(self.root.value, dict):

@@ -55,6 +55,11 @@ def _span(lines: list[str], table: list[str]) -> tuple[int, int] | None:
     return None if start is None else (start, len(lines))
 
 
+def _crlf(text: str) -> bool:
+    """Written with \r\n throughout (a file with both is edited as it is)."""
+    return "\r\n" in text and text.count("\r\n") == text.count("\n")
+
+
 def _is_note(line: str) -> bool:
     stripped = line.strip()
     return not stripped or stripped.startswith("#")
@@ -81,7 +86,7 @@ def render(table: list[str], values: dict[str, Any]) -> str:
 
 def set_table(text: str, table: list[str], values: dict[str, Any]) -> str:
     """`text` with `table` holding exactly `values` (appended when missing)."""
-    if "\r\n" in text:  # edited with \n, given back with the file's line ends
+    if _crlf(text):  # edited with \n, given back with the file's line ends
         return set_table(text.replace("\r\n", "\n"), table, values).replace("\n", "\r\n")
     document = loads(text)
     current: Any = document
@@ -108,7 +113,7 @@ def set_table(text: str, table: list[str], values: dict[str, Any]) -> str:
 
 def remove_table(text: str, table: list[str]) -> str | None:
     """`text` without `table`; None when it has no such table."""
-    if "\r\n" in text:
+    if _crlf(text):
         out = remove_table(text.replace("\r\n", "\n"), table)
         return None if out is None else out.replace("\n", "\r\n")
     document = loads(text)
