@@ -338,3 +338,18 @@ def test_mixed_line_ends_are_kept(
         assert line.replace(",", "") in after.replace(",", ""), (line, after)
     assert run(capsys, "disconnect", client)[0] == 0
     assert path.read_bytes().decode() == text
+
+
+def test_a_token_as_text_is_not_written_into_a_project(
+    home: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Zed takes the token only as text; its project file (.zed/settings.json) is kept in the
+    repository, where the token would be committed with it."""
+    monkeypatch.setenv("SANDBOX_AUTH_TOKEN", "project-token-0123456789abcdef")
+    code, out, err = run(capsys, "connect", "zed", "--scope", "project")
+    assert code == 1 and "--scope user" in err and "project-token" not in out + err, (out, err)
+    assert files_under(Path.cwd()) == []
+    code, out, err = run(capsys, "connect", "cursor", "--scope", "project")  # by reference
+    assert code == 0 and "project-token" not in Path(".cursor/mcp.json").read_text(), err

@@ -116,6 +116,12 @@ def connect(client: Client, scope: str, target: Target, *, dry_run: bool, use_cl
         change = client.build(target)
     except ValueError as exc:
         raise WiringError(f"{client.title}: {exc}") from None
+    if change.secret and scope == "project":
+        raise WiringError(
+            f"{client.title} takes the token only as text, and {path.name} in a project is "
+            "kept in its repository, where the token would be committed with it: use "
+            "--scope user"
+        )
     existing = read_entries(client, path).get(target.name)
     commands = _cli_commands(client, scope, target, change) if use_cli else None
     if commands is not None and existing == change.entry:
