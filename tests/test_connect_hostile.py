@@ -31,6 +31,7 @@ def files_under(root: Path) -> list[str]:
         b'{"mcpServers": {"\\u12": 1}}',  # a broken \u in a key
         b'{"a": ' + b"[" * 20000 + b"]" * 20000 + b"}",  # nested past Python's recursion
         b"\xff\xfe{\x00}\x00",  # UTF-16
+        b'{"mcpServers": {}, "limit": NaN}',  # Python's json writes it; JSON has no NaN
         None,  # a directory where the file should be
     ],
 )

@@ -73,7 +73,7 @@ class _Parser:
             self.pos += 1
         word = self.text[start : self.pos]
         try:
-            return Node(start, self.pos, json.loads(word))
+            return Node(start, self.pos, json.loads(word, parse_constant=_not_json))
         except ValueError:
             raise self.fail(f"{word[:20]!r} is not a JSON value", start) from None
 
@@ -132,6 +132,10 @@ class _Parser:
                 self.pos += 1
             elif self.pos >= len(self.text) or self.text[self.pos] != close:
                 raise self.fail(f"',' or {close} was expected")
+
+
+def _not_json(word: str) -> Any:
+    raise ValueError(f"{word} is Python's JSON, not JSON")  # NaN, Infinity
 
 
 def parse(text: str) -> Node:
