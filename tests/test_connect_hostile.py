@@ -354,3 +354,21 @@ def test_a_token_as_text_is_not_written_into_a_project(
     assert files_under(Path.cwd()) == []
     code, out, err = run(capsys, "connect", "cursor", "--scope", "project")  # by reference
     assert code == 0 and "project-token" not in Path(".cursor/mcp.json").read_text(), err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_root_editing_a_users_file_leaves_it_theirs(
+    home: Path,  # noqa: F811
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`sudo srt-mcp-server connect …` with the user's HOME: the replaced file (and its backup)
+    stays the user's, or their client could no longer read it."""
+    path = home / ".cursor" / "mcp.json"
+    path.parent.mkdir()
+    path.write_text("{}\n")
+    os.chown(path, 65534, 65534)
+    assert run(capsys, "connect", "cursor")[0] == 0
+    for made in (path, path.with_name("mcp.json.srt-backup")):
+        info = made.stat()
+        assert (info.st_uid, info.st_gid) == (65534, 65534), made
+    assert "sandbox-runtime" in path.read_text()

@@ -80,10 +80,14 @@ def replace(path: Path, text: str, *, private: bool) -> Path | None:
     the previous content (None when there was no file). `private`: mode 0600 (a token is in
     it); otherwise the old file's mode, or 0644 less the umask for a new one."""
     old = read_text(path)
+    owner = None
     try:
-        mode = stat.S_IMODE(path.stat().st_mode) if old is not None else None
+        info = path.stat() if old is not None else None
     except OSError:
-        mode = None
+        info = None
+    mode = stat.S_IMODE(info.st_mode) if info else None
+    if info and os.geteuid() == 0:  # (root, e.g. sudo, editing a user's file: it stays theirs)
+        owner = (info.st_uid, info.st_gid)
     if private:
         mode = 0o600
     elif mode is None:
@@ -94,17 +98,19 @@ def replace(path: Path, text: str, *, private: bool) -> Path | None:
     try:
         if old is not None:
             backup = path.with_name(path.name + BACKUP_SUFFIX)
-            _write(backup, old, 0o600)
-        _write(path, text, mode)
+            _write(backup, old, 0o600, owner)
+        _write(path, text, mode, owner)
     except OSError as exc:
         raise FileError(f"{path}: cannot write it ({exc.strerror})") from None
     return backup
 
 
-def _write(path: Path, text: str, mode: int) -> None:
+def _write(path: Path, text: str, mode: int, owner: tuple[int, int] | None = None) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            if owner is not None:
+                os.fchown(f.fileno(), *owner)  # (still 0600: no one else reads it meanwhile)
             f.write(text)
             f.flush()
             os.fchmod(f.fileno(), mode)
