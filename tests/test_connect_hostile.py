@@ -372,3 +372,10 @@ def test_root_editing_a_users_file_leaves_it_theirs(
         info = made.stat()
         assert (info.st_uid, info.st_gid) == (65534, 65534), made
     assert "sandbox-runtime" in path.read_text()
+
+
+def test_the_listening_line_names_a_url() -> None:
+    from sandbox_runtime.config.command import listen_url
+
+    assert listen_url("::", 8080) == "http://[::]:8080"
+    assert listen_url("0.0.0.0", 8080) == "http://0.0.0.0:8080"

@@ -30,6 +30,11 @@ def cli_name() -> str:
         return str(argv0.resolve())
 
 
+def listen_url(host: str, port: int) -> str:
+    """Where the server listens, as a URL (an IPv6 address in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def local_url(host: str, port: int) -> str:
     """The URL a client on this machine reaches a server listening on (host, port) by."""
     if host in ("0.0.0.0", "::", ""):
