@@ -8,6 +8,7 @@ import difflib
 import os
 import re
 import secrets
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 
 from sandbox_runtime.config import Settings, cli_name
+from sandbox_runtime.config.command import local_url
 from sandbox_runtime.connect import wiring
 from sandbox_runtime.connect.clients import ALIASES, CLIENTS, SCOPES, Client, Target, lookup
 
@@ -117,12 +119,7 @@ def _base_url(args: argparse.Namespace, settings: Settings) -> str:
         if not re.match(r"https?://[^/]+", url):
             raise UsageError(f"--url {args.url!r} is not an http(s) URL")
         return url.removesuffix("/mcp")
-    host = settings.host
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{settings.port}"
+    return local_url(settings.host, settings.port)
 
 
 def _check_server(name: str, settings: Settings, remote: bool) -> None:
@@ -234,7 +231,10 @@ def _report(
         return
     if dry_run:
         print(f"{client.key}: would change {where}:")
-        sys.stdout.write(out.diff)
+        diff = out.diff
+        if target.token:  # (a diff is pasted into tickets and kept in logs)
+            diff = diff.replace(target.token, f"<${target.token_env}>")
+        sys.stdout.write(diff)
         return
     done = (
         f"wired {target.name} -> {target.url}"
@@ -309,9 +309,31 @@ def _token(argv: list[str]) -> int:
             "add it to .env (or the server's environment; when SANDBOX_AUTH_TOKENS is set "
             f"already, append ,{principal}:{token} to it) and restart the server"
         )
+    private = _private_stdout()
     print(line)
+    if private:
+        print(f"# {private}", file=sys.stderr)
     print(
         f"# {note}; clients: export {TOKEN_VAR}={token} then {cli_name()} connect CLIENT",
         file=sys.stderr,
     )
     return 0
+
+
+def _private_stdout() -> str:
+    """`token new >> .env`: the shell made (or opened) .env with the umask's mode, readable by
+    others; it is made 0600 before the token is written to it. Says so (empty: nothing to do)."""
+    try:
+        info = os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        return ""  # (no real stdout: a test's capture)
+    if not stat.S_ISREG(info.st_mode) or not info.st_mode & 0o077:
+        return ""
+    try:
+        os.fchmod(sys.stdout.fileno(), stat.S_IMODE(info.st_mode) & 0o700 | 0o600)
+    except OSError as exc:
+        raise UsageError(
+            f"the file the token would go to is readable by others and cannot be made 0600 "
+            f"({exc.strerror}): chmod 600 it first"
+        ) from None
+    return "the file the token is written to is now mode 0600 (readable by its owner only)"

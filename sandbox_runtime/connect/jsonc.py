@@ -67,15 +67,23 @@ class _Parser:
             return self.container("]")
         if c == '"':
             start = self.pos
-            return Node(start, self.string_end(), json.loads(self.text[start : self.pos]))
+            return Node(start, self.string_end(), self.string(start))
         start = self.pos
         while self.pos < len(self.text) and self.text[self.pos] not in ",]}/ \t\r\n":
             self.pos += 1
         word = self.text[start : self.pos]
         try:
-            return Node(start, self.pos, json.loads(word))
+            return Node(start, self.pos, json.loads(word, parse_constant=_not_json))
         except ValueError:
             raise self.fail(f"{word[:20]!r} is not a JSON value", start) from None
+
+    def string(self, start: int) -> str:
+        """The string between `start` and the parser's position (a bad escape or a control
+        character in it is the file's fault, said as such)."""
+        try:
+            return str(json.loads(self.text[start : self.pos]))
+        except json.JSONDecodeError as exc:
+            raise self.fail(f"a string JSON does not allow ({exc.msg})", start) from None
 
     def string_end(self) -> int:
         i = self.pos + 1
@@ -108,7 +116,7 @@ class _Parser:
                 if self.pos >= len(self.text) or self.text[self.pos] != '"':
                     raise self.fail("a quoted key or } was expected")
                 self.string_end()
-                key = json.loads(self.text[at : self.pos])
+                key = self.string(at)
                 self.skip()
                 if self.pos >= len(self.text) or self.text[self.pos] != ":":
                     raise self.fail("':' was expected after a key")
@@ -126,12 +134,19 @@ class _Parser:
                 raise self.fail(f"',' or {close} was expected")
 
 
+def _not_json(word: str) -> Any:
+    raise ValueError(f"{word} is Python's JSON, not JSON")  # NaN, Infinity
+
+
 def parse(text: str) -> Node:
     """The document's root (an empty text is an empty object)."""
     if not text.strip():
         return Node(0, 0, {})
     parser = _Parser(text)
-    root = parser.value()
+    try:
+        root = parser.value()
+    except RecursionError:
+        raise JsoncError("values nested too deeply to edit") from None
     parser.skip()
     if parser.pos != len(text):
         raise parser.fail("text after the document's end")
@@ -146,9 +161,11 @@ class Document:
     """A JSONC text with in-place edits by path (a list of object keys)."""
 
     def __init__(self, text: str) -> None:
-        # edited with \n line ends; a file written with \r\n gets them back (rendered())
-        self.crlf = "\r\n" in text
-        text = text.replace("\r\n", "\n")
+        # edited with \n line ends; a file written with \r\n throughout gets them back
+        # (rendered()); one with both is edited as it is, each line keeping its own
+        self.crlf = "\r\n" in text and text.count("\r\n") == text.count("\n")
+        if self.crlf:
+            text = text.replace("\r\n", "\n")
         self.text = text if text.strip() else "{}\n"
         self.root = parse(self.text)
         if not isinstance(self.root.value, dict):
@@ -175,10 +192,10 @@ class Document:
         for key in path:
             if not isinstance(node.value, dict):
                 return None
-            found = [child for k, _, child in node.members if k == key]
+            found = _members(node, key, path)
             if not found:
                 return None
-            node = found[-1]  # a repeated key: the last one counts, as in JSON.parse
+            node = found[0]
         return node
 
     def set(self, path: list[str], value: Any) -> None:
@@ -189,9 +206,9 @@ class Document:
             parent = self._find(path[: depth - 1])
             if parent is None or not isinstance(parent.value, dict):
                 continue
-            existing = [c for k, _, c in parent.members if k == path[depth - 1]]
+            existing = _members(parent, path[depth - 1], path)
             if depth == len(path) and existing:
-                node = existing[-1]
+                node = existing[0]
                 indent = _indent_of_line(self.text, node.start)
                 self._splice(node.start, node.end, _dump(value, indent, self._unit()))
                 return
@@ -223,11 +240,21 @@ class Document:
         parent = self._find(path[:-1])
         if parent is None or not isinstance(parent.value, dict):
             return False
-        index = next((i for i, m in enumerate(parent.members) if m[0] == path[-1]), None)
-        if index is None:
+        if not _members(parent, path[-1], path):
             return False
+        index = next(i for i, m in enumerate(parent.members) if m[0] == path[-1])
         self._cut(parent, index)
         return True
+
+    def blank(self, path: list[str]) -> bool:
+        """The member at `path` is `{}` (or `[]`) with nothing inside, not even a comment."""
+        node = self._find(path)
+        return (
+            node is not None
+            and not node.members
+            and isinstance(node.value, dict | list)
+            and not self.text[node.start + 1 : node.end - 1].strip()
+        )
 
     def remove_item(self, path: list[str], item: Any) -> bool:
         """Removes `item` from the array at `path`; False when it is not there."""
@@ -261,7 +288,8 @@ class Document:
         if not container.members:
             indent = _indent_of_line(text, container.start)
             inner = indent + self._unit()
-            new = "\n" + inner + prefix + _dump(value, inner, self._unit()) + "\n" + indent
+            kept = text[container.start + 1 : close].rstrip()  # comments: "// none yet"
+            new = kept + "\n" + inner + prefix + _dump(value, inner, self._unit()) + "\n" + indent
             self._splice(container.start + 1, close, new)
             return
         _, at, last = container.members[-1]
@@ -319,6 +347,17 @@ class Document:
         if not text[line_start:start].strip() and not text[end:line_end].strip():
             start, end = line_start - 1 if line_start > 0 else line_start, line_end
         self._splice(start, end, "", reparse)
+
+
+def _members(node: Node, key: str, path: list[str]) -> list[Node]:
+    """`node`'s members named `key`: one at most. Of a repeated key, which one a client reads
+    is its parser's choice (JSON.parse the last, others the first or an error), so an edit
+    through one could change what it does not read, or leave what it does."""
+    found = [child for k, _, child in node.members if k == key]
+    if len(found) > 1:
+        where = ".".join(path[: path.index(key)]) if key in path else ""
+        raise JsoncError(f"{key!r} is in {where or 'the document'} more than once")
+    return found
 
 
 def _line_indent(text: str, at: int) -> str:

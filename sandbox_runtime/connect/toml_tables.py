@@ -8,6 +8,7 @@ is parsed again before it is written, so an edit never leaves a file the client 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import tomllib
@@ -54,6 +55,11 @@ def _span(lines: list[str], table: list[str]) -> tuple[int, int] | None:
     return None if start is None else (start, len(lines))
 
 
+def _crlf(text: str) -> bool:
+    """Written with \r\n throughout (a file with both is edited as it is)."""
+    return "\r\n" in text and text.count("\r\n") == text.count("\n")
+
+
 def _is_note(line: str) -> bool:
     stripped = line.strip()
     return not stripped or stripped.startswith("#")
@@ -80,11 +86,12 @@ def render(table: list[str], values: dict[str, Any]) -> str:
 
 def set_table(text: str, table: list[str], values: dict[str, Any]) -> str:
     """`text` with `table` holding exactly `values` (appended when missing)."""
-    if "\r\n" in text:  # edited with \n, given back with the file's line ends
+    if _crlf(text):  # edited with \n, given back with the file's line ends
         return set_table(text.replace("\r\n", "\n"), table, values).replace("\n", "\r\n")
-    current = loads(text)
+    document = loads(text)
+    current: Any = document
     for key in table:
-        current = current.get(key) if isinstance(current, dict) else None  # type: ignore[assignment]
+        current = current.get(key) if isinstance(current, dict) else None
     if current == values:
         return text
     lines = text.splitlines(keepends=True)
@@ -100,18 +107,21 @@ def set_table(text: str, table: list[str], values: dict[str, Any]) -> str:
         tail = lines[end:]
         gap = "\n" if tail and lines[end - 1].strip() else ""
         new = "".join(lines[:start]) + block + gap + "".join(tail)
-    loads(new)
+    _expect(new, _with(document, table, values), table)
     return new
 
 
 def remove_table(text: str, table: list[str]) -> str | None:
     """`text` without `table`; None when it has no such table."""
-    if "\r\n" in text:
+    if _crlf(text):
         out = remove_table(text.replace("\r\n", "\n"), table)
         return None if out is None else out.replace("\n", "\r\n")
+    document = loads(text)
     lines = text.splitlines(keepends=True)
     span = _span(lines, table)
     if span is None:
+        if _with(document, table, None) != document:
+            raise TomlError(f"{'.'.join(table)} is defined inline: remove it by hand")
         return None
     start, end = span
     while start > 0 and not lines[start - 1].strip():
@@ -120,5 +130,46 @@ def remove_table(text: str, table: list[str]) -> str | None:
         while end < len(lines) and not lines[end].strip():
             end += 1
     new = "".join(lines[:start]) + "".join(lines[end:])
-    loads(new)
+    _expect(new, _with(document, table, None), table)
     return new
+
+
+def _with(document: dict[str, Any], table: list[str], values: dict[str, Any] | None) -> Any:
+    """`document` with `table` set to `values` (None: without it)."""
+    out = copy.deepcopy(document)
+    parent = out
+    for key in table[:-1]:
+        if not isinstance(parent.get(key), dict):
+            if values is None:
+                return out
+            parent[key] = {}
+        parent = parent[key]
+    if values is None:
+        parent.pop(table[-1], None)
+    else:
+        parent[table[-1]] = values
+    return out
+
+
+def without_empty(document: Any, path: list[str]) -> Any:
+    """`document` less the tables on `path` left empty (`[mcp_servers]` goes with its last
+    sub-table unless it has a header of its own)."""
+    out = copy.deepcopy(document)
+    for depth in range(len(path), 0, -1):
+        parent: Any = out
+        for key in path[: depth - 1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict) and parent.get(path[depth - 1]) == {}:
+            del parent[path[depth - 1]]
+    return out
+
+
+def _expect(new: str, expected: Any, table: list[str]) -> None:
+    """The edited text parses, to what the edit meant: the lines taken for the table's were
+    its and only its (not, say, a header-like line inside a multi-line string)."""
+    got = loads(new)
+    if got != expected and got != without_empty(expected, table[:-1]):
+        raise TomlError(
+            f"{'.'.join(table)} is not only where its header says (a table header inside a "
+            "multi-line string, or its sub-tables further on?): edit it by hand"
+        )

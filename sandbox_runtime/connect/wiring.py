@@ -5,6 +5,7 @@ lock of `files`. Either way the entry already there is read first: one that is a
 
 from __future__ import annotations
 
+import copy
 import difflib
 import shlex
 import shutil
@@ -21,6 +22,10 @@ CLI_TIMEOUT = 60.0
 
 class WiringError(Exception):
     """A client that cannot be wired as asked: says why and what to do."""
+
+
+class MisreadError(ValueError):
+    """An edit whose result, read back, is not the file with just the entry changed."""
 
 
 @dataclass
@@ -41,6 +46,8 @@ def read_entries(client: Client, path: Path) -> dict[str, Any]:
         value: Any = toml_tables.loads(text) if client.fmt == "toml" else jsonc.loads(text)
     except (jsonc.JsoncError, toml_tables.TomlError) as exc:
         raise WiringError(f"{path}: cannot parse it ({exc}); fix it by hand first") from None
+    except files.FileError as exc:
+        raise WiringError(str(exc)) from None
     for key in client.container:
         value = value.get(key) if isinstance(value, dict) else None
     return value if isinstance(value, dict) else {}
@@ -86,15 +93,35 @@ def _run(argv: list[str], cwd: Path) -> None:
         )
 
 
+def _inside_project(path: Path) -> None:
+    """A project's file is edited only inside the project: a repository can hold a symlink
+    (`.mcp.json -> /dev/null`, `.cursor -> /etc`) that would have it written elsewhere."""
+    project = Path.cwd().resolve()
+    real = path.resolve()
+    if real != project and project not in real.parents:
+        raise WiringError(
+            f"{path} leads to {real}, outside the project ({project}): refused (edit it by "
+            "hand, or run connect from that file's project)"
+        )
+
+
 def connect(client: Client, scope: str, target: Target, *, dry_run: bool, use_cli: bool) -> Outcome:
     path = client.file(scope)
     if path is None:
         other = "project" if scope == "user" else "user"
         raise WiringError(f"{client.title} has no {scope}-scope config (use --scope {other})")
+    if scope == "project":
+        _inside_project(path)
     try:
         change = client.build(target)
     except ValueError as exc:
         raise WiringError(f"{client.title}: {exc}") from None
+    if change.secret and scope == "project":
+        raise WiringError(
+            f"{client.title} takes the token only as text, and {path.name} in a project is "
+            "kept in its repository, where the token would be committed with it: use "
+            "--scope user"
+        )
     existing = read_entries(client, path).get(target.name)
     commands = _cli_commands(client, scope, target, change) if use_cli else None
     if commands is not None and existing == change.entry:
@@ -114,6 +141,8 @@ def disconnect(client: Client, scope: str, name: str, *, dry_run: bool, use_cli:
     path = client.file(scope)
     if path is None:
         raise WiringError(f"{client.title} has no {scope}-scope config")
+    if scope == "project":
+        _inside_project(path)
     if name not in read_entries(client, path):
         return Outcome(False, "file", path)
     dummy = Target("", name, None, None)
@@ -129,27 +158,68 @@ def disconnect(client: Client, scope: str, name: str, *, dry_run: bool, use_cli:
 def _edit(
     client: Client, path: Path, name: str, change: Change, *, dry_run: bool, remove: bool
 ) -> Outcome:
-    with files.locked(path) as real:
-        old = files.read_text(real)
-        try:
-            new = _edited(client, old or "", name, change, remove)
-        except (jsonc.JsoncError, toml_tables.TomlError) as exc:
-            raise WiringError(f"{path}: cannot edit it ({exc}); fix it by hand first") from None
-        if new == (old or "") or (old is None and remove):
-            return Outcome(False, "file", path)
-        diff = "".join(
-            difflib.unified_diff(
-                (old or "").splitlines(keepends=True),
-                new.splitlines(keepends=True),
-                str(path),
-                f"{path} (after)",
-            )
+    try:
+        if dry_run:  # (no lock: taking it would make the directory)
+            real = path.resolve() if path.is_symlink() else path
+            return _edit_locked(client, path, real, name, change, dry_run=True, remove=remove)
+        with files.locked(path) as real:
+            return _edit_locked(client, path, real, name, change, dry_run=False, remove=remove)
+    except files.FileError as exc:
+        raise WiringError(str(exc)) from None
+
+
+def _edit_locked(
+    client: Client, path: Path, real: Path, name: str, change: Change, *, dry_run: bool,
+    remove: bool,
+) -> Outcome:  # fmt: skip
+    old = files.read_text(real)
+    try:
+        new = _edited(client, old or "", name, change, remove)
+        _check(client, old or "", new, name, None if remove else change.entry)
+    except (jsonc.JsoncError, toml_tables.TomlError, MisreadError) as exc:
+        raise WiringError(f"{path}: cannot edit it ({exc}); fix it by hand first") from None
+    if new == (old or "") or (old is None and remove):
+        return Outcome(False, "file", path)
+    diff = "".join(
+        difflib.unified_diff(
+            (old or "").splitlines(keepends=True),
+            new.splitlines(keepends=True),
+            str(path),
+            f"{path} (after)",
         )
-        if dry_run:
-            return Outcome(True, "file", path, diff=diff)
-        private = change.secret or _private(real)
-        backup = files.replace(real, new, private=private)
-        return Outcome(True, "file", path, backup)
+    )
+    if dry_run:
+        return Outcome(True, "file", path, diff=diff)
+    private = change.secret or _private(real)
+    backup = files.replace(real, new, private=private)
+    return Outcome(True, "file", path, backup)
+
+
+def _check(client: Client, old: str, new: str, name: str, entry: dict[str, Any] | None) -> None:
+    """The edited text read back is the old one with just `name`'s entry set (or gone): an
+    editor misled by an odd file (a table header inside a multi-line string, an entry
+    written inline) is caught here, before anything is written."""
+    parse = toml_tables.loads if client.fmt == "toml" else jsonc.loads
+    expected = copy.deepcopy(parse(old) if old.strip() else {})
+    got = parse(new) if new.strip() else {}
+    servers = expected
+    for key in client.container:
+        if not isinstance(servers.get(key), dict):
+            servers[key] = {}  # (an entry being removed has its container)
+        servers = servers[key]
+    if entry is None:
+        servers.pop(name, None)
+    else:
+        servers[name] = entry
+    if client.key == "vscode":  # its `inputs` (the token's prompt) change with the entry
+        expected.pop("inputs", None)
+        got.pop("inputs", None)
+    if got != expected and got != toml_tables.without_empty(expected, list(client.container)):
+        how = "removing" if entry is None else "writing"
+        raise MisreadError(
+            f"{how} {name!r} would change more than its entry (is it written inline or in "
+            "parts, or is a table header inside a multi-line string?)"
+        )
 
 
 def _private(path: Path) -> bool:
@@ -171,6 +241,8 @@ def _edited(client: Client, text: str, name: str, change: Change, remove: bool) 
     if remove:
         entry = doc.get(table) or {}
         doc.remove(table)
+        if doc.blank(list(client.container)):  # the object connect made goes with its entry
+            doc.remove(list(client.container))
         if client.key == "vscode" and "${input:" in str(entry):
             _drop_unused_inputs(doc, client)
     else:

@@ -12,6 +12,7 @@ from sse_starlette.sse import AppStatus
 
 from sandbox_runtime.app.services import Root
 from sandbox_runtime.config import Settings, cli_name
+from sandbox_runtime.config.command import connect_hint, listen_url
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.logs import setup_logging
 from sandbox_runtime.server.app import create_app
@@ -123,17 +124,17 @@ async def serve(settings: Settings) -> int:
     )
     server = _Server(config, root)
     principals = sorted(set(settings.tokens().values()))
-    base = f"http://{settings.host}:{settings.port}"
+    base = listen_url(settings.host, settings.port)
     logger.info(
         "srt-mcp-server replica {} listening on {}/mcp (auth: {})\n  health: {}/health, "
-        "readiness: {}/ready\n  wire an MCP client to it: {} connect claude-code (or cursor, "
+        "readiness: {}/ready\n  wire an MCP client to it: {} (or cursor, "
         "vscode, windsurf, codex, gemini, zed, cline, claude-desktop; `{} clients` lists them)",
         settings.replica_id,
         base,
         f"bearer token, principals: {', '.join(principals)}" if principals else "none",
         base,
         base,
-        cli_name(),
+        connect_hint(settings),
         cli_name(),
     )
     await server.serve(sockets=sockets)
