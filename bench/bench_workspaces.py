@@ -42,8 +42,8 @@ CLIENTS = 4
 MODES = {
     # mode: (filesystem, SANDBOX_WORKSPACE_QUOTA, extra settings)
     "project": ("btrfs", "project", {}),
-    # (allocated images would need 1,000 x SANDBOX_WORKSPACE_MB: sparse, to fit at all)
-    "image": ("ext4", "image", {"SANDBOX_WORKSPACE_RESERVE": "sparse"}),
+    # (thin, the default: allocated images would need 1,000 x SANDBOX_WORKSPACE_MB)
+    "image": ("ext4", "image", {}),
     "directory": ("ext4", "none", {}),
 }
 
