@@ -46,8 +46,14 @@ def _json_line(record: Any) -> str:
 FILE_TOKEN = re.compile(r"/files/[^/?\s]+")
 
 
+# A query string may carry a credential whatever its name (`?token=`, `?api_key=`, a client's
+# own scheme): its values never reach a log line, only its names.
+QUERY_VALUE = re.compile(r"([?&][^=&#\s]*)=[^&#\s]*")
+
+
 def redact(path: str) -> str:
-    return FILE_TOKEN.sub("/files/<token>", path)
+    """An access log's request line or path with file URL tokens and query values hidden."""
+    return QUERY_VALUE.sub(r"\1=<redacted>", FILE_TOKEN.sub("/files/<token>", path))
 
 
 class _InterceptHandler(logging.Handler):

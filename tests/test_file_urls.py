@@ -567,6 +567,21 @@ async def test_tokens_stay_out_of_the_server_log(server: ServerProcess) -> None:
         assert payload not in log and mac not in log, "a file URL's token reached the log"
 
 
+async def test_a_credential_in_a_query_string_stays_out_of_the_server_log(
+    server: ServerProcess,
+) -> None:
+    """A client that puts its token in the URL (`/mcp?token=...`, `?api_key=`): the access log
+    keeps the parameter's name, never its value."""
+    secret = f"query-secret-{unique('q')}"
+    async with http() as client:
+        for path in (f"/mcp?token={secret}", f"/health?api_key={secret}&x=1"):
+            await client.get(server.url.removesuffix("/mcp") + path)
+    log = await log_showing(
+        server, ['"GET /mcp?token=<redacted> HTTP/1.1"', "/health?api_key=<redacted>&x=<redacted>"]
+    )
+    assert secret not in log, "a credential in a query string reached the log"
+
+
 async def test_an_upload_over_the_limit_gets_413(server: ServerProcess) -> None:
     session = unique("limit")
     async with open_client(server.url, TOKEN, "auto") as conn:
