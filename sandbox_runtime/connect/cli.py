@@ -171,7 +171,10 @@ def _chosen(args: argparse.Namespace) -> list[Client]:
     if args.all_detected:
         chosen += [c for c in CLIENTS.values() if c.installed() and c not in chosen]
         if not chosen:
-            raise UsageError("no MCP client is installed here (name one: connect CLIENT)")
+            raise UsageError(
+                f"no MCP client is installed here: name one, e.g. {cli_name()} connect "
+                f"claude-code (the clients: {', '.join(CLIENTS)})"
+            )
     if not chosen:
         raise UsageError("name a client (or --all-detected)")
     return chosen
@@ -314,7 +317,8 @@ def _token(argv: list[str]) -> int:
     if private:
         print(f"# {private}", file=sys.stderr)
     print(
-        f"# {note}; clients: export {TOKEN_VAR}={token} then {cli_name()} connect CLIENT",
+        f"# {note}; clients: export {TOKEN_VAR}={token} then {cli_name()} connect "
+        f"claude-code (or another: {cli_name()} clients lists them)",
         file=sys.stderr,
     )
     return 0
