@@ -1,0 +1,71 @@
+"""Quota escapes in project mode (issue 41 review): whatever a sandbox can write lands in a
+place a quota bounds. On a loop-mounted btrfs with quotas (as test_workspace_quota.py), a real
+server, real sandboxes, the official client."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from loopfs_harness import loop_filesystem
+from mcp_harness import open_client, running_server
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "quota-escapes-token-0123"
+MIB = 1024 * 1024
+SETTINGS = {
+    "SANDBOX_AUTH_TOKEN": TOKEN,
+    "SANDBOX_WORKSPACE_MB": "16",
+    "SANDBOX_WORKSPACE_QUOTA": "project",
+    "SANDBOX_MIN_FREE_DISK_MB": "16",
+    "SANDBOX_INTERPRETER_WARM": "python=0",
+}
+FILL_KERNEL_DIR = """
+import os
+written = 0
+try:
+    with open('/run/srt-kernel/fill', 'wb') as f:
+        for _ in range(48):
+            f.write(b'x' * (1 << 20))
+            written += 1 << 20
+        f.flush()
+        os.fsync(f.fileno())
+except OSError as exc:
+    print('refused', exc.errno)
+print('written', written >> 20)
+"""
+
+
+@pytest.fixture(scope="module")
+def quotafs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    with loop_filesystem(tmp_path_factory.mktemp("escapes"), "btrfs", 1024) as point:
+        yield point
+
+
+def stdout_of(ran: dict[str, object]) -> str:
+    output = ran["output"]
+    assert isinstance(output, list)
+    return "".join(e.get("data") or "" for e in output if e.get("type") == "stdout")
+
+
+async def test_an_interpreter_cannot_write_past_its_quota_beside_its_workspace(
+    quotafs: Path,
+) -> None:
+    """An interpreter's kernel directory (bound writable at /run/srt-kernel for its sockets)
+    holds no more than a few MiB: writing 48 MiB there is refused, not taken from the shared
+    state filesystem beside the workspace's 16 MiB quota."""
+    with running_server(quotafs / uuid.uuid4().hex[:8], **SETTINGS) as server:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            s = f"e-{uuid.uuid4().hex[:8]}"
+            ran = await conn.ok("run_code", code=FILL_KERNEL_DIR, session=s)
+            out = stdout_of(ran)
+            assert "refused" in out, out
+            written = int(out.split("written")[1].split()[0])
+            assert written <= 4, out
+            kernels = server.state_dir / "kernels"
+            held = sum(p.stat().st_size for p in kernels.rglob("*") if p.is_file())
+            assert held < 8 * MIB, held
+
