@@ -4,6 +4,8 @@ server, real sandboxes, the official client."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,3 +71,37 @@ async def test_an_interpreter_cannot_write_past_its_quota_beside_its_workspace(
             held = sum(p.stat().st_size for p in kernels.rglob("*") if p.is_file())
             assert held < 8 * MIB, held
 
+
+async def test_a_workspace_being_removed_over_a_budget_is_not_handed_out(quotafs: Path) -> None:
+    """While the byte budget removes an idle workspace (its lock held, waiting for what must
+    end before a release), a call for that session waits for the removal and gets a fresh
+    workspace: it is never handed the one being destroyed under it."""
+    from sandbox_runtime.workspaces.store import WorkspaceStore
+
+    root = quotafs / uuid.uuid4().hex[:8] / "workspaces"
+    store = WorkspaceStore(root, size_mb=16, inodes=4096, quota="project",
+                           retention_seconds=3600, idle_budget_mb=1,
+                           idle_after_seconds=0)  # fmt: skip
+    store.start(os.geteuid(), os.getegid())
+    assert store.mode == "project"
+    path, _ = await store.ensure("ws-a")
+    (path / "old.bin").write_bytes(os.urandom(2 * MIB))
+    os.sync()
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def releasing(name: str) -> None:  # (a sandbox started ahead of need ending)
+        entered.set()
+        await gate.wait()
+
+    store.before_release.append(releasing)
+    removal = asyncio.create_task(store.apply_budgets())
+    await asyncio.wait_for(entered.wait(), 30)
+    ensuring = asyncio.create_task(store.ensure("ws-a"))
+    await asyncio.sleep(0.2)
+    handed_early = ensuring.done()
+    gate.set()
+    assert await removal == 1
+    path, existed = await ensuring
+    assert not handed_early, "ensure returned the workspace while it was being removed"
+    assert not existed and not (path / "old.bin").exists()
+    await store.remove("ws-a")
