@@ -169,7 +169,7 @@ async def test_the_quota_holds_inside_and_through_uploads(quotafs: Path) -> None
                                 session=s)  # fmt: skip
             assert ran["exit_code"] == 0, ran
             root = server.state_dir / "workspaces"
-            [ws] = [p for p in root.iterdir() if not p.name.startswith(".")]
+            [ws] = [p for p in root.iterdir() if not p.name.startswith(".") and p.is_dir()]
             assert quota_dir(ws), "the workspace is a subvolume's root, or has a project id"
             assert (os.stat(ws).st_mode & 0o777) == 0o700
             assert not any(p.suffix == ".img" for p in root.iterdir()), "no image was made"
