@@ -105,3 +105,23 @@ async def test_a_workspace_being_removed_over_a_budget_is_not_handed_out(quotafs
     assert not handed_early, "ensure returned the workspace while it was being removed"
     assert not existed and not (path / "old.bin").exists()
     await store.remove("ws-a")
+
+
+async def test_copies_inside_a_workspace_count_against_its_quota(quotafs: Path) -> None:
+    """btrfs counts an extent once per subvolume however many files share it: copies made by
+    reflink (copy_file_range shares extents on btrfs) would hold ten times the quota in files
+    for the quota's count of one, and no snapshot could keep them (restored, they need ten
+    times the quota). Copies are real copies: `cp` of 3 MiB ten times meets the 16 MiB quota,
+    and the workspace's snapshot is taken."""
+    copies = "head -c 3000000 /dev/urandom > a; for i in 1 2 3 4 5 6 7 8 9 10; do cp a c$i; done"
+    with running_server(quotafs / uuid.uuid4().hex[:8], **SETTINGS) as server:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            s = f"e-{uuid.uuid4().hex[:8]}"
+            ran = await conn.ok("execute_code", command=f"{copies}; du -sb --apparent-size .",
+                                session=s)  # fmt: skip
+            said = "".join(e.get("data") or "" for e in ran["output"])
+            assert "Disk quota exceeded" in said, said
+            held = int(stdout_of(ran).split()[0])
+            assert held <= 16 * MIB, said
+            taken = await conn.ok("snapshot_session", session=s)
+            assert taken["snapshot_id"], taken

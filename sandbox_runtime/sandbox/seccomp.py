@@ -86,6 +86,10 @@ IOCTL_TYPE_MASK = 0xFF00
 FALLOC_FL_PUNCH_HOLE = 0x02
 FALLOC_FL_COLLAPSE_RANGE = 0x08
 FALLOC_FREEING = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_COLLAPSE_RANGE
+# copy_file_range is EXDEV (what it said across filesystems before Linux 5.3: cp, Python and
+# libuv then copy through userspace): on btrfs it shares extents (a reflink), which a qgroup
+# counts once however many files hold them, so a workspace held many times its quota in files
+# (and no snapshot could keep them: restored, they need that much).
 AF_UNIX = 1
 AF_INET = 2
 AF_INET6 = 10
@@ -135,6 +139,7 @@ def compile_filter(network: bool = False, inet: bool = False) -> bytes:
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, IOCTL_TYPE_MASK, BTRFS_IOCTL_TYPE))
         unsupported = sc.ERRNO(errno.EOPNOTSUPP)
         filt.add_rule(unsupported, "fallocate", sc.Arg(1, sc.MASKED_EQ, FALLOC_FREEING, 0))
+        filt.add_rule(sc.ERRNO(errno.EXDEV), "copy_file_range")
         for flag in CLONE_NS_FLAGS:  # one rule per bit: MASKED_EQ needs every masked bit set
             filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
         # clone3 passes its flags in memory the filter cannot read: make libc fall back to clone.
