@@ -46,14 +46,14 @@ async def test_space_reserved_by_fallocate_cannot_take_the_floor(workdir: Path) 
     with running_server(workdir, **SETTINGS) as server:
         async with open_client(server.url, TOKEN, "auto") as conn:
             s = f"f-{uuid.uuid4().hex[:8]}"
+            command = f"python3 -c '{POSIX_FALLOCATE}' && fallocate -p -o 0 -l 65536 p && echo ok"
+            ran = await conn.ok("execute_code", command=command, session=s)
+            said = "".join(e.get("data") or "" for e in ran["output"])
+            assert "size 1048576" in said and said.endswith("ok\n"), said
+
             ran = await conn.ok("execute_code", command=RESERVE_THEN_WRITE, session=s,
                                 timeout_seconds=120)  # fmt: skip
             os.sync()
             assert free_bytes(state) >= FLOOR_MB // 2 * MIB, (free_bytes(state), ran)
             said = "".join(e.get("data") or "" for e in ran["output"])
             assert "reserved" not in said and "Operation not supported" in said, said
-
-            command = f"python3 -c '{POSIX_FALLOCATE}' && fallocate -p -o 0 -l 65536 p && echo ok"
-            ran = await conn.ok("execute_code", command=command, session=s)
-            said = "".join(e.get("data") or "" for e in ran["output"])
-            assert "size 1048576" in said and said.endswith("ok\n"), said
