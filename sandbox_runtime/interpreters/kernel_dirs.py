@@ -7,8 +7,8 @@ limit (and, in project mode, on the very filesystem every workspace shares). Wit
 running as root it is a tmpfs of its own instead, of KERNEL_DIR_BYTES and KERNEL_DIR_FILES
 (its sockets, connection file and relay script need a few KiB): a write past that is ENOSPC
 in the sandbox and takes nothing from the disk; its pages are charged to the writer's memory
-cgroup. Without root there is no quota anywhere to protect (workspaces are plain directories)
-and it stays a plain directory.
+cgroup. Without root, or without the right to mount (a restricted container), there is no
+quota anywhere to protect (workspaces are plain directories) and it stays a plain directory.
 
 Mounts a killed server left under the kernels' root are detached at start (clear).
 """
@@ -21,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
+from loguru import logger
+
 from sandbox_runtime.workspaces.images import mounts_under, umount
 
 KERNEL_DIR_BYTES = 1024 * 1024
@@ -28,11 +30,12 @@ KERNEL_DIR_FILES = 64
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_unbounded_said = False
 
 
 def make(directory: Path, uid: int, gid: int) -> None:
     """Make the kernel directory `directory` (mode 0700, uid/gid's; a bounded tmpfs when
-    running as root). Raises OSError."""
+    running as root and mounts are allowed). Raises OSError (the directory)."""
     directory.mkdir(mode=0o700)
     if os.geteuid() != 0:
         return
@@ -40,9 +43,17 @@ def make(directory: Path, uid: int, gid: int) -> None:
     flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
     raw = os.fsencode(directory)
     if _libc.mount(b"tmpfs", raw, b"tmpfs", flags, options.encode()) != 0:
-        err = ctypes.get_errno()
-        directory.rmdir()
-        raise OSError(err, f"kernel directory tmpfs: {os.strerror(err)}", str(directory))
+        # (root without CAP_SYS_ADMIN, e.g. a restricted container: it cannot have quotas
+        # either, so nothing is given up; said once)
+        global _unbounded_said
+        if not _unbounded_said:
+            _unbounded_said = True
+            logger.warning(
+                "kernel directories are plain directories of the state filesystem, not "
+                "bounded tmpfs mounts (mount: {}): interpreter code can write there beside "
+                "its workspace's quota",
+                os.strerror(ctypes.get_errno()),
+            )
 
 
 def remove(directory: Path) -> None:
