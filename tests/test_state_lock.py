@@ -111,3 +111,40 @@ def test_an_api_replica_takes_no_lock(tmp_path: Path) -> None:
 
     assert not needs_lock("api")
     assert needs_lock("all") and needs_lock("worker")
+
+
+async def test_a_killed_servers_leftovers_are_found_through_a_symlinked_state_directory(
+    tmp_path: Path,
+) -> None:
+    """SANDBOX_STATE_DIR may be a symlink (the kernel lists mounts by their real path): a
+    killed server's workspace mounts and kernel directories are still detached at the next
+    start, and its session's image is mounted once, not a second time over the first."""
+    real = tmp_path / "real-state"
+    real.mkdir()
+    (tmp_path / "state").symlink_to(real)
+    s = f"lock-{uuid.uuid4().hex[:6]}"
+    settings = {**SETTINGS, "SANDBOX_WORKSPACE_POOL": "0"}
+    server = ServerProcess(tmp_path, dict(settings)).start()
+    try:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            await conn.ok("write_file", path="a.txt", content="first", session=s)
+            await conn.ok("run_code", code="x = 1", session=s)
+        below = server.descendants()
+        server.kill()
+        for pid, start_time in below:
+            if alive(pid, start_time):
+                os.kill(pid, 9)
+        left = mounts_under(real / "kernels")
+        assert mounts_under(real / "workspaces") and left
+
+        server = ServerProcess(tmp_path, dict(settings)).start()
+        assert "detached a workspace a previous server left mounted" in server.stderr_text()
+        assert not set(left) & set(mounts_under(real / "kernels")), "kernel directories left"
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            got = await conn.ok("read_file", path="a.txt", session=s)
+            assert got["content"] == "first", got
+        points = mounts_under(real / "workspaces")
+        assert len(points) == len(set(points)), f"an image mounted twice: {points}"
+    finally:
+        server.close()
+        release_disk(real)

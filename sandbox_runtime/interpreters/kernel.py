@@ -43,7 +43,7 @@ from sandbox_runtime.execution.code_mode import (
     write_library,
 )
 from sandbox_runtime.execution.execution import Execution
-from sandbox_runtime.interpreters import kernel_execute
+from sandbox_runtime.interpreters import kernel_dirs, kernel_execute
 from sandbox_runtime.interpreters.kernel_execute import OnMessage
 from sandbox_runtime.interpreters.kernel_inbox import FLOODED, SIZE, Inbox, OnDropped
 from sandbox_runtime.interpreters.kernel_wire import (
@@ -156,8 +156,9 @@ class SandboxedKernel:
         """
         self.kernels_root.mkdir(mode=0o711, parents=True, exist_ok=True)
         directory = self.kernels_root / f"k-{secrets.token_hex(8)}"
-        directory.mkdir(mode=0o700)
-        self.directory = directory
+        uid, gid = self.backend.sandbox_uid, self.backend.sandbox_gid
+        self.directory = directory  # (set first: stop removes it, made or half made)
+        await asyncio.to_thread(kernel_dirs.make, directory, uid, gid)  # (bounded: kernel_dirs)
         info = {
             "transport": "ipc",
             "ip": f"{KERNEL_DIR}/k",
@@ -173,7 +174,6 @@ class SandboxedKernel:
         connection = directory / "connection.json"
         connection.write_text(json.dumps(info))
         if os.geteuid() == 0:
-            uid, gid = self.backend.sandbox_uid, self.backend.sandbox_gid
             os.chown(directory, uid, gid)
             os.chown(connection, uid, gid)
         os.chmod(connection, 0o600)
@@ -385,7 +385,7 @@ class SandboxedKernel:
             bridge, self.bridge = self.bridge, None
             await bridge.aclose()
         if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            kernel_dirs.remove(self.directory)
             self.directory = None
         if self.bridge_dir is not None:
             shutil.rmtree(self.bridge_dir, ignore_errors=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -34,6 +33,7 @@ from sandbox_runtime.errors import (
 )
 from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.interpreters import kernel_dirs
 from sandbox_runtime.interpreters.calls import CallRun, run_call
 from sandbox_runtime.interpreters.interpreter import (
     Interpreter,
@@ -83,7 +83,7 @@ class InterpreterManager:
 
     def start(self) -> None:
         # A previous server's kernel directories (its kernels died with it).
-        shutil.rmtree(self.kernels_root, ignore_errors=True)
+        kernel_dirs.clear(self.kernels_root)
         workspaces = self.manager.workspaces
         workspaces.remove_all(SLOT_PREFIX)  # a previous server's pooled kernels' workspaces
         workspaces.busy.append(self._busy_workspaces)
@@ -125,7 +125,7 @@ class InterpreterManager:
         await asyncio.gather(*starting, return_exceptions=True)
         with contextlib.suppress(OSError):
             for leftover in self.kernels_root.iterdir():
-                shutil.rmtree(leftover, ignore_errors=True)
+                kernel_dirs.remove(leftover)
 
     def _gauges(self) -> dict[tuple[str, str], float]:
         out: dict[tuple[str, str], float] = {}

@@ -78,6 +78,18 @@ TIOCSETD = 0x5423  # a line discipline other than the default can autoload a mod
 # is type 0x94 too: `cp --reflink=auto` falls back to copying.
 BTRFS_IOCTL_TYPE = 0x9400
 IOCTL_TYPE_MASK = 0xFF00
+# fallocate that reserves blocks (mode 0, KEEP_SIZE, ZERO_RANGE, INSERT_RANGE, UNSHARE_RANGE) is
+# EOPNOTSUPP: in a thin workspace image it promises blocks the host does not hold, and writes
+# into them later pass the disk watchdog's stop (it stops new allocations only) and take the
+# state filesystem's floor. glibc's posix_fallocate then writes the blocks instead (counted
+# like any write). Freeing modes (PUNCH_HOLE, COLLAPSE_RANGE) stay allowed.
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_COLLAPSE_RANGE = 0x08
+FALLOC_FREEING = FALLOC_FL_PUNCH_HOLE | FALLOC_FL_COLLAPSE_RANGE
+# copy_file_range is EXDEV (what it said across filesystems before Linux 5.3: cp, Python and
+# libuv then copy through userspace): on btrfs it shares extents (a reflink), which a qgroup
+# counts once however many files hold them, so a workspace held many times its quota in files
+# (and no snapshot could keep them: restored, they need that much).
 AF_UNIX = 1
 AF_INET = 2
 AF_INET6 = 10
@@ -125,6 +137,9 @@ def compile_filter(network: bool = False, inet: bool = False) -> bytes:
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCLINUX))
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, TIOCSETD))
         filt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, IOCTL_TYPE_MASK, BTRFS_IOCTL_TYPE))
+        unsupported = sc.ERRNO(errno.EOPNOTSUPP)
+        filt.add_rule(unsupported, "fallocate", sc.Arg(1, sc.MASKED_EQ, FALLOC_FREEING, 0))
+        filt.add_rule(sc.ERRNO(errno.EXDEV), "copy_file_range")
         for flag in CLONE_NS_FLAGS:  # one rule per bit: MASKED_EQ needs every masked bit set
             filt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
         # clone3 passes its flags in memory the filter cannot read: make libc fall back to clone.

@@ -42,10 +42,11 @@ by the dirty-page limits and enforced by ext4 itself, is what holds here.
 What this holds against: anything the sessions write (from inside, uploads, file tools) and
 a state filesystem filling from outside, as long as what lands between two looks of the
 watchdog fits in the floor (the default 1 GiB: 20 GB/s near the line). What it cannot hold
-against: another program taking the last of the floor faster than that, and space a program
-inside reserved with fallocate but has not written yet (it is promised without being counted,
-and writes into it go on after a stop): those may still cost the workspaces what they had not
-flushed and abort their journals (the workspace is then checked: workspaces/damage.py). What
+against: another program taking the last of the floor faster than that: it may still cost
+the workspaces what they had not flushed and abort their journals (the workspace is then
+checked: workspaces/damage.py). (Space reserved inside with fallocate would be promised without
+being counted, and writes into it would pass a stop: the sandbox's seccomp filter refuses
+fallocate that reserves blocks, sandbox/seccomp.py.) What
 an fsync acknowledged (every file tool, file URL and `dd conv=fsync`) is on the host already
 and is never lost. Give the state directory a filesystem of its own, or choose `allocate`.
 

@@ -65,22 +65,24 @@ def bind(source: Path, target: Path) -> None:
 
 
 def mounts_under(root: Path) -> list[Path]:
-    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
-    prefix = str(root).rstrip("/") + "/"
+    """Mount points below `root`, deepest first (from /proc/self/mountinfo), named under
+    `root` as given: the kernel lists them by their real path, which differs when the state
+    directory is reached through a symlink."""
+    prefix = os.path.realpath(root).rstrip("/") + "/"
     found: list[Path] = []
     with contextlib.suppress(OSError), open("/proc/self/mountinfo", "rb") as f:
         for line in f:
             point = line.split(b" ")[4].decode("utf-8", "surrogateescape")
             point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), point)
             if point.startswith(prefix):
-                found.append(Path(point))
+                found.append(root / point[len(prefix) :])
     return sorted(found, key=lambda p: len(p.parts), reverse=True)
 
 
 def loop_devices_under(root: Path) -> int:
     """Loop devices whose backing file is under `root` (this replica's images), detached
     mounts a sandbox still holds included (from /sys/block/loop*/loop/backing_file)."""
-    prefix = str(root).rstrip("/") + "/"
+    prefix = os.path.realpath(root).rstrip("/") + "/"  # (the kernel's name for it)
     count = 0
     with contextlib.suppress(OSError), os.scandir("/sys/block") as entries:
         for entry in entries:

@@ -181,7 +181,9 @@ class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
         (its filesystem failed and it cannot be checked now: something still runs in it).
         """
         self._check(name)
-        if name in self._ready and not self.check_damage(name):
+        # (Not while its lock is held: an unmount, removal or replacement under way ends
+        # first; one handed out meanwhile would be destroyed under its user.)
+        if self.is_ready(name) and not self.check_damage(name):
             self._ready[name] = time.monotonic()
             self._touch(name)
             return self.path(name), True
