@@ -59,6 +59,16 @@ def test_the_least_recently_used_go_first_per_principal_then_per_replica() -> No
 
 
 @pytest.mark.unit
+def test_one_that_cannot_be_snapshotted_is_passed_over_not_a_stall() -> None:
+    """A workspace whose snapshot failed lately (too many files to keep, a store down) still
+    counts, and the next oldest go in its place: the budget holds for everyone else."""
+    idle = [held("a1", "a", 10, 1), held("a2", "a", 10, 2), held("b1", "b", 10, 3)]
+    assert [h.name for h in over_budget(idle, 0, 10, {"a1"})] == ["a2"]
+    assert [h.name for h in over_budget(idle, 15, 0, {"a1"})] == ["a2", "b1"]
+    assert [h.name for h in over_budget(idle, 0, 10, {"a1", "a2"})] == []
+
+
+@pytest.mark.unit
 def test_a_directorys_measure_is_bounded(tmp_path: Path) -> None:
     for i in range(50):
         (tmp_path / f"f{i}").write_bytes(b"x" * 8192)

@@ -30,7 +30,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Set
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,9 +58,13 @@ class Held:
     last_used: float
 
 
-def over_budget(idle: Iterable[Held], replica_bytes: int, principal_bytes: int) -> list[Held]:
+def over_budget(
+    idle: Iterable[Held], replica_bytes: int, principal_bytes: int, kept: Set[str] = frozenset()
+) -> list[Held]:
     """The idle workspaces to remove, least recently used first, so that each principal's
-    hold at most `principal_bytes` and all of them at most `replica_bytes` (0: no budget)."""
+    hold at most `principal_bytes` and all of them at most `replica_bytes` (0: no budget).
+    Those named in `kept` (their snapshot failed lately) count but are passed over: the next
+    oldest go in their place, so one that cannot be snapshotted does not stall the budget."""
     items = sorted(idle, key=lambda h: h.last_used)
     doomed: list[Held] = []
     if principal_bytes > 0:
@@ -68,6 +72,8 @@ def over_budget(idle: Iterable[Held], replica_bytes: int, principal_bytes: int) 
         for held in items:
             totals[held.principal] += held.bytes
         for held in items:
+            if held.name in kept:
+                continue
             if held.principal is not None and totals[held.principal] > principal_bytes:
                 doomed.append(held)
                 totals[held.principal] -= held.bytes
@@ -77,7 +83,7 @@ def over_budget(idle: Iterable[Held], replica_bytes: int, principal_bytes: int) 
         for held in items:
             if total <= replica_bytes:
                 break
-            if held.name not in gone:
+            if held.name not in gone and held.name not in kept:
                 doomed.append(held)
                 total -= held.bytes
     return doomed
@@ -227,7 +233,9 @@ class Budgets(Retention):
         if self.budget_bytes <= 0 and self.budget_bytes_per_principal <= 0:
             return 0
         held = await asyncio.to_thread(self._idle_held, *self._view(), None)
-        doomed = over_budget(held, self.budget_bytes, self.budget_bytes_per_principal)
+        now = time.monotonic()
+        kept = {n for n, at in self._keep_failed.items() if now - at < KEEP_RETRY_SECONDS}
+        doomed = over_budget(held, self.budget_bytes, self.budget_bytes_per_principal, kept)
         removed = 0
         for victim in doomed[:MAX_REMOVED_PER_PASS]:
             if await self._remove_idle(victim):
