@@ -278,8 +278,8 @@ class Settings(BaseSettings):
         "thin",
         description="`thin`: workspace images take what they hold (plus ~80 KiB of ext4 "
         "metadata and journal) and give deleted files' blocks back; a new session is refused "
-        "when the state filesystem has no room above SANDBOX_MIN_FREE_DISK_MB for a margin per mounted "
-        "workspace (SANDBOX_WORKSPACE_HEADROOM_MB), and under that line writes inside "
+        "when the state filesystem has no room above SANDBOX_MIN_FREE_DISK_MB for a margin per "
+        "mounted workspace (SANDBOX_WORKSPACE_HEADROOM_MB), and under that line writes inside "
         "workspaces fail with ENOSPC before any accepted one could be lost. `allocate`: each "
         "image is allocated in full when made (fallocate), so nothing filling the state "
         "filesystem can fail a write a workspace accepted; it costs SANDBOX_WORKSPACE_MB of "
