@@ -492,3 +492,25 @@ async def test_a_workspace_allocated_before_gives_its_free_space_back(tmp_path: 
             got = await conn.ok("read_file", path="kept.txt", session=s)
             assert got["content"] == "kept"
             assert image.stat().st_blocks * 512 < 8 * MIB
+
+
+async def test_an_unmounted_idle_workspace_gives_back_its_journal(tmp_path: Path) -> None:
+    """A workspace pushed out by the mount cap (unmounted, idle) keeps its files and costs
+    what it holds: its journal, written by each fsync'd file (up to 4 MiB), is given back."""
+    settings = {**SETTINGS, "SANDBOX_MAX_MOUNTED_WORKSPACES_PER_PRINCIPAL": "1"}
+    first, other = session(), session()
+    with running_server(tmp_path, **settings) as server:
+        async with open_client(server.url, TOKEN, "auto") as conn:
+            for i in range(40):
+                await conn.ok("write_file", path=f"f{i}", content="x" * 4000, session=first)
+            (image,) = (tmp_path / "state" / "workspaces").glob("ws-*.img")
+            mounted = image.stat().st_blocks * 512
+            await conn.ok("write_file", path="g", content="y", session=other)  # (pushes it out)
+            idle = image.stat().st_blocks * 512
+            print(f"image while mounted {mounted} B, unmounted {idle} B")
+            assert idle < mounted - 400 * 1024, (mounted, idle)
+            got = await conn.ok("read_file", path="f39", session=first)
+            assert got["content"] == "x" * 4000
+    argv = ["e2fsck", "-fn", str(image)]
+    check = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout

@@ -27,7 +27,7 @@ from loguru import logger
 
 from sandbox_runtime.workspaces.diskguard import unlimit_dirty
 from sandbox_runtime.workspaces.diskspace import StateDisk, punch_unwritten
-from sandbox_runtime.workspaces.ext4meta import INODE_SIZE, JOURNAL_MB
+from sandbox_runtime.workspaces.ext4meta import INODE_SIZE, JOURNAL_MB, journal_body
 
 # errors=remount-ro: a filesystem error stops writes at once (and we see the mount turn
 # read-only) rather than letting them go on into a damaged filesystem.
@@ -35,8 +35,10 @@ MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable,errors=remount-ro"
 MS_BIND = 4096
 MNT_DETACH = 2
 COMMAND_TIMEOUT = 30.0
+PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 def umount(path: Path) -> None:
@@ -55,6 +57,27 @@ def umount(path: Path) -> None:
         return
     if err != errno.EINVAL:  # EINVAL: not mounted
         raise OSError(err, os.strerror(err), str(path))
+
+
+def release_journal(image: Path) -> bool:
+    """Give back the host blocks of the journal of `image`, unmounted cleanly, but its first
+    block; whether it did. A clean unmount leaves the journal empty (checkpointed, its
+    superblock saying so), and its blocks read as zeros again, as before it first went round
+    (mkfs leaves it unwritten: lazy_journal_init): an idle workspace costs what it holds, not
+    what its journal once carried (up to 4 MiB). Nothing is done while a loop device still
+    serves the image (a detached mount lives on: its filesystem is not gone). Raises OSError."""
+    if loop_devices_under(image) > 0:
+        return False
+    ranges = journal_body(image)
+    fd = os.open(image, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for offset, length in ranges:
+            if _libc.fallocate(fd, PUNCH_HOLE, offset, length) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), str(image))
+    finally:
+        os.close(fd)
+    return bool(ranges)
 
 
 def bind(source: Path, target: Path) -> None:
@@ -78,8 +101,8 @@ def mounts_under(root: Path) -> list[Path]:
 
 
 def loop_devices_under(root: Path) -> int:
-    """Loop devices whose backing file is under `root` (this replica's images), detached
-    mounts a sandbox still holds included (from /sys/block/loop*/loop/backing_file)."""
+    """Loop devices whose backing file is under `root` (this replica's images) or is `root`,
+    detached mounts a sandbox still holds included (from /sys/block/loop*/loop/backing_file)."""
     prefix = str(root).rstrip("/") + "/"
     count = 0
     with contextlib.suppress(OSError), os.scandir("/sys/block") as entries:
@@ -87,7 +110,8 @@ def loop_devices_under(root: Path) -> int:
             if not entry.name.startswith("loop"):
                 continue
             with contextlib.suppress(OSError), open(f"{entry.path}/loop/backing_file") as f:
-                if f.read().startswith(prefix):
+                backing = f.read().rstrip("\n")
+                if backing.startswith(prefix) or backing == str(root):
                     count += 1
     return count
 
