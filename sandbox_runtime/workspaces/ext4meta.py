@@ -22,6 +22,8 @@ BLOCK = 4096
 EXT4_MAGIC = 0xEF53
 EXTENT_MAGIC = 0xF30A
 INCOMPAT_64BIT = 0x80
+INCOMPAT_RECOVER = 0x4  # the journal holds transactions to replay
+JBD2_MAGIC = bytes.fromhex("c03b3998")
 
 
 def _u32(data: bytes, at: int) -> int:
@@ -86,14 +88,19 @@ def _journal_extents(sb: bytes) -> list[tuple[int, int]]:
 
 def journal_body(image: Path) -> list[tuple[int, int]]:
     """Where in `image` its journal's blocks are, but the first (the journal's superblock), as
-    (offset, length) in bytes ([]: not an ext4 image of ours). Raises OSError."""
+    (offset, length) in bytes, if the journal is empty ([]: it is not, or this is not an ext4
+    image of ours: transactions a failed or killed mount left are for e2fsck to replay).
+    Raises OSError."""
     with open(image, "rb") as f:
         sb = os.pread(f.fileno(), 1024, 1024)
-    if len(sb) < 1024 or _u16(sb, 0x38) != EXT4_MAGIC or 1024 << _u32(sb, 0x18) != BLOCK:
-        return []
-    extents = _journal_extents(sb)
-    if not extents:
-        return []
+        if len(sb) < 1024 or _u16(sb, 0x38) != EXT4_MAGIC or 1024 << _u32(sb, 0x18) != BLOCK:
+            return []
+        extents = _journal_extents(sb)
+        if not extents or _u32(sb, 0x60) & INCOMPAT_RECOVER:
+            return []
+        jsb = os.pread(f.fileno(), 32, extents[0][0] * BLOCK)
+    if len(jsb) < 32 or jsb[:4] != JBD2_MAGIC or int.from_bytes(jsb[28:32], "big") != 0:
+        return []  # (s_start: where the journal's log starts; 0 when it is empty)
     (first, count), rest = extents[0], extents[1:]
     spans = [(first + 1, count - 1), *rest]
     return [(start * BLOCK, n * BLOCK) for start, n in spans if n > 0]
