@@ -150,7 +150,7 @@ class Settings(BaseSettings):
         le=64,
         description="Empty workspaces made ahead of need, per replica (with workspace images): "
         "a new session's first call takes one instead of making its image. Each counts "
-        "against SANDBOX_MAX_MOUNTED_WORKSPACES and takes ~155 KiB of disk (thin; with "
+        "against SANDBOX_MAX_MOUNTED_WORKSPACES and takes ~60 KiB of disk (thin; with "
         "SANDBOX_WORKSPACE_RESERVE=allocate, SANDBOX_WORKSPACE_MB) (0: none).",
     )
     pool_idle_seconds: float = Field(
@@ -276,10 +276,10 @@ class Settings(BaseSettings):
     )
     workspace_reserve: str = Field(
         "thin",
-        description="`thin`: workspace images take what they hold (plus ~170 KiB of ext4 "
-        "metadata) and give deleted files' blocks back; a new session is refused when the "
-        "state filesystem has no room above SANDBOX_MIN_FREE_DISK_MB for a margin per mounted "
-        "workspace (SANDBOX_WORKSPACE_HEADROOM_MB), and under that line writes inside "
+        description="`thin`: workspace images take what they hold (plus ~80 KiB of ext4 "
+        "metadata and journal) and give deleted files' blocks back; a new session is refused "
+        "when the state filesystem has no room above SANDBOX_MIN_FREE_DISK_MB for a margin per "
+        "mounted workspace (SANDBOX_WORKSPACE_HEADROOM_MB), and under that line writes inside "
         "workspaces fail with ENOSPC before any accepted one could be lost. `allocate`: each "
         "image is allocated in full when made (fallocate), so nothing filling the state "
         "filesystem can fail a write a workspace accepted; it costs SANDBOX_WORKSPACE_MB of "

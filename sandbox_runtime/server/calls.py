@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, TypeVar
 
 from fastmcp import Context
+from fastmcp.exceptions import FastMCPError
 from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
 from loguru import logger
+from mcp.shared.exceptions import MCPError
 from pydantic import Field
 
 from sandbox_runtime.app.services import Services
@@ -115,6 +117,18 @@ async def call(
             metrics.tool_errors.labels(tool, kind).inc()
             logger.info("tool {} refused: {}: {}", tool, type(exc).__name__, exc)
             raise ToolFailure(str(exc), kind) from None
+        except (FastMCPError, MCPError):
+            raise
+        except Exception as exc:  # a bug of ours: said so, with where its traceback is
+            metrics.tool_errors.labels(tool, "internal").inc()
+            logger.opt(exception=exc).error(
+                "tool {} failed (request id {}): {}", tool, request_id, type(exc).__name__
+            )
+            raise ToolFailure(
+                f"the server failed on this call ({type(exc).__name__}: a bug, logged with its "
+                "traceback); it may not have completed: check its effect and retry",
+                "internal",
+            ) from None
 
 
 class CallProgress:

@@ -273,8 +273,9 @@ class Router:
             self.metrics.rejections.labels("principal_sessions").inc()
             raise LimitExceededError(
                 f"this token has its maximum of {self.settings.max_sessions_per_principal} "
-                "live sessions; reuse one (the `session` argument) or wait for an idle one "
-                f"to expire ({self.settings.retention_seconds} s after its last use)"
+                "live sessions on this service (SANDBOX_MAX_SESSIONS_PER_PRINCIPAL); reuse "
+                "one (the `session` argument) or wait for an idle one to expire "
+                f"({self.settings.retention_seconds} s after its last use)"
             )
         if outcome != "claimed":
             return None

@@ -22,6 +22,8 @@ BLOCK = 4096
 EXT4_MAGIC = 0xEF53
 EXTENT_MAGIC = 0xF30A
 INCOMPAT_64BIT = 0x80
+INCOMPAT_RECOVER = 0x4  # the journal holds transactions to replay
+JBD2_MAGIC = bytes.fromhex("c03b3998")
 
 
 def _u32(data: bytes, at: int) -> int:
@@ -62,11 +64,7 @@ def metadata_ranges(image: Path) -> list[tuple[int, int]]:
         for at, count in ((0x0, 1), (0x4, 1), (0x8, table)):  # bitmaps, inode table
             high = _u32(d, at + 0x20) << 32 if wide else 0
             spans.append((_u32(d, at) | high, count))
-    jnl = sb[0x10C : 0x10C + 60]  # (a copy of the journal inode's extents)
-    if _u16(jnl, 0) == EXTENT_MAGIC and _u16(jnl, 6) == 0:
-        for i in range(_u16(jnl, 2)):
-            e = jnl[12 + 12 * i : 24 + 12 * i]
-            spans.append(((_u16(e, 6) << 32) | _u32(e, 8), _u16(e, 4)))
+    spans += _journal_extents(sb)
     merged: list[list[int]] = []
     for start, count in sorted(spans):
         if merged and start <= merged[-1][1]:
@@ -74,3 +72,35 @@ def metadata_ranges(image: Path) -> list[tuple[int, int]]:
         else:
             merged.append([start, start + count])
     return [(a * BLOCK, (b - a) * BLOCK) for a, b in merged]
+
+
+def _journal_extents(sb: bytes) -> list[tuple[int, int]]:
+    """The journal's extents (first block, blocks) in logical order, from the superblock's
+    copy of the journal inode's extent tree (its root: a journal of ours has one level)."""
+    jnl = sb[0x10C : 0x10C + 60]
+    found: list[tuple[int, int]] = []
+    if _u16(jnl, 0) == EXTENT_MAGIC and _u16(jnl, 6) == 0:
+        for i in range(_u16(jnl, 2)):
+            e = jnl[12 + 12 * i : 24 + 12 * i]
+            found.append(((_u16(e, 6) << 32) | _u32(e, 8), _u16(e, 4)))
+    return found
+
+
+def journal_body(image: Path) -> list[tuple[int, int]]:
+    """Where in `image` its journal's blocks are, but the first (the journal's superblock), as
+    (offset, length) in bytes, if the journal is empty ([]: it is not, or this is not an ext4
+    image of ours: transactions a failed or killed mount left are for e2fsck to replay).
+    Raises OSError."""
+    with open(image, "rb") as f:
+        sb = os.pread(f.fileno(), 1024, 1024)
+        if len(sb) < 1024 or _u16(sb, 0x38) != EXT4_MAGIC or 1024 << _u32(sb, 0x18) != BLOCK:
+            return []
+        extents = _journal_extents(sb)
+        if not extents or _u32(sb, 0x60) & INCOMPAT_RECOVER:
+            return []
+        jsb = os.pread(f.fileno(), 32, extents[0][0] * BLOCK)
+    if len(jsb) < 32 or jsb[:4] != JBD2_MAGIC or int.from_bytes(jsb[28:32], "big") != 0:
+        return []  # (s_start: where the journal's log starts; 0 when it is empty)
+    (first, count), rest = extents[0], extents[1:]
+    spans = [(first + 1, count - 1), *rest]
+    return [(start * BLOCK, n * BLOCK) for start, n in spans if n > 0]

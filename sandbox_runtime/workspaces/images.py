@@ -4,9 +4,9 @@ it, unmounting it, and finding what is mounted or attached under a root.
 An image is a file of `mkfs.ext4 -N` (its byte and inode quota), root's and 0600, loop-mounted
 with MOUNT_OPTIONS on its mount point; the sandbox only ever sees the mounted filesystem. It is
 thin unless the state disk allocates images (workspaces/diskspace.py): a new 1 GiB image takes
-about 170 KiB of the host's disk (mkfs writes the superblocks, group descriptors and a few
-bitmaps; the inode tables and the journal are made lazily, and there is no resize inode, whose
-reserved descriptor blocks mkfs would write: 680 KiB with it).
+52 KiB of the host's disk (mkfs writes the superblock, group descriptors, root directory and
+a few bitmaps; the inode tables and the journal are made lazily; see mkfs_argv), ~85 KiB once
+a session wrote a small file in it (the journal's first blocks, the file's).
 Every call here blocks (a worker thread's work) and raises OSError or SubprocessError;
 `mkfs_argv` and `mount_argv` are the pure parts.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 from loguru import logger
 
 from sandbox_runtime.workspaces.diskguard import unlimit_dirty
-from sandbox_runtime.workspaces.diskspace import StateDisk
-from sandbox_runtime.workspaces.ext4meta import INODE_SIZE, JOURNAL_MB
+from sandbox_runtime.workspaces.diskspace import StateDisk, punch_unwritten
+from sandbox_runtime.workspaces.ext4meta import INODE_SIZE, JOURNAL_MB, journal_body
 
 # errors=remount-ro: a filesystem error stops writes at once (and we see the mount turn
 # read-only) rather than letting them go on into a damaged filesystem.
@@ -35,8 +35,10 @@ MOUNT_OPTIONS = "loop,nosuid,nodev,noatime,noinit_itable,errors=remount-ro"
 MS_BIND = 4096
 MNT_DETACH = 2
 COMMAND_TIMEOUT = 30.0
+PUNCH_HOLE = 0x02 | 0x01  # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 
 
 def umount(path: Path) -> None:
@@ -55,6 +57,27 @@ def umount(path: Path) -> None:
         return
     if err != errno.EINVAL:  # EINVAL: not mounted
         raise OSError(err, os.strerror(err), str(path))
+
+
+def release_journal(image: Path) -> bool:
+    """Give back the host blocks of the journal of `image`, unmounted cleanly, but its first
+    block; whether it did. A clean unmount leaves the journal empty (checkpointed, its
+    superblock saying so), and its blocks read as zeros again, as before it first went round
+    (mkfs leaves it unwritten: lazy_journal_init): an idle workspace costs what it holds, not
+    what its journal once carried (up to 4 MiB). Nothing is done while a loop device still
+    serves the image (a detached mount lives on: its filesystem is not gone). Raises OSError."""
+    if loop_devices_under(image) > 0:
+        return False
+    ranges = journal_body(image)
+    fd = os.open(image, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for offset, length in ranges:
+            if _libc.fallocate(fd, PUNCH_HOLE, offset, length) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err), str(image))
+    finally:
+        os.close(fd)
+    return bool(ranges)
 
 
 def bind(source: Path, target: Path) -> None:
@@ -80,16 +103,18 @@ def mounts_under(root: Path) -> list[Path]:
 
 
 def loop_devices_under(root: Path) -> int:
-    """Loop devices whose backing file is under `root` (this replica's images), detached
-    mounts a sandbox still holds included (from /sys/block/loop*/loop/backing_file)."""
-    prefix = os.path.realpath(root).rstrip("/") + "/"  # (the kernel's name for it)
+    """Loop devices whose backing file is under `root` (this replica's images) or is `root`,
+    detached mounts a sandbox still holds included (from /sys/block/loop*/loop/backing_file)."""
+    real = os.path.realpath(root)  # (the kernel's name for it)
+    prefix = real.rstrip("/") + "/"
     count = 0
     with contextlib.suppress(OSError), os.scandir("/sys/block") as entries:
         for entry in entries:
             if not entry.name.startswith("loop"):
                 continue
             with contextlib.suppress(OSError), open(f"{entry.path}/loop/backing_file") as f:
-                if f.read().startswith(prefix):
+                backing = f.read().rstrip("\n")
+                if backing.startswith(prefix) or backing == real:
                     count += 1
     return count
 
@@ -110,13 +135,20 @@ def run(argv: list[str]) -> None:
 
 def mkfs_argv(image: Path, inodes: int, owner: tuple[int, int]) -> list[str]:
     """mkfs.ext4 of `image` with `inodes` files at most, its root owned by `owner` (uid, gid),
-    no reserved blocks, the smallest journal, no resize inode (images never grow), its inode
-    tables and journal initialised lazily."""
+    no reserved blocks, the smallest journal, its inode tables and journal initialised lazily.
+    What a thin image costs is what mkfs writes, so it writes little: no resize inode (images
+    never grow; its reserved descriptor blocks: 512 KiB), no backup superblocks (sparse_super2
+    with none: 8 KiB in each of 4 groups; they serve e2fsck when the primary is destroyed,
+    which a crash does not do: the journal is what keeps a workspace whole, and an image
+    e2fsck cannot repair is set aside and replaced, workspaces/repair.py), the bitmaps, inode
+    tables and journal packed at the start, and flex groups of 2 (from 4 on, ext4 puts files
+    in the second group: its bitmap is one block more)."""
     uid, gid = owner
     options = f"root_owner={uid}:{gid},lazy_itable_init=1,lazy_journal_init=1"
-    mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes)]
-    mkfs += ["-I", str(INODE_SIZE), "-J", f"size={JOURNAL_MB}", "-O", "^resize_inode"]
-    return [*mkfs, "-E", f"{options},nodiscard", str(image)]
+    options += ",num_backup_sb=0,packed_meta_blocks=1,nodiscard"
+    mkfs = ["mkfs.ext4", "-q", "-F", "-m", "0", "-b", "4096", "-N", str(inodes), "-G", "2"]
+    mkfs += ["-I", str(INODE_SIZE), "-J", f"size={JOURNAL_MB}"]
+    return [*mkfs, "-O", "^resize_inode,sparse_super2", "-E", options, str(image)]
 
 
 def mount_argv(image: Path, point: Path, options: str) -> list[str]:
@@ -150,6 +182,9 @@ def make_image(
     os.close(fd)
     try:
         run(mkfs_argv(image, inodes, owner))
+        if disk.thin:  # (an allocated image's unwritten extents are its reservation)
+            with contextlib.suppress(OSError):  # (no FIEMAP: it costs 64 KiB more, no harm)
+                punch_unwritten(image)
     except BaseException:
         with contextlib.suppress(OSError):
             image.unlink()

@@ -91,11 +91,11 @@ class MountCaps(Budgets):
 
     def mounted_count(self, principal: str | None = None) -> int:
         """Mounted images (and those being mounted): all, or `principal`'s."""
-        return count_mounted(self._principals, principal)
+        return count_mounted(dict(self._principals), principal)
 
     def mounted_by_kind(self) -> dict[str, int]:
         """Mounted images of sessions and of warm interpreters' slots (the metrics' view)."""
-        return by_kind(self._principals)
+        return by_kind(dict(self._principals))
 
     async def _make_room(self, principal: str | None, *, host: bool, count: bool = True) -> None:
         """Unmount least recently used idle workspaces until one more mount of `principal`
@@ -107,7 +107,7 @@ class MountCaps(Budgets):
         tried: set[str] = set()
         while True:
             over_host, over_mine = over_caps(
-                self._principals,
+                dict(self._principals),
                 principal,
                 host=host,
                 max_mounted=self.max_mounted,
@@ -142,7 +142,7 @@ class MountCaps(Budgets):
         busy = self._in_use()
         candidates = [
             name
-            for name in self._mounted
+            for name in list(self._mounted)  # (a copy: see StoreState)
             if name not in busy
             and name not in skip
             and name in self._ready

@@ -2,7 +2,8 @@
 period (their image, mount point and damage marker).
 
 An image is mounted when first used and unmounted after UNMOUNT_IDLE_SECONDS without use (its
-files come back on its next use); a workspace unused for the retention period (counted from
+files come back on its next use; a thin image gives back its journal's blocks then:
+images.release_journal); a workspace unused for the retention period (counted from
 the last use recorded on disk, across restarts) is removed. Nothing in use is unmounted or
 removed: every release first waits for the `before_release` hooks (a sandbox started ahead
 of need holds a bind of it and must end first), under the workspace's lock.
@@ -16,7 +17,7 @@ import os
 import shutil
 import time
 
-from sandbox_runtime.workspaces.images import mounts_under, umount
+from sandbox_runtime.workspaces.images import mounts_under, release_journal, umount
 from sandbox_runtime.workspaces.store_state import IMAGE_SUFFIX, NAME, OWNER_SUFFIX, StoreState
 
 UNMOUNT_IDLE_SECONDS = 300.0
@@ -126,6 +127,9 @@ class Retention(StoreState):
                     self._principals.pop(name, None)
                     os.chmod(self.path(name), 0)
                     unmounted = True
+                if unmounted and self.disk.thin:
+                    with contextlib.suppress(OSError):
+                        await asyncio.to_thread(release_journal, self.image(name))
                 return unmounted
             finally:
                 if not unmounted and name in self._mounted:

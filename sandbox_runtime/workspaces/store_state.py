@@ -77,6 +77,11 @@ class StoreState:
         self.quota_kind: str | None = None
         self.project_problem: str | None = None
         self.enable_hint: str | None = None
+        # The sets and dicts below are changed in worker threads too (the store's *_sync
+        # functions: mkfs, mount, remove). The event loop reads them through a copy (list(),
+        # set(), dict(): one step under the GIL), never by iterating them: a thread adding a
+        # name mid-iteration fails it ("Set changed size during iteration", a session refused
+        # by an unmapped error; seen after thousands of new sessions).
         self._quotaed: set[str] = set()  # names made ready as quota'd directories this run
         self._ready: dict[str, float] = {}  # name -> last use (monotonic), made ready this run
         self._mounted: set[str] = set()  # those of them that are mounted images
