@@ -135,7 +135,12 @@ async def test_idle_workspaces_over_a_principals_budget_go_oldest_first(tmp_path
                 assert all(i.exists() for _, i in kept)
                 assert busy_image.exists()
                 assert not running.done(), running.exception() if running.done() else None
-                order = removed_in_order(server.stderr_text())
+                # (each removal is logged just after its image goes: the log may lag)
+                order = await eventually(
+                    lambda: o if len(o := removed_in_order(server.stderr_text())) >= 4 else None,
+                    10,
+                    "four removals logged",
+                )
                 assert order == [i.with_suffix("").name for _, i in doomed], order
                 auth = {"Authorization": f"Bearer {TOKEN}"}
                 text = httpx2.get(f"{server.base_url}/metrics", headers=auth, timeout=5).text
