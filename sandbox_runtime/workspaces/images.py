@@ -113,7 +113,7 @@ def loop_devices_under(root: Path) -> int:
             if not entry.name.startswith("loop"):
                 continue
             with contextlib.suppress(OSError), open(f"{entry.path}/loop/backing_file") as f:
-                backing = f.read().rstrip("\n")
+                backing = f.read(4096).rstrip("\n")  # (a path: PATH_MAX)
                 if backing.startswith(prefix) or backing == real:
                     count += 1
     return count

@@ -53,12 +53,3 @@ def give_up_quota_override() -> bool:
         raise OSError(err, f"capset: {os.strerror(err)}")
     logger.debug("CAP_SYS_RESOURCE left out of the server's effective capabilities")
     return True
-
-
-def holds_quota_override() -> bool:
-    """Whether this thread may write past an ext4 quota (CAP_SYS_RESOURCE effective)."""
-    with open("/proc/thread-self/status") as f:
-        for line in f:
-            if line.startswith("CapEff:"):
-                return bool(int(line.split()[1], 16) & (1 << CAP_SYS_RESOURCE))
-    return False
