@@ -8,6 +8,7 @@ import re
 import secrets
 import socket
 from pathlib import Path
+from typing import Literal
 
 from loguru import logger
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
@@ -175,6 +176,19 @@ class Settings(BaseSettings):
     max_timeout: float = Field(3600, gt=0, description="Largest timeout a caller may ask for.")
     max_wait: float = Field(
         60, gt=0, le=600, description="Longest a long-poll or a waiting execute_code call blocks."
+    )
+    result_text: Literal["concise", "json"] = Field(
+        "concise",
+        description="The text block of tool results: concise (a screen a model reads; "
+        "structured content unchanged) or json (the result's JSON, as 0.2 sent it, for "
+        "programs that parse the text of the legacy era).",
+    )
+    result_max_chars: int = Field(
+        100_000,
+        ge=2_000,
+        le=400_000,
+        description="Characters of text per tool result (about 25,000 tokens); output past it "
+        "is cut head and tail and kept whole in /workspace/.outputs/. Per call: max_chars.",
     )
     progress_interval: float = Field(
         3,

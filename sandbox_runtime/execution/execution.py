@@ -61,6 +61,7 @@ class Execution:
         self._other_bytes = 0  # an interpreter call's results, errors, prompts and drops
         self._truncated = False
         self._drops_noted = False  # an interpreter call's dropped messages were said
+        self.kept_log: dict[str, object] | None = None  # its output's file (output_log)
 
     @property
     def execution_id(self) -> str:
@@ -150,8 +151,11 @@ class Execution:
         self.emit(EventType.READY)
 
     def record_output(self, kind: EventType, text: str) -> None:
-        """Output an interpreter call produced (counted and capped like a process's)."""
-        self._record_output(kind, text, len(text.encode("utf-8", "surrogatepass")))
+        """Output an interpreter call produced (counted and capped like a process's), in
+        events of at most CHUNK_BYTES as a process's: a kernel sends what a cell printed
+        in one message however large (200,000 lines were one event of 600 KB)."""
+        for piece in chunks(text, CHUNK_BYTES):
+            self._record_output(kind, piece, len(piece.encode("utf-8", "surrogatepass")))
 
     def record_event(self, kind: EventType, size: int, **fields: object) -> None:
         """An interpreter call's other event (a result, an exception, an input request) of
@@ -418,3 +422,18 @@ class Execution:
         else:
             await process.terminate(grace=grace, reason="cancelled")
         await self.finished.wait()
+
+
+def chunks(text: str, max_bytes: int) -> list[str]:
+    """`text` in pieces of at most `max_bytes` UTF-8 bytes each (whole characters)."""
+    if len(text) <= max_bytes // 4 or len(text.encode("utf-8", "surrogatepass")) <= max_bytes:
+        return [text]
+    out: list[str] = []
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + max_bytes)
+        while len(text[start:end].encode("utf-8", "surrogatepass")) > max_bytes:
+            end = start + max(1, (end - start) * 3 // 4)
+        out.append(text[start:end])
+        start = end
+    return out

@@ -64,7 +64,7 @@ def build_mcp(settings: Settings, root: Root) -> FastMCP:
         # every schema each time cost ~60% of the CPU of a call. make_portable inlines them
         # once, at startup.
         dereference_schemas=False,
-        middleware=[ErrorResults()],
+        middleware=[ErrorResults(settings.result_text, settings.result_max_chars)],
     )
     register_tools(mcp, root)
     register_interpreter_tools(mcp, root)

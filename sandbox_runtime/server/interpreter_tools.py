@@ -13,8 +13,11 @@ from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.server.replies import reply
 from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
+from sandbox_runtime.server.screens import result_budget, run_code_screen
 from sandbox_runtime.server.tools import (
     ExecutionResult,
+    FormatArg,
+    MaxCharsArg,
     ServersArg,
     SessionArg,
     TimeoutArg,
@@ -125,6 +128,7 @@ async def _run_code(
 ) -> ToolResult:
     """run_code(_async): the session-bound `run_code` operation, on the session's home."""
     owner = owner_of(ctx, session)
+    args = {**args, "max_chars": result_budget.get()}
     async with progress_of(ctx, args["wait"], s.settings.progress_interval) as progress:
         sink = progress.report if progress is not None else None
         result = await call(s, lambda: s.router.run(owner, "run_code", args, sink), tool)
@@ -133,7 +137,8 @@ async def _run_code(
     links = resource_links(owner, result.get("files"))
     # The images go once as image content: the JSON text does not carry them a third time.
     shown = {**structured, "results": [_without_images(b) for b in structured["results"]]}
-    return reply(structured, [*blocks[1:], *links], text=blocks[0].text, shown=shown)
+    screen = run_code_screen({**structured, "screen": result.get("screen")}, result_budget.get())
+    return reply(structured, [*blocks[1:], *links], text=blocks[0].text, shown=shown, screen=screen)
 
 
 def _without_images(bundle: dict[str, Any]) -> dict[str, Any]:
@@ -159,9 +164,11 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
         servers: ServersArg = None,
+        response_format: FormatArg = "concise",
+        max_chars: MaxCharsArg = None,
     ) -> ToolResult:
-        """Run code in the session's persistent interpreter (variables, imports and the working
-        directory survive between calls, as in a notebook). Plots come back as images."""
+        """Run code in the session's persistent interpreter: variables and imports survive
+        between calls, as in a notebook; the last expression's value and plots come back."""
         args = {
             "code": code,
             "language": language,

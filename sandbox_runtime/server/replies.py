@@ -1,9 +1,12 @@
 """How tool results look on the wire, in both protocol eras, successes and errors alike.
 
-srt-mcp-server 0.2's clients read the JSON of every text block of a result (the legacy era is the
-one they speak), so there every text block is the result's JSON. A 2026-07-28 client gets the
-structured result and one text block a model can act on. A failure is a result with `isError`
-and a JSON body whose `error` is one line, in both eras: never an exception's dump.
+Every result carries its structured content (the contract programs read, srt-mcp-server 0.2's
+fields) and one text block a model reads: a screen (screens.py), in both eras, concise unless
+the call asks `response_format="detailed"`. With `response_format="json"` or the setting
+SANDBOX_RESULT_TEXT=json the text is what it was before: in the legacy era the result's JSON
+(0.2's clients read the JSON of every text block), in the 2026 era run_code's summary or the
+JSON. A failure is a result with `isError`, a JSON body whose `error` is one line as its
+structured content, and as text that line (or, as json, the body): never an exception's dump.
 """
 
 from __future__ import annotations
@@ -21,6 +24,17 @@ from mcp import types as mt
 from mcp.types import TextContent
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 from pydantic import ValidationError as PydanticValidationError
+
+from sandbox_runtime.server.screens import (
+    FORMATS,
+    MAX_BUDGET,
+    MIN_BUDGET,
+    compact,
+    error_screen,
+    first,
+    result_budget,
+    result_format,
+)
 
 
 class ToolFailure(ToolError):
@@ -61,16 +75,21 @@ def reply(
     text: str | None = None,
     items: list[Any] | None = None,
     shown: dict[str, Any] | None = None,
+    screen: str | None = None,
 ) -> ToolResult:
-    """A successful result: `structured`, plus content for clients that read only content.
+    """A successful result: `structured`, one text block, then `extra` blocks that are not
+    text (images, resource links).
 
-    Legacy era: the JSON of the result (`shown`, when what the text shows of it leaves out
-    what `extra` carries, such as images; of each of `items`, when the result is a list, as
-    0.2 sent lists), then `extra` blocks that are not text (images, resource links). 2026 era:
-    one text block (`text`, else the JSON), then `extra`.
+    The text: `screen` (else `structured` as `key: value` lines), within the call's budget.
+    As json (module docstring): in the legacy era the JSON of the result (`shown`, when what
+    the text shows of it leaves out what `extra` carries, such as images; of each of `items`,
+    when the result is a list, as 0.2 sent lists); in the 2026 era `text`, else the JSON.
     """
     blocks = [b for b in extra or [] if not isinstance(b, TextContent)]
-    if legacy_era():
+    if result_format.get() != "json":
+        body = screen if screen is not None else compact(structured)
+        head = [TextContent(type="text", text=within_budget(body))]
+    elif legacy_era():
         whole = shown if shown is not None else structured
         head = [as_json(i) for i in items] if items is not None else [_legacy_json(whole)]
     elif text is not None:
@@ -78,6 +97,16 @@ def reply(
     else:
         head = [as_json(items if items is not None else structured)]
     return ToolResult(content=[*head, *blocks], structured_content=structured)
+
+
+def within_budget(text: str) -> str:
+    """A text cut to the call's budget (screens cut output themselves, saying how to read the
+    rest; this bounds everything else: the structured content has it all)."""
+    budget = result_budget.get()
+    if len(text) <= budget:
+        return text
+    head = first(text, budget - 200)
+    return f"{head}\n[… {len(text) - len(head):,} more characters: the structured content has them]"
 
 
 # The official client refuses an SSE event over 1 MiB, and a legacy reply carries its result
@@ -107,13 +136,44 @@ def _legacy_json(whole: dict[str, Any]) -> TextContent:
 def error_reply(tool: str, message: str, kind: str, **fields: Any) -> ToolResult:
     """A failed call as a result: `isError`, JSON `{"error": message, "error_type": kind, ...}`."""
     body = {"error": message, "error_type": kind, **ERROR_FIELDS.get(tool, {}), **fields}
-    return ToolResult(content=[as_json(body)], structured_content=body, is_error=True)
+    text = as_json(body) if result_format.get() == "json" else as_text(error_screen(body))
+    return ToolResult(content=[text], structured_content=body, is_error=True)
+
+
+def as_text(text: str) -> TextContent:
+    return TextContent(type="text", text=text)
 
 
 class ErrorResults(Middleware):
-    """Every refused tool call becomes an error result with a JSON body (see error_reply)."""
+    """Every refused tool call becomes an error result with a JSON body (see error_reply).
+    Also sets the call's text format and budget: its `response_format` and `max_chars`
+    arguments, else the server's settings (SANDBOX_RESULT_TEXT, SANDBOX_RESULT_MAX_CHARS)."""
+
+    def __init__(self, text: str = "concise", max_chars: int = 100_000) -> None:
+        self.text = text
+        self.max_chars = max_chars
 
     async def on_call_tool(
+        self,
+        context: MiddlewareContext[mt.CallToolRequestParams],
+        call_next: CallNext[mt.CallToolRequestParams, ToolResult],
+    ) -> ToolResult:
+        args = context.message.arguments or {}
+        asked = args.get("response_format")
+        budget = args.get("max_chars")
+        if not isinstance(budget, int) or isinstance(budget, bool):
+            budget = self.max_chars
+        tokens = (
+            result_format.set(asked if asked in FORMATS else self.text),
+            result_budget.set(min(max(budget, MIN_BUDGET), MAX_BUDGET)),
+        )
+        try:
+            return await self._call(context, call_next)
+        finally:
+            result_budget.reset(tokens[1])
+            result_format.reset(tokens[0])
+
+    async def _call(
         self,
         context: MiddlewareContext[mt.CallToolRequestParams],
         call_next: CallNext[mt.CallToolRequestParams, ToolResult],

@@ -12,6 +12,7 @@ from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.domain.owner import session_name as public_name
 from sandbox_runtime.server.calls import session_name
 from sandbox_runtime.server.replies import ToolFailure
+from sandbox_runtime.server.screens import call as call_text
 from sandbox_runtime.sessions.models import SessionReset
 
 # Replies stay far below the official MCP client's 1 MiB limit per SSE event (a reply carries
@@ -119,21 +120,27 @@ class ExecutionList(BaseModel):
     )
 
 
-def unfinished_message(result: dict[str, Any]) -> str | None:
-    """What a caller does with a result that came back before its execution ended."""
+def unfinished_message(result: dict[str, Any], session: str | None = None) -> str | None:
+    """What a caller does with a result that came back before its execution ended (a call that
+    works as written: with the session, whose ids these are)."""
     if ExecutionStatus(result["status"]).finished:
         return None
-    return (
-        f"Execution {result['execution_id']} is {result['status']}. Read its output with "
-        f"get_execution_output(execution_id={result['execution_id']!r}, "
-        f"last_event_id={result.get('next_cursor', '0')!r}, wait=true)."
+    cursor = str(result.get("next_cursor", "0"))
+    hint = call_text(
+        "get_execution_output",
+        session,
+        execution_id=result["execution_id"],
+        last_event_id=cursor,
+        wait=True,
     )
+    return f"Execution {result['execution_id']} is {result['status']}. Read its output with {hint}."
 
 
 def execution_result(owner: Owner, result: dict[str, Any], model: type[ExecutionResult]) -> dict:
     """A session operation's result as the tool's structured result."""
+    session = session_name(owner)
     shaped = model.model_validate(
-        {**result, "session": session_name(owner), "message": unfinished_message(result)}
+        {**result, "session": session, "message": unfinished_message(result, session)}
     )
     return shaped.model_dump(mode="json")
 

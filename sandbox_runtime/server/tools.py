@@ -8,6 +8,7 @@ bodies); what this server adds are added fields.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -39,6 +40,14 @@ from sandbox_runtime.server.results import (
 )
 from sandbox_runtime.server.results import ExecutionResult as ExecutionResult
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
+from sandbox_runtime.server.screens import (
+    cancel_screen,
+    execution_screen,
+    list_screen,
+    result_budget,
+    status_screen,
+    stdin_screen,
+)
 from sandbox_runtime.sessions.executions import page_cursor
 from sandbox_runtime.sessions.operations import result_fields
 
@@ -60,6 +69,13 @@ WorkdirArg = Annotated[
 WaitArg = Annotated[
     bool, Field(description="Wait for the end (up to the timeout) and return the output.")
 ]
+FormatArg = Annotated[
+    Literal["concise", "detailed", "json"],
+    Field(description="Text of the result: concise; detailed (event ids, times); json."),
+]
+MaxCharsArg = Annotated[
+    int | None, Field(description="Most characters of text (default 100000); the rest is cut.")
+]
 ExecutionIdArg = Annotated[
     str, Field(description="The execution_id that execute_code or run_code returned.")
 ]
@@ -75,12 +91,13 @@ async def execute(
 ) -> ToolResult:
     """execute_code(_async): the session-bound `execute` operation, on the session's home."""
     owner = owner_of(ctx, session)
-    args = {"request": request, "wait": wait}
+    args = {"request": request, "wait": wait, "max_chars": result_budget.get()}
     async with progress_of(ctx, wait, s.settings.progress_interval) as progress:
         sink = progress.report if progress is not None else None
         result = await call(s, lambda: s.router.run(owner, "execute", args, sink), tool)
     structured = execution_result(owner, result, ExecutionResult)
-    return reply(structured, resource_links(owner, result.get("files")))
+    screen = execution_screen({**structured, "screen": result.get("screen")}, result_budget.get())
+    return reply(structured, resource_links(owner, result.get("files")), screen=screen)
 
 
 ServersArg = Annotated[
@@ -110,8 +127,11 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         wait_for_completion: WaitArg = True,
         session: SessionArg = None,
         servers: ServersArg = None,
+        response_format: FormatArg = "concise",
+        max_chars: MaxCharsArg = None,
     ) -> ToolResult:
-        """Run a command in a fresh sandbox; by default wait for it and return its output."""
+        """Run a shell command in the session's sandbox (/workspace kept) and return its output
+        and exit status; for a program with state between calls use run_code."""
         request = {
             "command": command,
             "timeout_seconds": timeout_seconds,
@@ -172,6 +192,8 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             Field(description="With wait: 'end' (as 0.2), or 'output': return at new events."),
         ] = "end",
         session: SessionArg = None,
+        response_format: FormatArg = "concise",
+        max_chars: MaxCharsArg = None,
     ) -> ToolResult:
         """Output events after a cursor. Reading never consumes: any number of readers."""
         s = root.services
@@ -226,7 +248,18 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             },
             OutputResult,
         )
-        return reply(structured)
+        budget = result_budget.get()
+        screen: dict[str, Any] = {}
+        shown = sum(len(e.get("data") or "") for e in events)
+        if page.info.status.finished and shown > budget:  # cut: the rest is in its log file
+            args = {"execution_id": execution_id, "max_chars": budget, "after": cursor}
+            with contextlib.suppress(ToolFailure):  # (no file: the cursor still reads on)
+                log = await call(
+                    s, lambda: s.router.run(owner, "keep_output", args, None), "keep_output", False
+                )
+                screen = {"log": log} if log else {}
+        shaped = {**structured, "screen": screen}
+        return reply(structured, screen=execution_screen(shaped, budget, after=str(cursor)))
 
     @mcp.tool
     async def send_stdin(
@@ -261,7 +294,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             bytes_written=written,
             stdin_open=info.stdin_open,
         )
-        return reply(result.model_dump(mode="json"))
+        return reply(result.model_dump(mode="json"), screen=stdin_screen(result.model_dump()))
 
     @mcp.tool
     async def cancel_execution(
@@ -285,11 +318,15 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             exit_code=info.exit_code,
             signal=info.signal,
         )
-        return reply(result.model_dump(mode="json"))
+        dumped = result.model_dump(mode="json")
+        return reply(dumped, screen=cancel_screen({**dumped, "duration_ms": info.duration_ms}))
 
     @mcp.tool
     async def get_execution_status(
-        ctx: Context, execution_id: ExecutionIdArg, session: SessionArg = None
+        ctx: Context,
+        execution_id: ExecutionIdArg,
+        session: SessionArg = None,
+        response_format: FormatArg = "concise",
     ) -> ToolResult:
         """An execution's metadata: status, exit code, limits, timestamps, output counters."""
         s = root.services
@@ -297,7 +334,8 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         info = await call(
             s, lambda: s.router.executions.status(owner, execution_id), "get_execution_status"
         )
-        return reply(status_of(info).model_dump(mode="json"))
+        item = status_of(info).model_dump(mode="json")
+        return reply(item, screen=status_screen(item))
 
     @mcp.tool(output_schema={**ExecutionList.model_json_schema(), "x-fastmcp-wrap-result": True})
     async def list_executions(
@@ -313,6 +351,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             Field(description="A previous reply's next_cursor: the page of older executions."),
         ] = None,
         session: SessionArg = None,
+        response_format: FormatArg = "concise",
     ) -> ToolResult:
         """The caller's executions in this session, newest first, a page at a time."""
         s = root.services
@@ -337,4 +376,5 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             "truncated": truncated,
             "next_cursor": page_cursor(infos[len(shown) - 1]) if following and shown else None,
         }
-        return reply(structured, items=shown)
+        screen = list_screen(structured, session_name(owner), status)
+        return reply(structured, items=shown, screen=screen)

@@ -27,6 +27,7 @@ from sandbox_runtime.files.urls import FileUrlSigner
 from sandbox_runtime.interpreters.manager import InterpreterManager
 from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions import snapshot_ops
+from sandbox_runtime.sessions.output_log import budget_of, keep_output, screen_extras
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.supervisor import scoped
 
@@ -103,7 +104,8 @@ async def execute(
     events = [e.public() for e in page.events]
     result = result_fields(page.info, events, page.next_cursor, page.has_more)
     result["files"] = await changed_files(manager, owner, since)
-    return result
+    screen = await screen_extras(manager, owner, execution, page.next_cursor, budget_of(args))
+    return {**result, **screen}
 
 
 async def wait_for_end(execution: Execution, progress: Progress | None) -> None:
@@ -168,7 +170,10 @@ async def run_code(
         return {**result_fields(execution.info, [], 0, False), **extra}
     await wait_for_end(execution, progress)
     extra["files"] = await changed_files(parts.manager, owner, since)
-    return {**call_result(execution), **extra}
+    result = call_result(execution)
+    shown_upto = int(result["next_cursor"])
+    extra.update(await screen_extras(parts.manager, owner, execution, shown_upto, budget_of(args)))
+    return {**result, **extra}
 
 
 def call_result(execution: Execution) -> dict[str, Any]:
@@ -247,6 +252,7 @@ OPERATIONS: dict[str, Operation] = {
     "read_file": lambda parts, owner, args, _: files.read_file(parts.manager, owner, args),
     "list_files": lambda parts, owner, args, _: files.list_files(parts.manager, owner, args),
     "delete_file": lambda parts, owner, args, _: files.delete_file(parts.manager, owner, args),
+    "keep_output": lambda parts, owner, args, _: keep_output(parts.manager, owner, args),
     "create_file_url": lambda parts, owner, args, _: files.create_file_url(
         parts.manager, parts.signer, owner, args
     ),
