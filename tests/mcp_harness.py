@@ -460,19 +460,25 @@ class Conn:
 
 
 def error_text(result: CallToolResult) -> str:
-    """The `error` of a refused call: its one text block is the JSON body {"error": ...,
-    "error_type": ...} (the structured content is the same body). For a call that succeeded
-    (a failed assertion's message): its text, as it is."""
+    """The `error` of a refused call: its structured content is the JSON body {"error": ...,
+    "error_type": ...}, and its one text block says that line ("Error (kind): ..."; or, with
+    response_format="json" or SANDBOX_RESULT_TEXT=json, is the body's JSON). For a call that
+    succeeded (a failed assertion's message): its text, as it is."""
     texts = [block.text for block in result.content if isinstance(block, TextContent)]
     if not result.is_error:
         return "\n".join(texts)
     assert len(texts) == 1, f"an error result has one text block: {result.content}"
-    body = json.loads(texts[0])
+    if texts[0].startswith("{"):
+        body = json.loads(texts[0])
+        if result.structured_content is not None:
+            assert result.structured_content == body, (result.structured_content, body)
+    else:
+        body = result.structured_content
+        assert isinstance(body, dict), f"an error result's structured content: {body!r}"
+        assert texts[0] == f"Error ({body.get('error_type')}): {body.get('error')}", texts[0]
     assert isinstance(body, dict) and isinstance(body.get("error"), str), body
     assert "error_type" in body, body
     assert "\n" not in body["error"], body
-    if result.structured_content is not None:
-        assert result.structured_content == body, (result.structured_content, body)
     return str(body["error"])
 
 

@@ -132,7 +132,9 @@ async def run_mcp2(url: str, token: str, mode: Mode) -> Outcome:
 @pytest.fixture(scope="module")
 def server(serve: Servers) -> ServerProcess:
     tokens = ",".join(f"{PRINCIPALS[c]}:{TOKENS[c]}" for c in CLIENTS)
-    return serve("compat02", SANDBOX_AUTH_TOKENS=tokens)
+    # 0.2's programs parse the legacy era's text blocks as JSON: the setting that keeps them
+    # as they were (the default text is a concise screen for models; docs/tools.md).
+    return serve("compat02", SANDBOX_AUTH_TOKENS=tokens, SANDBOX_RESULT_TEXT="json")
 
 
 @pytest.fixture(scope="module", params=CLIENTS)

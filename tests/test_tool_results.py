@@ -41,5 +41,11 @@ def test_an_unfinished_result_says_how_to_read_on() -> None:
     message = unfinished_message(running)
     assert message is not None and "last_event_id='5'" in message
     assert unfinished_message({"execution_id": "e1", "status": "completed"}) is None
+    assert "session" not in message  # the default session: no need to name it
     shaped = execution_result(Owner("p", "s:work"), running, ExecutionResult)
-    assert shaped["session"] == "work" and shaped["message"] == message
+    # A named session's ids are its own: the call that reads on names it.
+    assert shaped["session"] == "work"
+    assert shaped["message"] == unfinished_message(running, "work")
+    assert shaped["message"].endswith(
+        "get_execution_output(execution_id='e1', last_event_id='5', wait=True, session='work')."
+    )

@@ -157,7 +157,8 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         session: SessionArg = None,
         servers: ServersArg = None,
     ) -> ToolResult:
-        """Start a command in a fresh sandbox and return at once with its execution_id."""
+        """Start a long or interactive command and return its execution_id at once (then
+        get_execution_output, send_stdin, cancel_execution)."""
         request = {
             "command": command,
             "timeout_seconds": timeout_seconds,
@@ -195,7 +196,8 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         response_format: FormatArg = "concise",
         max_chars: MaxCharsArg = None,
     ) -> ToolResult:
-        """Output events after a cursor. Reading never consumes: any number of readers."""
+        """Read an execution's output after last_event_id (a previous next_cursor); wait=true
+        waits for its end. Reading never consumes."""
         s = root.services
         manager = s.manager
         owner = owner_of(ctx, session)
@@ -227,6 +229,8 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
                 page = await executions.read_output(owner, execution_id, seen, 1000, max(0, left))
                 if page.info.status.finished or not left > 0 or seen > page.info.last_seq:
                     break
+                if page.events and page.events[-1].type == "input_request":
+                    break  # (it cannot end before it is answered: say so now)
                 seen = page.next_cursor
             return await executions.read_output(owner, execution_id, cursor, limit, 0)
 

@@ -1,0 +1,223 @@
+"""What a model reads (DESIGN §18), against a real server, in both protocol eras: concise text,
+a budget per result, output past it cut head and tail and kept whole in the workspace, events
+within their bound, and hints that work: a small hint-follower parses every call a result's text
+names and makes it exactly as written.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import uuid
+from typing import Any
+
+import pytest
+from mcp.types import CallToolResult, TextContent
+from mcp_harness import Conn, Mode, ServerProcess, Servers, open_client
+
+pytestmark = pytest.mark.e2e
+
+TOKEN = "screens-token-0123456789"
+MODES: list[Mode] = ["legacy", "auto"]
+LINES = 200_000
+LONG = f"for i in range({LINES}):\n    print(f'line {{i}}')"
+LONG_BYTES = sum(len(f"line {i}\n") for i in range(LINES))
+EVENT_MAX = 64 * 1024
+TOOLS = (
+    "get_execution_output",
+    "read_file",
+    "list_executions",
+    "send_stdin",
+    "cancel_execution",
+    "get_execution_status",
+)
+CALL = re.compile(rf"\b({'|'.join(TOOLS)})\(([^()]*)\)")
+
+
+@pytest.fixture(scope="module")
+def server(serve: Servers) -> ServerProcess:
+    return serve("screens", SANDBOX_AUTH_TOKEN=TOKEN)
+
+
+def text_of(result: CallToolResult) -> str:
+    texts = [b.text for b in result.content if isinstance(b, TextContent)]
+    assert len(texts) == 1, f"one text block: {result.content}"
+    return texts[0]
+
+
+def hints(text: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every call the text names, with its arguments as literals (as a model would send)."""
+    found = []
+    for match in CALL.finditer(text):
+        call = ast.parse(f"f({match.group(2)})", mode="eval").body
+        assert isinstance(call, ast.Call) and not call.args, match.group(0)
+        args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+        found.append((match.group(1), args))
+    return found
+
+
+async def follow(conn: Conn, text: str, tool: str) -> tuple[dict[str, Any], str]:
+    """Make the first call to `tool` the text names, exactly; it must succeed."""
+    named = [args for name, args in hints(text) if name == tool]
+    assert named, f"no {tool}(...) hint in: {text[-2000:]}"
+    result = await conn.call(tool, **named[0])
+    assert not result.is_error, f"following {tool}({named[0]}) failed: {text_of(result)}"
+    return dict(result.structured_content or {}), text_of(result)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_short_command_reads_as_its_output_and_exit(
+    server: ServerProcess, mode: Mode
+) -> None:
+    async with open_client(server.url, TOKEN, mode) as conn:
+        result = await conn.call("execute_code", command="python3 -c 'print(6*7)'")
+        text = text_of(result)
+        assert re.fullmatch(r"42\n\[exit 0, \d+ ms\]", text), text
+        structured = result.structured_content or {}
+        assert [e["type"] for e in structured["output"]][-1] == "exit"  # the contract: kept
+        mixed = text_of(await conn.call("execute_code", command="echo out; echo err >&2; exit 3"))
+        assert re.fullmatch(r"out\n\[stderr\]\nerr\n\[exit 3, \d+ ms\]", mixed), mixed
+        detailed = await conn.call("execute_code", command="echo hi", response_format="detailed")
+        assert "next_cursor=" in text_of(detailed) and "#1 ready" in text_of(detailed)
+        as_json = await conn.call("execute_code", command="echo hi", response_format="json")
+        if mode == "legacy":  # the JSON of the result, as before (and as 0.2 sent it)
+            assert json.loads(text_of(as_json)) == as_json.structured_content
+        wrong = await conn.call("get_execution_output", execution_id="no-such-execution")
+        assert wrong.is_error
+        assert text_of(wrong) == "Error (not_found): execution 'no-such-execution' not found"
+        assert (wrong.structured_content or {})["error_type"] == "not_found"
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_hints_of_a_named_session_work_as_written(server: ServerProcess, mode: Mode) -> None:
+    session = f"experiment-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, mode) as conn:
+        started = await conn.call(
+            "execute_code_async", command="sleep 0.5; echo done", session=session
+        )
+        structured = started.structured_content or {}
+        assert f"session='{session}'" in structured["message"]
+        page, text = await follow(conn, text_of(started), "get_execution_output")
+        assert page["status"] == "completed" and text.startswith("done\n"), text
+        asked = await conn.call(
+            "execute_code_async",
+            command="read name; echo hello $name",
+            interactive=True,
+            session=session,
+        )
+        asked_id = (asked.structured_content or {})["execution_id"]
+        await conn.ok("send_stdin", execution_id=asked_id, input_data="model", session=session)
+        page, text = await follow(conn, text_of(asked), "get_execution_output")
+        assert text.startswith("hello model\n"), text
+        slow = await conn.ok("execute_code_async", command="sleep 60", session=session)
+        status = text_of(
+            await conn.call(
+                "get_execution_status", execution_id=slow["execution_id"], session=session
+            )
+        )
+        await follow(conn, status, "get_execution_output")
+        cancelled = await conn.call(
+            "cancel_execution", execution_id=slow["execution_id"], session=session
+        )
+        assert "cancelled" in text_of(cancelled), text_of(cancelled)
+        listed = await conn.call("list_executions", limit=1, session=session)
+        first = (listed.structured_content or {})["result"][0]["id"]
+        older, text = await follow(conn, text_of(listed), "list_executions")
+        assert older["result"][0]["id"] != first and first not in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_long_output_is_cut_kept_and_readable_through_its_hints(
+    server: ServerProcess, mode: Mode
+) -> None:
+    session = f"long-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, mode) as conn:
+        result = await conn.call("run_code", code=LONG, session=session)
+        text = text_of(result)
+        assert len(text) <= 100_000
+        structured = result.structured_content or {}
+        execution_id = structured["execution_id"]
+        # Head and tail, what was cut between them, and where the whole of it is.
+        assert text.startswith("line 0\nline 1\n") and text.endswith(f"line {LINES - 1}")
+        note = re.search(r"\[… ([\d,]+) bytes, ([\d,]+) lines omitted", text)
+        assert note is not None, text[:500]
+        shown_lines = text.count("\n")  # (the note takes the newline the tail lost at the end)
+        assert int(note.group(2).replace(",", "")) + shown_lines == LINES
+        log = f".outputs/{execution_id}.log"
+        assert log in text
+        # The file holds the output whole; its hint reads exactly where the head stops.
+        whole = await conn.ok("read_file", path=log, offset=0, length=1, session=session)
+        assert whole["size"] == LONG_BYTES
+        part, part_text = await follow(conn, text, "read_file")
+        head = text[: text.index("[…")]
+        assert part["offset"] == len(head.encode())
+        assert part["content"].startswith(f"line {head.count(chr(10))}\n"), part["content"][:40]
+        assert len(part_text) <= 100_000
+        await follow(conn, part_text, "read_file")  # and its "read on" hint too
+        # Events and pages within their bounds; every page's text within the budget; the
+        # cursors in the text read the whole output through.
+        cursor = "0"
+        events = 0
+        pages = 0
+        while True:
+            page = await conn.call(
+                "get_execution_output",
+                execution_id=execution_id,
+                last_event_id=cursor,
+                session=session,
+            )
+            assert not page.is_error, text_of(page)
+            body = page.structured_content or {}
+            assert len(json.dumps(body["output"])) <= 300 * 1024
+            for event in body["output"]:
+                assert len(event.get("data", "").encode()) <= EVENT_MAX
+            events += len(body["output"])
+            assert len(text_of(page)) <= 100_000
+            pages += 1
+            if not body["has_more"]:
+                break
+            nexts = [a for t, a in hints(text_of(page)) if t == "get_execution_output"]
+            assert nexts[-1]["last_event_id"] == body["next_cursor"], text_of(page)[-400:]
+            cursor = body["next_cursor"]
+        assert pages >= 8 and events >= LONG_BYTES // EVENT_MAX
+        # A smaller budget per call, within it.
+        small = await conn.call(
+            "get_execution_output", execution_id=execution_id, max_chars=5000, session=session
+        )
+        assert len(text_of(small)) <= 5000
+        await follow(conn, text_of(small), "read_file")
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_run_code_reads_as_a_notebook(server: ServerProcess, mode: Mode) -> None:
+    session = f"nb-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, mode) as conn:
+        table = await conn.call(
+            "run_code",
+            code="import pandas as pd\ndf = pd.DataFrame({'a': [1, 2, 3]})\ndf.describe()",
+            session=session,
+        )
+        text = text_of(table)
+        assert text.startswith("         a\ncount  3.0\nmean   2.0"), text
+        assert "\\n" not in text and "{" not in text
+        failed = text_of(await conn.call("run_code", code="1/0", session=session))
+        assert failed.endswith("ZeroDivisionError: division by zero"), failed
+        assert len(failed.splitlines()) <= 9
+        asked = await conn.call(
+            "run_code_async", code="x = input('name? ')\nprint('hi', x)", session=session
+        )
+        text = ""
+        for _ in range(20):  # (the kernel may not have asked yet at the first read)
+            _, text = await follow(conn, text_of(asked), "get_execution_output")
+            if "input requested" in text:
+                break
+        assert "input requested: 'name? '" in text, text
+        template = next(a for t, a in hints(text) if t == "send_stdin")
+        assert template["input_data"] == "<your answer>"
+        await conn.ok("send_stdin", **{**template, "input_data": "model"})
+        for _ in range(20):  # (the answer may not have been printed at the first read)
+            done, text = await follow(conn, text_of(asked), "get_execution_output")
+            if "hi model" in text:
+                break
+        assert "hi model" in text and done["status"] == "completed", text
