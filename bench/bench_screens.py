@@ -138,9 +138,48 @@ async def measure(url: str, mode: str) -> tuple[list[tuple[str, int]], int]:
     return rows, listed
 
 
+LONG_STEPS = ("200,000 lines (run_code)", "its next page (get_execution_output)")
+
+
+def table(numbers: dict[str, Any], before: dict[str, Any] | None) -> str:
+    """A markdown table: characters per step and era (before → after, with `before`), the
+    totals with and without the 200,000-line output, and tools/list."""
+    eras = ("legacy", "modern")
+    head = "| step | 2025 era | 2026 era |\n|---|---:|---:|"
+    if before:
+        head = "| step | 2025 before | 2025 after | 2026 before | 2026 after |\n"
+        head += "|---|---:|---:|---:|---:|"
+
+    def cells(i: int | None, keep: Any = None) -> str:
+        out = []
+        for era in eras:
+            runs = [before[era], numbers[era]] if before else [numbers[era]]
+            for run in runs:
+                if i is not None:
+                    out.append(f"{run[i][1]:,}")
+                else:
+                    out.append(f"{sum(n for name, n in run if keep(name)):,}")
+        return " | ".join(out)
+
+    rows = [head]
+    for i, (name, _) in enumerate(numbers["legacy"]):
+        rows.append(f"| {name} | {cells(i)} |")
+    rows.append(
+        f"| **total without the long output** | {cells(None, lambda n: n not in LONG_STEPS)} |"
+    )
+    rows.append(f"| **total** | {cells(None, lambda n: True)} |")
+    listed = (
+        f"{before['tools_list']:,} → {numbers['tools_list']:,}"
+        if before
+        else f"{numbers['tools_list']:,}"
+    )
+    return "\n".join(rows) + f"\n\ntools/list: {listed} characters of JSON"
+
+
 async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--before", type=Path, help="numbers of an earlier run (--json) to show")
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="bench-screens-") as tmp,
@@ -148,16 +187,11 @@ async def main() -> int:
     ):
         legacy, listed = await measure(server.url, "legacy")
         modern, _ = await measure(server.url, "auto")
-    width = max(len(name) for name, _ in legacy)
-    print(f"{'step':<{width}}  {'2025 era':>9}  {'2026 era':>9}")
-    for (name, old), (_, new) in zip(legacy, modern, strict=True):
-        print(f"{name:<{width}}  {old:>9,}  {new:>9,}")
-    total = (sum(n for _, n in legacy), sum(n for _, n in modern))
-    print(f"{'total':<{width}}  {total[0]:>9,}  {total[1]:>9,}")
-    print(f"tools/list: {listed:,} characters of JSON")
+    numbers = {"legacy": legacy, "modern": modern, "tools_list": listed}
     if args.json:
-        numbers = {"legacy": legacy, "modern": modern, "tools_list": listed}
         args.json.write_text(json.dumps(numbers, indent=1))
+    before = json.loads(args.before.read_text()) if args.before else None
+    print(table(numbers, before))
     return 0
 
 

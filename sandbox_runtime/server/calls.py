@@ -33,8 +33,8 @@ T = TypeVar("T")
 SessionArg = Annotated[
     str | None,
     Field(
-        description="Session (its workspace, interpreters, executions); omitted: 'default'. "
-        "Name one to keep work apart from other agents of the same token."
+        description="Session (workspace, interpreters, executions); omitted: 'default'. "
+        "Name one per agent to keep work apart."
     ),
 ]
 

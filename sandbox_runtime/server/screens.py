@@ -217,8 +217,7 @@ def execution_screen(
     if not finished:
         cursor = str(result.get("next_cursor") or "0")
         parts.append(
-            f"[{status}: execution_id {execution_id!r}; read its output with "
-            f"{read_on(result, cursor, wait=True)}]"
+            f"[{status}; read its output with {read_on(result, cursor, wait=True)}]"
         )
     else:
         if result.get("has_more") and not tail:

@@ -71,10 +71,10 @@ WaitArg = Annotated[
 ]
 FormatArg = Annotated[
     Literal["concise", "detailed", "json"],
-    Field(description="Text of the result: concise; detailed (event ids, times); json."),
+    Field(description="The result's text: concise, detailed (ids, times) or json."),
 ]
 MaxCharsArg = Annotated[
-    int | None, Field(description="Most characters of text (default 100000); the rest is cut.")
+    int | None, Field(description="Most characters of text (default 100000).")
 ]
 ExecutionIdArg = Annotated[
     str, Field(description="The execution_id that execute_code or run_code returned.")
