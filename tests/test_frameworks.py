@@ -172,9 +172,10 @@ def test_langchain_per_call_sessions_share_one_interpreter(tmp_path: Path) -> No
     assert interpreters <= 1, f"{interpreters:g} python interpreters for one token after 20 calls"
     sessions = {c["result"]["session"] for c in calls}
     assert sessions == {"default"}, f"sessions named in the results: {sessions}"
-    assert all(all(c["result"]["text_blocks_json"]) for c in calls), (
-        "a TextContent block is not JSON: " + brief(calls[0]["result"]["text"])
-    )
+    # What the model reads (LangChain hands it the text): the output, not the result's JSON.
+    for i, c in enumerate(calls[1:-1], start=1):
+        assert c["result"]["text"] == [f"call {i}"], brief(c["result"]["text"])
+    assert last["text"] == ["1"], brief(last["text"])
 
 
 # -- openai-agents ------------------------------------------------------------------------------
@@ -373,9 +374,10 @@ def test_mcp_remote_bridges_calls_and_says_invalid_token(
     assert [a.get("id") for a in answers] == [1, 2], f"{answers}\n{stderr[-2000:]}"
     result = answers[1]["result"]
     assert not result.get("isError"), result
-    data = json.loads(result["content"][0]["text"])  # the legacy era: the text is the JSON
+    data = result["structuredContent"]  # (the text is what a model reads: the output)
     assert data["status"] == "completed" and data["exit_code"] == 0, data
     assert "bridged\n" in [e.get("data") for e in data["output"]], data
+    assert result["content"][0]["text"].startswith("bridged\n[exit 0, "), result
 
     # A wrong token: mcp-remote tries to register as an OAuth client; what it shows is ours.
     answers, stderr = mcp_remote(server, tmp_path / "home2", "wrong-token", [INITIALIZE])

@@ -578,11 +578,18 @@ async def test_list_executions_filters_by_status(alice: Conn) -> None:
         assert len(one["result"]) == 1
         assert one["next_cursor"] is not None
         assert everything["next_cursor"] is None
-        # The text content: in the legacy era one JSON block per execution (none for an empty
-        # list), as 0.2 sent lists; in the 2026 era one block with the JSON list.
-        raw = await alice.call("list_executions", session=session)
+        # The text a model reads: a line per execution (its id, how it ended, its command).
+        lines = await alice.call("list_executions", session=session)
+        shown = [b.text for b in lines.content if isinstance(b, TextContent)]
+        assert len(shown) == 1 and len(shown[0].splitlines()) == 2, shown
+        assert all(i["id"] in shown[0] for i in everything["result"])
+        # As json (0.2's text): in the legacy era one JSON block per execution (none for an
+        # empty list), as 0.2 sent lists; in the 2026 era one block with the JSON list.
+        raw = await alice.call("list_executions", session=session, response_format="json")
         texts = [json.loads(b.text) for b in raw.content if isinstance(b, TextContent)]
-        empty = await alice.call("list_executions", status="timeout", session=session)
+        empty = await alice.call(
+            "list_executions", status="timeout", session=session, response_format="json"
+        )
         empty_texts = [json.loads(b.text) for b in empty.content if isinstance(b, TextContent)]
         if alice.mode == "legacy":
             assert texts == everything["result"]
