@@ -230,10 +230,23 @@ def execution_screen(
     return _join(parts)
 
 
+DETAIL_KEYS = (
+    "execution_id",
+    "session",
+    "status",
+    "exit_code",
+    "signal",
+    "duration_ms",
+    "next_cursor",
+    "has_more",
+    "first_event_id",
+    "dropped_bytes",
+    "execution_count",
+)
+
+
 def _detail_head(result: dict[str, Any]) -> str:
-    keys = ("execution_id", "session", "status", "exit_code", "signal", "duration_ms")
-    keys += ("next_cursor", "has_more", "first_event_id", "dropped_bytes", "execution_count")
-    shown = {k: result[k] for k in keys if result.get(k) is not None}
+    shown = {k: result[k] for k in DETAIL_KEYS if result.get(k) is not None}
     return " ".join(f"{k}={v}" for k, v in shown.items())
 
 

@@ -1,0 +1,87 @@
+"""The screens of server/screens.py as pure functions: what they show, and their bounds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sandbox_runtime.execution.execution import CHUNK_BYTES, chunks
+from sandbox_runtime.server.screens import (
+    MIN_BUDGET,
+    call,
+    error_text,
+    execution_screen,
+    read_screen,
+    render,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def events(*pairs: tuple[str, str]) -> list[dict[str, object]]:
+    return [{"event_id": str(i + 2), "type": t, "data": d} for i, (t, d) in enumerate(pairs)]
+
+
+def test_output_reads_as_a_terminal_with_stderr_marked() -> None:
+    shown = render(events(("stdout", "a\n"), ("stderr", "b"), ("stdout", "c\n")), None, "e")
+    assert shown == "a\n[stderr]\nb\n[stdout]\nc\n"
+    assert render(events(("stdout", "only\n")), None, "e") == "only\n"
+    call_event = {"type": "tool_call", "name": "time.now", "reason": "ok", "duration_ms": 3}
+    assert render([call_event], None, "e") == "[time.now → ok, 3 ms]\n"
+
+
+def test_calls_name_the_session_unless_it_is_the_default() -> None:
+    assert call("list_executions", "default", cursor="c") == "list_executions(cursor='c')"
+    assert call("read_file", "s1", path="p", offset=3) == (
+        "read_file(path='p', offset=3, session='s1')"
+    )
+
+
+def test_an_exception_is_its_last_lines_and_name_value() -> None:
+    error = {
+        "name": "ValueError",
+        "value": "bad",
+        "traceback": ["-" * 20, "Traceback", *[f"frame {i}" for i in range(20)], "ValueError: bad"],
+    }
+    text = error_text(error)
+    assert text.endswith("frame 19\nValueError: bad") and "-----" not in text
+    assert len(text.splitlines()) <= 9
+
+
+@pytest.mark.parametrize("budget", [MIN_BUDGET, 5_000, 100_000])
+def test_every_screen_is_within_its_budget(budget: int) -> None:
+    rng = random.Random(budget)
+    for _ in range(20):
+        pieces = [
+            (
+                rng.choice(["stdout", "stderr"]),
+                "x" * rng.randint(0, 30_000) + "\n" * rng.randint(0, 3),
+            )
+            for _ in range(rng.randint(1, 12))
+        ]
+        result = {
+            "execution_id": "e",
+            "status": "completed",
+            "exit_code": 0,
+            "output": events(*pieces),
+            "next_cursor": "20",
+            "has_more": rng.random() < 0.5,
+            "session": "s",
+            "files": [{"path": f"f{i}", "size": i} for i in range(rng.randint(0, 60))],
+        }
+        assert len(execution_screen(result, budget)) <= budget
+
+
+def test_a_part_of_a_file_says_where_the_next_starts() -> None:
+    part = {"path": "log", "size": 10_000, "offset": 0, "length": 9_000, "eof": False}
+    text = read_screen({**part, "encoding": "utf-8", "content": "y\n" * 4_500}, "s", MIN_BUDGET)
+    assert len(text) <= MIN_BUDGET
+    assert text.endswith("read_file(path='log', offset=1000, length=1000, session='s')]")
+
+
+def test_output_is_cut_into_events_of_at_most_64_kib() -> None:
+    for text in ("a" * 200_000, "é" * 100_000, "€x" * 50_000, "short"):
+        pieces = chunks(text, CHUNK_BYTES)
+        assert "".join(pieces) == text
+        assert all(len(p.encode()) <= CHUNK_BYTES for p in pieces)
