@@ -201,5 +201,6 @@ async def test_claude_desktops_entry_runs_mcp_remote_as_written(
     async with Client(launch, mode="legacy") as mcp:
         result = await mcp.call_tool("execute_code", {"command": "echo desktop"})
     assert not result.is_error, result
-    data = json.loads(result.content[0].text)  # type: ignore[union-attr]
+    data = result.structured_content or {}
     assert "desktop\n" in [e.get("data") for e in data["output"]], data
+    assert result.content[0].text.startswith("desktop\n[exit 0, ")  # type: ignore[union-attr]

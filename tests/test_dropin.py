@@ -242,10 +242,16 @@ async def test_a_plot_comes_once_as_an_image_and_the_text_says_what_it_is(
     images = [b for b in result.content if b.type == "image"]
     assert [i.data for i in images] == [png]
     (text,) = [b.text for b in result.content if b.type == "text"]
+    assert text == "[png image]", text
+    async with open_client(server.url, TOKEN, mode) as conn:
+        result = await conn.call(
+            "run_code", code=code, session=f"plot-{mode}", response_format="json"
+        )
+    (text,) = [b.text for b in result.content if b.type == "text"]
     assert png not in text
-    if mode == "legacy":  # 0.2's era: the text is the result's JSON, the image named in it
+    if mode == "legacy":  # as json, 0.2's era: the result's JSON, the image named in it
         shown = json.loads(text)
-        assert shown["execution_id"] == result.structured_content["execution_id"]
+        assert shown["execution_id"] == (result.structured_content or {})["execution_id"]
         assert "the image content" in shown["results"][0]["image/png"]
 
 
@@ -289,9 +295,11 @@ async def test_a_large_run_code_reply_fits_the_official_clients_limit_in_the_leg
 ) -> None:
     """The client refuses an SSE event over 1 MiB; a legacy reply carries its result twice."""
     async with open_client(server.url, TOKEN, "legacy") as conn:
-        result = await conn.call(
-            "run_code", code='print("\\"" * 250000); print("中" * 100000)', session="big-reply"
-        )
+        code = 'print("\\"" * 250000); print("中" * 100000)'
+        concise = await conn.call("run_code", code=code, session="big-reply")
+        result = await conn.call("run_code", code=code, session="big-reply", response_format="json")
+    (text,) = [b.text for b in concise.content if b.type == "text"]
+    assert len(text) <= 100_000 and "omitted; read them with read_file(" in text, text[-300:]
     assert not result.is_error, result.content
     assert result.structured_content is not None
     (text,) = [b.text for b in result.content if b.type == "text"]
@@ -327,6 +335,11 @@ async def test_a_large_file_read_fits_too_and_its_text_says_what_it_left_out(
     assert result.structured_content is not None
     assert result.structured_content["content"] == body
     (text,) = [b.text for b in result.content if b.type == "text"]
-    shown = json.loads(text)
-    assert shown["size"] == len(body) and "content" not in shown
-    assert shown["text_left_out"].startswith("content:"), shown
+    # The text within its budget, and the call that reads on (SANDBOX_RESULT_TEXT=json: the
+    # JSON with the content left out, `text_left_out` naming it: tests/test_compat_02.py's era).
+    assert len(text) <= 100_000 and text.startswith('"quoted" "quoted"')
+    end = len(text[: text.rindex("\n[bytes ")].encode())
+    assert text.endswith(
+        f"[bytes 0-{end:,} of {len(body):,}; read on with read_file(path='big.txt', "
+        f"offset={end}, length=99000, session='big-file')]"
+    ), text[-300:]

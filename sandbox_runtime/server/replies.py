@@ -180,7 +180,7 @@ class ErrorResults(Middleware):
     ) -> ToolResult:
         tool = context.message.name
         try:
-            return await call_next(context)
+            return _concise(await call_next(context))
         except NotFoundError:  # (the tool itself: the library looks it up inside the chain)
             names = ""
             with contextlib.suppress(Exception):  # the names are a courtesy
@@ -203,6 +203,26 @@ class ErrorResults(Middleware):
             return error_reply(tool, _line(str(exc)), exc.kind, **exc.fields)
         except ToolError as exc:
             return error_reply(tool, _line(str(exc)), "error")
+
+
+def _concise(result: ToolResult) -> ToolResult:
+    """A tool that returns its model (the library makes the text its JSON) gets the concise
+    text: `key: value` lines (screens.compact) within the budget. Results made by `reply`
+    have their text already; json keeps the library's."""
+    structured = result.structured_content
+    if result_format.get() == "json" or structured is None or len(result.content) != 1:
+        return result
+    block = result.content[0]
+    if not isinstance(block, TextContent) or block.text[:1] not in "{[":
+        return result
+    try:
+        shown = json.loads(block.text)
+    except ValueError:
+        return result
+    if shown != structured and [shown] != list(structured.values()):
+        return result
+    text = within_budget(compact(structured))
+    return ToolResult(content=[as_text(text)], structured_content=structured, meta=result.meta)
 
 
 def _line(text: str) -> str:

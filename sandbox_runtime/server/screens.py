@@ -216,9 +216,7 @@ def execution_screen(
     finished = status not in ("pending", "running")
     if not finished:
         cursor = str(result.get("next_cursor") or "0")
-        parts.append(
-            f"[{status}; read its output with {read_on(result, cursor, wait=True)}]"
-        )
+        parts.append(f"[{status}; read its output with {read_on(result, cursor, wait=True)}]")
     else:
         if result.get("has_more") and not tail:
             parts.append(f"[more output: {read_on(result, str(result.get('next_cursor')))}]")
@@ -401,23 +399,22 @@ def error_screen(body: dict[str, Any]) -> str:
 
 
 def compact(value: Any, indent: str = "") -> str:
-    """Any result as `key: value` lines (nested indented), without nulls or empty lists."""
+    """Any result as `key: value` lines (nested indented, list items after `- `), without
+    nulls; an empty list is `none`."""
     if isinstance(value, dict):
         lines = []
         for key, item in value.items():
-            if item is None or item == [] or item == {}:
+            if item is None or item == {}:
                 continue
-            if isinstance(item, dict | list):
+            if item == []:
+                lines.append(f"{indent}{key}: none")
+            elif isinstance(item, dict | list):
                 lines.append(f"{indent}{key}:\n{compact(item, indent + '  ')}")
             else:
                 lines.append(f"{indent}{key}: {item}")
         return "\n".join(lines)
     if isinstance(value, list):
-        out = []
-        for item in value:
-            text = compact(item, indent + "  ")
-            out.append(f"{indent}- {text.strip()}" if "\n" not in text.strip() else text)
-        return "\n".join(out)
+        return "\n".join(f"{indent}- {compact(i, indent + '  ').lstrip()}" for i in value)
     return f"{indent}{value}"
 
 

@@ -73,9 +73,7 @@ FormatArg = Annotated[
     Literal["concise", "detailed", "json"],
     Field(description="The result's text: concise, detailed (ids, times) or json."),
 ]
-MaxCharsArg = Annotated[
-    int | None, Field(description="Most characters of text (default 100000).")
-]
+MaxCharsArg = Annotated[int | None, Field(description="Most characters of text (default 100000).")]
 ExecutionIdArg = Annotated[
     str, Field(description="The execution_id that execute_code or run_code returned.")
 ]
