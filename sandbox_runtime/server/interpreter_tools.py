@@ -11,7 +11,6 @@ from pydantic import BaseModel, Field
 
 from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.server.replies import reply
-from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
 from sandbox_runtime.server.tools import (
     ExecutionResult,
@@ -130,10 +129,9 @@ async def _run_code(
         result = await call(s, lambda: s.router.run(owner, "run_code", args, sink), tool)
     structured = execution_result(owner, result, RunCodeResult)
     blocks = _content(structured)
-    links = resource_links(owner, result.get("files"))
     # The images go once as image content: the JSON text does not carry them a third time.
     shown = {**structured, "results": [_without_images(b) for b in structured["results"]]}
-    return reply(structured, [*blocks[1:], *links], text=blocks[0].text, shown=shown)
+    return reply(structured, blocks[1:], text=blocks[0].text, shown=shown)
 
 
 def _without_images(bundle: dict[str, Any]) -> dict[str, Any]:

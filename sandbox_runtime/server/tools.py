@@ -25,7 +25,6 @@ from sandbox_runtime.server.calls import owner_of as owner_of
 from sandbox_runtime.server.calls import progress_of as progress_of
 from sandbox_runtime.server.calls import session_name as session_name
 from sandbox_runtime.server.replies import ToolFailure, reply
-from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.results import (
     CancelResult,
     ExecutionList,
@@ -80,7 +79,7 @@ async def execute(
         sink = progress.report if progress is not None else None
         result = await call(s, lambda: s.router.run(owner, "execute", args, sink), tool)
     structured = execution_result(owner, result, ExecutionResult)
-    return reply(structured, resource_links(owner, result.get("files")))
+    return reply(structured)
 
 
 ServersArg = Annotated[
