@@ -82,6 +82,23 @@ async def test_a_plot_is_one_png_image_block_and_no_link(server: ServerProcess, 
     assert {f["path"] for f in result.structured_content["files"]} == {"p.png"}
 
 
+async def test_an_image_a_kernel_wraps_comes_back_unwrapped(server: ServerProcess) -> None:
+    """base64 wrapped in lines (as base64.encodebytes writes it) is sent as one line: a data:
+    URL made of it by a client must have no line breaks."""
+    code = (
+        "import base64, io\nimport matplotlib.pyplot as plt\nfrom IPython.display import display\n"
+        "buf = io.BytesIO()\nplt.plot([1, 2])\nplt.savefig(buf, format='png')\nplt.close('all')\n"
+        "display({'image/png': base64.encodebytes(buf.getvalue()).decode()}, raw=True)"
+    )
+    async with open_client(server.url, TOKEN, "legacy") as conn:
+        result = await conn.call("run_code", code=code, session="wrapped")
+    assert not result.is_error, result.content
+    images = [b for b in result.content if isinstance(b, ImageContent)]
+    assert len(images) == 1, result.content
+    assert "\n" not in images[0].data
+    assert base64.b64decode(images[0].data, validate=True).startswith(PNG)
+
+
 def test_a_plot_through_langchain_converts_to_a_data_url_of_a_png(
     server: ServerProcess, tmp_path: Path
 ) -> None:

@@ -96,7 +96,9 @@ def _content(result: dict[str, Any]) -> list[Any]:
     for bundle in result.get("results", []):
         image = next((m for m in IMAGE_TYPES if isinstance(bundle.get(m), str)), None)
         if image is not None:
-            images.append(ImageContent(type="image", data=bundle[image], mime_type=image))
+            # (Some kernels wrap their base64: a data: URL made of it must have none of that.)
+            data = "".join(bundle[image].split())
+            images.append(ImageContent(type="image", data=data, mime_type=image))
             continue
         for mime in ("text/markdown", "text/plain", "text/html", "application/json"):
             if mime in bundle:
