@@ -236,13 +236,22 @@ async def test_who_may_use_what(server: ServerProcess) -> None:
     with pytest.raises(Exception) as refused:
         async with open_client(f"{server.base_url}/servers/aliceonly/mcp", BOB):
             pass
-    assert "Not Found" in message_of(refused.value), refused.value
+    # To Bob it does not exist: the words for a server nobody has (a JSON-RPC error, which
+    # every client shows), and never a hint that names it.
+    assert "no hosted server 'aliceonly'" in message_of(refused.value), refused.value
     response = httpx2.post(
         f"{server.base_url}/servers/aliceonly/mcp",
         headers={"Authorization": f"Bearer {BOB}", "Accept": "application/json"},
         json={"jsonrpc": "2.0", "id": 1, "method": "ping"},
     )
-    assert response.status_code == 404 and "no hosted server named" in response.text
+    assert response.status_code == 200, response.text
+    message = response.json()["error"]["message"]
+    assert message.startswith("no hosted server 'aliceonly'"), message
+    assert "did you mean 'aliceonly'" not in message, message
+    response = httpx2.get(
+        f"{server.base_url}/servers/aliceonly/mcp", headers={"Authorization": f"Bearer {BOB}"}
+    )
+    assert response.status_code == 404 and "no hosted server 'aliceonly'" in response.text
     response = httpx2.post(
         f"{server.base_url}/servers/echoenv/mcp",
         headers={"Authorization": "Bearer wrong-token", "Accept": "application/json"},

@@ -1158,8 +1158,7 @@ async def test_the_mcp_endpoint_without_a_token_is_401_with_www_authenticate(
     assert resp.status_code == 401
     assert resp.headers["www-authenticate"].startswith("Bearer")
     body = resp.json()
-    assert body["error"] == "missing token"
-    assert body["error_description"].startswith("missing token: ")
+    assert body["error"]["message"].startswith("missing token: ")
 
 
 @pytest.mark.parametrize("token", ["tok-nobody-0123456789", ALICE + "x", ALICE[:-1]])
@@ -1175,8 +1174,8 @@ async def test_the_mcp_endpoint_with_a_wrong_token_is_401(
     assert resp.status_code == 401
     assert 'error="invalid_token"' in resp.headers["www-authenticate"]
     body = resp.json()
-    assert body["error"] == "invalid token"
-    assert body["error_description"].startswith("invalid token: ")
+    assert body["error"]["message"].startswith("invalid token: ")
+    assert "invalid token" in resp.reason_phrase
     assert ALICE not in resp.text
 
 

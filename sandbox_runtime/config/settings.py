@@ -168,7 +168,12 @@ class Settings(BaseSettings):
 
     max_concurrent: int = Field(16, ge=1, le=4096, description="Executions running at once.")
     max_per_session: int = Field(
-        4, ge=1, le=4096, description="Executions running at once per (principal, session)."
+        4,
+        ge=1,
+        le=4096,
+        description="Executions running at once per (principal, session). The default "
+        "session (calls that name none) has the token's limit instead "
+        "(SANDBOX_MAX_RUNNING_PER_PRINCIPAL).",
     )
     timeout: float = Field(
         300, gt=0, description="Default execution timeout in seconds (wall clock)."

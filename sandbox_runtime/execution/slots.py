@@ -1,6 +1,10 @@
 """Running slots: this replica's (SANDBOX_MAX_CONCURRENT), each session's
 (SANDBOX_MAX_PER_SESSION) and, through the cluster, each principal's across all replicas.
 
+The default session is every connection of a token that names no session (ten agents of one
+token, each a transport session of its own): its limit is the token's
+(SANDBOX_MAX_RUNNING_PER_PRINCIPAL), so they are not held to one session's share.
+
 A slot is taken before the first await of a start (no lock is held across a spawn) and
 `reserved` until the execution runs; the session's count is held until it has ended.
 """
@@ -11,7 +15,7 @@ from collections.abc import Callable
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.models import new_execution_id
-from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.domain.owner import DEFAULT_SESSION, Owner
 from sandbox_runtime.errors import LimitExceededError
 from sandbox_runtime.execution.cluster import Cluster
 from sandbox_runtime.metrics import Metrics
@@ -40,17 +44,18 @@ class Slots:
                 f"the server is running its maximum of {settings.max_concurrent} "
                 "executions; wait for one to finish or cancel one"
             )
-        if self._per_owner.get(owner, 0) >= settings.max_per_session:
+        shared = owner.session_id == DEFAULT_SESSION
+        limit = settings.max_running_per_principal if shared else settings.max_per_session
+        if self._per_owner.get(owner, 0) >= limit:
             self.metrics.rejections.labels("session").inc()
-            shared = (
-                " (the default session, shared by every connection of this token that names "
-                "none: pass `session` to work apart)"
-                if owner.session_id == "default"
-                else ""
+            whose = (
+                "this token's default session (every connection that names no session) is "
+                if shared
+                else "this session is "
             )
             raise LimitExceededError(
-                f"this session is running its maximum of {settings.max_per_session} "
-                f"executions{shared}; wait for one to finish or cancel one"
+                f"{whose}running its maximum of {limit} executions; wait for one to finish "
+                "or cancel one"
             )
         self.reserved += 1
         self._per_owner[owner] = self._per_owner.get(owner, 0) + 1

@@ -42,11 +42,24 @@ INVALID = (
 MISSING = "missing token: send the server's token as Authorization: Bearer <token>"
 
 
+# The JSON-RPC error code of a refused token (the implementation-defined server-error range).
+REFUSED_CODE = -32001
+
+
+def refusal_body(text: str) -> bytes:
+    """A 401's body: a JSON-RPC error, whose message the 2.x Python client and the frameworks
+    on it show from any status (the 1.x TypeScript SDK shows the body's text; RFC 6750's
+    error_description is in WWW-Authenticate)."""
+    error = {"code": REFUSED_CODE, "message": text}
+    return json.dumps({"jsonrpc": "2.0", "id": None, "error": error}).encode()
+
+
 class PlainAuthErrors:
-    """A refused token answered in plain words: `invalid token` (or `missing token`) in the
-    401's body and WWW-Authenticate, and no OAuth hints (this server has no OAuth: the
-    library's text tells clients to re-register, which sends mcp-remote and the SDKs into a
-    client-registration attempt that hides the real problem)."""
+    """A refused token answered in plain words: `invalid token` (or `missing token`) and how
+    to fix it, in the 401's body (see refusal_body) and WWW-Authenticate, and no OAuth hints
+    (this server has no OAuth: the library's text tells clients to re-register, which sends
+    mcp-remote and the SDKs into a client-registration attempt that hides the real problem).
+    The token sent is never echoed."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -66,11 +79,10 @@ class PlainAuthErrors:
                     for k, v in scope.get("headers", [])
                 )
                 text = INVALID if offered else MISSING
-                short = text.split(":")[0]
-                body = json.dumps({"error": short, "error_description": text})
+                body = refusal_body(text)
                 challenge = 'Bearer realm="sandbox_runtime"'
                 if offered:  # RFC 6750 3.1: no error code when no credentials came
-                    challenge += f', error="invalid_token", error_description="{short}"'
+                    challenge += f', error="invalid_token", error_description="{text}"'
                 await send(
                     {
                         "type": "http.response.start",
@@ -82,7 +94,7 @@ class PlainAuthErrors:
                         ],
                     }
                 )
-                await send({"type": "http.response.body", "body": body.encode()})
+                await send({"type": "http.response.body", "body": body})
                 return
             if not refused:
                 await send(message)

@@ -59,3 +59,25 @@ class HeadTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
         self._head_timer = None
         if self.cycle is self._head_of and not self.transport.is_closing():
             self.transport.close()
+
+
+# What a 401's status line says. httpx puts the reason phrase in its HTTPStatusError ("Client
+# error '401 ...' for url ..."), and that error is all the 1.x Python client shows of a refused
+# token: LangChain's adapters and pydantic-ai on it never read the body. uvicorn takes the
+# phrase from a table per status code; every 401 this server sends is a refused bearer token.
+REFUSED_PHRASE = (
+    b"Unauthorized: invalid token (send the server's token as Authorization: Bearer <token>)"
+)
+
+
+def say_why_in_401s() -> None:
+    """Make uvicorn's status line of a 401 say what was wrong and how to fix it (any reason
+    phrase is valid HTTP/1.1; clients must not act on it)."""
+    from uvicorn.protocols.http import h11_impl
+
+    h11_impl.STATUS_PHRASES[401] = REFUSED_PHRASE
+    try:
+        from uvicorn.protocols.http import httptools_impl
+    except ImportError:  # (no httptools: uvicorn speaks h11)
+        return
+    httptools_impl.STATUS_LINE[401] = b"HTTP/1.1 401 " + REFUSED_PHRASE + b"\r\n"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import json
 import re
 from collections.abc import Mapping
@@ -115,8 +116,12 @@ class HostedServers:
         name = match["name"]
         try:
             entry = host.entry_for(name, principal)
-        except SandboxRuntimeError as exc:
-            await _plain(send, 404, str(exc))
+        except SandboxRuntimeError:
+            try:
+                names = [e.name for e in host.catalog().for_principal(principal)]
+            except SandboxRuntimeError:  # (a catalog that cannot be read names nothing)
+                names = []
+            await _no_such_server(scope, receive, send, unknown_server(name, names))
             return
         app = await self._app(entry)
         scope = dict(scope, path="/mcp", raw_path=b"/mcp")
@@ -313,6 +318,67 @@ async def _relay_notification(
                 )
     except Exception as exc:  # (the caller went away)
         logger.debug("hosted server notification not relayed: {}", exc)
+
+
+def unknown_server(name: str, names: list[str]) -> str:
+    """What a caller who may use `names` reads for a URL naming `name` (after auth: an
+    unauthenticated caller learns no names)."""
+    close = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"no hosted server {name!r}{hint} (list_servers names them)"
+
+
+MAX_PEEKED_BODY = 64 * 1024
+
+
+async def _no_such_server(scope: Scope, receive: Receive, send: Send, text: str) -> None:
+    """404 with `text`, except for a POST of JSON-RPC requests (an MCP client's initialize,
+    discover or stateless call): a JSON-RPC error for each, in a 200. The 1.x Python client
+    turns any 404 into "Session terminated" and never reads the body of another error status;
+    a JSON-RPC error in a 200 reaches every client's user as its message."""
+    ids = await _request_ids(scope, receive) if scope.get("method") == "POST" else None
+    if not ids:
+        await _plain(send, 404, text)
+        return
+    errors = [{"jsonrpc": "2.0", "id": i, "error": {"code": -32600, "message": text}} for i in ids]
+    body = json.dumps(errors if len(errors) > 1 else errors[0]).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _request_ids(scope: Scope, receive: Receive) -> list[Any] | None:
+    """The ids of the JSON-RPC requests in a POST's body (None: not JSON-RPC requests, or a
+    body past MAX_PEEKED_BODY, which is not read further)."""
+    body = b""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        body += message.get("body", b"")
+        if len(body) > MAX_PEEKED_BODY:
+            return None
+        if not message.get("more_body", False):
+            break
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None
+    items = parsed if isinstance(parsed, list) else [parsed]
+    ids = [
+        i.get("id")
+        for i in items
+        if isinstance(i, dict) and isinstance(i.get("method"), str) and "id" in i
+    ]
+    return ids or None
 
 
 async def _plain(send: Send, status: int, text: str) -> None:

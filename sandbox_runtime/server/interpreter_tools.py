@@ -11,7 +11,6 @@ from pydantic import BaseModel, Field
 
 from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.server.replies import reply
-from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
 from sandbox_runtime.server.screens import result_budget, run_code_screen
 from sandbox_runtime.server.tools import (
@@ -100,7 +99,9 @@ def _content(result: dict[str, Any]) -> list[Any]:
     for bundle in result.get("results", []):
         image = next((m for m in IMAGE_TYPES if isinstance(bundle.get(m), str)), None)
         if image is not None:
-            images.append(ImageContent(type="image", data=bundle[image], mime_type=image))
+            # (Some kernels wrap their base64: a data: URL made of it must have none of that.)
+            data = "".join(bundle[image].split())
+            images.append(ImageContent(type="image", data=data, mime_type=image))
             continue
         for mime in ("text/markdown", "text/plain", "text/html", "application/json"):
             if mime in bundle:
@@ -134,11 +135,10 @@ async def _run_code(
         result = await call(s, lambda: s.router.run(owner, "run_code", args, sink), tool)
     structured = execution_result(owner, result, RunCodeResult)
     blocks = _content(structured)
-    links = resource_links(owner, result.get("files"))
     # The images go once as image content: the JSON text does not carry them a third time.
     shown = {**structured, "results": [_without_images(b) for b in structured["results"]]}
     screen = run_code_screen({**structured, "screen": result.get("screen")}, result_budget.get())
-    return reply(structured, [*blocks[1:], *links], text=blocks[0].text, shown=shown, screen=screen)
+    return reply(structured, blocks[1:], text=blocks[0].text, shown=shown, screen=screen)
 
 
 def _without_images(bundle: dict[str, Any]) -> dict[str, Any]:

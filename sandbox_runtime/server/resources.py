@@ -1,14 +1,14 @@
-"""Workspace files as MCP resources: their URIs, and links to the files a call changed."""
+"""Workspace files as MCP resources: their URIs.
+
+Results name the files a call changed in `files`, not as resource links: LangChain's MCP
+adapters turn every resource link into an image or a file URL (an image_url of workspace://,
+which OpenAI-style APIs reject; a file URL, which its OpenAI conversion refuses outright)."""
 
 from __future__ import annotations
 
-from typing import Any
 from urllib.parse import quote
 
-from mcp.types import ResourceLink
-
 from sandbox_runtime.domain.owner import Owner
-from sandbox_runtime.files.operations import mime_type_of
 
 RESOURCE_TEMPLATE = "workspace://{session}/{path*}"
 THIS_SESSION = "~"  # in a resource URI: the session of the request (transport or default)
@@ -20,17 +20,3 @@ def resource_uri(owner: Owner, path: str) -> str:
     session = owner.session_id
     name = session[2:] if session.startswith("s:") else THIS_SESSION
     return f"workspace://{quote(name, safe='')}/{quote(path, safe='/')}"
-
-
-def resource_links(owner: Owner, files: list[dict[str, Any]] | None) -> list[ResourceLink]:
-    """Resource links for the files a call created or changed."""
-    return [
-        ResourceLink(
-            type="resource_link",
-            uri=resource_uri(owner, f["path"]),
-            name=f["path"],
-            mime_type=mime_type_of(f["path"]),
-            size=f["size"],
-        )
-        for f in files or []
-    ]

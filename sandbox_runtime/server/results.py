@@ -53,8 +53,8 @@ class ExecutionResult(BaseModel):
     )
     files: list[ChangedFile] | None = Field(
         None,
-        description="Files in /workspace the call created or changed (at most 50), also "
-        "given as resource links (workspace://...).",
+        description="Files in /workspace the call created or changed (at most 50): read "
+        "them with read_file, or as resources workspace://{session}/{path}.",
     )
 
 

@@ -16,7 +16,7 @@ from sandbox_runtime.config.command import connect_hint, listen_url
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.logs import setup_logging
 from sandbox_runtime.server.app import create_app
-from sandbox_runtime.server.heads import HeadTimeoutProtocol
+from sandbox_runtime.server.heads import HeadTimeoutProtocol, say_why_in_401s
 
 REPLY_GRACE = 0.5  # after the executions stopped: time for calls that waited on one to answer
 
@@ -106,6 +106,7 @@ async def serve(settings: Settings) -> int:
         )
     app = create_app(settings, cluster_port, cluster_address, root)
     setup_logging(settings)  # again: importing the MCP libraries installed their own handlers
+    say_why_in_401s()
     config = uvicorn.Config(
         app,
         host=settings.host,

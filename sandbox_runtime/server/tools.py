@@ -26,7 +26,6 @@ from sandbox_runtime.server.calls import owner_of as owner_of
 from sandbox_runtime.server.calls import progress_of as progress_of
 from sandbox_runtime.server.calls import session_name as session_name
 from sandbox_runtime.server.replies import ToolFailure, reply
-from sandbox_runtime.server.resources import resource_links
 from sandbox_runtime.server.results import (
     CancelResult,
     ExecutionList,
@@ -95,7 +94,7 @@ async def execute(
         result = await call(s, lambda: s.router.run(owner, "execute", args, sink), tool)
     structured = execution_result(owner, result, ExecutionResult)
     screen = execution_screen({**structured, "screen": result.get("screen")}, result_budget.get())
-    return reply(structured, resource_links(owner, result.get("files")), screen=screen)
+    return reply(structured, screen=screen)
 
 
 ServersArg = Annotated[

@@ -6,6 +6,7 @@
 // 1. execute_code `sleep N; echo done` with {timeout: 5000, resetTimeoutOnProgress: true} and an
 //    onprogress handler: it lives only if progress notifications keep coming.
 // 2. The same server with a wrong token: the error a user sees.
+// 3. With --typo-url (a hosted server's URL with a typo in its name): the error a user sees.
 //
 // Prints one JSON object on stdout. Run from a directory whose node_modules holds the SDKs
 // (tests/test_frameworks.py links .clients/node/node_modules beside a copy of this file).
@@ -22,6 +23,7 @@ const { values: args } = parseArgs({
     sdk: { type: "string", default: "v1" },
     sleep: { type: "string", default: "12" },
     timeout: { type: "string", default: "5000" },
+    "typo-url": { type: "string" },
   },
 });
 
@@ -105,8 +107,8 @@ function summarize(result) {
   };
 }
 
-async function connect(sdk, token) {
-  const transport = new sdk.Transport(new URL(args.url), {
+async function connect(sdk, token, url = args.url) {
+  const transport = new sdk.Transport(new URL(url), {
     requestInit: { headers: { Authorization: `Bearer ${token}` } },
   });
   const client = sdk.newClient();
@@ -164,6 +166,18 @@ async function main() {
       status: err?.data?.status ?? (typeof err?.code === "number" ? err.code : null),
       body: err?.data?.text ?? null,
     };
+  }
+
+  // 3. A typo in a hosted server's URL.
+  if (args["typo-url"]) {
+    try {
+      const { client } = await connect(sdk, args.token, args["typo-url"]);
+      await client.listTools();
+      report.url_typo = { exception: null };
+      await client.close();
+    } catch (err) {
+      report.url_typo = { exception: errorText(err), message: err?.message ?? String(err) };
+    }
   }
   return report;
 }
