@@ -117,7 +117,7 @@ print(json.dumps({"mine": mine, "left_over": seen[n:]}))
 """
 STOP = {"thread": "stop.set()", "task": "task.cancel()", "process": "process.kill()"}
 # While no bridge is open, a process (which cannot know the interpreter's cell) says both.
-NO_BRIDGE = "(the run_code call that started it named no servers, or has ended)"
+NO_BRIDGE = "(the run_code call that started this process named no servers, or has ended)"
 
 
 @pytest.mark.parametrize(
