@@ -56,9 +56,16 @@ async def together():
 """
 SCRIPT = SAME + "slept, took = asyncio.run(together())\nprint(json.dumps([got, slept, took]))"
 CELL = SAME + "slept, took = await together()\nprint(json.dumps([got, slept, took]))"
+JS_SAME = """
+import { echoenv } from "mcp_servers";
+const got = await echoenv.echo({ text: "plain" });
+const started = Date.now();
+const slept = await Promise.all(Array.from({ length: 16 }, () => echoenv.slow({ seconds: 1 })));
+console.log(JSON.stringify([got, slept, (Date.now() - started) / 1000]));
+"""
 
 
-@pytest.mark.parametrize("where", ["execute_code", "run_code"])
+@pytest.mark.parametrize("where", ["execute_code", "run_code", "node", "deno"])
 async def test_a_call_is_its_result_in_scripts_and_cells_alike(
     server: ServerProcess, where: str
 ) -> None:
@@ -66,10 +73,17 @@ async def test_a_call_is_its_result_in_scripts_and_cells_alike(
         if where == "execute_code":
             command = ["python3", "-c", SCRIPT]
             result = await conn.ok(where, command=command, servers=["echoenv"])
+        elif where == "node":
+            command = ["node", "--input-type=module", "-e", JS_SAME]
+            result = await conn.ok("execute_code", command=command, servers=["echoenv"])
+        elif where == "deno":
+            result = await conn.ok(
+                "run_code", code=JS_SAME, language="typescript", servers=["echoenv"]
+            )
         else:
             result = await conn.ok(where, code=CELL, servers=["echoenv"], session="same-cell")
     got, slept, took = json.loads(stream(result))
-    print(f"{where}: 16 .aio calls of 1 s in {took:.2f} s")
+    print(f"{where}: 16 calls of 1 s at once in {took:.2f} s")
     assert got == {"text": "plain"}, result
     assert slept == ["slept 1"] * 16, result
     assert 2.0 <= took < 10, took  # two rounds of 8 at once: not one by one, not refused

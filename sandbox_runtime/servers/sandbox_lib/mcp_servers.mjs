@@ -52,12 +52,24 @@ class Refusal {
   }
 }
 
+// The host refuses an execution's calls past 8 at once: here the others wait their turn
+// (Promise.all over many calls), in the order they were made.
+const CONCURRENT = 8;
+let running = 0;
+const waiting = [];
+
 async function ask(request) {
+  if (running >= CONCURRENT) await new Promise((go) => waiting.push(go));  // (a slot handed over)
+  else running += 1;
   try {
     return await send(request);
   } catch (err) {
     if (err instanceof Refusal) throw new BridgeError(err.kind, err.message);
     throw err;
+  } finally {
+    const next = waiting.shift();
+    if (next) next();  // (this slot, to the next in line)
+    else running -= 1;
   }
 }
 
