@@ -190,7 +190,9 @@ async def test_a_refusal_names_the_fix_and_the_fix_works(server: ServerProcess) 
         match = FIX.search(error.replace('\\"', '"'))
         assert match is not None and match.group(1) == "run_code", error
         servers = json.loads(match.group(2).removeprefix("servers="))
-        again = await conn.ok("run_code", code="print(snoop.ok())", servers=servers, session=session)
+        again = await conn.ok(
+            "run_code", code="print(snoop.ok())", servers=servers, session=session
+        )
         assert stream(again).strip() == "fine", again
 
 
@@ -232,9 +234,7 @@ JS = TS.replace(": { text: string }", "")
 async def test_the_bare_import_works_in_deno_as_in_node(server: ServerProcess) -> None:
     async with open_client(server.url, ALICE) as conn:
         results = {
-            language: await conn.ok(
-                "run_code", code=code, language=language, servers=["echoenv"]
-            )
+            language: await conn.ok("run_code", code=code, language=language, servers=["echoenv"])
             for language, code in (("typescript", TS), ("javascript", JS))
         }
         results["deno run"] = await conn.ok(

@@ -259,7 +259,8 @@ class Server:
             hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
             listed = ", ".join(sorted(known)[:30]) or "none"
             raise BridgeError(
-                "unknown_tool", f"server {self._name!r} has no tool {tool!r}{hint} (its tools: {listed})"
+                "unknown_tool",
+                f"server {self._name!r} has no tool {tool!r}{hint} (its tools: {listed})",
             )
         return Tool(self._name, tool, known[tool].get("description") or "")
 
