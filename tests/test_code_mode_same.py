@@ -221,6 +221,20 @@ async def test_an_uncaught_refusal_reads_as_one_line(server: ServerProcess) -> N
     print(stderr)
     assert "BridgeError: no server 'echoenvv'; did you mean 'echoenv'?" in stderr, stderr
     assert "mcp_servers/index.mjs" not in stderr and str(server.state_dir) not in stderr
+    # In a cell (Python, TypeScript): the error event's traceback is the cell's lines.
+    async with open_client(server.url, ALICE) as conn:
+        for language, code in (
+            ("python", "from mcp_servers import echoenv\nechoenv.ecko(text='a')"),
+            ("typescript", 'import { echoenv } from "mcp_servers";\nawait echoenv.ecko({});'),
+        ):
+            cell = await conn.ok("run_code", code=code, language=language, servers=["echoenv"])
+            (error,) = [e for e in cell["output"] if e["type"] == "exception"]
+            assert error["name"] == "BridgeError", error
+            assert error["value"].startswith("server 'echoenv' has no tool 'ecko'; did you mean"), (
+                error
+            )
+            shown = "\n".join(error["traceback"])
+            assert "mcp_servers" not in shown.replace("from mcp_servers import", ""), shown
 
 
 TS = """

@@ -333,6 +333,13 @@ def _watch_cells() -> None:
 
     shell.events.register("pre_run_cell", started)
     shell.events.register("post_run_cell", ended)
+
+    def show(self: Any, kind: Any, value: Any, tb: Any, tb_offset: Any = None) -> None:
+        # A cell's uncaught BridgeError or ToolError: its lines, not this library's.
+        trimmed = _callers_traceback(tb)
+        self.showtraceback((kind, value, trimmed), tb_offset, running_compiled_code=True)
+
+    shell.set_custom_exc((BridgeError, ToolError), show)
     start, submit = threading.Thread.start, ThreadPoolExecutor.submit
 
     def start_in_cell(self: threading.Thread) -> None:
