@@ -265,3 +265,38 @@ async def test_the_bare_import_works_in_deno_as_in_node(server: ServerProcess) -
     for where, result in results.items():
         assert stream(result).strip() == "bare", (where, result)
         assert [c["name"] for c in tool_calls(result)] == ["echoenv.echo"], (where, result)
+
+
+# Two processes gather 8 calls each: the library queues within a process, and the host still
+# allows an execution 8 at once in all.
+BOTH = '''
+import json, subprocess, sys
+CHILD = """
+import asyncio, json, mcp_servers
+from mcp_servers import echoenv
+async def one():
+    try:
+        return await echoenv.slow.aio(seconds=5)
+    except mcp_servers.BridgeError as exc:
+        return f"{exc.kind}: {exc}"
+async def main():
+    return await asyncio.gather(*(one() for _ in range(8)))
+print(json.dumps(asyncio.run(main())))
+"""
+children = [subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE) for _ in "ab"]
+print(json.dumps([json.loads(child.communicate()[0]) for child in children]))
+'''
+
+
+async def test_the_hosts_limit_of_calls_at_once_still_holds(server: ServerProcess) -> None:
+    async with open_client(server.url, ALICE) as conn:
+        result = await conn.ok(
+            "execute_code", command=["python3", "-c", BOTH], servers=["echoenv"], timeout_seconds=60
+        )
+    got = [answer for child in json.loads(stream(result)) for answer in child]
+    slept = [g for g in got if g == "slept 5"]
+    refused = [g for g in got if g != "slept 5"]
+    # (Never more than 8 at once: every call started within the first's 5 s. Usually 8 and 8; a
+    # connection being refused still counts while it is answered, so a few more may be.)
+    assert 1 <= len(slept) <= 8 and len(refused) == 16 - len(slept), got
+    assert all(r.startswith("limit: 8 calls at once at most per execution") for r in refused), got
