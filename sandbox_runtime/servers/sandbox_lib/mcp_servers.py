@@ -63,6 +63,7 @@ _watching = False  # cells are followed (this process is a Jupyter kernel)
 CONCURRENT = 8
 _THREAD_GATE = threading.BoundedSemaphore(CONCURRENT)
 _GATES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loop -> its .aio gate
+_GATES_KEPT: dict = {}
 __all__ = ["BridgeError", "ToolError", "search", "server", "servers"]
 
 
@@ -199,9 +200,14 @@ def _value(result: dict) -> Any:
 def _gate() -> asyncio.Semaphore:
     """The running loop's gate for .aio calls (CONCURRENT at once; the rest wait here)."""
     loop = asyncio.get_running_loop()
-    gate = _GATES.get(loop)
+    gate = _GATES_KEPT.get(loop)
     if gate is None:
-        gate = _GATES[loop] = asyncio.Semaphore(CONCURRENT)
+        try:
+            gate = _GATES.get(loop)
+            if gate is None:
+                gate = _GATES[loop] = asyncio.Semaphore(CONCURRENT)
+        except TypeError:  # (a loop without weak references, uvloop's: kept for good)
+            gate = _GATES_KEPT[loop] = asyncio.Semaphore(CONCURRENT)
     return gate
 
 
