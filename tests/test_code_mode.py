@@ -113,7 +113,8 @@ print(json.dumps(out))
     assert out["denied tool"][0] == "not_allowed" and "env" in out["denied tool"][1], out
     for key in ("not named", "not allowed", "forged"):
         assert out[key][0] == "not_allowed", out
-    assert "allowed: echoenv" in out["not allowed"][1], out
+    assert out["not allowed"][1] == "no server 'aliceonly' (this code may call: echoenv)", out
+    assert 'call execute_code again with servers=["echoenv", "snoop"]' in out["not named"][1], out
     assert {c["reason"] for c in tool_calls(result)} == {"refused"}
     # Nothing reached aliceonly: no instance of it was started for bob (or anyone).
     async with open_client(server.url, ALICE) as conn:
@@ -237,13 +238,12 @@ print(json.dumps([found, sorted(os.listdir("/run/srt-bridge/servers/echoenv"))])
 
 
 async def test_run_code_calls_servers_and_keeps_what_it_got(server: ServerProcess) -> None:
-    """In an interpreter a call is awaitable (the kernel's loop runs); results stay in its
+    """In an interpreter a call returns its result as in a script; results stay in its
     variables for later calls, which need no tool call to use them."""
     async with open_client(server.url, ALICE) as conn:
         first = await conn.ok(
             "run_code",
-            code="from mcp_servers import echoenv\n"
-            "got = await echoenv.echo(text='kept')\nprint(got)",
+            code="from mcp_servers import echoenv\ngot = echoenv.echo(text='kept')\nprint(got)",
             servers=["echoenv"],
         )
         assert "{'text': 'kept'}" in stdout(first), first
@@ -252,10 +252,12 @@ async def test_run_code_calls_servers_and_keeps_what_it_got(server: ServerProces
         assert stdout(later).strip() == "KEPT" and not tool_calls(later), later
         refused = await conn.ok(  # this call names no servers: its bridge is gone
             "run_code",
-            code="import mcp_servers\ntry:\n    await echoenv.echo(text='x')\n"
-            "except mcp_servers.BridgeError as exc:\n    print(exc.kind)",
+            code="import mcp_servers\ntry:\n    echoenv.echo(text='x')\n"
+            "except mcp_servers.BridgeError as exc:\n    print(exc.kind, exc)",
         )
-        assert stdout(refused).strip() == "unavailable", refused
+        kind, message = stdout(refused).strip().split(" ", 1)
+        assert kind == "unavailable", refused
+        assert message.endswith('call run_code again with servers=["echoenv"])'), message
 
 
 async def test_a_large_result_is_also_kept_as_a_workspace_file(server: ServerProcess) -> None:

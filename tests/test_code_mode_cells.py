@@ -59,7 +59,7 @@ seen = []
 async def calls():
     while True:
         try:
-            await echoenv.echo(text="left-over")
+            await echoenv.echo.aio(text="left-over")
             seen.append("ok")
         except mcp_servers.BridgeError as exc:
             seen.append(f"{exc.kind}: {exc}")
@@ -110,14 +110,14 @@ WITH = """
 import asyncio, json
 from mcp_servers import echoenv
 n = len(seen)
-mine = [(await echoenv.echo(text=f"mine{i}"))["text"] for i in range(3)]
+mine = [echoenv.echo(text=f"mine{i}")["text"] for i in range(3)]
 while len(seen) < n + 3:
     await asyncio.sleep(0.05)
 print(json.dumps({"mine": mine, "left_over": seen[n:]}))
 """
 STOP = {"thread": "stop.set()", "task": "task.cancel()", "process": "process.kill()"}
 # While no bridge is open, a process (which cannot know the interpreter's cell) says both.
-NO_BRIDGE = "(the run_code call that started it named no servers, or has ended)"
+NO_BRIDGE = "(the run_code call that started this process named no servers, or has ended)"
 
 
 @pytest.mark.parametrize(
@@ -162,6 +162,7 @@ import asyncio, json, threading
 from mcp_servers import echoenv
 got = list(pool.map(lambda i: echoenv.echo(text=f"pool{i}")["text"], range(2)))
 got.append((await asyncio.to_thread(lambda: echoenv.echo(text="to_thread")))["text"])
+got.append((await echoenv.echo.aio(text="aio"))["text"])
 box = []
 thread = threading.Thread(target=lambda: box.append(echoenv.echo(text="thread")["text"]))
 thread.start()
@@ -182,8 +183,8 @@ async def test_what_a_cell_starts_calls_as_that_cell(server: ServerProcess) -> N
             session=session,
         )
         result = await conn.ok("run_code", code=CELL_STARTS, servers=["echoenv"], session=session)
-    assert json.loads(stdout(result)) == ["pool0", "pool1", "to_thread", "thread"], result
-    assert [c["reason"] for c in tool_calls(result)] == ["ok"] * 4, result
+    assert json.loads(stdout(result)) == ["pool0", "pool1", "to_thread", "aio", "thread"], result
+    assert [c["reason"] for c in tool_calls(result)] == ["ok"] * 5, result
 
 
 BACKGROUND = """

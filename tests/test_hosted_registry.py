@@ -296,11 +296,10 @@ async def test_run_code_over_the_registry_servers(server: ServerProcess) -> None
     code = """
 import asyncio, mcp_servers
 from mcp_servers import everything, time
-done = await everything["trigger-long-running-operation"](duration=1, steps=2)
-sums = await asyncio.gather(*(everything["get-sum"](a=i, b=i) for i in range(8)))
+done = everything["trigger-long-running-operation"](duration=1, steps=2)
+sums = await asyncio.gather(*(everything["get-sum"].aio(a=i, b=i) for i in range(8)))
 try:
-    await time.convert_time(source_timezone="Nowhere/Atlantis", time="12:00",
-                            target_timezone="UTC")
+    time.convert_time(source_timezone="Nowhere/Atlantis", time="12:00", target_timezone="UTC")
     failed = None
 except mcp_servers.ToolError as exc:
     failed = str(exc)
@@ -319,7 +318,7 @@ print(done[:40], len(sums), bool(failed))
 async def test_typescript_and_a_loop_over_the_registry_servers(server: ServerProcess) -> None:
     """TypeScript (Deno, run_code) calls memory and time; Python makes 100 calls in a loop."""
     ts = (
-        'import { memory, time } from "/node_modules/mcp_servers/index.mjs";\n'
+        'import { memory, time } from "mcp_servers";\n'
         "await memory.create_entities({ entities: [\n"
         '  { name: "ts-note", entityType: "note", observations: ["from TypeScript"] }] });\n'
         "const graph: { entities: { name: string }[] } = await memory.read_graph();\n"
@@ -328,7 +327,7 @@ async def test_typescript_and_a_loop_over_the_registry_servers(server: ServerPro
     )
     loop = (
         "from mcp_servers import everything\n"
-        "echoed = [await everything.echo(message=str(i)) for i in range(100)]\n"
+        "echoed = [everything.echo(message=str(i)) for i in range(100)]\n"
         "print(len(echoed), echoed[-1])"
     )
     async with open_client(server.url, ALICE) as conn:

@@ -42,6 +42,10 @@ BRIDGE_DIR = "/run/srt-bridge"  # code mode's socket and library, read-only
 RELAY_PROGRAM = Path(__file__).parents[1] / "egress" / "relay.py"
 RELAY_PATH = "/run/srt-relay.py"
 RELAY_PYTHON = "/usr/bin/python3"
+# Deno finds this config from any directory without one of its own (it looks up to /): its
+# import map gives code mode's package its bare name, as Node finds it in /node_modules.
+# No lockfile: Deno would write one beside the config, in the read-only root.
+DENO_CONFIG = '{"imports": {"mcp_servers": "/node_modules/mcp_servers/index.mjs"}, "lock": false}\n'
 
 # /etc entries taken read-only from the host: what dynamic linking, TLS, time zones and
 # Debian's alternatives need; nothing with accounts or secrets.
@@ -211,6 +215,8 @@ def build_root(root: Path) -> None:
         (root / point.lstrip("/")).mkdir(mode=0o755, parents=True)
     shutil.copyfile(RELAY_PROGRAM, root / RELAY_PATH.lstrip("/"))
     os.chmod(root / RELAY_PATH.lstrip("/"), 0o644)
+    (root / "deno.json").write_text(DENO_CONFIG)
+    os.chmod(root / "deno.json", 0o644)
     for top in ROOT_TOPS:
         host = f"/{top}"
         if os.path.islink(host):

@@ -34,6 +34,7 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.execution.code_mode import write_library
+from sandbox_runtime.servers.bridge_hints import server_refusal, tool_refusal
 from sandbox_runtime.servers.catalog import Entry
 from sandbox_runtime.servers.stubs import STUB_WRITERS, StubBudget, write_stubs
 from sandbox_runtime.supervisor import scoped
@@ -101,6 +102,9 @@ class Bridge:
     # An interpreter's cell (its execute request's id; "" until it is sent): a request that
     # names another cell is refused. None: not a cell's (an execution's), nothing checked.
     cell: str | None = None
+    # Every server the principal may use (what `entries` was narrowed from): a refusal names
+    # the close ones, and how to allow one this execution did not name. No other name.
+    usable: frozenset[str] = frozenset()
     _server: asyncio.AbstractServer | None = None
     _calls: int = 0
     _bytes: int = 0
@@ -224,11 +228,27 @@ class Bridge:
         return _refusal("protocol", f"unknown op {op!r} (servers, tools, search, call)")
 
     def _not_allowed(self, name: str) -> dict[str, Any]:
-        return _refusal(
-            "not_allowed",
-            f"server {name!r} is not one this code may call (allowed: "
-            f"{', '.join(sorted(self.entries)) or 'none'})",
-        )
+        tool = "run_code" if self.cell is not None else "execute_code"
+        return _refusal("not_allowed", server_refusal(name, self.entries, self.usable, tool))
+
+    async def _unknown_tool(self, entry: Entry, tool: str) -> dict[str, Any] | None:
+        """A refusal for a tool the server does not list (None: it may have it). Checked only
+        against a list this bridge already has, listed again before it refuses (a server's
+        tools can change); a server never listed is simply called."""
+        if entry.name not in self.tools_cache and entry.name not in self.known_tools:
+            return None
+        tools = await self._tools(entry)
+        if not isinstance(tools, dict) and any(t.get("name") == tool for t in tools):
+            return None
+        self.tools_cache.pop(entry.name, None)
+        self.known_tools.pop(entry.name, None)
+        tools = await self._tools(entry)
+        if isinstance(tools, dict):  # (it could not be listed: the call will say why)
+            return None
+        names = {str(t.get("name")) for t in tools if entry.allows_tool(str(t.get("name")))}
+        if tool in names:
+            return None
+        return _refusal("unknown_tool", tool_refusal(entry.name, tool, names))
 
     async def _tools(self, entry: Entry) -> list[dict[str, Any]] | dict[str, Any]:
         """The entry's tools (as filtered for it), listed once per bridge."""
@@ -279,10 +299,16 @@ class Bridge:
             answer = _refusal("not_allowed", f"tool {tool!r} of server {name!r} is not allowed")
         elif not isinstance(arguments, dict):
             answer = _refusal("invalid", "arguments must be an object")
+        elif (unknown := await self._unknown_tool(entry, tool)) is not None:
+            answer = unknown
         elif self._calls >= self.limits.calls:
             answer = _refusal("limit", f"this execution made {self.limits.calls} calls already")
         elif len(self._active) > self.limits.concurrent:
-            answer = _refusal("limit", f"{self.limits.concurrent} calls at once at most")
+            answer = _refusal(
+                "limit",
+                f"{self.limits.concurrent} calls at once at most per execution: make the next "
+                "when one has ended (the library queues a process's calls past it itself)",
+            )
         elif self._bytes + size > self.limits.bytes:
             answer = _refusal("limit", f"this execution moved {self.limits.bytes} bytes already")
         else:

@@ -47,6 +47,7 @@ class BridgeMaker:
         directory: Path | None = None,
     ) -> Bridge:
         allowed = {e.name: e for e in self.host.catalog().for_principal(owner.principal)}
+        usable = frozenset(allowed)
         if servers != ["*"]:
             allowed = {name: e for name, e in allowed.items() if name in servers}
         session = session_name(owner.session_id)
@@ -70,6 +71,7 @@ class BridgeMaker:
             # (What one principal's calls returned is not shown in another's stubs.)
             bridge.seen_returns[name] = self._seen((owner.principal, instance_owner, name))
         bridge.owner_ids = self.owner_ids
+        bridge.usable = usable
         await bridge.start()
         return bridge
 

@@ -116,7 +116,8 @@ def stub(server: str, tool: dict[str, Any], seen: str | None = None) -> str:
     description = str(tool.get("description") or "").replace(quote, "'''")[:4000]
     signature = f"*, {', '.join(params)}" if params else ""
     lines = [
-        f"# from mcp_servers import {server}; {server}.{name}(...)",
+        f"# from mcp_servers import {server}; {server}.{name}(...)  (returns the result; "
+        f"concurrently: await {server}.{name}.aio(...))",
         f"def {name}({signature}) -> {returns}:" + (f"  # returns: {note}" if note else ""),
         f"    {quote}{description}{quote}",
     ]

@@ -6,7 +6,9 @@
 //
 // A call resolves to the tool's structured content when it has one, else its text (one
 // text block), else its content blocks. A tool error rejects with ToolError; a call the host
-// refuses (a server or tool not allowed, a limit) with BridgeError (`kind` says why).
+// refuses (a server or tool not allowed, a limit) with BridgeError (`kind` says why). Errors
+// are made where the caller awaits, and their stacks show the caller's lines, not ours.
+// Deno finds the package by its bare name through the sandbox's /deno.json (an import map).
 // Calls go over a Unix socket to the host, which checks each and calls the server on the
 // principal's behalf: no credential is in this sandbox. Node's standard library only.
 import fs from "node:fs";
@@ -16,11 +18,19 @@ import path from "node:path";
 const SOCKET = process.env.MCP_SERVERS_SOCKET ?? "/run/srt-bridge/bridge.sock";
 const MAX_FRAME = 64 * 1024 * 1024;
 
+// A stack without this package's frames (nor the runtime's own): the caller's lines.
+function callersStack(error) {
+  const lines = String(error.stack ?? "").split("\n");
+  const kept = lines.slice(1).filter((l) => !l.includes("mcp_servers/index.mjs") && !/\(node:|at node:|ext:/.test(l));
+  return [`${error.name}: ${error.message}`, ...kept].join("\n");
+}
+
 export class BridgeError extends Error {
   constructor(kind, message) {
     super(message);
     this.name = "BridgeError";
     this.kind = kind;
+    this.stack = callersStack(this);
   }
 }
 
@@ -28,11 +38,42 @@ export class ToolError extends Error {
   constructor(message, result) {
     super(message);
     this.name = "ToolError";
-    this.result = result;
+    this.stack = callersStack(this);
+    Object.defineProperty(this, "result", { value: result, enumerable: false, writable: true });
   }
 }
 
-function ask(request) {
+// A refusal as it came, made into a BridgeError by the async caller (so that its stack holds
+// the code that awaited the call).
+class Refusal {
+  constructor(kind, message) {
+    this.kind = kind;
+    this.message = String(message).split(/\s+/).join(" ").trim();  // (one line)
+  }
+}
+
+// The host refuses an execution's calls past 8 at once: here the others wait their turn
+// (Promise.all over many calls), in the order they were made.
+const CONCURRENT = 8;
+let running = 0;
+const waiting = [];
+
+async function ask(request) {
+  if (running >= CONCURRENT) await new Promise((go) => waiting.push(go));  // (a slot handed over)
+  else running += 1;
+  try {
+    return await send(request);
+  } catch (err) {
+    if (err instanceof Refusal) throw new BridgeError(err.kind, err.message);
+    throw err;
+  } finally {
+    const next = waiting.shift();
+    if (next) next();  // (this slot, to the next in line)
+    else running -= 1;
+  }
+}
+
+function send(request) {
   return new Promise((resolve, reject) => {
     const sock = net.createConnection({ path: SOCKET });
     const chunks = [];
@@ -51,14 +92,14 @@ function ask(request) {
       const size = buffer.readUInt32BE(0);
       if (size > MAX_FRAME) {
         sock.destroy();
-        reject(new BridgeError("protocol", `an answer of ${size} bytes`));
+        reject(new Refusal("protocol", `an answer of ${size} bytes`));
       } else if (buffer.length >= 4 + size) {
         sock.destroy();
         let answer;
         try {
           answer = JSON.parse(buffer.subarray(4, 4 + size).toString("utf8"));
         } catch (err) {
-          reject(new BridgeError("protocol", String(err)));
+          reject(new Refusal("protocol", String(err)));
           return;
         }
         if (answer.ok) {
@@ -67,13 +108,16 @@ function ask(request) {
         }
         else {
           const error = answer.error ?? {};
-          reject(new BridgeError(String(error.kind ?? "error"), String(error.message ?? "refused")));
+          reject(new Refusal(String(error.kind ?? "error"), String(error.message ?? "refused")));
         }
       }
     });
-    sock.on("error", (err) =>
-      reject(new BridgeError("unavailable", `no MCP servers bridge in this sandbox (${SOCKET}: ${err.message})`)),
-    );
+    sock.on("error", () => {
+      const fix = typeof request.server === "string" ? JSON.stringify([request.server]) : "[...]";
+      reject(new Refusal("unavailable", "no MCP servers bridge in this sandbox (this call " +
+        `names no servers: call again with servers=${fix})`));
+    });
+    sock.on("close", () => reject(new Refusal("closed", "the host closed the bridge")));
   });
 }
 
