@@ -225,6 +225,14 @@ async def restart_interpreter(
     )
 
 
+async def stop_interpreter(
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """Stop the owner's interpreter of a language (the E2B edge's removed code contexts)."""
+    language = str(args.get("language") or "python")
+    return {"language": language, "stopped": parts.interpreters.stop(owner, language)}
+
+
 async def server_request(
     parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
 ) -> dict[str, Any]:
@@ -243,6 +251,7 @@ OPERATIONS: dict[str, Operation] = {
     "run_code": run_code,
     "list_languages": list_languages,
     "restart_interpreter": restart_interpreter,
+    "stop_interpreter": stop_interpreter,
     "write_file": lambda parts, owner, args, _: files.write_file(parts.manager, owner, args),
     "read_file": lambda parts, owner, args, _: files.read_file(parts.manager, owner, args),
     "list_files": lambda parts, owner, args, _: files.list_files(parts.manager, owner, args),
