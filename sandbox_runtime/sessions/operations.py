@@ -26,7 +26,7 @@ from sandbox_runtime.files.operations import changed_files, coarse_now
 from sandbox_runtime.files.urls import FileUrlSigner
 from sandbox_runtime.interpreters.manager import InterpreterManager
 from sandbox_runtime.servers.host import ServerHost
-from sandbox_runtime.sessions import snapshot_ops
+from sandbox_runtime.sessions import snapshot_ops, workspace_ops
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.supervisor import scoped
 
@@ -246,6 +246,7 @@ async def server_request(
 OPERATIONS: dict[str, Operation] = {
     "snapshot": snapshot_ops.snapshot,
     "restore": snapshot_ops.restore,
+    "end_session": workspace_ops.end_session,
     "server_request": server_request,
     "execute": execute,
     "run_code": run_code,
