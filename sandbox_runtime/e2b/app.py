@@ -21,7 +21,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.e2b import wire
 from sandbox_runtime.e2b.control import ControlPlane, principal_of
 from sandbox_runtime.e2b.envd import Envd
-from sandbox_runtime.e2b.interpreter import serve_interpreter
+from sandbox_runtime.e2b.interpreter import CodeInterpreter
 from sandbox_runtime.e2b.lifecycle import Sandboxes
 
 PREFIX = "/e2b"
@@ -38,6 +38,7 @@ class E2BApp:
         self.sandboxes: Sandboxes | None = None
         self.control: ControlPlane | None = None
         self.envd: Envd | None = None
+        self.interpreter: CodeInterpreter | None = None
 
     def start(self, services: Any) -> None:
         """Called by the app's lifespan once the parts run: the records' store, the sweep of
@@ -47,6 +48,7 @@ class E2BApp:
             self.sandboxes, self.settings.memory_mb, self.settings.workspace_mb
         )
         self.envd = Envd(services, self.files)
+        self.interpreter = CodeInterpreter(services)
         self.sandboxes.start()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -74,9 +76,13 @@ class E2BApp:
                 )
             return await self.control(request, path, principal)
         port = request.headers.get("e2b-sandbox-port", str(wire.ENVD_PORT))
-        sandbox = await self.sandboxes.by_token(
-            sandbox_id, request.headers.get("x-access-token", "")
-        )
+        token = request.headers.get("x-access-token")
+        if token is None and port == str(wire.INTERPRETER_PORT) and path.startswith("/contexts"):
+            # E2B's SDKs send no access token to the interpreter's /contexts (E2B's own
+            # interpreter checks none): the unguessable sandbox id is the key there.
+            sandbox = await self.sandboxes.by_id(sandbox_id)
+        else:
+            sandbox = await self.sandboxes.by_token(sandbox_id, token or "")
         if sandbox is None:
             return wire.error(
                 401,
@@ -92,7 +98,8 @@ class E2BApp:
                 status_code=502,
             )
         if port == str(wire.INTERPRETER_PORT):
-            return await serve_interpreter(request, sandbox, self.root.services)
+            assert self.interpreter is not None
+            return await self.interpreter(request, path, sandbox)
         if port != str(wire.ENVD_PORT):
             return JSONResponse(
                 {

@@ -27,6 +27,12 @@ MAX_CONTEXTS = 16  # created contexts of one sandbox (its defaults aside)
 MAX_SANDBOXES = 10_000  # sandboxes whose contexts a replica remembers
 MAX_CWD_CHARS = 4096
 DEFAULT_LANGUAGES = ("python", "javascript")  # listed from the start, as E2B's are
+# The last lines of an edge's own Python cell: it gives its number back, and the history
+# database is off (a number used twice would be refused there, with a line on stdout).
+TAKE_COUNT_BACK = (
+    "    get_ipython().history_manager.enabled = False\n"
+    "    get_ipython().execution_count -= 1\n"
+)
 DISPLAY_SOURCE = (Path(__file__).with_name("runtime_files") / "e2b_display.py").read_text()
 
 
@@ -68,8 +74,6 @@ class SandboxContexts:
         return self.by_id[context_id]
 
     def listed(self) -> list[CodeContext]:
-        for language in DEFAULT_LANGUAGES:
-            self.default(language)
         return list(self.by_id.values())
 
     def created(self) -> int:
@@ -87,6 +91,8 @@ class ContextRegistry:
         found = self._sandboxes.get(sandbox_id)
         if found is None:
             found = self._sandboxes[sandbox_id] = SandboxContexts(self.home)
+            for language in DEFAULT_LANGUAGES:  # (listed first, as E2B starts them first)
+                found.default(language)
             while len(self._sandboxes) > MAX_SANDBOXES:
                 self._sandboxes.popitem(last=False)
         self._sandboxes.move_to_end(sandbox_id)
@@ -109,37 +115,35 @@ class ContextRegistry:
         return context
 
 
-def setup_code(
-    context: CodeContext, env: dict[str, str], workspace: str, display: bool = True
-) -> str:
-    """Code that prepares a context's interpreter: its working directory, the sandbox's
-    environment variables and (Python) E2B's display formatters. A Python cell takes its own
-    count back, so that the user's cells are numbered as E2B numbers them."""
+def setup_code(context: CodeContext, env: dict[str, str], workspace: str, full: bool) -> str:
+    """Code that sets environment variables `env` in a context's interpreter and, when `full`
+    (its first call there), its working directory and (Python) E2B's display formatters. A
+    Python cell takes its own count back, so that the user's cells are numbered as E2B's are."""
     cwd = to_sandbox_path(context.cwd, workspace)
     if context.language == "python":
+        lines = [f"    os.environ.update({json.dumps(env)})"]
+        if full:
+            lines += [
+                f"    os.chdir({json.dumps(cwd)})",
+                "    module = sys.modules.get('srt_e2b_display')",
+                "    if module is None:",
+                "        module = types.ModuleType('srt_e2b_display')",
+                f"        exec(compile({json.dumps(DISPLAY_SOURCE)}, 'srt_e2b_display', 'exec'),"
+                " module.__dict__)",
+                "        sys.modules['srt_e2b_display'] = module",
+                "    module.install(get_ipython())",
+            ]
+        body = "\n".join(lines)
         return (
-            "def _srt_e2b_setup():\n"
-            "    import os, sys, types\n"
-            f"    os.chdir({json.dumps(cwd)})\n"
-            f"    os.environ.update({json.dumps(env)})\n"
-            "    module = sys.modules.get('srt_e2b_display')\n"
-            f"    if module is None and {display!r}:\n"
-            "        module = types.ModuleType('srt_e2b_display')\n"
-            f"        exec(compile({json.dumps(DISPLAY_SOURCE)}, 'srt_e2b_display', 'exec'),"
-            " module.__dict__)\n"
-            "        sys.modules['srt_e2b_display'] = module\n"
-            "    if module is not None:\n"
-            "        module.install(get_ipython())\n"
-            "    get_ipython().execution_count -= 1\n"
-            "_srt_e2b_setup()\n"
-            "del _srt_e2b_setup\n"
+            f"def _srt_e2b_setup():\n    import os, sys, types\n{body}\n"
+            f"{TAKE_COUNT_BACK}_srt_e2b_setup()\ndel _srt_e2b_setup\n"
         )
     if context.language in ("javascript", "typescript"):
         sets = "".join(f"Deno.env.set({json.dumps(k)}, {json.dumps(v)});" for k, v in env.items())
-        return f"Deno.chdir({json.dumps(cwd)});{sets}"
+        return (f"Deno.chdir({json.dumps(cwd)});" if full else "") + sets
     if context.language == "bash":
         exports = "".join(f"export {k}={shell_quote(v)}\n" for k, v in env.items())
-        return f"cd {shell_quote(cwd)} && true\n{exports}"
+        return (f"cd {shell_quote(cwd)}\n" if full else "") + exports
     return ""
 
 
@@ -155,8 +159,7 @@ def cleanup_code(language: str, env: dict[str, str], sandbox_env: dict[str, str]
             f"    for key in {json.dumps(drop)}:\n"
             "        os.environ.pop(key, None)\n"
             f"    os.environ.update({json.dumps(keep)})\n"
-            "    get_ipython().execution_count -= 1\n"
-            "_srt_e2b_env()\n"
+            f"{TAKE_COUNT_BACK}_srt_e2b_env()\n"
             "del _srt_e2b_env\n"
         )
     if language in ("javascript", "typescript"):

@@ -138,6 +138,15 @@ class Sandboxes:
             return await self.store.get(sandbox_id)
         return found
 
+    async def by_id(self, sandbox_id: str) -> E2BSandbox | None:
+        """The sandbox `sandbox_id`, whoever asks (the code interpreter's /contexts, to which
+        E2B's SDKs send no access token)."""
+        found = await self.store.get(sandbox_id) if valid_sandbox_id(sandbox_id) else None
+        if found is not None and found.expired():
+            await self._timed_out(found)
+            return await self.store.get(sandbox_id)
+        return found
+
     async def set_timeout(self, sandbox: E2BSandbox, seconds: int) -> None:
         sandbox.end_at = time.time() + seconds
         sandbox.timeout = seconds
