@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandbox_runtime.config import Settings
@@ -58,7 +58,7 @@ class E2BApp:
         response = await self._answer(request, path)
         await response(scope, receive, send)
 
-    async def _answer(self, request: Request, path: str) -> Response:
+    async def _answer(self, request: Request, path: str) -> Any:
         if not self.root.running or self.sandboxes is None or self.control is None:
             return wire.error(503, "the server is starting or stopping; retry shortly")
         sandbox_id = request.headers.get("e2b-sandbox-id")
