@@ -74,23 +74,14 @@ class E2BApp:
                 )
             return await self.control(request, path, principal)
         port = request.headers.get("e2b-sandbox-port", str(wire.ENVD_PORT))
-        sandbox = await self.sandboxes.by_token(
-            sandbox_id, request.headers.get("x-access-token", "")
-        )
-        if sandbox is None:
-            return wire.error(
-                401,
-                f"no sandbox {sandbox_id} with this access token (it may have ended)",
-            )
+        token = request.headers.get("x-access-token", "")
+        if not token:
+            return wire.error(401, "missing X-Access-Token: send the sandbox's envdAccessToken")
+        sandbox = await self.sandboxes.by_token(sandbox_id, token)
+        if sandbox is None:  # (the same answer whether it exists or not)
+            return _gone(sandbox_id, f"The sandbox {sandbox_id} was not found")
         if sandbox.state != "running":
-            return JSONResponse(
-                {
-                    "sandboxId": sandbox_id,
-                    "message": f"The sandbox {sandbox_id} is paused",
-                    "code": 502,
-                },
-                status_code=502,
-            )
+            return _gone(sandbox_id, f"The sandbox {sandbox_id} is paused (resume it with connect)")
         if port == str(wire.INTERPRETER_PORT):
             return await serve_interpreter(request, sandbox, self.root.services)
         if port != str(wire.ENVD_PORT):
@@ -106,3 +97,8 @@ class E2BApp:
             )
         assert self.envd is not None
         return await self.envd(request, path, sandbox)
+
+
+def _gone(sandbox_id: str, message: str) -> JSONResponse:
+    """What E2B's proxy answers for a sandbox that is not running (the SDKs read a 502 so)."""
+    return JSONResponse({"sandboxId": sandbox_id, "message": message, "code": 502}, status_code=502)
