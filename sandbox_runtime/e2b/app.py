@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandbox_runtime.config import Settings
@@ -60,7 +60,7 @@ class E2BApp:
         response = await self._answer(request, path)
         await response(scope, receive, send)
 
-    async def _answer(self, request: Request, path: str) -> Response:
+    async def _answer(self, request: Request, path: str) -> Any:
         if not self.root.running or self.sandboxes is None or self.control is None:
             return wire.error(503, "the server is starting or stopping; retry shortly")
         sandbox_id = request.headers.get("e2b-sandbox-id")
@@ -76,27 +76,19 @@ class E2BApp:
                 )
             return await self.control(request, path, principal)
         port = request.headers.get("e2b-sandbox-port", str(wire.ENVD_PORT))
-        token = request.headers.get("x-access-token")
-        if token is None and port == str(wire.INTERPRETER_PORT) and path.startswith("/contexts"):
+        token = request.headers.get("x-access-token", "")
+        if not token and port == str(wire.INTERPRETER_PORT) and path.startswith("/contexts"):
             # E2B's SDKs send no access token to the interpreter's /contexts (E2B's own
             # interpreter checks none): the unguessable sandbox id is the key there.
             sandbox = await self.sandboxes.by_id(sandbox_id)
+        elif not token:
+            return wire.error(401, "missing X-Access-Token: send the sandbox's envdAccessToken")
         else:
-            sandbox = await self.sandboxes.by_token(sandbox_id, token or "")
-        if sandbox is None:
-            return wire.error(
-                401,
-                f"no sandbox {sandbox_id} with this access token (it may have ended)",
-            )
+            sandbox = await self.sandboxes.by_token(sandbox_id, token)
+        if sandbox is None:  # (the same answer whether it exists or not)
+            return _gone(sandbox_id, f"The sandbox {sandbox_id} was not found")
         if sandbox.state != "running":
-            return JSONResponse(
-                {
-                    "sandboxId": sandbox_id,
-                    "message": f"The sandbox {sandbox_id} is paused",
-                    "code": 502,
-                },
-                status_code=502,
-            )
+            return _gone(sandbox_id, f"The sandbox {sandbox_id} is paused (resume it with connect)")
         if port == str(wire.INTERPRETER_PORT):
             assert self.interpreter is not None
             return await self.interpreter(request, path, sandbox)
@@ -113,3 +105,8 @@ class E2BApp:
             )
         assert self.envd is not None
         return await self.envd(request, path, sandbox)
+
+
+def _gone(sandbox_id: str, message: str) -> JSONResponse:
+    """What E2B's proxy answers for a sandbox that is not running (the SDKs read a 502 so)."""
+    return JSONResponse({"sandboxId": sandbox_id, "message": message, "code": 502}, status_code=502)

@@ -34,6 +34,7 @@ from sandbox_runtime.e2b.interpreter_contexts import (
     setup_code,
 )
 from sandbox_runtime.e2b.interpreter_stream import stream_call, timestamp
+from sandbox_runtime.e2b.paths import HOME
 from sandbox_runtime.e2b.sandboxes import E2BSandbox
 from sandbox_runtime.errors import (
     ExecutionNotFoundError,
@@ -43,11 +44,9 @@ from sandbox_runtime.errors import (
     SandboxRuntimeError,
 )
 from sandbox_runtime.sandbox import validate_env
-from sandbox_runtime.sandbox.host import WORKSPACE
 
 MAX_BODY_BYTES = 2 * 1024 * 1024  # code (at most 1 MiB) and env_vars, as JSON
 SETUP_TIMEOUT = 60.0
-HOME = "/home/user"  # E2B's default working directory (the workspace here)
 STATUSES = {
     InvalidRequestError: 400,
     PolicyViolationError: 403,
@@ -176,7 +175,7 @@ class CodeInterpreter:
         """A context's setup (all of it when it has not run in its interpreter yet), with
         this call's environment variables."""
         variables = {**sandbox_env(sandbox), **env}
-        return setup_code(context, variables, WORKSPACE, full=not context.prepared)
+        return setup_code(context, variables, full=not context.prepared)
 
     async def call(
         self, sandbox: E2BSandbox, context: CodeContext, code: str, seconds: float
@@ -225,7 +224,7 @@ class CodeInterpreter:
 
     async def start(self, sandbox: E2BSandbox, context: CodeContext) -> str | None:
         """Run a context's setup in its interpreter and wait for it; why it failed, or None."""
-        code = setup_code(context, sandbox_env(sandbox), WORKSPACE, full=True)
+        code = setup_code(context, sandbox_env(sandbox), full=True)
         started = await self.call(sandbox, context, code, SETUP_TIMEOUT)
         executions, owner = self.router.executions, sandbox.owner
         after, error = 0, None

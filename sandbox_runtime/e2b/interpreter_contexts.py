@@ -30,8 +30,7 @@ DEFAULT_LANGUAGES = ("python", "javascript")  # listed from the start, as E2B's 
 # The last lines of an edge's own Python cell: it gives its number back, and the history
 # database is off (a number used twice would be refused there, with a line on stdout).
 TAKE_COUNT_BACK = (
-    "    get_ipython().history_manager.enabled = False\n"
-    "    get_ipython().execution_count -= 1\n"
+    "    get_ipython().history_manager.enabled = False\n    get_ipython().execution_count -= 1\n"
 )
 DISPLAY_SOURCE = (Path(__file__).with_name("runtime_files") / "e2b_display.py").read_text()
 
@@ -115,11 +114,11 @@ class ContextRegistry:
         return context
 
 
-def setup_code(context: CodeContext, env: dict[str, str], workspace: str, full: bool) -> str:
+def setup_code(context: CodeContext, env: dict[str, str], full: bool) -> str:
     """Code that sets environment variables `env` in a context's interpreter and, when `full`
     (its first call there), its working directory and (Python) E2B's display formatters. A
     Python cell takes its own count back, so that the user's cells are numbered as E2B's are."""
-    cwd = to_sandbox_path(context.cwd, workspace)
+    cwd = context.cwd  # (/home/user is the workspace in every sandbox: sandbox/host.py)
     if context.language == "python":
         lines = [f"    os.environ.update({json.dumps(env)})"]
         if full:
@@ -170,10 +169,3 @@ def cleanup_code(language: str, env: dict[str, str], sandbox_env: dict[str, str]
         unsets = "".join(f"unset {k}\n" for k in drop)
         return unsets + "".join(f"export {k}={shell_quote(v)}\n" for k, v in keep.items())
     return ""
-
-
-def to_sandbox_path(path: str, workspace: str) -> str:
-    """E2B's home (`/home/user`) is the sandbox's workspace here."""
-    if path == "/home/user" or path.startswith("/home/user/"):
-        return workspace + path[len("/home/user") :]
-    return path

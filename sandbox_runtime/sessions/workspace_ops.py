@@ -8,6 +8,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from sandbox_runtime.domain.owner import Owner, workspace_name
+from sandbox_runtime.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from sandbox_runtime.sessions.operations import Parts, Progress
@@ -37,3 +38,51 @@ async def end_session(
         await workspaces.remove(name)
         removed = True
     return {"cancelled": cancelled, "interpreters_stopped": stopped, "workspace_removed": removed}
+
+
+def _path(args: dict[str, Any], key: str) -> str:
+    value = args.get(key)
+    if not isinstance(value, str):
+        raise InvalidRequestError(f"{key} must be a string")
+    return value
+
+
+async def _files_of(parts: Parts, owner: Owner) -> tuple[str, Any]:
+    workspaces = parts.manager.workspaces
+    name = workspace_name(owner)
+    await workspaces.ensure(name, owner.principal)
+    return name, workspaces
+
+
+async def stat_file(
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """What a workspace path is (a link reported, not followed)."""
+    name, workspaces = await _files_of(parts, owner)
+    with workspaces.hold(name):
+        entry = await asyncio.to_thread(workspaces.files(name).stat, _path(args, "path"))
+    return {"entry": entry.wire()}
+
+
+async def make_dir(
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """Make a directory and its parents; `created` false: it was there already."""
+    name, workspaces = await _files_of(parts, owner)
+    path = _path(args, "path")
+    with workspaces.hold(name):
+        files = workspaces.files(name)
+        created = await asyncio.to_thread(files.make_dir, path)
+        entry = await asyncio.to_thread(files.stat, path)
+    return {"created": created, "entry": entry.wire()}
+
+
+async def move_file(
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """Rename a file or directory within the workspace."""
+    name, workspaces = await _files_of(parts, owner)
+    source, destination = _path(args, "source"), _path(args, "destination")
+    with workspaces.hold(name):
+        entry = await asyncio.to_thread(workspaces.files(name).move, source, destination)
+    return {"entry": entry.wire()}
