@@ -30,12 +30,14 @@ OTHER_KEY = "e2b_" + "b7" * 16
 DRIVERS = Path(__file__).parent / "clients"
 
 
-def e2b_python() -> str:
-    """The venv with E2B's Python SDKs (scripts/_setup.sh makes it; SRT_CLIENTS_E2B_PY)."""
-    python = os.environ.get("SRT_CLIENTS_E2B_PY") or str(ROOT / ".clients/e2b-py/bin/python")
+def e2b_python(which: str = "") -> str:
+    """The venv with E2B's Python SDKs, the latest (SRT_CLIENTS_E2B_PY) or `which="_OLD"` the
+    oldest pinned (SRT_CLIENTS_E2B_PY_OLD); scripts/_setup.sh makes them."""
+    default = ROOT / (".clients/e2b-py-old" if which else ".clients/e2b-py") / "bin/python"
+    python = os.environ.get(f"SRT_CLIENTS_E2B_PY{which}") or str(default)
     assert Path(python).exists(), (
         f"no E2B Python SDK venv at {python}: run scripts/test once (ensure_clients) or set "
-        "SRT_CLIENTS_E2B_PY"
+        f"SRT_CLIENTS_E2B_PY{which}"
     )
     return python
 
@@ -73,9 +75,9 @@ def sdk_env(server: ServerProcess, extra: dict[str, str] | None = None) -> dict[
     return env
 
 
-def run_python(server: ServerProcess, scenario: str) -> dict[str, Any]:
+def run_python(server: ServerProcess, scenario: str, which: str = "") -> dict[str, Any]:
     done = subprocess.run(
-        [e2b_python(), str(DRIVERS / "e2b_interpreter_driver.py"), scenario],
+        [e2b_python(which), str(DRIVERS / "e2b_interpreter_driver.py"), scenario],
         env=sdk_env(server),
         capture_output=True,
         text=True,
@@ -172,6 +174,16 @@ def test_a_client_that_gives_up_interrupts_its_call_and_the_state_stays(
     assert seen["next_took"] < 15, seen
     assert seen["after"] == "kept"
     assert "e2b execute stream abandoned" in server.stderr_text()
+
+
+def test_the_oldest_pinned_python_sdk_runs_the_chart_and_contexts(server: ServerProcess) -> None:
+    """The oldest SDK pinned (E2B_SANDBOX_URL arrived in e2b-code-interpreter 2.9.0)."""
+    chart = run_python(server, "pandas_chart", "_OLD")
+    assert chart["results"][0]["chart"]["type"] == "line"
+    assert chart["results"][1]["data"]["sales"] == [10.5, 12.0, 15.25]
+    contexts = run_python(server, "contexts", "_OLD")
+    assert contexts["listed"] == [[False, "python"], [False, "javascript"], [True, "python"]]
+    assert contexts["restarted"] == "name 'y' is not defined"
 
 
 # -- the JavaScript SDK under Node ------------------------------------------------------------
