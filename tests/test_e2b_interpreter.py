@@ -367,3 +367,41 @@ def test_context_registry_is_bounded() -> None:
     with pytest.raises(ValueError, match="maximum of 16 code contexts"):
         registry.create("sbx", "python", "/home/user")
     assert len(registry.of("sbx").listed()) == MAX_CONTEXTS + 2
+
+
+def test_bash_and_typescript_contexts_and_input_over_the_wire(
+    server: ServerProcess, sandbox: Any
+) -> None:
+    sandbox_id, token = sandbox
+    with httpx2.Client(base_url=f"{server.base_url}/e2b", timeout=120) as http:
+
+        def run(body: dict[str, Any]) -> list[dict[str, Any]]:
+            answer = http.post("/execute", json=body, headers=interp(sandbox_id, token))
+            assert answer.status_code == 200, answer.text
+            return ndjson(answer)
+
+        made = http.post(
+            "/contexts", json={"language": "bash", "cwd": "/tmp"}, headers=interp(sandbox_id, None)
+        )
+        assert made.status_code == 200 and made.json()["cwd"] == "/tmp"
+        bash = run({"code": "pwd; export Q=7", "context_id": made.json()["id"]})
+        assert "".join(i["text"] for i in bash if i["type"] == "stdout").strip() == "/tmp"
+        again = run({"code": "echo $Q", "context_id": made.json()["id"]})
+        assert [i["text"] for i in again if i["type"] == "stdout"] == ["7\n"]
+        ts = run({"code": "const s: string = 'typed'; s.length", "language": "ts"})
+        assert [i.get("text") for i in ts if i["type"] == "result"] == ["5"]
+        asked = run({"code": "name = input('name? ')"})
+        errors = [i for i in asked if i["type"] == "error"]
+        assert [e["name"] for e in errors] == ["StdinNotImplementedError"]
+        assert run({"code": "'after'"})[0]["text"] == "after"  # (unquoted, as E2B's)
+        bad_cwd = http.post(
+            "/contexts", json={"cwd": "/no/such/dir"}, headers=interp(sandbox_id, None)
+        )
+        assert bad_cwd.status_code == 500 and "No such file or directory" in bad_cwd.text
+        listed = http.get("/contexts", headers=interp(sandbox_id, None)).json()
+        assert [c["language"] for c in listed] == [
+            "python",
+            "javascript",
+            "bash",
+            "typescript",
+        ]
