@@ -405,3 +405,43 @@ def test_bash_and_typescript_contexts_and_input_over_the_wire(
             "bash",
             "typescript",
         ]
+
+
+def test_results_and_ends_are_e2b_lines() -> None:
+    from sandbox_runtime.domain.models import ExecutionInfo, ExecutionStatus
+    from sandbox_runtime.e2b.interpreter_stream import end_lines, result_line
+
+    chart = {"type": "pie", "title": None, "elements": []}
+    bundle = {"text/plain": "'abc'", "image/png": "iVBOR", "e2b/chart": chart, "x/y": 1}
+    assert result_line(bundle, True) == {
+        "type": "result",
+        "text": "abc",
+        "png": "iVBOR",
+        "chart": chart,
+        "extra": {"x/y": 1},
+        "is_main_result": True,
+    }
+    info = ExecutionInfo.model_construct(
+        status=ExecutionStatus.TIMEOUT, error="timed out after 5 seconds", reason="timeout",
+        execution_count=4,
+    )  # fmt: skip
+    assert end_lines(info, raised=False) == [
+        {"type": "error", "name": "TimeoutError", "value": "timed out after 5 seconds",
+         "traceback": ""},
+        {"type": "number_of_executions", "execution_count": 4},
+        {"type": "end_of_execution"},
+    ]  # fmt: skip
+    assert next(i["type"] for i in end_lines(info, raised=True)) == "number_of_executions"
+
+
+def test_the_edges_own_cells_are_valid_code() -> None:
+    from sandbox_runtime.e2b.interpreter_contexts import CodeContext, cleanup_code, setup_code
+
+    context = CodeContext("c1", "python", "/home/user/it's", "python:c1")
+    env = {"A": "x'y\"z\n", "B": ""}
+    for full in (True, False):
+        compile(setup_code(context, env, full), "setup", "exec")
+    compile(cleanup_code("python", env, {"B": "kept"}), "cleanup", "exec")
+    bash = CodeContext("c2", "bash", "/tmp/a b", "bash:c2")
+    assert setup_code(bash, {"A": "it's"}, True) == "cd '/tmp/a b'\nexport A='it'\\''s'\n"
+    assert cleanup_code("bash", {"A": "1", "B": "2"}, {"B": "old"}) == "unset A\nexport B='old'\n"

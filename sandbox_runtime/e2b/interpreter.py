@@ -135,14 +135,19 @@ class CodeInterpreter:
         env = validate_env(body.get("env_vars") or None)
         first: list[dict[str, Any]] = []
         if not context.prepared or env:
+            full = not context.prepared
             reset = await self.queue(sandbox, context, self.setup(sandbox, context, env))
-            context.prepared = True
+            # (an interpreter that started afresh under an env-only setup lacks the rest)
+            context.prepared = full or reset is None
             if reset not in (None, "first_call"):
                 first.append(reset_note(reset))
         started = await self.call(sandbox, context, code, self.services.settings.max_timeout)
         if env:  # (queued behind the call: it runs whatever becomes of the stream)
             restore = cleanup_code(context.language, env, sandbox_env(sandbox))
-            await self.queue(sandbox, context, restore)
+            try:
+                await self.queue(sandbox, context, restore)
+            except SandboxRuntimeError as exc:  # (the call itself is queued: stream it)
+                logger.warning("e2b env_vars not taken back: {}", exc)
         reset = (started.get("state_reset") or {}).get("reason")
         if reset is not None:  # (it started afresh under the call: set up again next time)
             context.prepared = False
