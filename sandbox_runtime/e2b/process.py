@@ -10,8 +10,10 @@ execution's events; a client that goes away ends the read, never the process (as
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,6 +33,7 @@ from sandbox_runtime.errors import (
 )
 
 KEEPALIVE_SECONDS = 10.0
+MIRROR_LAG_SECONDS = 5.0
 MAX_STDIN_BYTES = 1024 * 1024
 RUN_CHARS = 256 * 1024  # output joined into one data message (well under connect.MAX_FRAME)
 SIGNALS = {"SIGNAL_SIGKILL": True, "SIGNAL_SIGTERM": False, 9: True, 15: False}
@@ -144,9 +147,17 @@ class ProcessService:
         whenever nothing came for KEEPALIVE_SECONDS."""
         executions = self.services.router.executions
         wait = min(KEEPALIVE_SECONDS, self.services.settings.max_wait)
+        # An execution started on another replica (the session's home) reaches this one's
+        # view through the Redis mirror a few ms after its start was answered.
+        unseen_until = time.monotonic() + MIRROR_LAG_SECONDS
         while True:
             try:
                 page = await executions.read_output(sandbox.owner, execution_id, after, 1000, wait)
+            except ExecutionNotFoundError:
+                if time.monotonic() > unseen_until:
+                    raise ConnectError("not_found", f"process {execution_id} not found") from None
+                await asyncio.sleep(0.02)
+                continue
             except Exception as exc:
                 raise connect_error(exc) from None
             for kind, text in _runs(page.events):
