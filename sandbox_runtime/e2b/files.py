@@ -151,6 +151,8 @@ class FilesEndpoint:
                 return await self._download(request, sandbox)
             if request.method == "POST":
                 return await self._upload(request, sandbox)
+        except _Refused as exc:
+            return wire.error(exc.status, exc.message)
         except SandboxRuntimeError as exc:
             return wire.error(status_of(exc), str(exc))
         return wire.error(405, "GET or POST")

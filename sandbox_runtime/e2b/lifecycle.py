@@ -153,14 +153,21 @@ class Sandboxes:
         await self.store.put(sandbox)
 
     async def kill(self, sandbox: E2BSandbox) -> bool:
-        """End the sandbox: its session's processes, interpreters and files, then its record.
-        Whether this call ended it (false: already gone)."""
-        if sandbox.state == "running":
-            await self.services.router.run(sandbox.owner, "end_session", {})
+        """End the sandbox: its record at once (nothing reaches it after this returns), then,
+        in the background, its session's processes, interpreters and files. Whether this
+        call ended it (false: already gone)."""
         removed = await self.store.delete(sandbox)
-        if sandbox.snapshot_id is not None:
-            await self._drop_snapshot(sandbox)
+        if removed and sandbox.state == "running":
+            self.services.supervisor.spawn(
+                "end an e2b sandbox", self._end_session(sandbox.sandbox_id, sandbox.owner)
+            )
         return removed
+
+    async def _end_session(self, sandbox_id: str, owner: Any) -> None:
+        try:
+            await self.services.router.run(owner, "end_session", {})
+        except Exception as exc:  # (its retention removes the workspace in the end)
+            logger.warning("e2b sandbox {}: ending its session failed: {}", sandbox_id, exc)
 
     async def pause(self, sandbox: E2BSandbox) -> None:
         taken = await self.services.router.run(sandbox.owner, "snapshot", {})
@@ -205,6 +212,3 @@ class Sandboxes:
             logger.warning(
                 "e2b sandbox {}: ending it at its timeout failed: {}", sandbox.sandbox_id, exc
             )
-
-    async def _drop_snapshot(self, sandbox: E2BSandbox) -> None:
-        pass  # (the snapshot store's retention removes it with the session's others)

@@ -10,8 +10,10 @@ execution's events; a client that goes away ends the read, never the process (as
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,7 +33,9 @@ from sandbox_runtime.errors import (
 )
 
 KEEPALIVE_SECONDS = 10.0
+MIRROR_LAG_SECONDS = 5.0
 MAX_STDIN_BYTES = 1024 * 1024
+RUN_CHARS = 256 * 1024  # output joined into one data message (well under connect.MAX_FRAME)
 SIGNALS = {"SIGNAL_SIGKILL": True, "SIGNAL_SIGTERM": False, 9: True, 15: False}
 
 
@@ -143,15 +147,22 @@ class ProcessService:
         whenever nothing came for KEEPALIVE_SECONDS."""
         executions = self.services.router.executions
         wait = min(KEEPALIVE_SECONDS, self.services.settings.max_wait)
+        # An execution started on another replica (the session's home) reaches this one's
+        # view through the Redis mirror a few ms after its start was answered.
+        unseen_until = time.monotonic() + MIRROR_LAG_SECONDS
         while True:
             try:
                 page = await executions.read_output(sandbox.owner, execution_id, after, 1000, wait)
+            except ExecutionNotFoundError:
+                if time.monotonic() > unseen_until:
+                    raise ConnectError("not_found", f"process {execution_id} not found") from None
+                await asyncio.sleep(0.02)
+                continue
             except Exception as exc:
                 raise connect_error(exc) from None
-            for event in page.events:
-                if event.type in ("stdout", "stderr") and event.data:
-                    data = base64.b64encode(event.data.encode()).decode()
-                    yield {"event": {"data": {event.type: data}}}
+            for kind, text in _runs(page.events):
+                data = base64.b64encode(text.encode()).decode()
+                yield {"event": {"data": {kind: data}}}
             after = max(after, page.next_cursor)
             if page.info.status.finished and not page.has_more:
                 yield _end(page.info)
@@ -252,6 +263,20 @@ class ProcessService:
             raise ConnectError("unimplemented", "PTY (sandbox.pty) is not supported by this server")
         await self._find(sandbox, message)
         return {}
+
+
+def _runs(events: list[Any]) -> list[tuple[str, str]]:
+    """The page's output as runs of one stream each (consecutive events joined, up to
+    RUN_CHARS a message): one frame for many small writes."""
+    runs: list[tuple[str, str]] = []
+    for event in events:
+        if event.type not in ("stdout", "stderr") or not event.data:
+            continue
+        if runs and runs[-1][0] == event.type and len(runs[-1][1]) + len(event.data) <= RUN_CHARS:
+            runs[-1] = (event.type, runs[-1][1] + event.data)
+        else:
+            runs.append((event.type, event.data))
+    return runs
 
 
 def _input(value: object) -> str:
