@@ -4,9 +4,10 @@
 
 A request with an `E2b-Sandbox-Id` header is for a sandbox (envd on port 49983, the code
 interpreter on 49999, by `E2b-Sandbox-Port`) and must carry that sandbox's `X-Access-Token`
-(but for the interpreter's `/contexts`, to which E2B's SDKs send none); any other is for the control plane and must carry an API key (`X-API-KEY`: one of the
-server's tokens, SANDBOX_AUTH_TOKEN(S); `srt-mcp-server token new --e2b` makes one of E2B's
-shape). A token that does not match gets the same answer as a sandbox that does not exist.
+(but for the interpreter's `/contexts`, to which E2B's SDKs send none); any other is for the
+control plane and must carry an API key (`X-API-KEY`: one of the server's tokens,
+SANDBOX_AUTH_TOKEN(S); `srt-mcp-server token new --e2b` makes one of E2B's shape). A token
+that does not match gets the same answer as a sandbox that does not exist.
 """
 
 from __future__ import annotations

@@ -33,7 +33,12 @@ from sandbox_runtime.e2b.interpreter_contexts import (
     normalize_language,
     setup_code,
 )
-from sandbox_runtime.e2b.interpreter_stream import stream_call, timestamp
+from sandbox_runtime.e2b.interpreter_stream import (
+    KEEPALIVE_SECONDS,
+    read_page,
+    stream_call,
+    timestamp,
+)
 from sandbox_runtime.e2b.paths import HOME
 from sandbox_runtime.e2b.sandboxes import E2BSandbox
 from sandbox_runtime.errors import (
@@ -165,8 +170,9 @@ class CodeInterpreter:
                 f"interrupt abandoned e2b call {execution_id}", self.interrupt(owner, execution_id)
             )
 
+        wait = min(KEEPALIVE_SECONDS, self.services.settings.max_wait)
         lines = stream_call(
-            executions.read_output, owner, execution_id, first, refuse_input, abandoned
+            executions.read_output, owner, execution_id, first, refuse_input, abandoned, wait
         )
         return StreamingResponse(lines, media_type="application/x-ndjson")
 
@@ -234,7 +240,9 @@ class CodeInterpreter:
         executions, owner = self.router.executions, sandbox.owner
         after, error = 0, None
         while True:
-            page = await executions.read_output(owner, started["execution_id"], after, 1000, 5.0)
+            page = await read_page(
+                executions.read_output, owner, started["execution_id"], after, 5.0
+            )
             for event in page.events:
                 if event.type == "exception" and error is None:
                     error = f"{event.name}: {event.value}"

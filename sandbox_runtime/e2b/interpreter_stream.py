@@ -13,16 +13,20 @@ server interrupts it (its kernel keeps its state; its end is recorded as `cancel
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sandbox_runtime.domain.models import EventType, ExecutionInfo, ExecutionStatus, OutputEvent
 from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.errors import ExecutionNotFoundError
 
 KEEPALIVE_SECONDS = 5.0  # E2B's KEEPALIVE_INTERVAL
 PAGE_EVENTS = 1000
+MIRROR_LAG_SECONDS = 5.0  # a call started on another replica, not yet in the mirror
 # A result's MIME types and the fields E2B names them by; the rest go to `extra`.
 RESULT_FIELDS = {
     "text/plain": "text",
@@ -46,6 +50,24 @@ END_ERRORS = {
     ExecutionStatus.FAILED: "InterpreterError",
     ExecutionStatus.LOST: "InterpreterError",
 }
+
+
+async def read_page(
+    read: Callable[..., Any], owner: Owner, execution_id: str, after: int, wait: float
+) -> Any:
+    """A page of the call's events after `after` (ExecutionAccess.read_output). A call
+    started on another replica (the session's home) reaches this one's view through the
+    mirror a moment after its start was answered: not found is retried for MIRROR_LAG_SECONDS.
+
+    Raises ExecutionNotFoundError after that, and what the read raises."""
+    unseen_until = time.monotonic() + MIRROR_LAG_SECONDS
+    while True:
+        try:
+            return await read(owner, execution_id, after, PAGE_EVENTS, wait)
+        except ExecutionNotFoundError:
+            if after > 0 or time.monotonic() > unseen_until:
+                raise
+            await asyncio.sleep(0.02)
 
 
 def line(item: dict[str, Any]) -> bytes:
@@ -113,18 +135,19 @@ async def stream_call(
     first: list[dict[str, Any]],
     on_input: Callable[[], Any],
     on_abandoned: Callable[[], None],
+    wait: float = KEEPALIVE_SECONDS,
 ) -> AsyncIterator[bytes]:
     """The NDJSON of call `execution_id`, read with `read` (ExecutionAccess.read_output) as it
     comes, after the `first` items. `on_input` is awaited when the code asks for input (E2B's
     kernels have no stdin); `on_abandoned` is called when the stream ends before the call
-    did (the client went away)."""
+    did (the client went away). `wait`: the longest silence before a keepalive."""
     done = False
     try:
         for item in first:
             yield line(item)
         after, raised, asked = 0, False, False
         while True:
-            page = await read(owner, execution_id, after, PAGE_EVENTS, KEEPALIVE_SECONDS)
+            page = await read_page(read, owner, execution_id, after, wait)
             for event in page.events:
                 if event.type is EventType.INPUT_REQUEST and not asked:
                     asked = True
