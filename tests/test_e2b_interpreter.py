@@ -22,6 +22,7 @@ from typing import Any
 import httpx2
 import pytest
 from mcp_harness import ROOT, ServerProcess
+from topology_harness import running_topology
 
 pytestmark = pytest.mark.e2e
 
@@ -70,15 +71,17 @@ def sdk_env(server: ServerProcess, extra: dict[str, str] | None = None) -> dict[
         E2B_API_URL=f"{server.base_url}/e2b",
         E2B_SANDBOX_URL=f"{server.base_url}/e2b",
         E2B_API_KEY=KEY,
-        **(extra or {}),
     )
+    env.update(extra or {})
     return env
 
 
-def run_python(server: ServerProcess, scenario: str, which: str = "") -> dict[str, Any]:
+def run_python(
+    server: ServerProcess, scenario: str, which: str = "", env: dict[str, str] | None = None
+) -> dict[str, Any]:
     done = subprocess.run(
         [e2b_python(which), str(DRIVERS / "e2b_interpreter_driver.py"), scenario],
-        env=sdk_env(server),
+        env=env or sdk_env(server),
         capture_output=True,
         text=True,
         timeout=240,
@@ -445,3 +448,59 @@ def test_the_edges_own_cells_are_valid_code() -> None:
     bash = CodeContext("c2", "bash", "/tmp/a b", "bash:c2")
     assert setup_code(bash, {"A": "it's"}, True) == "cd '/tmp/a b'\nexport A='it'\\''s'\n"
     assert cleanup_code("bash", {"A": "1", "B": "2"}, {"B": "old"}) == "unset A\nexport B='old'\n"
+
+
+def test_calls_through_a_replica_that_is_not_the_sandboxs_home(tmp_path: Path) -> None:
+    """Two replicas sharing Redis: a sandbox homed on one is used through the other, which
+    forwards each call to the home and streams it from there (output while it runs, results,
+    contexts); and the SDK through nginx, which keeps a sandbox's requests on one replica."""
+    with running_topology(
+        tmp_path, count=2, SANDBOX_E2B="true", SANDBOX_AUTH_TOKENS=f"alice:{KEY}"
+    ) as topology:
+        home, other = topology.replicas.values()
+        with httpx2.Client(timeout=120) as http:
+            made = http.post(
+                f"{home.base_url}/e2b/sandboxes",
+                json={"templateID": "code-interpreter-v1"},
+                headers={"X-API-KEY": KEY},
+            ).json()
+            headers = interp(made["sandboxID"], made["envdAccessToken"])
+            here = http.post(
+                f"{home.base_url}/e2b/execute", json={"code": "x = 1"}, headers=headers
+            )
+            assert here.status_code == 200  # (its session is homed on `home` now)
+            code = "import time\nprint('b', flush=True)\ntime.sleep(6)\nx + 1"
+            there = ndjson(
+                http.post(f"{other.base_url}/e2b/execute", json={"code": code}, headers=headers)
+            )
+            assert [i["type"] for i in there] == [
+                "stdout", "keepalive", "result", "number_of_executions", "end_of_execution",
+            ]  # fmt: skip
+            assert there[2]["text"] == "2"
+            context = http.post(
+                f"{other.base_url}/e2b/contexts",
+                json={"language": "python"},
+                headers=interp(made["sandboxID"], None),
+            ).json()
+            separate = ndjson(
+                http.post(
+                    f"{other.base_url}/e2b/execute",
+                    json={"code": "x", "context_id": context["id"]},
+                    headers=headers,
+                )
+            )
+            assert separate[0]["type"] == "error" and separate[0]["name"] == "NameError"
+            forwarded = other.metric(
+                KEY, "srt_forwarded_calls_total", 'op="run_code"', 'result="ok"'
+            )
+            assert forwarded >= 3, forwarded
+            http.delete(
+                f"{home.base_url}/e2b/sandboxes/{made['sandboxID']}", headers={"X-API-KEY": KEY}
+            )
+        via_nginx = f"http://127.0.0.1:{topology.nginx.port}/e2b"
+        env = sdk_env(home, {"E2B_API_URL": via_nginx, "E2B_SANDBOX_URL": via_nginx})
+        chart = run_python(home, "pandas_chart", env=env)
+        assert chart["results"][0]["chart"]["type"] == "line"
+        contexts = run_python(home, "contexts", env=env)
+        assert contexts["restarted"] == "name 'y' is not defined"
+        assert contexts["unknown"] == "NotFound: Context no-such-context not found"
