@@ -113,6 +113,8 @@ def test_another_principals_sandbox_is_not_there(http: httpx2.Client) -> None:
     )
     assert refused.status_code == 502
     assert http.get("/health", headers={**envd(alice), "X-Access-Token": ""}).status_code == 401
+    odd = {**envd(alice), "X-Access-Token": "t\u00e9st".encode("latin-1")}
+    assert http.get("/health", headers=odd).status_code == 502  # (not a 500)
     assert http.get(f"/sandboxes/{sid}", headers={"X-API-KEY": ALICE}).json()["state"] == "running"
     assert http.get("/v2/sandboxes", headers={"X-API-KEY": "e2b_" + "0" * 40}).status_code == 401
     assert http.get("/v2/sandboxes").status_code == 401

@@ -131,7 +131,8 @@ class Sandboxes:
         if not valid_sandbox_id(sandbox_id):
             return None
         found = await self.store.get(sandbox_id)
-        if found is None or not secrets.compare_digest(found.access_token, token or ""):
+        offered = (token or "").encode("utf-8", "surrogateescape")
+        if found is None or not secrets.compare_digest(found.access_token.encode(), offered):
             return None
         if found.expired():
             await self._timed_out(found)
