@@ -321,6 +321,7 @@ def test_what_we_do_not_have_says_so(http: httpx2.Client) -> None:
         ({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/data"}]}, "volumes"),
         ({"templateID": "base", "network": {"denyOut": ["0.0.0.0/0"]}}, "network rules"),
         ({"templateID": "base", "mcp": {"x": {}}}, "MCP gateway"),
+        ({"templateID": "base", "secure": False}, "secure=False"),
     ):
         resp = http.post("/v2/sandboxes", json=body, headers=key)
         assert resp.status_code == 501 and feature in resp.json()["message"], resp.text
@@ -331,6 +332,10 @@ def test_what_we_do_not_have_says_so(http: httpx2.Client) -> None:
     ):
         resp = http.request(method, path, headers=key)
         assert resp.status_code == 501 and feature in resp.json()["message"], resp.text
+    offline = create(http, allow_internet_access=False)
+    info = http.get(f"/sandboxes/{offline['sandboxID']}", headers=key).json()
+    assert info["allowInternetAccess"] is False
+    kill(http, offline)
     sandbox = create(http, templateID="code-interpreter")
     assert sandbox["templateID"] == "code-interpreter-v1"
     assert http.get(f"/sandboxes/{sandbox['sandboxID']}/metrics", headers=key).status_code == 501

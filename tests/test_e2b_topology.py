@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from test_e2b_sdk import ALICE, python_driver
 from split_harness import running_split
+from test_e2b_sdk import ALICE, python_driver
 from topology_harness import running_topology
 
 pytestmark = pytest.mark.e2e

@@ -131,6 +131,10 @@ class ControlPlane:
             return wire.unsupported("network rules by API (egress follows the server's policy)")
         if body.get("iam"):
             return wire.unsupported("IAM")
+        if body.get("secure") is False:
+            return wire.unsupported(
+                "secure=False (every sandbox here has an envd access token; leave secure on)"
+            )
         auto_pause = bool(body.get("autoPause"))
         sandbox = await self.sandboxes.create(
             principal,
@@ -140,6 +144,7 @@ class ControlPlane:
             checked_map(body.get("metadata"), "metadata"),
             checked_map(body.get("envVars"), "envVars"),
             auto_pause,
+            body.get("allow_internet_access") is not False,
         )
         return JSONResponse(wire.created(sandbox), status_code=201)
 

@@ -85,6 +85,7 @@ class Sandboxes:
         metadata: dict[str, str],
         env_vars: dict[str, str],
         auto_pause: bool,
+        allow_internet: bool = True,
     ) -> E2BSandbox:
         limit = self.services.settings.e2b_max_sandboxes
         if await self.store.count(principal) >= limit:
@@ -105,6 +106,7 @@ class Sandboxes:
             metadata=metadata,
             env_vars=env_vars,
             auto_pause=auto_pause,
+            allow_internet=allow_internet,
         )
         await self.store.put(sandbox)
         return sandbox

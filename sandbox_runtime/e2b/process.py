@@ -124,6 +124,7 @@ class ProcessService:
                         "working_directory": cwd,
                         "environment": {**sandbox.env_vars, **envs} or None,
                         "timeout_seconds": self.services.settings.max_timeout,
+                        "sandbox_config": sandbox.sandbox_config(),
                     }
                 },
             )
