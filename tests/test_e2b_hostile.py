@@ -113,6 +113,8 @@ def test_another_principals_sandbox_is_not_there(http: httpx2.Client) -> None:
     )
     assert refused.status_code == 502
     assert http.get("/health", headers={**envd(alice), "X-Access-Token": ""}).status_code == 401
+    odd = {**envd(alice), "X-Access-Token": "t\u00e9st".encode("latin-1")}
+    assert http.get("/health", headers=odd).status_code == 502  # (not a 500)
     assert http.get(f"/sandboxes/{sid}", headers={"X-API-KEY": ALICE}).json()["state"] == "running"
     assert http.get("/v2/sandboxes", headers={"X-API-KEY": "e2b_" + "0" * 40}).status_code == 401
     assert http.get("/v2/sandboxes").status_code == 401
@@ -319,6 +321,7 @@ def test_what_we_do_not_have_says_so(http: httpx2.Client) -> None:
         ({"templateID": "base", "volumeMounts": [{"name": "v", "path": "/data"}]}, "volumes"),
         ({"templateID": "base", "network": {"denyOut": ["0.0.0.0/0"]}}, "network rules"),
         ({"templateID": "base", "mcp": {"x": {}}}, "MCP gateway"),
+        ({"templateID": "base", "secure": False}, "secure=False"),
     ):
         resp = http.post("/v2/sandboxes", json=body, headers=key)
         assert resp.status_code == 501 and feature in resp.json()["message"], resp.text
@@ -329,6 +332,10 @@ def test_what_we_do_not_have_says_so(http: httpx2.Client) -> None:
     ):
         resp = http.request(method, path, headers=key)
         assert resp.status_code == 501 and feature in resp.json()["message"], resp.text
+    offline = create(http, allow_internet_access=False)
+    info = http.get(f"/sandboxes/{offline['sandboxID']}", headers=key).json()
+    assert info["allowInternetAccess"] is False
+    kill(http, offline)
     sandbox = create(http, templateID="code-interpreter")
     assert sandbox["templateID"] == "code-interpreter-v1"
     assert http.get(f"/sandboxes/{sandbox['sandboxID']}/metrics", headers=key).status_code == 501

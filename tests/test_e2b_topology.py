@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from split_harness import running_split
 from test_e2b_sdk import ALICE, python_driver
 from topology_harness import running_topology
 
@@ -43,3 +44,18 @@ def test_two_replicas_behind_nginx(tmp_path: Path) -> None:
         assert homes <= set(topology.replicas), homes
         assert python_driver("latest", second, tmp_path, "kill", sid) == {"killed": True}
         assert topology.redis.cli_raw("get", f"e2b:sandbox:{sid}").strip() == ""
+
+
+def test_split_roles(tmp_path: Path) -> None:
+    """api replicas (no sandboxes) behind nginx's split config, workers running the sessions:
+    the SDK's examples work the same."""
+    with running_split(
+        tmp_path, apis=2, workers=1, SANDBOX_E2B="true", SANDBOX_AUTH_TOKENS=f"alice:{ALICE}"
+    ) as split:
+        r = python_driver("latest", f"http://127.0.0.1:{split.nginx.port}", tmp_path, "examples")
+        assert r["run"] == {"stdout": "hi\nhello\n", "stderr": "oops\n", "exit": 0}
+        assert r["background"] == {"seen": "line1\nline2\nline3\n", "exit": 0}
+        assert r["stdin"] == "typed\n" and r["killed"] is True
+        assert r["read"] == "first" and r["second_process"] == "survives"
+        assert r["resumed_read"] == "survives"
+        assert r["running_after_timeout"] is False

@@ -8,10 +8,13 @@ network rules, MCP gateway, metrics, logs, snapshots by API, forks, secrets) ans
 
 from __future__ import annotations
 
-import base64
+import hashlib
+import hmac
 import json
 import re
+import time
 from typing import Any
+from urllib.parse import parse_qsl
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -128,6 +131,10 @@ class ControlPlane:
             return wire.unsupported("network rules by API (egress follows the server's policy)")
         if body.get("iam"):
             return wire.unsupported("IAM")
+        if body.get("secure") is False:
+            return wire.unsupported(
+                "secure=False (every sandbox here has an envd access token; leave secure on)"
+            )
         auto_pause = bool(body.get("autoPause"))
         sandbox = await self.sandboxes.create(
             principal,
@@ -137,6 +144,7 @@ class ControlPlane:
             checked_map(body.get("metadata"), "metadata"),
             checked_map(body.get("envVars"), "envVars"),
             auto_pause,
+            body.get("allow_internet_access") is not False,
         )
         return JSONResponse(wire.created(sandbox), status_code=201)
 
@@ -214,8 +222,6 @@ class ControlPlane:
 
 
 def _left(sandbox: E2BSandbox) -> int:
-    import time
-
     return max(0, int(sandbox.end_at - time.time()))
 
 
@@ -228,8 +234,6 @@ def _int(text: str | None, default: int, low: int, high: int) -> int:
 
 def _metadata_filter(text: str) -> dict[str, str]:
     """`metadata=k1%3Dv1%26k2%3Dv2` (URL-encoded query string) as a dict."""
-    from urllib.parse import parse_qsl
-
     if not text:
         return {}
     try:
@@ -239,27 +243,20 @@ def _metadata_filter(text: str) -> dict[str, str]:
 
 
 def principal_of(request: Request, tokens: dict[str, str]) -> str | None:
-    """The principal of the request's `X-API-KEY` (or bearer token); with no tokens configured
-    (an open server on loopback) every key is `default`. None: refused."""
+    """The principal of the request's `X-API-KEY` (or a bearer token); with no tokens
+    configured (an open server on loopback) every key is `default`. None: refused. Compared
+    by digest in constant time, as the MCP edge's tokens are."""
     offered = request.headers.get("x-api-key") or ""
     if not offered:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer":
             offered = token.strip()
-        elif scheme.lower() == "basic":
-            offered = (
-                base64.b64decode(token.strip() + "==").decode(errors="replace").partition(":")[0]
-            )
     if not tokens:
         return "default"
-    import hashlib
-    import hmac
-
     digest = hashlib.sha256(offered.encode("utf-8", "surrogatepass")).digest()
     match = None
     for token, principal in tokens.items():
-        if hmac.compare_digest(
-            digest, hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
-        ):
+        known = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        if hmac.compare_digest(digest, known):
             match = principal
     return match

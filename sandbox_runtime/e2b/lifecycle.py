@@ -85,6 +85,7 @@ class Sandboxes:
         metadata: dict[str, str],
         env_vars: dict[str, str],
         auto_pause: bool,
+        allow_internet: bool = True,
     ) -> E2BSandbox:
         limit = self.services.settings.e2b_max_sandboxes
         if await self.store.count(principal) >= limit:
@@ -105,6 +106,7 @@ class Sandboxes:
             metadata=metadata,
             env_vars=env_vars,
             auto_pause=auto_pause,
+            allow_internet=allow_internet,
         )
         await self.store.put(sandbox)
         return sandbox
@@ -131,7 +133,8 @@ class Sandboxes:
         if not valid_sandbox_id(sandbox_id):
             return None
         found = await self.store.get(sandbox_id)
-        if found is None or not secrets.compare_digest(found.access_token, token or ""):
+        offered = (token or "").encode("utf-8", "surrogateescape")
+        if found is None or not secrets.compare_digest(found.access_token.encode(), offered):
             return None
         if found.expired():
             await self._timed_out(found)

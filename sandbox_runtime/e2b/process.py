@@ -111,7 +111,9 @@ class ProcessService:
         if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
             raise ConnectError("invalid_argument", "process.envs must map names to strings")
         try:
-            cwd = to_workspace(process.get("cwd"), HOME)
+            cwd = process.get("cwd")
+            if not (isinstance(cwd, str) and (cwd == "/tmp" or cwd.startswith("/tmp/"))):
+                cwd = to_workspace(cwd, HOME)  # (the sandbox's /tmp is its own: allowed too)
             result = await self.services.router.run(
                 sandbox.owner,
                 "execute",
@@ -122,6 +124,7 @@ class ProcessService:
                         "working_directory": cwd,
                         "environment": {**sandbox.env_vars, **envs} or None,
                         "timeout_seconds": self.services.settings.max_timeout,
+                        "sandbox_config": sandbox.sandbox_config(),
                     }
                 },
             )

@@ -9,7 +9,8 @@ paused) is this record, kept where every replica sees it: in Redis with a cluste
 `E2BSandbox` is the interface the envd and code-interpreter handlers get: `sandbox_id`, and
 `owner`, the `Owner` through which they call the session router
 (`services.router.run(sandbox.owner, "run_code", args, sink)`, `services.router.executions`
-...), so limits, egress, the Redis mirror, replicas and roles hold unchanged.
+...), so limits, egress, the Redis mirror, replicas and roles hold unchanged; `env_vars`, the
+environment its code gets; `sandbox_config()`, what its code's `sandbox_config` must be.
 """
 
 from __future__ import annotations
@@ -56,11 +57,18 @@ class E2BSandbox:
     env_vars: dict[str, str] = field(default_factory=dict)
     auto_pause: bool = False
     snapshot_id: str | None = None  # the pause's snapshot, while paused
+    # False (allow_internet_access=false): its code runs with sandbox_config network false;
+    # true: the server's egress policy applies, as to any session.
+    allow_internet: bool = True
 
     @property
     def owner(self) -> Owner:
         """The session of ours the sandbox is: router calls go through this."""
         return Owner(self.principal, f"s:{SESSION_PREFIX}{self.sandbox_id}")
+
+    def sandbox_config(self) -> dict[str, object] | None:
+        """The `sandbox_config` its executions and interpreter calls run with."""
+        return None if self.allow_internet else {"network": False}
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

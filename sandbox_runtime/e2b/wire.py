@@ -81,6 +81,7 @@ def detail(sandbox: E2BSandbox, memory_mb: int, disk_mb: int) -> dict[str, Any]:
         **listed(sandbox, memory_mb, disk_mb),
         "envdAccessToken": sandbox.access_token,
         "domain": None,
+        "allowInternetAccess": sandbox.allow_internet,
         "lifecycle": {"autoResume": False, "onTimeout": "pause" if sandbox.auto_pause else "kill"},
         # (not E2B's: says what a resume brings back)
         "pauseMode": "filesystem",
