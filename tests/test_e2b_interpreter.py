@@ -504,3 +504,31 @@ def test_calls_through_a_replica_that_is_not_the_sandboxs_home(tmp_path: Path) -
         contexts = run_python(home, "contexts", env=env)
         assert contexts["restarted"] == "name 'y' is not defined"
         assert contexts["unknown"] == "NotFound: Context no-such-context not found"
+
+
+def test_a_sandbox_without_internet_runs_its_contexts_under_that_limit(
+    server: ServerProcess,
+) -> None:
+    """allow_internet_access=false: every interpreter of the sandbox starts without network
+    (the sandbox's sandbox_config), its defaults, created contexts and restarts alike."""
+    with httpx2.Client(base_url=f"{server.base_url}/e2b", timeout=120) as http:
+        made = http.post(
+            "/sandboxes",
+            json={"templateID": "code-interpreter-v1", "allow_internet_access": False},
+            headers={"X-API-KEY": KEY},
+        ).json()
+        headers = interp(made["sandboxID"], made["envdAccessToken"])
+        try:
+            first = ndjson(http.post("/execute", json={"code": "6 * 7"}, headers=headers))
+            assert first[0]["text"] == "42"
+            context = http.post("/contexts", json={}, headers=headers).json()
+            restarted = http.post(f"/contexts/{context['id']}/restart", headers=headers)
+            assert restarted.status_code == 200, restarted.text
+            ran = ndjson(
+                http.post(
+                    "/execute", json={"code": "'ok'", "context_id": context["id"]}, headers=headers
+                )
+            )
+            assert ran[0]["text"] == "ok"
+        finally:
+            http.delete(f"/sandboxes/{made['sandboxID']}", headers={"X-API-KEY": KEY})

@@ -192,7 +192,12 @@ class CodeInterpreter:
         self, sandbox: E2BSandbox, context: CodeContext, code: str, seconds: float
     ) -> dict[str, Any]:
         """Queue `code` on the context's interpreter; run_code's answer (no waiting)."""
-        args = {"code": code, "language": context.interpreter, "timeout_seconds": seconds}
+        args = {
+            "code": code,
+            "language": context.interpreter,
+            "timeout_seconds": seconds,
+            "sandbox_config": sandbox.sandbox_config(),  # (no network: allow_internet_access)
+        }
         return await self.router.run(sandbox.owner, "run_code", args)
 
     async def queue(self, sandbox: E2BSandbox, context: CodeContext, code: str) -> str | None:
@@ -266,9 +271,8 @@ class CodeInterpreter:
         return JSONResponse(None)
 
     async def restart_context(self, sandbox: E2BSandbox, context: CodeContext) -> Response:
-        await self.router.run(
-            sandbox.owner, "restart_interpreter", {"language": context.interpreter}
-        )
+        args = {"language": context.interpreter, "sandbox_config": sandbox.sandbox_config()}
+        await self.router.run(sandbox.owner, "restart_interpreter", args)
         context.prepared = False
         failed = await self.start(sandbox, context)
         if failed is not None:
