@@ -340,3 +340,29 @@ def test_what_we_do_not_have_says_so(http: httpx2.Client) -> None:
     assert sandbox["templateID"] == "code-interpreter-v1"
     assert http.get(f"/sandboxes/{sandbox['sandboxID']}/metrics", headers=key).status_code == 501
     kill(http, sandbox)
+
+
+def test_auto_pause_at_the_timeout_keeps_the_files(http: httpx2.Client) -> None:
+    """autoPause: at its timeout the sandbox is paused (its files in a snapshot), not killed;
+    its envd answers 'paused' meanwhile; connect resumes it with its files."""
+    sandbox = create(http, autoPause=True, timeout=2)
+    octet = {**envd(sandbox), "Content-Type": "application/octet-stream"}
+    resp = http.post("/files", params={"path": "kept.txt"}, content=b"still here", headers=octet)
+    assert resp.status_code == 200, resp.text
+    key = {"X-API-KEY": ALICE}
+    deadline = time.monotonic() + 20
+    state = "running"
+    while time.monotonic() < deadline and state == "running":
+        time.sleep(0.3)
+        state = http.get(f"/sandboxes/{sandbox['sandboxID']}", headers=key).json()["state"]
+    assert state == "paused"
+    resp = http.get("/files", params={"path": "kept.txt"}, headers=envd(sandbox))
+    assert resp.status_code == 502 and "paused" in resp.json()["message"]
+    resp = http.post(
+        f"/sandboxes/{sandbox['sandboxID']}/connect", json={"timeout": 60}, headers=key
+    )
+    assert resp.status_code == 201, resp.text
+    resumed = resp.json()
+    got = http.get("/files", params={"path": "kept.txt"}, headers=envd(resumed))
+    assert got.content == b"still here"
+    kill(http, resumed)

@@ -164,7 +164,12 @@ def test_python_sdk_on_stdout_streams_while_the_code_runs(server: ServerProcess)
 
 def test_python_sdk_envs_last_one_call_and_sandbox_envs_stay(server: ServerProcess) -> None:
     seen = run_python(server, "envs")
-    assert seen == {"set": "bar", "after": "default", "sandbox_wide": "everywhere"}
+    assert seen == {
+        "set": "bar",
+        "after": "default",
+        "sandbox_wide": "everywhere",
+        "home": "/home/user user",  # (as E2B's sandboxes, and its commands here)
+    }
 
 
 def test_a_client_that_gives_up_interrupts_its_call_and_the_state_stays(

@@ -131,6 +131,7 @@ def test_documented_examples(sdk: str, server: ServerProcess, tmp_path: Path) ->
     assert r["info"] == {"template": "base", "state": "running"}
     assert r["run"] == {"stdout": "hi\nhello\n", "stderr": "oops\n", "exit": 0}
     assert r["exit3"] == 3
+    assert r["home"] == "/home/user user\n/home/user\n"
     assert r["background"] == {"seen": "line1\nline2\nline3\n", "exit": 0}
     assert r["stdin"] == "typed\n"
     assert r["listed"] is True and r["killed"] is True

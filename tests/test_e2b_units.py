@@ -188,3 +188,22 @@ def test_move_renames_within_the_workspace(files: WorkspaceFiles, tmp_path: Path
     with pytest.raises((FileAccessError, InvalidRequestError)):
         files.move("d/e/b.txt", "link/stolen")
     assert list(outside.iterdir()) == []
+
+
+def test_an_open_server_still_wants_a_key_header() -> None:
+    """No tokens configured: any key is principal `default`, but a request without one (a
+    cross-site form a browser may send without a preflight) is refused."""
+    from sandbox_runtime.e2b.control import principal_of
+
+    def request(headers: list[tuple[bytes, bytes]]) -> Request:
+        return Request({"type": "http", "method": "POST", "headers": headers})
+
+    assert principal_of(request([]), {}) is None
+    assert principal_of(request([(b"x-api-key", b"e2b_00")]), {}) == "default"
+    tokens = {"e2b_" + "ab" * 20: "alice"}
+    assert principal_of(request([(b"x-api-key", b"e2b_00")]), tokens) is None
+    assert principal_of(request([(b"x-api-key", ("e2b_" + "ab" * 20).encode())]), tokens) == "alice"
+    assert (
+        principal_of(request([(b"authorization", ("Bearer e2b_" + "ab" * 20).encode())]), tokens)
+        == "alice"
+    )

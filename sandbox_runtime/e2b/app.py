@@ -12,6 +12,7 @@ that does not match gets the same answer as a sandbox that does not exist.
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 from starlette.requests import Request
@@ -22,6 +23,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.e2b import wire
 from sandbox_runtime.e2b.control import ControlPlane, principal_of
 from sandbox_runtime.e2b.envd import Envd
+from sandbox_runtime.e2b.files import SPOOL_DIR
 from sandbox_runtime.e2b.interpreter import CodeInterpreter
 from sandbox_runtime.e2b.lifecycle import Sandboxes
 
@@ -44,6 +46,9 @@ class E2BApp:
     def start(self, services: Any) -> None:
         """Called by the app's lifespan once the parts run: the records' store, the sweep of
         timed-out sandboxes."""
+        # Multipart uploads a killed server was spooling (the state directory is this
+        # process's alone: its lock).
+        shutil.rmtree(self.settings.state_dir / SPOOL_DIR, ignore_errors=True)
         self.sandboxes = Sandboxes(services)
         self.control = ControlPlane(
             self.sandboxes, self.settings.memory_mb, self.settings.workspace_mb

@@ -244,13 +244,15 @@ def _metadata_filter(text: str) -> dict[str, str]:
 
 def principal_of(request: Request, tokens: dict[str, str]) -> str | None:
     """The principal of the request's `X-API-KEY` (or a bearer token); with no tokens
-    configured (an open server on loopback) every key is `default`. None: refused. Compared
-    by digest in constant time, as the MCP edge's tokens are."""
+    configured (an open server on loopback) every key is `default`, but one must be sent.
+    None: refused. Compared by digest in constant time, as the MCP edge's tokens are."""
     offered = request.headers.get("x-api-key") or ""
     if not offered:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer":
             offered = token.strip()
+    if not offered:  # (required even on an open server: a browser cannot send it cross-site
+        return None  # without a CORS preflight, which nothing here answers)
     if not tokens:
         return "default"
     digest = hashlib.sha256(offered.encode("utf-8", "surrogatepass")).digest()

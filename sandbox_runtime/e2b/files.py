@@ -38,6 +38,7 @@ from sandbox_runtime.errors import (
 CHUNK = 1024 * 1024
 MAX_PARTS = 100
 MAX_ERROR_BODY = 64 * 1024
+SPOOL_DIR = "e2b-uploads"  # in the state directory
 
 
 def status_of(exc: Exception) -> int:
@@ -245,7 +246,7 @@ class Spool:
     (bounded: `limit` bytes in all, MAX_PARTS files)."""
 
     def __init__(self, state_dir: Any, limit: int) -> None:
-        base = os.path.join(str(state_dir), "e2b-uploads")
+        base = os.path.join(str(state_dir), SPOOL_DIR)
         os.makedirs(base, mode=0o700, exist_ok=True)
         self.dir = tempfile.mkdtemp(dir=base)
         self.limit = limit
@@ -292,7 +293,9 @@ class Spool:
         if self.total > self.limit:
             self.error = (413, f"uploads are limited to {self.limit} bytes")
             return
-        os.write(self._fd, data[start:end])
+        view = memoryview(data)[start:end]
+        while view:
+            view = view[os.write(self._fd, view) :]
 
     def _end(self) -> None:
         if self._fd is not None:

@@ -40,6 +40,7 @@ from sandbox_runtime.e2b.interpreter_stream import (
     timestamp,
 )
 from sandbox_runtime.e2b.paths import HOME
+from sandbox_runtime.e2b.process import E2B_ENV
 from sandbox_runtime.e2b.sandboxes import E2BSandbox
 from sandbox_runtime.errors import (
     ExecutionNotFoundError,
@@ -281,11 +282,12 @@ class CodeInterpreter:
 
 
 def sandbox_env(sandbox: E2BSandbox) -> dict[str, str]:
-    """The sandbox's environment variables (those a sandbox can carry)."""
+    """What every context of the sandbox has in its environment: what E2B's sandboxes set
+    (HOME=/home/user, USER=user, as its commands here), then the sandbox's own variables."""
     try:
-        return validate_env(sandbox.env_vars or None)
+        return {**E2B_ENV, **validate_env(sandbox.env_vars or None)}
     except InvalidRequestError:
-        return {}
+        return dict(E2B_ENV)
 
 
 def reset_note(reason: str) -> dict[str, Any]:

@@ -33,6 +33,8 @@ from sandbox_runtime.errors import (
 )
 
 KEEPALIVE_SECONDS = 10.0
+# What E2B's sandboxes set (its user is `user`, at home in /home/user: our workspace).
+E2B_ENV = {"HOME": HOME, "USER": "user", "LOGNAME": "user", "SHELL": "/bin/bash"}
 MIRROR_LAG_SECONDS = 5.0
 MAX_STDIN_BYTES = 1024 * 1024
 RUN_CHARS = 256 * 1024  # output joined into one data message (well under connect.MAX_FRAME)
@@ -122,7 +124,7 @@ class ProcessService:
                         "command": [process["cmd"], *args],
                         "interactive": bool(message.get("stdin")),
                         "working_directory": cwd,
-                        "environment": {**sandbox.env_vars, **envs} or None,
+                        "environment": {**E2B_ENV, **sandbox.env_vars, **envs},
                         "timeout_seconds": self.services.settings.max_timeout,
                         "sandbox_config": sandbox.sandbox_config(),
                     }

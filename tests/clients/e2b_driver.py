@@ -29,6 +29,7 @@ def examples() -> dict[str, Any]:
     # commands: foreground, exit codes, env vars
     result = sandbox.commands.run("echo hi; echo oops >&2; echo $GREETING")
     out["run"] = {"stdout": result.stdout, "stderr": result.stderr, "exit": result.exit_code}
+    out["home"] = sandbox.commands.run("echo $HOME $USER; cd && pwd").stdout
     try:
         sandbox.commands.run("exit 3")
         out["exit3"] = None

@@ -154,7 +154,13 @@ def envs(sbx: Sandbox) -> dict:
     set_once = sbx.run_code("import os; os.getenv('FOO')", envs={"FOO": "bar"})
     gone = sbx.run_code("import os; os.getenv('FOO', 'default')")
     sandbox_wide = sbx.run_code("import os; os.getenv('SANDBOX_WIDE', 'missing')")
-    return {"set": set_once.text, "after": gone.text, "sandbox_wide": sandbox_wide.text}
+    home = sbx.run_code("import os; os.path.expanduser('~') + ' ' + os.environ['USER']")
+    return {
+        "set": set_once.text,
+        "after": gone.text,
+        "sandbox_wide": sandbox_wide.text,
+        "home": home.text,
+    }
 
 
 def abandon(sbx: Sandbox) -> dict:
