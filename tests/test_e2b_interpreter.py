@@ -395,7 +395,8 @@ def test_bash_and_typescript_contexts_and_input_over_the_wire(
         bash = run({"code": "pwd; export Q=7", "context_id": made.json()["id"]})
         assert "".join(i["text"] for i in bash if i["type"] == "stdout").strip() == "/tmp"
         again = run({"code": "echo $Q", "context_id": made.json()["id"]})
-        assert [i["text"] for i in again if i["type"] == "stdout"] == ["7\n"]
+        # (the bash kernel may send a line in pieces)
+        assert "".join(i["text"] for i in again if i["type"] == "stdout") == "7\n"
         ts = run({"code": "const s: string = 'typed'; s.length", "language": "ts"})
         assert [i.get("text") for i in ts if i["type"] == "result"] == ["5"]
         asked = run({"code": "name = input('name? ')"})
@@ -478,10 +479,10 @@ def test_calls_through_a_replica_that_is_not_the_sandboxs_home(tmp_path: Path) -
             there = ndjson(
                 http.post(f"{other.base_url}/e2b/execute", json={"code": code}, headers=headers)
             )
-            assert [i["type"] for i in there] == [
-                "stdout", "keepalive", "result", "number_of_executions", "end_of_execution",
-            ]  # fmt: skip
-            assert there[2]["text"] == "2"
+            kinds = [i["type"] for i in there]
+            assert kinds[0] == "stdout" and "keepalive" in kinds
+            assert kinds[-3:] == ["result", "number_of_executions", "end_of_execution"]
+            assert there[-3]["text"] == "2"
             context = http.post(
                 f"{other.base_url}/e2b/contexts",
                 json={"language": "python"},
