@@ -94,7 +94,8 @@ CLIENTS="${SRT_CLIENTS_DIR:-$ROOT/.clients}"
 ensure_clients() {
     local python spec dir lock
     python="$(find_python)" || { log "Python >= 3.11 is required"; return 1; }
-    for spec in py:requirements-legacy.txt py2:requirements-modern.txt; do
+    for spec in py:requirements-legacy.txt py2:requirements-modern.txt \
+        e2b-py:requirements-e2b.txt e2b-py-old:requirements-e2b-old.txt; do
         dir="$CLIENTS/${spec%%:*}"
         lock="$ROOT/tests/clients/${spec##*:}"
         cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null && continue
@@ -120,9 +121,23 @@ ensure_clients() {
         quietly "npm ci" npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
         cp "$lock" "$dir/.srt-installed"
     fi
+    export SRT_CLIENTS_NODE="$dir"
+    # The E2B JS SDKs (tests/test_e2b_sdk.py), the same way.
+    dir="$CLIENTS/e2b-node"
+    lock="$ROOT/tests/clients/e2b-node/package-lock.json"
+    if ! cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null; then
+        log "installing the E2B JS SDKs of tests/clients/e2b-node into $dir"
+        rm -rf "$dir"
+        mkdir -p "$dir"
+        cp "$ROOT/tests/clients/e2b-node/package.json" "$lock" "$dir/"
+        quietly "npm ci" npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
+        cp "$lock" "$dir/.srt-installed"
+    fi
     export SRT_CLIENTS_PY="$CLIENTS/py/bin/python"
     export SRT_CLIENTS_PY2="$CLIENTS/py2/bin/python"
-    export SRT_CLIENTS_NODE="$dir"
+    export SRT_CLIENTS_E2B_PY="$CLIENTS/e2b-py/bin/python"
+    export SRT_CLIENTS_E2B_PY_OLD="$CLIENTS/e2b-py-old/bin/python"
+    export SRT_CLIENTS_E2B_NODE="$dir"
 }
 
 # The kernel VM of the project-quota tests (tests/kernel_vm.py): Debian's User-mode Linux and a

@@ -45,6 +45,10 @@ def render(listen: str, replicas: list[tuple[str, str]]) -> str:
     by_session += [f"    server {addr} max_fails=1 fail_timeout=5s;" for _, addr in replicas]
     by_session += ["    keepalive 32;", f"    keepalive_timeout {UPSTREAM_IDLE};", "}"]
     blocks.append("\n".join(by_session))
+    by_sandbox = ["upstream srt_by_sandbox {", "    hash $http_e2b_sandbox_id consistent;"]
+    by_sandbox += [f"    server {addr} max_fails=1 fail_timeout=5s;" for _, addr in replicas]
+    by_sandbox += ["    keepalive 32;", f"    keepalive_timeout {UPSTREAM_IDLE};", "}"]
+    blocks.append("\n".join(by_sandbox))
     session_map = "\n".join(f"    ~^{re.escape(rid)}\\. srt_{_ident(rid)};" for rid, _ in replicas)
     text = TEMPLATE.read_text()
     text = text.replace("# @@UPSTREAMS@@", "\n\n".join(blocks))

@@ -243,6 +243,16 @@ class Settings(BaseSettings):
         description="Serve the web console at `/` (a page that is an MCP client of /mcp with "
         "the user's token); false: `/` is not served.",
     )
+    e2b: bool = Field(
+        False,
+        description="Serve the E2B-compatible API under `/e2b` on this listener (point the E2B "
+        "SDKs' E2B_API_URL and E2B_SANDBOX_URL at http://HOST:PORT/e2b; docs/e2b.md).",
+    )
+    e2b_max_sandboxes: int = Field(
+        100,
+        ge=1,
+        description="Live (running or paused) E2B sandboxes per principal, across every replica.",
+    )
     egress_allow: str = Field(
         "",
         description="Names sandboxes may reach through the egress proxy, comma-separated: "

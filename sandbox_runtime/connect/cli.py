@@ -298,8 +298,14 @@ def _token(argv: list[str]) -> int:
         help="the token's principal (default: `default`, SANDBOX_AUTH_TOKEN); each principal "
         "sees only its own sessions and executions",
     )
+    p.add_argument(
+        "--e2b",
+        action="store_true",
+        help="make an E2B API key (`e2b_` and hex, the shape E2B's SDKs check) for "
+        "E2B_API_KEY; the server's E2B API is on with SANDBOX_E2B=true (docs/e2b.md)",
+    )
     args = p.parse_args(argv)
-    token = secrets.token_urlsafe(32)
+    token = "e2b_" + secrets.token_hex(20) if args.e2b else secrets.token_urlsafe(32)
     principal = args.principal or "default"
     if not PRINCIPAL.fullmatch(principal):
         raise UsageError(f"--principal {principal!r}: letters, digits, '.', '_', '@', '-' only")
@@ -316,6 +322,13 @@ def _token(argv: list[str]) -> int:
     print(line)
     if private:
         print(f"# {private}", file=sys.stderr)
+    if args.e2b:
+        print(
+            f"# {note} with SANDBOX_E2B=true; E2B SDK code: export E2B_API_KEY={token} "
+            "E2B_API_URL=http://HOST:PORT/e2b E2B_SANDBOX_URL=http://HOST:PORT/e2b",
+            file=sys.stderr,
+        )
+        return 0
     print(
         f"# {note}; clients: export {TOKEN_VAR}={token} then {cli_name()} connect "
         f"claude-code (or another: {cli_name()} clients lists them)",

@@ -4,6 +4,7 @@ which one to stop when a token is at its limit of interpreters. Pure: no process
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,9 @@ from sandbox_runtime.interpreters.kernel import SandboxedKernel
 from sandbox_runtime.sandbox import SandboxLimits
 
 MAX_NAMED = 16  # interpreters a refusal names
+# `LANGUAGE:INSTANCE` names one more interpreter of a language in a session (the E2B edge's
+# code contexts); metrics count it under its language.
+INSTANCE_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
 Key = tuple[Owner, str]
 
@@ -38,6 +42,17 @@ class Interpreter:
     def idle(self) -> bool:
         """Neither running a call nor with calls waiting."""
         return not self.busy and self.waiting == 0
+
+
+def base_language(language: str) -> str:
+    """The language of an interpreter's name (`python` of `python:ctx1`)."""
+    return language.partition(":")[0]
+
+
+def valid_instance(language: str) -> bool:
+    """Whether a `LANGUAGE:INSTANCE` name's instance is well formed (a plain language is)."""
+    _, colon, instance = language.partition(":")
+    return not colon or INSTANCE_RE.fullmatch(instance) is not None
 
 
 def choose_eviction(mine: Sequence[Interpreter], starting: int, limit: int) -> Interpreter | None:

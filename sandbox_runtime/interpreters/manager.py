@@ -38,8 +38,10 @@ from sandbox_runtime.interpreters.calls import CallRun, run_call
 from sandbox_runtime.interpreters.interpreter import (
     Interpreter,
     Key,
+    base_language,
     choose_eviction,
     same_limits,
+    valid_instance,
 )
 from sandbox_runtime.interpreters.kernel import SandboxedKernel
 from sandbox_runtime.interpreters.kernel_inbox import FLOODED
@@ -131,7 +133,8 @@ class InterpreterManager:
         out: dict[tuple[str, str], float] = {}
         for interpreter in self._interpreters.values():
             state = "busy" if interpreter.busy else "idle"
-            out[(interpreter.language, state)] = out.get((interpreter.language, state), 0) + 1
+            label = (base_language(interpreter.language), state)
+            out[label] = out.get(label, 0) + 1
         for language, count in self.warm.counts().items():
             out[(language, "warm")] = count
         return out
@@ -139,6 +142,8 @@ class InterpreterManager:
     # -- languages ---------------------------------------------------------------------------
 
     def _spec(self, language: str) -> KernelSpec:
+        """The kernel of `language` (or of `LANGUAGE:INSTANCE`, one more interpreter of that
+        language in the same session: the E2B edge's code contexts)."""
         if self.runtime is None:
             self.runtime = load_runtime(self.runtime_dir)  # installed since we started?
         if self.runtime is None:
@@ -146,10 +151,11 @@ class InterpreterManager:
                 f"no runtime is installed at {self.runtime_dir}: run `{cli_name()} runtime "
                 "install` (./scripts/serve does it on first use)"
             )
-        if not isinstance(language, str) or language.lower() not in self.runtime.kernels:
+        base = base_language(language) if isinstance(language, str) else ""
+        if base.lower() not in self.runtime.kernels or not valid_instance(language):
             names = ", ".join(self.runtime.languages)
             raise InvalidRequestError(f"unknown language {language!r}; one of {names}")
-        return self.runtime.kernels[language.lower()]
+        return self.runtime.kernels[base.lower()]
 
     def languages(self, owner: Owner) -> list[dict[str, Any]]:
         """Every language with its version, packages of note, and whether `owner` has an
@@ -197,7 +203,9 @@ class InterpreterManager:
         if current is not None:  # died since its last call (or the server stopped it)
             flooded = current.kernel.end_reason == FLOODED
             self._forget(key, "flooded" if flooded else "crashed")
-            self.metrics.interpreter_events.labels(language, "flood" if flooded else "crash").inc()
+            self.metrics.interpreter_events.labels(
+                base_language(language), "flood" if flooded else "crash"
+            ).inc()
         task = self._starting.get(key)
         if task is None:
             # (Every call asking for it waits for the one start: it outlives the first.)
@@ -255,7 +263,7 @@ class InterpreterManager:
             flooded = interpreter.kernel.end_reason == FLOODED
             self._forget(key, "killed" if killed else "flooded" if flooded else "crashed")
             event = "flood" if flooded else "crash"
-            self.metrics.interpreter_events.labels(interpreter.language, event).inc()
+            self.metrics.interpreter_events.labels(base_language(interpreter.language), event).inc()
 
     def _make_room(self, owner: Owner, language: str) -> None:
         """At the token's limit of interpreters, stop its least recently used idle one (that
@@ -274,7 +282,7 @@ class InterpreterManager:
             raise
         if victim is not None:
             self._forget((victim.owner, victim.language), "evicted")
-            self.metrics.interpreter_events.labels(victim.language, "evicted").inc()
+            self.metrics.interpreter_events.labels(base_language(victim.language), "evicted").inc()
             logger.info("interpreter evicted for room language={}", victim.language)
 
     async def _start(
@@ -296,14 +304,14 @@ class InterpreterManager:
         kernel = await self.warm.take(spec, owner) if limits == self.manager.limits else None
         warm = kernel is not None
         if kernel is not None:
-            self.metrics.interpreter_events.labels(language, "warm_hit").inc()
+            self.metrics.interpreter_events.labels(spec.language, "warm_hit").inc()
         else:
             if self.settings.warm_interpreters().get(language):
-                self.metrics.interpreter_events.labels(language, "warm_miss").inc()
+                self.metrics.interpreter_events.labels(spec.language, "warm_miss").inc()
             workspace, _ = await self.manager.workspaces.ensure(name, owner.principal)
             kernel = self._new_kernel(spec, workspace, limits)
             await kernel.start()
-        self.metrics.interpreter_events.labels(language, "start").inc()
+        self.metrics.interpreter_events.labels(spec.language, "start").inc()
         interpreter = Interpreter(owner, language, kernel, limits)
         kernel.on_denied = lambda host, port, reason: self._network_denied(
             interpreter, host, port, reason
@@ -347,11 +355,21 @@ class InterpreterManager:
         interpreter = self._interpreters.get(key)
         if interpreter is not None:
             self._forget(key, "restarted")
-            self.metrics.interpreter_events.labels(language, "restart").inc()
+            self.metrics.interpreter_events.labels(spec.language, "restart").inc()
         fresh, _ = await self._interpreter(owner, language, limits)
         self._ended.pop(key, None)
         fresh.last_used = time.monotonic()
         return {"language": language, "restarted": interpreter is not None, "running": True}
+
+    def stop(self, owner: Owner, language: str) -> bool:
+        """Stop the owner's interpreter of `language` (a call running there ends failed);
+        whether one ran. Raises InvalidRequestError for an unknown language."""
+        spec = self._spec(language)
+        key = (owner, spec.language if language.lower() == spec.language else language.lower())
+        if key not in self._interpreters:
+            return False
+        self._forget(key, "removed")
+        return True
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -421,5 +439,5 @@ class InterpreterManager:
         for key in doomed:
             ended = self._interpreters[key].kernel.end_reason == FLOODED
             self._forget(key, "flooded" if ended else "idle")
-            self.metrics.interpreter_events.labels(key[1], "reaped").inc()
+            self.metrics.interpreter_events.labels(base_language(key[1]), "reaped").inc()
         return len(doomed)

@@ -213,6 +213,10 @@ def build_root(root: Path) -> None:
     for point in ("/usr", "/proc", "/dev", "/tmp", WORKSPACE, RUNTIME, KERNEL_DIR, SOCKET_DIR,
                   SERVER_DIR, BRIDGE_DIR, "/node_modules"):  # fmt: skip
         (root / point.lstrip("/")).mkdir(mode=0o755, parents=True)
+    # E2B's sandboxes keep the user's files in /home/user: the same directory here (its SDKs'
+    # code names paths there).
+    (root / "home").mkdir(mode=0o755)
+    (root / "home" / "user").symlink_to(WORKSPACE)
     shutil.copyfile(RELAY_PROGRAM, root / RELAY_PATH.lstrip("/"))
     os.chmod(root / RELAY_PATH.lstrip("/"), 0o644)
     (root / "deno.json").write_text(DENO_CONFIG)

@@ -26,6 +26,8 @@ from sandbox_runtime import __version__, fds
 from sandbox_runtime.app.services import Root, build
 from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
+from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
+from sandbox_runtime.e2b.app import E2BApp
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
@@ -130,6 +132,7 @@ def create_app(
         protection, hosts = False, None
     else:
         protection, hosts = True, allowed
+    e2b = E2BApp(settings, root, files) if settings.e2b else None
     hosted = HostedServers(settings, root, _transport_security(settings, protection, hosts))
     mcp_app = mcp.http_app(
         path="/mcp",
@@ -154,6 +157,8 @@ def create_app(
             await _cache_input_schemas(mcp)
             await _cache_tool_list(mcp)
             stack.push_async_callback(hosted.aclose)
+            if e2b is not None:
+                e2b.start(services)
             async with mcp_app.lifespan(app):
                 answer_plainly_where_possible(mcp_app.routes, services.supervisor)
                 # What startup made (~150k objects) lives as long as the process: frozen, a
@@ -290,7 +295,10 @@ def create_app(
         lifespan=lifespan,
     )
     # Signed file URLs carry their own authority: they bypass the MCP app's auth and Host checks.
-    served = PrefixDispatch(public, {PUBLIC_PREFIX: files})
+    edges: dict[str, ASGIApp] = {PUBLIC_PREFIX: files}
+    if e2b is not None:  # (its own keys and access tokens: not the MCP app's auth)
+        edges[E2B_PREFIX + "/"] = e2b
+    served = PrefixDispatch(public, edges)
     if cluster_port is None:
         return served
     cluster = ClusterApp(lambda: root.services.router, {CLUSTER_PREFIX: files})

@@ -26,7 +26,7 @@ from sandbox_runtime.files.operations import changed_files, coarse_now
 from sandbox_runtime.files.urls import FileUrlSigner
 from sandbox_runtime.interpreters.manager import InterpreterManager
 from sandbox_runtime.servers.host import ServerHost
-from sandbox_runtime.sessions import snapshot_ops
+from sandbox_runtime.sessions import snapshot_ops, workspace_ops
 from sandbox_runtime.sessions.output_log import budget_of, keep_output, screen_extras
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.supervisor import scoped
@@ -230,6 +230,14 @@ async def restart_interpreter(
     )
 
 
+async def stop_interpreter(
+    parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
+) -> dict[str, Any]:
+    """Stop the owner's interpreter of a language (the E2B edge's removed code contexts)."""
+    language = str(args.get("language") or "python")
+    return {"language": language, "stopped": parts.interpreters.stop(owner, language)}
+
+
 async def server_request(
     parts: Parts, owner: Owner, args: dict[str, Any], progress: Progress | None
 ) -> dict[str, Any]:
@@ -243,11 +251,16 @@ async def server_request(
 OPERATIONS: dict[str, Operation] = {
     "snapshot": snapshot_ops.snapshot,
     "restore": snapshot_ops.restore,
+    "end_session": workspace_ops.end_session,
+    "stat_file": workspace_ops.stat_file,
+    "make_dir": workspace_ops.make_dir,
+    "move_file": workspace_ops.move_file,
     "server_request": server_request,
     "execute": execute,
     "run_code": run_code,
     "list_languages": list_languages,
     "restart_interpreter": restart_interpreter,
+    "stop_interpreter": stop_interpreter,
     "write_file": lambda parts, owner, args, _: files.write_file(parts.manager, owner, args),
     "read_file": lambda parts, owner, args, _: files.read_file(parts.manager, owner, args),
     "list_files": lambda parts, owner, args, _: files.list_files(parts.manager, owner, args),

@@ -321,3 +321,56 @@ class WorkspaceFiles:
         except OSError as exc:
             raise self._fail(exc, parts, "delete") from None
         return kind_of(st.st_mode)
+
+    def make_dir(self, path: str) -> bool:
+        """Make directory `path` and its parents (owned by the sandbox user); false: it was
+        there already."""
+        parts = clean_path(path)
+        if not parts:
+            return False
+        try:
+            with root_fd(self.root) as root:
+                parent = self._parent(root, parts, create=True)
+            try:
+                existing = lstat_at(parent, parts[-1])
+                if existing is not None:
+                    if not stat.S_ISDIR(existing.st_mode):
+                        raise FileAccessError(f"{display(parts)}: exists and is not a directory")
+                    return False
+                os.mkdir(parts[-1], 0o755, dir_fd=parent)
+                os.chown(parts[-1], self.uid, self.gid, dir_fd=parent, follow_symlinks=False)
+                sync_dir(parent)
+            finally:
+                os.close(parent)
+        except OSError as exc:
+            raise self._fail(exc, parts, "make") from None
+        return True
+
+    def move(self, source: str, destination: str) -> Entry:
+        """Rename `source` to `destination` (parents made; an existing file replaced, as
+        rename(2) does); what it is now."""
+        src, dst = clean_path(source), clean_path(destination)
+        if not src or not dst:
+            raise InvalidRequestError("the workspace root itself cannot be moved or replaced")
+        if dst[: len(src)] == src:
+            raise InvalidRequestError(f"{display(src)} cannot be moved into itself")
+        try:
+            with root_fd(self.root) as root:
+                src_parent = self._parent(root, src)
+                try:
+                    dst_parent = self._parent(root, dst, create=True)
+                except BaseException:
+                    os.close(src_parent)
+                    raise
+            try:
+                if lstat_at(src_parent, src[-1]) is None:
+                    raise OSError(errno.ENOENT, "missing")
+                os.rename(src[-1], dst[-1], src_dir_fd=src_parent, dst_dir_fd=dst_parent)
+                sync_dir(src_parent)
+                sync_dir(dst_parent)
+            finally:
+                os.close(src_parent)
+                os.close(dst_parent)
+        except OSError as exc:
+            raise self._fail(exc, src, "move") from None
+        return self.stat(display(dst))

@@ -1,0 +1,118 @@
+"""The E2B-compatible API as one ASGI app, served under `/e2b` on the main listener
+(SANDBOX_E2B=true): point the SDKs' `E2B_API_URL` and `E2B_SANDBOX_URL` at
+`http://HOST:PORT/e2b`.
+
+A request with an `E2b-Sandbox-Id` header is for a sandbox (envd on port 49983, the code
+interpreter on 49999, by `E2b-Sandbox-Port`) and must carry that sandbox's `X-Access-Token`
+(but for the interpreter's `/contexts`, to which E2B's SDKs send none); any other is for the
+control plane and must carry an API key (`X-API-KEY`: one of the server's tokens,
+SANDBOX_AUTH_TOKEN(S); `srt-mcp-server token new --e2b` makes one of E2B's shape). A token
+that does not match gets the same answer as a sandbox that does not exist.
+"""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from sandbox_runtime.config import Settings
+from sandbox_runtime.e2b import wire
+from sandbox_runtime.e2b.control import ControlPlane, principal_of
+from sandbox_runtime.e2b.envd import Envd
+from sandbox_runtime.e2b.files import SPOOL_DIR
+from sandbox_runtime.e2b.interpreter import CodeInterpreter
+from sandbox_runtime.e2b.lifecycle import Sandboxes
+
+PREFIX = "/e2b"
+
+
+class E2BApp:
+    """ASGI app of `/e2b/...`; `files` is the signed-URL file app (large transfers)."""
+
+    def __init__(self, settings: Settings, root: Any, files: ASGIApp) -> None:
+        self.settings = settings
+        self.root = root
+        self.files = files
+        self.tokens = settings.tokens()
+        self.sandboxes: Sandboxes | None = None
+        self.control: ControlPlane | None = None
+        self.envd: Envd | None = None
+        self.interpreter: CodeInterpreter | None = None
+
+    def start(self, services: Any) -> None:
+        """Called by the app's lifespan once the parts run: the records' store, the sweep of
+        timed-out sandboxes."""
+        # Multipart uploads a killed server was spooling (the state directory is this
+        # process's alone: its lock).
+        shutil.rmtree(self.settings.state_dir / SPOOL_DIR, ignore_errors=True)
+        self.sandboxes = Sandboxes(services)
+        self.control = ControlPlane(
+            self.sandboxes, self.settings.memory_mb, self.settings.workspace_mb
+        )
+        self.envd = Envd(services, self.files)
+        self.interpreter = CodeInterpreter(services)
+        self.sandboxes.start()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"][len(PREFIX) :] or "/"
+        scope = dict(scope, path=path, root_path=scope.get("root_path", "") + PREFIX)
+        request = Request(scope, receive)
+        response = await self._answer(request, path)
+        await response(scope, receive, send)
+
+    async def _answer(self, request: Request, path: str) -> Any:
+        if not self.root.running or self.sandboxes is None or self.control is None:
+            return wire.error(503, "the server is starting or stopping; retry shortly")
+        sandbox_id = request.headers.get("e2b-sandbox-id")
+        if sandbox_id is None:
+            if path == "/health" and request.method == "GET":
+                return JSONResponse({"status": "ok"})
+            principal = principal_of(request, self.tokens)
+            if principal is None:
+                return wire.error(
+                    401,
+                    "invalid API key: send one of this server's tokens as X-API-KEY "
+                    "(E2B_API_KEY; `srt-mcp-server token new --e2b` makes one)",
+                )
+            return await self.control(request, path, principal)
+        port = request.headers.get("e2b-sandbox-port", str(wire.ENVD_PORT))
+        token = request.headers.get("x-access-token", "")
+        if not token and port == str(wire.INTERPRETER_PORT) and path.startswith("/contexts"):
+            # E2B's SDKs send no access token to the interpreter's /contexts (E2B's own
+            # interpreter checks none): the unguessable sandbox id is the key there.
+            sandbox = await self.sandboxes.by_id(sandbox_id)
+        elif not token:
+            return wire.error(401, "missing X-Access-Token: send the sandbox's envdAccessToken")
+        else:
+            sandbox = await self.sandboxes.by_token(sandbox_id, token)
+        if sandbox is None:  # (the same answer whether it exists or not)
+            return _gone(sandbox_id, f"The sandbox {sandbox_id} was not found")
+        if sandbox.state != "running":
+            return _gone(sandbox_id, f"The sandbox {sandbox_id} is paused (resume it with connect)")
+        if port == str(wire.INTERPRETER_PORT):
+            assert self.interpreter is not None
+            return await self.interpreter(request, path, sandbox)
+        if port != str(wire.ENVD_PORT):
+            return JSONResponse(
+                {
+                    "sandboxId": sandbox_id,
+                    "message": f"The sandbox is running but port {port} is not open "
+                    "(this server exposes envd, 49983, and the code interpreter, 49999)",
+                    "port": port,
+                    "code": 502,
+                },
+                status_code=502,
+            )
+        assert self.envd is not None
+        return await self.envd(request, path, sandbox)
+
+
+def _gone(sandbox_id: str, message: str) -> JSONResponse:
+    """What E2B's proxy answers for a sandbox that is not running (the SDKs read a 502 so)."""
+    return JSONResponse({"sandboxId": sandbox_id, "message": message, "code": 502}, status_code=502)

@@ -1,0 +1,204 @@
+"""E2B sandboxes: what the E2B API calls a sandbox, as a record over one session of ours.
+
+A sandbox is a named session (`s:e2b-<id>`) of the API key's principal: its commands are our
+executions, its files the session's workspace, its pause our snapshot. What E2B keeps beside
+that (template, metadata, env vars, the end of its life, the envd access token, running or
+paused) is this record, kept where every replica sees it: in Redis with a cluster (key
+`e2b:sandbox:{id}`, and a per-principal sorted set scored by the end of life), else in memory.
+
+`E2BSandbox` is the interface the envd and code-interpreter handlers get: `sandbox_id`, and
+`owner`, the `Owner` through which they call the session router
+(`services.router.run(sandbox.owner, "run_code", args, sink)`, `services.router.executions`
+...), so limits, egress, the Redis mirror, replicas and roles hold unchanged; `env_vars`, the
+environment its code gets; `sandbox_config()`, what its code's `sandbox_config` must be.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+from sandbox_runtime.domain.owner import Owner
+
+ID_ALPHABET = string.ascii_lowercase + string.digits
+SESSION_PREFIX = "e2b-"
+PAUSED_KEEP_SECONDS = 30 * 86400  # how long a paused sandbox's record is kept (E2B: 30 days)
+MAX_METADATA = 64  # entries of metadata / envVars a sandbox keeps
+MAX_VALUE_CHARS = 4096
+
+
+def new_sandbox_id() -> str:
+    """An unguessable id of E2B's shape (lowercase letters and digits, 20 characters)."""
+    return "i" + "".join(secrets.choice(ID_ALPHABET) for _ in range(19))
+
+
+def valid_sandbox_id(text: str) -> bool:
+    return 1 <= len(text) <= 64 and all(c in ID_ALPHABET for c in text)
+
+
+@dataclass
+class E2BSandbox:
+    """One E2B sandbox: its id, the owner (principal + session) it runs as, and its state."""
+
+    sandbox_id: str
+    principal: str
+    template: str
+    alias: str
+    access_token: str
+    started_at: float
+    end_at: float
+    timeout: int
+    state: Literal["running", "paused"] = "running"
+    metadata: dict[str, str] = field(default_factory=dict)
+    env_vars: dict[str, str] = field(default_factory=dict)
+    auto_pause: bool = False
+    snapshot_id: str | None = None  # the pause's snapshot, while paused
+    # False (allow_internet_access=false): its code runs with sandbox_config network false;
+    # true: the server's egress policy applies, as to any session.
+    allow_internet: bool = True
+
+    @property
+    def owner(self) -> Owner:
+        """The session of ours the sandbox is: router calls go through this."""
+        return Owner(self.principal, f"s:{SESSION_PREFIX}{self.sandbox_id}")
+
+    def sandbox_config(self) -> dict[str, object] | None:
+        """The `sandbox_config` its executions and interpreter calls run with."""
+        return None if self.allow_internet else {"network": False}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> E2BSandbox:
+        data = json.loads(text)
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.state == "running" and self.end_at <= (now or time.time())
+
+
+class SandboxStore(Protocol):
+    """Where the sandboxes' records live (memory alone; Redis with a cluster)."""
+
+    async def get(self, sandbox_id: str) -> E2BSandbox | None: ...
+
+    async def put(self, sandbox: E2BSandbox) -> None: ...
+
+    async def delete(self, sandbox: E2BSandbox) -> bool:
+        """Remove the record; whether this call removed it (one of several racing callers)."""
+        ...
+
+    async def of_principal(self, principal: str) -> list[E2BSandbox]: ...
+
+    async def count(self, principal: str) -> int: ...
+
+    async def expired(self, now: float, limit: int) -> list[E2BSandbox]: ...
+
+
+class MemorySandboxStore:
+    """The records of a server with no cluster."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, E2BSandbox] = {}
+
+    async def get(self, sandbox_id: str) -> E2BSandbox | None:
+        found = self._records.get(sandbox_id)
+        return E2BSandbox.from_json(found.to_json()) if found is not None else None
+
+    async def put(self, sandbox: E2BSandbox) -> None:
+        self._records[sandbox.sandbox_id] = E2BSandbox.from_json(sandbox.to_json())
+
+    async def delete(self, sandbox: E2BSandbox) -> bool:
+        return self._records.pop(sandbox.sandbox_id, None) is not None
+
+    async def of_principal(self, principal: str) -> list[E2BSandbox]:
+        mine = [s for s in self._records.values() if s.principal == principal]
+        return [E2BSandbox.from_json(s.to_json()) for s in mine]
+
+    async def count(self, principal: str) -> int:
+        return sum(1 for s in self._records.values() if s.principal == principal)
+
+    async def expired(self, now: float, limit: int) -> list[E2BSandbox]:
+        return [s for s in self._records.values() if s.expired(now)][:limit]
+
+
+class RedisSandboxStore:
+    """The records in the cluster's Redis: `e2b:sandbox:{id}` (JSON, expiring a while after
+    the sandbox's end), `e2b:principal:{p}:sandboxes` (ids by end of life) and `e2b:ends`
+    (running sandboxes by end of life: whichever replica takes one out first ends it)."""
+
+    def __init__(self, redis: Any, prefix: str = "") -> None:
+        self.redis = redis
+        self.prefix = prefix
+
+    def _key(self, sandbox_id: str) -> str:
+        return f"{self.prefix}e2b:sandbox:{sandbox_id}"
+
+    def _principal(self, principal: str) -> str:
+        return f"{self.prefix}e2b:principal:{principal}:sandboxes"
+
+    def _ends(self) -> str:
+        return f"{self.prefix}e2b:ends"
+
+    async def get(self, sandbox_id: str) -> E2BSandbox | None:
+        raw = await self.redis.get(self._key(sandbox_id))
+        return E2BSandbox.from_json(raw) if raw else None
+
+    async def put(self, sandbox: E2BSandbox) -> None:
+        keep = PAUSED_KEEP_SECONDS if sandbox.state == "paused" else 3600
+        ttl = max(60, int(sandbox.end_at - time.time()) + keep)
+        score = sandbox.end_at if sandbox.state == "running" else time.time() + keep
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.set(self._key(sandbox.sandbox_id), sandbox.to_json(), ex=ttl)
+        pipe.zadd(self._principal(sandbox.principal), {sandbox.sandbox_id: score})
+        pipe.expire(self._principal(sandbox.principal), PAUSED_KEEP_SECONDS)
+        if sandbox.state == "running":
+            pipe.zadd(self._ends(), {sandbox.sandbox_id: sandbox.end_at})
+        else:
+            pipe.zrem(self._ends(), sandbox.sandbox_id)
+        await pipe.execute()
+
+    async def delete(self, sandbox: E2BSandbox) -> bool:
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(self._key(sandbox.sandbox_id))
+        pipe.zrem(self._principal(sandbox.principal), sandbox.sandbox_id)
+        pipe.zrem(self._ends(), sandbox.sandbox_id)
+        removed, _, _ = await pipe.execute()
+        return bool(removed)
+
+    async def of_principal(self, principal: str) -> list[E2BSandbox]:
+        key = self._principal(principal)
+        await self.redis.zremrangebyscore(key, "-inf", time.time() - 3600)
+        ids = [
+            i.decode() if isinstance(i, bytes) else i for i in await self.redis.zrange(key, 0, -1)
+        ]
+        if not ids:
+            return []
+        raws = await self.redis.mget([self._key(i) for i in ids])
+        return [E2BSandbox.from_json(r) for r in raws if r]
+
+    async def count(self, principal: str) -> int:
+        key = self._principal(principal)
+        await self.redis.zremrangebyscore(key, "-inf", time.time() - 3600)
+        return int(await self.redis.zcard(key))
+
+    async def expired(self, now: float, limit: int) -> list[E2BSandbox]:
+        ids = await self.redis.zrangebyscore(self._ends(), "-inf", now, start=0, num=limit)
+        out = []
+        for raw_id in ids:
+            sandbox_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+            # Taken out of the set by one replica only: that one ends the sandbox.
+            if not await self.redis.zrem(self._ends(), sandbox_id):
+                continue
+            found = await self.get(sandbox_id)
+            if found is not None and found.expired(now):
+                out.append(found)
+            elif found is not None and found.state == "running":
+                await self.redis.zadd(self._ends(), {sandbox_id: found.end_at})  # (extended)
+        return out
