@@ -221,3 +221,18 @@ async def test_run_code_reads_as_a_notebook(server: ServerProcess, mode: Mode) -
             if "hi model" in text:
                 break
         assert "hi model" in text and done["status"] == "completed", text
+
+
+async def test_a_program_writing_line_by_line_keeps_all_its_output(server: ServerProcess) -> None:
+    """print() in a loop under PYTHONUNBUFFERED (the sandbox's) writes 200,000 times: its output
+    is gathered into few events (it made one per read, some 20,000 on a busy machine, and the
+    oldest past MAX_EVENTS_IN_MEMORY were dropped, so the whole output was never readable)."""
+    loop = f"for i in range({LINES}): print(f'line {{i}}')"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        done = await conn.ok("execute_code", command=["python3", "-c", loop], session="lines")
+        status = await conn.ok(
+            "get_execution_status", execution_id=done["execution_id"], session="lines"
+        )
+        first = done["output"][0]
+        assert first["type"] == "ready" and first["event_id"] == "1", first  # nothing dropped
+        assert int(status["last_event_id"]) < 2_000, status  # (gathered: ~150 on a quiet machine)

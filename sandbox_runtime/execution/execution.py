@@ -24,6 +24,7 @@ from sandbox_runtime.sandbox import SandboxOutcome, SandboxProcess
 
 CHUNK_BYTES = 64 * 1024  # largest piece of output one event carries
 MAX_EVENTS_IN_MEMORY = 20_000
+GATHER_SECONDS = 0.01  # after a small read, how long output gathers before the next
 MAX_STDIN_BYTES = 1024 * 1024
 
 LIMIT_MESSAGES = {
@@ -295,6 +296,11 @@ class Execution:
                 self._record_output(kind, text, len(chunk))
             if final:
                 return
+            if len(chunk) < CHUNK_BYTES // 4:
+                # A program that writes line by line (PYTHONUNBUFFERED) would make an event
+                # per line, and the oldest of MAX_EVENTS_IN_MEMORY would be dropped: gather
+                # what it writes for a moment into one event instead.
+                await asyncio.sleep(GATHER_SECONDS)
 
     def _record_output(self, kind: EventType, text: str, raw_bytes: int) -> None:
         if kind is EventType.STDOUT:
