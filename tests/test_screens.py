@@ -6,15 +6,13 @@ names and makes it exactly as written.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 import uuid
-from typing import Any
 
 import pytest
-from mcp.types import CallToolResult, TextContent
-from mcp_harness import Conn, Mode, ServerProcess, Servers, open_client
+from hints_harness import follow, hints, text_of
+from mcp_harness import Mode, ServerProcess, Servers, open_client
 
 pytestmark = pytest.mark.e2e
 
@@ -24,46 +22,11 @@ LINES = 200_000
 LONG = f"for i in range({LINES}):\n    print(f'line {{i}}')"
 LONG_BYTES = sum(len(f"line {i}\n") for i in range(LINES))
 EVENT_MAX = 64 * 1024
-TOOLS = (
-    "get_execution_output",
-    "read_file",
-    "list_executions",
-    "send_stdin",
-    "cancel_execution",
-    "get_execution_status",
-)
-CALL = re.compile(rf"\b({'|'.join(TOOLS)})\(([^()]*)\)")
 
 
 @pytest.fixture(scope="module")
 def server(serve: Servers) -> ServerProcess:
     return serve("screens", SANDBOX_AUTH_TOKEN=TOKEN)
-
-
-def text_of(result: CallToolResult) -> str:
-    texts = [b.text for b in result.content if isinstance(b, TextContent)]
-    assert len(texts) == 1, f"one text block: {result.content}"
-    return texts[0]
-
-
-def hints(text: str) -> list[tuple[str, dict[str, Any]]]:
-    """Every call the text names, with its arguments as literals (as a model would send)."""
-    found = []
-    for match in CALL.finditer(text):
-        call = ast.parse(f"f({match.group(2)})", mode="eval").body
-        assert isinstance(call, ast.Call) and not call.args, match.group(0)
-        args = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-        found.append((match.group(1), args))
-    return found
-
-
-async def follow(conn: Conn, text: str, tool: str) -> tuple[dict[str, Any], str]:
-    """Make the first call to `tool` the text names, exactly; it must succeed."""
-    named = [args for name, args in hints(text) if name == tool]
-    assert named, f"no {tool}(...) hint in: {text[-2000:]}"
-    result = await conn.call(tool, **named[0])
-    assert not result.is_error, f"following {tool}({named[0]}) failed: {text_of(result)}"
-    return dict(result.structured_content or {}), text_of(result)
 
 
 @pytest.mark.parametrize("mode", MODES)
