@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -85,3 +86,36 @@ def test_output_is_cut_into_events_of_at_most_64_kib() -> None:
         pieces = chunks(text, CHUNK_BYTES)
         assert "".join(pieces) == text
         assert all(len(p.encode()) <= CHUNK_BYTES for p in pieces)
+
+
+def test_a_cut_page_reads_on_from_its_note_without_repeating_or_adding() -> None:
+    """The head of a cut page ends with a whole event, so the note's get_execution_output reads
+    on where it stops; a head (or a page) that ends inside a line says so, so the line break
+    before the note is not taken for the output's. Followed from page to page, the text a model
+    reads adds up to the output exactly."""
+    whole = "".join(f"line {i}\n" for i in range(30_000))
+    pieces = [whole[i : i + 7_777] for i in range(0, len(whole), 7_777)]  # (ends mid-line)
+    all_events = events(*(("stdout", p) for p in pieces))
+    got, after, pages = "", "0", 0
+    while True:
+        pages += 1
+        page = [e for e in all_events if int(str(e["event_id"])) > int(after)][:20]
+        last = str(page[-1]["event_id"])
+        more = last != str(all_events[-1]["event_id"])
+        result = {"execution_id": "e", "status": "completed", "exit_code": 0, "output": page,
+                  "next_cursor": last, "has_more": more, "session": "s"}  # fmt: skip
+        text = execution_screen(result, 20_000, after=after)
+        assert len(text) <= 20_000
+        note = re.search(r"\n\[… (the line goes on; )?[\d,]+ bytes.*last_event_id='(\d+)'", text)
+        if note:
+            got += text[: note.start() + (note.group(1) is None)]
+            after = note.group(2)
+            continue
+        body, _, end = text.rpartition("\n")
+        goes_on = "the line goes on" in end
+        got += body + ("" if goes_on else "\n")
+        found = re.search(r"last_event_id='(\d+)'", end)
+        if found is None:
+            break
+        after = found.group(1)
+    assert pages > 3 and got == whole

@@ -24,6 +24,8 @@ from sandbox_runtime.sandbox import SandboxOutcome, SandboxProcess
 
 CHUNK_BYTES = 64 * 1024  # largest piece of output one event carries
 MAX_EVENTS_IN_MEMORY = 20_000
+GATHER_SECONDS = 0.01  # after a small read, how long output gathers before the next
+GATHER_AFTER = 32  # reads of a stream before gathering starts (short commands never wait)
 MAX_STDIN_BYTES = 1024 * 1024
 
 LIMIT_MESSAGES = {
@@ -285,8 +287,10 @@ class Execution:
         self, reader: asyncio.StreamReader, kind: EventType, head: list[bytes] | None
     ) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        reads = 0
         while True:
             chunk = await reader.read(CHUNK_BYTES)
+            reads += 1
             if head is not None and sum(map(len, head)) < 4096:
                 head.append(chunk[:4096])
             final = not chunk
@@ -295,6 +299,12 @@ class Execution:
                 self._record_output(kind, text, len(chunk))
             if final:
                 return
+            if reads > GATHER_AFTER and len(chunk) < CHUNK_BYTES // 4:
+                # A program that writes line by line (PYTHONUNBUFFERED) would make an event
+                # per line, and the oldest of MAX_EVENTS_IN_MEMORY would be dropped: gather
+                # what it writes for a moment into one event instead. (Not from the first
+                # read: a short command's end would wait for it.)
+                await asyncio.sleep(GATHER_SECONDS)
 
     def _record_output(self, kind: EventType, text: str, raw_bytes: int) -> None:
         if kind is EventType.STDOUT:

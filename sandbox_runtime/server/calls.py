@@ -32,10 +32,7 @@ T = TypeVar("T")
 
 SessionArg = Annotated[
     str | None,
-    Field(
-        description="Session (workspace, interpreters, executions); omitted: 'default'. "
-        "Name one per agent to keep work apart."
-    ),
+    Field(description="Workspace, interpreters and executions; omitted: 'default'. One per agent."),
 ]
 
 

@@ -23,9 +23,7 @@ from sandbox_runtime.sessions.models import SessionReset
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
-PathArg = Annotated[
-    str, Field(description="A path relative to /workspace, or absolute inside /workspace.")
-]
+PathArg = Annotated[str, Field(description="Relative to /workspace, or absolute inside it.")]
 
 
 class Usage(BaseModel):

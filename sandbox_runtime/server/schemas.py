@@ -18,30 +18,35 @@ from fastmcp import FastMCP
 from pydantic import BeforeValidator, Field, WithJsonSchema
 
 
-def _nullable(schema: dict[str, Any], description: str) -> dict[str, Any]:
+def _nullable(schema: dict[str, Any], description: str | None = None) -> dict[str, Any]:
     choices = schema["anyOf"] if set(schema) == {"anyOf"} else [schema]
-    return {"anyOf": [*choices, {"type": "null"}], "description": description}
+    out: dict[str, Any] = {"anyOf": [*choices, {"type": "null"}]}
+    return {**out, "description": description} if description else out
 
 
-# The caller's limits, each at most the server's (sandbox.policy.SandboxLimits says what each is).
+# The caller's limits, each at most the server's (sandbox.policy.SandboxLimits says what each
+# is). Their names say what they are; the config's one description says the rest (it is in the
+# schema of five tools: every character here is five in tools/list).
+_INT, _NUMBER, _BOOL = {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
 SANDBOX_FIELDS: dict[str, dict[str, Any]] = {
-    "memory_mb": _nullable({"type": "integer"}, "Memory of the whole process tree, MiB."),
-    "pids": _nullable({"type": "integer"}, "Processes and threads alive at once."),
-    "cpu_cores": _nullable({"type": "number"}, "CPU bandwidth, in cores."),
-    "cpu_time_seconds": _nullable({"type": "integer"}, "CPU seconds per process."),
-    "file_size_mb": _nullable({"type": "integer"}, "Largest file a process may write, MiB."),
-    "tmp_size_mb": _nullable({"type": "integer"}, "Size of the private /tmp, MiB."),
-    "open_files": _nullable({"type": "integer"}, "Open file descriptors per process."),
-    "output_bytes": _nullable({"type": "integer"}, "stdout+stderr kept; the rest is dropped."),
+    "memory_mb": _nullable(_INT),
+    "pids": _nullable(_INT),
+    "cpu_cores": _nullable(_NUMBER),
+    "cpu_time_seconds": _nullable(_INT),
+    "file_size_mb": _nullable(_INT),
+    "tmp_size_mb": _nullable(_INT),
+    "open_files": _nullable(_INT),
+    "output_bytes": _nullable(_INT),
     "network": _nullable(
-        {"anyOf": [{"type": "boolean"}, {"type": "array", "items": {"type": "string"}}]},
-        "false: no network; a list: only these names (within the server's allowlist).",
+        {"anyOf": [_BOOL, {"type": "array", "items": {"type": "string"}}]},
+        "false: none; a list: only these hosts (within the server's allowlist).",
     ),
-    "pseudo_terminals": _nullable({"type": "boolean"}, "false: no /dev/pts."),
+    "pseudo_terminals": _nullable(_BOOL),
 }
 SANDBOX_CONFIG_SCHEMA = _nullable(
     {"type": "object", "properties": SANDBOX_FIELDS},
-    "Tighter limits than the server's (never looser); null or omitted fields keep the server's.",
+    "Tighter limits than the server's, never looser (memory: of all processes; CPU time, file "
+    "size, open files: each process's); null fields keep the server's.",
 )
 
 

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sandbox_runtime.domain.owner import DEFAULT_SESSION
+from sandbox_runtime.server.cuts import cut, first, last, measure, omitted_note
 
 FORMATS = ("concise", "detailed", "json")
 MIN_BUDGET, MAX_BUDGET = 2_000, 400_000
@@ -116,40 +117,6 @@ def detailed_events(events: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def measure(text: str) -> tuple[int, int]:
-    return len(text.encode("utf-8", "surrogatepass")), text.count("\n")
-
-
-def first(text: str, size: int) -> str:
-    """The start of `text`, at most `size` characters, cut at a line end if there is one."""
-    if len(text) <= size:
-        return text
-    return text[: text.rfind("\n", 0, size) + 1 or size]
-
-
-def last(text: str, size: int) -> str:
-    """The end of `text`, at most `size` characters, cut after a line end if there is one."""
-    if len(text) <= size:
-        return text
-    start = text.find("\n", len(text) - size) + 1
-    return text[start if 0 < start < len(text) else len(text) - size :]
-
-
-def cut(text: str, budget: int) -> tuple[str, str, str]:
-    """`text` as (head, omitted, tail) within `budget` characters, cut at line ends."""
-    if len(text) <= budget:
-        return text, "", ""
-    half = budget // 2
-    head_end = text.rfind("\n", 0, half) + 1 or half
-    tail_start = text.find("\n", len(text) - half) + 1 or len(text) - half
-    tail_start = max(tail_start, head_end)
-    return text[:head_end], text[head_end:tail_start], text[tail_start:]
-
-
-def omitted_note(size: int, lines: int, how: list[str]) -> str:
-    return f"[… {size:,} bytes, {lines:,} lines omitted; read them with {' or '.join(how)}]"
-
-
 # -- executions ------------------------------------------------------------------------------
 
 
@@ -188,26 +155,33 @@ def execution_screen(
     log = screen.get("log") or {}
     more_via: list[str] = []
     parts: list[str] = []
+    whole = None if detailed else _whole_head(events, session, execution_id, budget)
     if tail:  # head from the first page, tail from the end; the middle is in the log
-        head, tail = first(text, budget // 2), last(tail, budget // 2)
+        head = whole[0] if whole else first(text, budget // 2)
+        tail = last(tail, budget - len(head))
         size = screen["total_bytes"] - measure(head)[0] - measure(tail)[0]
         lines = screen["total_lines"] - head.count("\n") - tail.count("\n")
         if log.get("path"):
             more_via.append(
                 _read_log(log, session, log.get("offset", 0) + measure(head)[0], size, budget)
             )
-        more_via.append(read_on(result, _cursor_after(events, head, after)))
-        parts += [head, omitted_note(max(0, size), max(0, lines), more_via), tail]
+        more_via.append(read_on(result, whole[1] if whole else _cursor_after(events, head, after)))
+        parts += [head, omitted_note(max(0, size), max(0, lines), more_via, head), tail]
     else:
         head, middle, end = cut(text, budget)
+        if middle and whole:  # the head ends with an event: reading on repeats none of it
+            head, rest = whole[0], text[len(whole[0]) :]
+            end = last(rest, budget - len(head))
+            middle = rest[: len(rest) - len(end)]
         if middle:
             size, lines = measure(middle)
             if log.get("path"):
                 more_via.append(
                     _read_log(log, session, log.get("offset", 0) + measure(head)[0], size, budget)
                 )
-            more_via.append(read_on(result, _cursor_after(events, head, after)))
-            parts += [head, omitted_note(size, lines, more_via), end]
+            cursor = whole[1] if whole else _cursor_after(events, head, after)
+            more_via.append(read_on(result, cursor))
+            parts += [head, omitted_note(size, lines, more_via, head), end]
         elif text:
             parts.append(text)
     if log.get("error"):
@@ -219,7 +193,10 @@ def execution_screen(
         parts.append(f"[{status}; read its output with {read_on(result, cursor, wait=True)}]")
     else:
         if result.get("has_more") and not tail:
-            parts.append(f"[more output: {read_on(result, str(result.get('next_cursor')))}]")
+            shown = "".join(parts)
+            goes_on = ", the line goes on" if shown and not shown.endswith("\n") else ""
+            more = read_on(result, str(result.get("next_cursor")))
+            parts.append(f"[more output{goes_on}: {more}]")
         if show_end or status != "completed":
             parts.append(f"[{ending(result)}]")
     parts += _notes(result)
@@ -246,6 +223,27 @@ DETAIL_KEYS = (
 def _detail_head(result: dict[str, Any]) -> str:
     shown = {k: result[k] for k in DETAIL_KEYS if result.get(k) is not None}
     return " ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _whole_head(
+    events: list[dict[str, Any]], session: str | None, execution_id: str, budget: int
+) -> tuple[str, str] | None:
+    """The text of as many whole events from the start as fit in three quarters of `budget`,
+    and the id of the last of them: a head that ends with an event, so the call that reads on
+    from that id repeats none of it (a quarter is left for the tail). None when not even the
+    first output event fits (events are up to 64 KiB; a small budget cuts inside one)."""
+    limit = budget - budget // 4
+    low, high = 0, len(events)
+    while low < high:  # (render(events[:k]) is a prefix of render(events), growing with k)
+        mid = (low + high + 1) // 2
+        if len(render(events[:mid], session, execution_id)) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    head = render(events[:low], session, execution_id)
+    if not any(e.get("type") in ("stdout", "stderr") for e in events[:low]):
+        return None
+    return head, str(events[low - 1].get("event_id"))
 
 
 def _cursor_after(events: list[dict[str, Any]], head: str, after: str) -> str:

@@ -59,7 +59,7 @@ CommandArg = Annotated[
 ]
 TimeoutArg = Annotated[
     float | None,
-    Field(description="Wall-clock limit in seconds; the server sets the default and maximum."),
+    Field(description="Wall-clock seconds (the server sets the default and maximum)."),
 ]
 InteractiveArg = Annotated[bool, Field(description="Keep stdin open for send_stdin.")]
 WorkdirArg = Annotated[
@@ -73,9 +73,7 @@ FormatArg = Annotated[
     Field(description="The result's text: concise, detailed (ids, times) or json."),
 ]
 MaxCharsArg = Annotated[int | None, Field(description="Most characters of text (default 100000).")]
-ExecutionIdArg = Annotated[
-    str, Field(description="The execution_id that execute_code or run_code returned.")
-]
+ExecutionIdArg = Annotated[str, Field(description="From execute_code or run_code.")]
 
 
 async def execute(
@@ -100,8 +98,8 @@ async def execute(
 ServersArg = Annotated[
     list[str] | None,
     Field(
-        description="Code mode: hosted MCP servers the command's code may call with `import "
-        'mcp_servers` (names, or ["*"]: every one you may use; see list_servers); omitted: none.'
+        description='Hosted MCP servers its code may call via `import mcp_servers` (["*"]: all '
+        "you may use; see list_servers)."
     ),
 ]
 
