@@ -27,6 +27,7 @@ from loguru import logger
 
 from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.domain.egress import EgressSettings as EgressSettings
+from sandbox_runtime.egress.secrets import SecretsBroker
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.egress_port import SOCKET_NAME, DeniedHandler
 from sandbox_runtime.supervisor import Supervisor
@@ -43,6 +44,10 @@ class Lease:
     host_dir: Path
     on_denied: DeniedHandler | None
     closed: asyncio.Future[None] | None = None
+    # The trust bundle (the host's CAs and the deployment's) bound over the sandbox's, when
+    # the proxy may terminate TLS for it; and whose sandbox it is (secrets' audit lines).
+    trust_bundle: Path | None = None
+    grant: Any = None
 
 
 class EgressProxy:
@@ -77,6 +82,8 @@ class EgressProxy:
         # How many times the proxy has died: a sandbox started before a death has no network
         # (its socket died), which a pool of sandboxes started ahead must know.
         self.deaths = 0
+        # Secret rules, store and CA (set by the owner before start; None: no secrets).
+        self.secrets: SecretsBroker | None = None
 
     @property
     def pid(self) -> int | None:
@@ -130,6 +137,8 @@ class EgressProxy:
             writer.close()
             self._stop_process()
             raise SandboxUnavailableError(hello.get("error") or "it exited at start")
+        if self.secrets is not None:
+            writer.write(json.dumps(self.secrets.tls_message()).encode() + b"\n")
         self._writer = writer
         self._reader_task = self._supervisor.spawn("egress proxy reader", self._read(reader))
         logger.info("egress proxy started (pid {})", self._proc.pid)
@@ -156,6 +165,8 @@ class EgressProxy:
         if op == "closed" and lease is not None:
             if lease.closed is not None and not lease.closed.done():
                 lease.closed.set_result(None)
+        elif op == "secret" and self.secrets is not None:
+            self.secrets.used(lease.grant if lease is not None else None, message)
         elif op == "denied" and lease is not None and lease.on_denied is not None:
             host, port = str(message.get("host", "")), int(message.get("port") or 0)
             lease.on_denied(host, port, str(message.get("reason")))
@@ -205,7 +216,10 @@ class EgressProxy:
         host_dir.mkdir(mode=0o700)
         if os.geteuid() == 0:
             os.chown(host_dir, self.uid, self.gid)
-        lease = Lease(sid, host_dir, on_denied)
+        grant = getattr(policy, "grant", None)
+        bindings = self.secrets.bindings(grant) if self.secrets is not None else []
+        bundle = self.secrets.bundle if self.secrets is not None else None
+        lease = Lease(sid, host_dir, on_denied, trust_bundle=bundle, grant=grant)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[sid] = future
         self._leases[sid] = lease
@@ -221,6 +235,7 @@ class EgressProxy:
                     "exact": sorted(map(str, policy.exact)),
                     "max_bytes": self.settings.max_bytes,
                     "max_connections": self.settings.max_connections,
+                    "secrets": bindings,
                 }
             ).encode()
             + b"\n"

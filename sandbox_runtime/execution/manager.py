@@ -32,7 +32,7 @@ from sandbox_runtime.errors import (
 from sandbox_runtime.execution.cluster import Cluster
 from sandbox_runtime.execution.code_mode import Bridges, OpenBridge, bridged_env, open_bridge
 from sandbox_runtime.execution.execution import Execution
-from sandbox_runtime.execution.network import denied_to, egress_of
+from sandbox_runtime.execution.network import denied_to, egress_of, granted
 from sandbox_runtime.execution.reading import (
     MAX_EVENTS_PER_READ,
     OutputPage,
@@ -232,7 +232,7 @@ class ExecutionManager:
                     cwd=cwd,
                     interactive=request.interactive,
                     timeout=timeout,
-                    egress=egress,
+                    egress=granted(egress, owner, limits, execution),
                     on_denied=self.network_denied(execution),
                     bridge_dir=bridge.directory if bridge is not None else None,
                 )

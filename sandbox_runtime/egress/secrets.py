@@ -1,0 +1,133 @@
+"""The server's side of secrets at the proxy: rules and store in, each sandbox's bindings out.
+
+`SecretsBroker` holds the operator's rules (domain/secrets.py), the encrypted store
+(secrets_store.py) and the deployment CA (ca.py). For each sandbox the egress supervisor
+opens, it renders the rules the sandbox's grant allows with the principal's values — that
+is the only place a value leaves the store, and it goes to the proxy over its control
+channel, nowhere else. Each use the proxy reports becomes one audit log line (principal,
+session, execution, host, rule, secret name), a metric and an event, never the value.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from loguru import logger
+
+from sandbox_runtime.domain.secrets import (
+    SecretRule,
+    SecretsGrant,
+    for_principal,
+    masks,
+    narrow,
+    parse_rules_document,
+)
+from sandbox_runtime.egress import ca
+from sandbox_runtime.egress.secrets_store import SecretsKeyError, SecretsStore
+
+
+def load_rules(path: Path) -> list[SecretRule]:
+    """The rules in `path` (none if it does not exist). Raises ValueError."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise ValueError(f"secret rules {path}: {exc.strerror}") from None
+    try:
+        return parse_rules_document(tomllib.loads(text))
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"secret rules {path}: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+
+
+class SecretsBroker:
+    """Rules, store and CA, for the egress supervisor."""
+
+    def __init__(
+        self,
+        rules: list[SecretRule],
+        store: SecretsStore,
+        ca_dir: Path,
+        trust_dir: Path,
+        upstream_cas: bytes = b"",
+    ) -> None:
+        self.rules = rules
+        self.store = store
+        self.ca_cert, self.ca_key = ca.load_or_create(ca_dir)
+        self.bundle = ca.write_bundle(trust_dir, self.ca_cert)
+        self.upstream_cas = upstream_cas
+
+    def tls_message(self) -> dict[str, Any]:
+        """What the proxy needs to terminate TLS (op "tls")."""
+        return {
+            "op": "tls",
+            "cert": self.ca_cert.decode(),
+            "key": self.ca_key.decode(),
+            "upstream_cas": self.upstream_cas.decode("ascii", "replace"),
+        }
+
+    def bindings(self, grant: SecretsGrant | None) -> list[dict[str, Any]]:
+        """The rules `grant`'s sandbox gets, rendered with its principal's values (a rule whose
+        secret is not stored is left out, with a warning)."""
+        if grant is None:
+            return []
+        out: list[dict[str, Any]] = []
+        for rule in narrow(for_principal(self.rules, grant.principal), grant.names):
+            try:
+                value = self.store.value(rule.secret, grant.principal)
+            except SecretsKeyError as exc:
+                logger.error("secret rule {}: {}", rule.name, exc)
+                continue
+            if value is None:
+                logger.warning(
+                    "secret rule {}: no secret {!r} stored for principal {} (set it with "
+                    "`srt-mcp-server secrets set {}`)",
+                    rule.name,
+                    rule.secret,
+                    grant.principal,
+                    rule.secret,
+                )
+                continue
+            rendered = rule.render(value)
+            out.append(
+                {
+                    "rule": rule.name,
+                    "secret": rule.secret,
+                    "hosts": [str(h) for h in rule.hosts],
+                    "headers": rendered,
+                    "methods": sorted(rule.methods),
+                    "paths": list(rule.paths),
+                    "masks": [m.decode() for m in masks(value, rendered)],
+                }
+            )
+        return out
+
+    def used(self, grant: SecretsGrant | None, message: dict[str, Any]) -> None:
+        """The proxy put a secret into a request: the audit line, last use, the event."""
+        rule, secret = str(message.get("rule")), str(message.get("secret"))
+        host, port = str(message.get("host")), int(message.get("port") or 0)
+        principal = grant.principal if grant is not None else ""
+        logger.bind(audit="secret").info(
+            "secret used: rule={} secret={} host={}:{} method={} path={} principal={} "
+            "session={} execution={}",
+            rule,
+            secret,
+            host,
+            port,
+            message.get("method"),
+            message.get("path"),
+            principal,
+            grant.session if grant is not None else "",
+            grant.execution_id if grant is not None else "",
+        )
+        self.store.mark_used(secret, principal)
+        if grant is not None and grant.on_used is not None and message.get("event"):
+            grant.on_used(rule, host, port)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The rules, with no value (for `secrets list`, doctor and health)."""
+        return [r.describe() for r in self.rules]
