@@ -74,7 +74,9 @@ class SandboxLimits:
             elif isinstance(value, list) and all(isinstance(v, str) for v in value):
                 request = {**request, "secrets": tuple(value)}
             elif value is not True:
-                raise PolicyViolationError("sandbox_config.secrets must be false or a list of names")
+                raise PolicyViolationError(
+                    "sandbox_config.secrets must be false or a list of names"
+                )
         problems: list[str] = []
         changes: dict[str, Any] = {}
         for key, value in request.items():

@@ -168,8 +168,7 @@ def parse_rule(raw: dict[str, Any]) -> SecretRule:
         named = set(PLACEHOLDER.findall(template))
         if named != {secret}:
             raise ValueError(
-                f"{where}: header {header!r} must use {{{{secret:{secret}}}}} (and no other "
-                "secret)"
+                f"{where}: header {header!r} must use {{{{secret:{secret}}}}} (and no other secret)"
             )
         headers.append((header, template))
     basic = raw.get("basic")

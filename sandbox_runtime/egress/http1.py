@@ -96,11 +96,11 @@ def parse(raw: bytes) -> Head:
     return Head(lines[0], headers)
 
 
-async def read_head(reader: asyncio.StreamReader, timeout: float) -> bytes | None:
+async def read_head(reader: asyncio.StreamReader, idle: float) -> bytes | None:
     """The next head, or None at a clean end of the stream. Raises Refused (too large),
     TimeoutError."""
     try:
-        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), idle)
     except asyncio.IncompleteReadError as exc:
         if exc.partial.strip():
             raise Refused(400, "bad_request") from None

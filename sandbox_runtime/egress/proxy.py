@@ -317,7 +317,6 @@ class Proxy:
         finally:
             out_writer.close()
 
-
     async def _inject(
         self,
         sandbox: Sandbox,
