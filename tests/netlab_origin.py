@@ -359,8 +359,11 @@ class HttpOrigin:
         elif path == "/redirect":
             location = query.get("to", ["/hello"])[0].encode()
             writer.write(
-                b"HTTP/1.1 302 Found\r\nLocation: " + location + b"\r\nContent-Length: 0\r\n"
-                + (b"" if keep else b"Connection: close\r\n") + b"\r\n"
+                b"HTTP/1.1 302 Found\r\nLocation: "
+                + location
+                + b"\r\nContent-Length: 0\r\n"
+                + (b"" if keep else b"Connection: close\r\n")
+                + b"\r\n"
             )
         elif path.startswith("/auth/"):
             self.authorized(request, path, simple)

@@ -18,7 +18,6 @@ import secrets
 import subprocess
 import sys
 import tarfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -104,7 +103,8 @@ def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory, serve: Servers
     env["OPENAI_KEY"] = KEY_A
     assert _cli(env, "set", "openai", "--from-env", "OPENAI_KEY").returncode == 0
     (workdir / "bob.key").write_text(KEY_B + "\n")
-    done_b = _cli(env, "set", "openai", "--principal", "bob", "--from-file", str(workdir / "bob.key"))
+    bob_file = str(workdir / "bob.key")
+    done_b = _cli(env, "set", "openai", "--principal", "bob", "--from-file", bob_file)
     assert done_b.returncode == 0, done_b.stderr
     assert _cli(env, "set", "pypi", stdin=PYPI_KEY + "\n").returncode == 0
     running = serve(
@@ -133,9 +133,9 @@ def requests_seen(lab: NetLab, host: str) -> list[dict[str, Any]]:
     return [r for r in lab.requests() if str(r.get("host", "")).split(":")[0] == host]
 
 
-async def run(conn: Conn, command: str, timeout: int = 120) -> tuple[int, str, list[dict[str, Any]]]:
+async def run(conn: Conn, command: str, seconds: int = 120) -> tuple[int, str, list[Any]]:
     """Run `command` in the session's sandbox: exit code, stdout+stderr, every event."""
-    result = await conn.ok("execute_code", command=command, timeout_seconds=timeout)
+    result = await conn.ok("execute_code", command=command, timeout_seconds=seconds)
     text = "".join(e.get("data", "") for e in result["output"] if e["type"] in ("stdout", "stderr"))
     return result["exit_code"], text, result["output"]
 
@@ -191,6 +191,7 @@ def _undici_archive() -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+@pytest.mark.timeout(600)
 async def test_clients_without_the_key_reach_the_bound_host_with_it(
     server: ServerProcess, lab: NetLab
 ) -> None:
@@ -223,7 +224,7 @@ async def test_clients_without_the_key_reach_the_bound_host_with_it(
             conn,
             "python -m pip install -q --user --disable-pip-version-check --no-cache-dir "
             "--index-url https://pypi.allowed.test/auth/simple/ httpx==0.28.1",
-            timeout=240,
+            seconds=240,
         )
         assert code == 0, text[-3000:]
         await put(conn, "httpx_call.py", HTTPX_PY)
@@ -350,9 +351,11 @@ async def test_echoes_are_masked_and_plain_http_gets_the_key_too(
     assert seen["/echo?case=plain"]["headers"]["authorization"] == f"Bearer {KEY_A}"
 
 
-async def test_a_wrong_upstream_certificate_fails_closed(server: ServerProcess, lab: NetLab) -> None:
+async def test_a_wrong_upstream_certificate_fails_closed(
+    server: ServerProcess, lab: NetLab
+) -> None:
     async with open_client(server.url, TOKEN_A, "legacy") as conn:
-        code, text, events = await run(
+        _, text, events = await run(
             conn, "curl -sS -D - https://wrong.test/echo?case=wrong; echo exit=$?"
         )
     assert "502" in text and "upstream_certificate" in text, text
@@ -375,9 +378,11 @@ async def test_two_principals_send_their_own_values(server: ServerProcess, lab: 
     assert (alice, bob) == (f"Bearer {KEY_A}", f"Bearer {KEY_B}")
 
 
-async def test_a_caller_may_narrow_the_rules_never_widen(server: ServerProcess, lab: NetLab) -> None:
+async def test_a_caller_may_narrow_the_rules_never_widen(
+    server: ServerProcess, lab: NetLab
+) -> None:
     async with open_client(server.url, TOKEN_A, "legacy") as conn:
-        # Without the rule the host is a blind tunnel (-k: the lab's CA is not the sandbox's).
+        # Without its rule the host is a blind tunnel (-k: the lab's CA is not the sandbox's).
         result = await conn.ok(
             "execute_code",
             command="curl -sSk -o /dev/null -w '%{http_code}' "
@@ -392,7 +397,7 @@ async def test_a_caller_may_narrow_the_rules_never_widen(server: ServerProcess, 
         assert refused.is_error
 
 
-async def test_no_value_in_list_logs_metrics_or_store(server: ServerProcess) -> None:
+def test_no_value_in_list_logs_metrics_or_store(server: ServerProcess) -> None:
     env = server.cli_env  # type: ignore[attr-defined]
     listed = _cli(env, "list")
     assert listed.returncode == 0, listed.stderr
