@@ -16,6 +16,7 @@ from typing import Any
 
 from loguru import logger
 
+from sandbox_runtime.domain.egress import parse_rules
 from sandbox_runtime.domain.secrets import (
     SecretRule,
     SecretsGrant,
@@ -127,6 +128,24 @@ class SecretsBroker:
         self.store.mark_used(secret, principal)
         if grant is not None and grant.on_used is not None and message.get("event"):
             grant.on_used(rule, host, port)
+
+    def for_instance(self, name: str, principal: str, egress: list[str]) -> str:
+        """What a hosted server's `secrets = { VAR = "secret:NAME" }` puts in VAR: the
+        placeholder when a rule of `principal`'s binds NAME to a host the entry may reach (the
+        proxy adds the value; the instance never has it), else the stored value. Raises
+        ValueError (not stored), SecretsKeyError."""
+        reachable = parse_rules(",".join(egress))
+        for rule in for_principal(self.rules, principal):
+            if rule.secret == name and any(
+                h.covers(e) or e.covers(h) for h in rule.hosts for e in reachable
+            ):
+                return f"{{{{secret:{name}}}}}"
+        value = self.store.value(name, principal)
+        if value is None:
+            raise ValueError(
+                f"no secret {name!r} is stored (set it with `srt-mcp-server secrets set {name}`)"
+            )
+        return value
 
     def describe(self) -> list[dict[str, Any]]:
         """The rules, with no value (for `secrets list`, doctor and health)."""

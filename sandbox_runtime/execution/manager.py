@@ -163,9 +163,9 @@ class ExecutionManager:
             )
         await self.supervisor.stop(EVICT_LOOP)
 
-    def egress_of(self, limits: SandboxLimits) -> EgressPolicy | None:
-        """The egress policy of a sandbox under `limits` (see network.egress_of)."""
-        return egress_of(self.egress_policy, limits)
+    def egress_of(self, limits: SandboxLimits, owner: Owner | None = None) -> EgressPolicy | None:
+        """The egress policy under `limits`, with `owner`'s secret rules if given (network.py)."""
+        return granted(egress_of(self.egress_policy, limits), owner, limits, None)
 
     def network_denied(self, execution: Execution) -> DeniedHandler:
         """Where the proxy's denials for `execution`'s sandbox go (see network.denied_to)."""

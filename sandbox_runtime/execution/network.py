@@ -44,12 +44,16 @@ def denied_to(execution: Execution) -> DeniedHandler:
 
 
 def granted(
-    policy: EgressPolicy | None, owner: Owner, limits: SandboxLimits, execution: Execution | None
+    policy: EgressPolicy | None,
+    owner: Owner | None,
+    limits: SandboxLimits,
+    execution: Execution | None,
 ) -> EgressPolicy | None:
     """`policy` for `owner`'s sandbox, with the secret rules its principal has (narrowed by
-    `sandbox_config.secrets`); their uses become `network_secret` events of `execution`."""
-    if policy is None:
-        return None
+    `sandbox_config.secrets`); their uses become `network_secret` events of `execution`.
+    No owner: `policy` as it is (no secret)."""
+    if policy is None or owner is None:
+        return policy
 
     def used(rule: str, host: str, port: int) -> None:
         if execution is not None and not execution.status.finished:
