@@ -425,3 +425,19 @@ def test_no_value_in_list_logs_metrics_or_store(server: ServerProcess) -> None:
     assert any("principal=bob" in line for line in audit)
     ca_key = server.workdir / "state" / "egress-ca" / "ca.key"
     assert ca_key.stat().st_mode & 0o777 == 0o600
+
+
+async def test_run_code_kernels_get_the_principals_rules(
+    server: ServerProcess, lab: NetLab
+) -> None:
+    code = (
+        "import os, requests\n"
+        "r = requests.get('https://api.allowed.test/auth/hello?client=kernel')\n"
+        "print(r.status_code, r.text.strip(), 'SSL_CERT_FILE' in os.environ)\n"
+    )
+    async with open_client(server.url, TOKEN_B, "legacy") as conn:
+        result = await conn.ok("run_code", language="python", code=code)
+    printed = "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
+    assert printed.strip() == "200 hello, authorized True", result
+    seen = [r for r in requests_seen(lab, "api.allowed.test") if "client=kernel" in r["target"]]
+    assert seen and seen[-1]["headers"]["authorization"] == f"Bearer {KEY_B}"

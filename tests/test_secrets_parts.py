@@ -1,0 +1,198 @@
+"""The parts of secrets at the proxy, each on its own: rules, the encrypted store, masking,
+what a hosted server's `secret:NAME` becomes, the deployment CA's files."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+from pathlib import Path
+
+import pytest
+
+from sandbox_runtime.domain.secrets import SecretsGrant, narrow, parse_rules_document
+from sandbox_runtime.egress import ca, http1
+from sandbox_runtime.egress.secrets import SecretsBroker
+from sandbox_runtime.egress.secrets_store import SecretsKeyError, SecretsStore, load_key, make_key
+from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError
+from sandbox_runtime.servers.catalog import parse_entry
+from sandbox_runtime.servers.launch import environment
+
+RULES = {
+    "rule": [
+        {"name": "openai", "hosts": ["api.example.com"],
+         "headers": {"Authorization": "Bearer {{secret:openai}}"}},
+        {"name": "index", "secret": "pypi", "hosts": ["*.pkg.example.com:443"],
+         "basic": "__token__", "methods": ["GET"], "paths": ["/simple/"],
+         "principals": ["alice"]},
+    ]
+}  # fmt: skip
+
+
+def test_rules_bind_hosts_ports_methods_and_paths() -> None:
+    openai, index = parse_rules_document(RULES)
+    assert openai.binds("api.example.com", 443) and openai.binds("api.example.com", 80)
+    assert not openai.binds("evil.example.com", 443) and not openai.binds("api.example.com", 8443)
+    assert index.binds("a.pkg.example.com", 443) and not index.binds("pkg.example.com", 443)
+    assert not index.binds("a.pkg.example.com", 80)
+    assert index.applies("GET", "/simple/x/") and not index.applies("POST", "/simple/x/")
+    assert not index.applies("GET", "/upload")
+    assert openai.render("sk-1234") == [("Authorization", "Bearer sk-1234")]
+    assert index.render("tok-1234") == [("Authorization", "Basic X190b2tlbl9fOnRvay0xMjM0")]
+
+
+@pytest.mark.parametrize(
+    ("rule", "problem"),
+    [
+        ({"name": "a", "hosts": []}, "hosts is empty"),
+        ({"name": "a", "hosts": ["x.com"], "headers": {"Host": "{{secret:a}}"}}, "cannot be set"),
+        ({"name": "a", "hosts": ["x.com"], "headers": {"X": "{{secret:b}}"}}, "must use"),
+        ({"name": "a", "hosts": ["10.0.0.1"], "basic": "u"}, "IP literals"),
+        ({"name": "a", "hosts": ["x.com"]}, "give headers or basic"),
+        ({"name": "a", "hosts": ["x.com"], "basic": "u", "colour": 1}, "unknown keys"),
+    ],
+)
+def test_bad_rules_say_what_is_wrong(rule: dict[str, object], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        parse_rules_document({"rule": [rule]})
+
+
+def test_a_caller_narrows_never_widens() -> None:
+    rules = parse_rules_document(RULES)
+    assert [r.name for r in narrow(rules, ["pypi"])] == ["index"]
+    assert narrow(rules, []) == []
+    with pytest.raises(PolicyViolationError, match="may only narrow"):
+        narrow(rules, ["github"])
+
+
+def test_the_store_keeps_ciphertext_only_and_knows_its_key(tmp_path: Path) -> None:
+    key = load_key(make_key(), None)
+    store = SecretsStore(tmp_path / "store.json", key)
+    store.set("openai", "sk-default-value")
+    store.set("openai", "sk-bob-value", principal="bob")
+    text = (tmp_path / "store.json").read_text()
+    assert "sk-default-value" not in text and "sk-bob-value" not in text
+    assert (tmp_path / "store.json").stat().st_mode & 0o777 == 0o600
+    assert store.value("openai", "bob") == "sk-bob-value"
+    assert store.value("openai", "alice") == "sk-default-value"  # (no value of her own)
+    assert store.value("github", "alice") is None
+    # A ciphertext moved to another principal does not open.
+    document = json.loads(text)
+    document["secrets"][0]["principal"] = "carol"
+    (tmp_path / "store.json").write_text(json.dumps(document))
+    with pytest.raises(SecretsKeyError):
+        SecretsStore(tmp_path / "store.json", key).value("openai", "carol")
+    other = SecretsStore(tmp_path / "store.json", load_key(make_key(), None))
+    with pytest.raises(SecretsKeyError, match="another key"):
+        other.value("openai", "bob")
+
+
+def test_rekey_moves_every_secret_to_the_new_key(tmp_path: Path) -> None:
+    old, new = load_key(make_key(), None), load_key(make_key(), None)
+    assert new is not None
+    SecretsStore(tmp_path / "s.json", old).set("openai", "sk-value-1")
+    assert SecretsStore(tmp_path / "s.json", old).rekey(new) == 1
+    assert SecretsStore(tmp_path / "s.json", new).value("openai", "") == "sk-value-1"
+    with pytest.raises(SecretsKeyError):
+        SecretsStore(tmp_path / "s.json", old).value("openai", "")
+
+
+def test_values_that_cannot_be_headers_are_refused(tmp_path: Path) -> None:
+    store = SecretsStore(tmp_path / "s.json", load_key(make_key(), None))
+    for bad in ("", "abc", "line\nbreak", "x" * 9000):
+        with pytest.raises(InvalidRequestError) as caught:
+            store.set("openai", bad)
+        assert bad not in str(caught.value) or not bad
+    with pytest.raises(SecretsKeyError, match="at least 32"):
+        load_key("short", None)
+
+
+def test_masking_catches_a_secret_split_across_every_boundary() -> None:
+    secret = b"sk-0123456789abcdef"
+    body = b"before " + secret + b" middle " + secret + b" after"
+    for size in range(1, len(body) + 1):
+        masker = http1.Masker([secret])
+        parts = [body[i : i + size] for i in range(0, len(body), size)]
+        out = b"".join(masker.feed(p) for p in parts) + masker.flush()
+        assert out == body.replace(secret, b"*" * len(secret)), size
+        assert len(masker.tail) == 0
+
+
+async def test_a_chunked_response_is_masked_across_chunks() -> None:
+    secret = b"sk-0123456789abcdef"
+    payload = b"x" * 5 + secret + b"y" * 5
+    raw = b"".join(b"%x\r\n%s\r\n" % (1, payload[i : i + 1]) for i in range(len(payload)))
+    reader = asyncio.StreamReader()
+    reader.feed_data(raw + b"0\r\n\r\n")
+    reader.feed_eof()
+    sink: list[bytes] = []
+
+    class Writer:
+        def write(self, data: bytes) -> None:
+            sink.append(data)
+
+        async def drain(self) -> None:
+            return None
+
+    await http1.copy_body(
+        reader,
+        Writer(),
+        ("chunked", 0),
+        lambda n: True,
+        5,
+        http1.Masker([secret]),  # type: ignore[arg-type]
+    )
+    decoded, rest = b"", b"".join(sink)
+    while True:
+        size_line, _, rest = rest.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        decoded, rest = decoded + rest[:size], rest[size + 2 :]
+    assert decoded == payload.replace(secret, b"*" * len(secret))
+
+
+def _broker(tmp_path: Path) -> SecretsBroker:
+    key = load_key(make_key(), None)
+    store = SecretsStore(tmp_path / "store.json", key)
+    store.set("openai", "sk-the-value")
+    store.set("pypi", "pypi-the-value")
+    return SecretsBroker(
+        parse_rules_document(RULES), store, tmp_path / "ca", tmp_path / "trust", b""
+    )
+
+
+def test_a_hosted_server_gets_a_placeholder_where_the_proxy_injects(tmp_path: Path) -> None:
+    broker = _broker(tmp_path)
+    entry = parse_entry("s", {"command": ["x"], "egress": ["api.example.com"],
+                              "secrets": {"OPENAI_API_KEY": "secret:openai",
+                                          "PYPI": "secret:pypi"}})  # fmt: skip
+    env = environment(entry, lambda name: broker.for_instance(name, "bob", list(entry.egress)))
+    assert env["OPENAI_API_KEY"] == "{{secret:openai}}"  # (a rule binds its host: the proxy)
+    assert env["PYPI"] == "pypi-the-value"  # (no rule for bob binds it: resolved for the env)
+
+
+def test_the_ca_key_is_private_and_the_bundle_trusts_the_ca(tmp_path: Path) -> None:
+    broker = _broker(tmp_path)
+    assert (tmp_path / "ca").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "ca" / "ca.key").stat().st_mode & 0o777 == 0o600
+    bundle = broker.bundle.read_bytes()
+    assert broker.ca_cert in bundle and b"PRIVATE KEY" not in bundle
+    leaves = ca.Leaves(broker.ca_cert, broker.ca_key)
+    client = ssl.create_default_context(cafile=str(broker.bundle))
+    server = leaves.context("api.example.com")
+    # A handshake in memory: the sandbox's side trusts the leaf for that name.
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    c = client.wrap_bio(c_in, c_out, server_hostname="api.example.com")
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):
+        for side, out, other_in in ((c, c_out, s_in), (s, s_out, c_in)):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+            other_in.write(out.read())
+    assert c.version() is not None
+    grant = SecretsGrant("alice", names=("openai",))
+    assert [b["rule"] for b in broker.bindings(grant)] == ["openai"]
+    assert [b["rule"] for b in broker.bindings(SecretsGrant("bob"))] == ["openai"]
