@@ -102,7 +102,8 @@ async def run(args: argparse.Namespace, lab: NetLab, tmp: Path) -> dict[str, obj
         "SANDBOX_SECRETS_KEY": base64.urlsafe_b64encode(secrets.token_bytes(32)).decode(),
     }
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")} | settings
-    subprocess.run(
+    await asyncio.to_thread(
+        subprocess.run,
         [sys.executable, "-m", "sandbox_runtime.cli", "secrets", "set", "bench"],
         input=KEY, text=True, env=env, check=True, capture_output=True, timeout=60,
     )  # fmt: skip
