@@ -47,8 +47,7 @@ from sandbox_runtime.app.roles import API_ROLE, placement_queue, serve_placement
 from sandbox_runtime.app.state_lock import holding, needs_lock
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
-from sandbox_runtime.egress.secrets import SecretsBroker, load_rules
-from sandbox_runtime.egress.secrets_store import SecretsStore, load_key
+from sandbox_runtime.egress.secrets import broker_from_settings
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.manager import ExecutionManager
@@ -361,38 +360,14 @@ async def _egress(
         supervisor=supervisor,
     )
     egress.on_event.append(metrics.count_egress)
-    egress.secrets = _secrets(settings, backend)
+    assert backend.private_dir is not None
+    egress.secrets = broker_from_settings(settings, backend.private_dir / "egress-trust")
+    if egress.secrets is not None:
+        logger.info("secret rules: {}", [r["rule"] for r in egress.secrets.describe()])
     await egress.start()
     backend.egress = egress
     logger.info("egress allowed: {}", policy.describe())
     return egress
-
-
-def _secrets(settings: Settings, backend: BubblewrapBackend) -> SecretsBroker | None:
-    """The secret rules, store and CA (None: no rule, nothing to inject). Raises ValueError
-    for bad rules or key."""
-    rules = load_rules(settings.secrets_rules_path())
-    if not rules:
-        return None
-    key = load_key(settings.secrets_key_bytes(), settings.secrets_key_file)
-    if key is None:
-        raise ValueError(
-            f"{len(rules)} secret rules but no secrets key: set SANDBOX_SECRETS_KEY or "
-            "SANDBOX_SECRETS_KEY_FILE (make one with `srt-mcp-server secrets keygen`)"
-        )
-    upstream = b""
-    if settings.egress_upstream_ca_file is not None:
-        upstream = settings.egress_upstream_ca_file.read_bytes()
-    assert backend.private_dir is not None
-    broker = SecretsBroker(
-        rules,
-        SecretsStore(settings.secrets_store_path(), key),
-        settings.egress_ca_path(),
-        backend.private_dir / "egress-trust",
-        upstream,
-    )
-    logger.info("secret rules: {}", [r["rule"] for r in broker.describe()])
-    return broker
 
 
 def _bridges(settings: Settings, servers: ServerHost, router: Router) -> BridgeMaker:

@@ -16,6 +16,7 @@ from typing import Any
 
 from loguru import logger
 
+from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.egress import parse_rules
 from sandbox_runtime.domain.secrets import (
     SecretRule,
@@ -26,7 +27,7 @@ from sandbox_runtime.domain.secrets import (
     parse_rules_document,
 )
 from sandbox_runtime.egress import ca
-from sandbox_runtime.egress.secrets_store import SecretsKeyError, SecretsStore
+from sandbox_runtime.egress.secrets_store import SecretsKeyError, SecretsStore, load_key
 
 
 def load_rules(path: Path) -> list[SecretRule]:
@@ -150,3 +151,33 @@ class SecretsBroker:
     def describe(self) -> list[dict[str, Any]]:
         """The rules, with no value (for `secrets list`, doctor and health)."""
         return [r.describe() for r in self.rules]
+
+
+def broker_from_settings(settings: Settings, trust_dir: Path) -> SecretsBroker | None:
+    """The secret rules, store and CA the settings name (None: no rule, nothing to inject).
+    Raises ValueError (bad rules, no key, a CA that cannot be made)."""
+    rules = load_rules(settings.secrets_rules_path())
+    if not rules:
+        return None
+    key = load_key(settings.secrets_key_bytes(), settings.secrets_key_file)
+    if key is None:
+        raise ValueError(
+            f"{len(rules)} secret rules but no secrets key: set SANDBOX_SECRETS_KEY or "
+            "SANDBOX_SECRETS_KEY_FILE (make one with `srt-mcp-server secrets keygen`)"
+        )
+    upstream = b""
+    if settings.egress_upstream_ca_file is not None:
+        upstream = settings.egress_upstream_ca_file.read_bytes()
+    try:
+        return SecretsBroker(
+            rules,
+            SecretsStore(settings.secrets_store_path(), key),
+            settings.egress_ca_path(),
+            trust_dir,
+            upstream,
+        )
+    except OSError as exc:
+        raise ValueError(
+            f"the deployment CA in {settings.egress_ca_path()}: {exc.strerror} (make it where "
+            "it can be written: `srt-mcp-server secrets ca DIRECTORY`)"
+        ) from None

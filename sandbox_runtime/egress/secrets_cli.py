@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.egress import ca
 from sandbox_runtime.egress.secrets import load_rules
 from sandbox_runtime.egress.secrets_store import SecretsStore, load_key, make_key
 from sandbox_runtime.errors import InvalidRequestError
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     remove.add_argument("name")
     remove.add_argument("--principal", default="")
     sub.add_parser("keygen", help="print a new random key for SANDBOX_SECRETS_KEY")
+    authority = sub.add_parser("ca", help="make the deployment CA (ca.pem, ca.key) in a directory")
+    authority.add_argument("directory", type=Path, nargs="?", help="default SANDBOX_EGRESS_CA_DIR")
     rekey = sub.add_parser("rekey", help="encrypt every secret under a new key")
     rekey.add_argument("--new-key-file", type=Path, required=True)
     return parser
@@ -94,6 +97,10 @@ def main(argv: Sequence[str]) -> int:
         elif args.action == "rm":
             store.remove(args.name, args.principal)
             print(f"secret {args.name} removed")
+        elif args.action == "ca":
+            directory = args.directory or settings.egress_ca_path()
+            ca.load_or_create(directory)
+            print(f"the deployment CA is {directory}/ca.pem (its key {directory}/ca.key, 0600)")
         elif args.action == "rekey":
             new = load_key(None, args.new_key_file)
             if new is None:
