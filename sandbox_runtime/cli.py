@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_doctor(settings)
     if args.command == "runtime":
         return _runtime(settings, args)
-    problem = state_dir_problem(settings.state_dir)
+    from sandbox_runtime.egress.secrets import settings_problem
+
+    problem = state_dir_problem(settings.state_dir) or settings_problem(settings)
     if problem:
         print(problem, file=sys.stderr)
         return 2

@@ -196,3 +196,17 @@ def test_the_ca_key_is_private_and_the_bundle_trusts_the_ca(tmp_path: Path) -> N
     grant = SecretsGrant("alice", names=("openai",))
     assert [b["rule"] for b in broker.bindings(grant)] == ["openai"]
     assert [b["rule"] for b in broker.bindings(SecretsGrant("bob"))] == ["openai"]
+
+
+def test_rules_without_a_key_stop_the_start_with_one_line(tmp_path: Path) -> None:
+    from sandbox_runtime.config import Settings
+    from sandbox_runtime.egress.secrets import settings_problem
+
+    rules = tmp_path / "secrets.toml"
+    rules.write_text('[[rule]]\nname = "a"\nhosts = ["x.com"]\nbasic = "u"\n')
+    settings = Settings(state_dir=tmp_path, secrets_rules=rules)  # type: ignore[call-arg]
+    assert "no secrets key" in (settings_problem(settings) or "")
+    keyed = Settings(state_dir=tmp_path, secrets_rules=rules, secrets_key=make_key())  # type: ignore[call-arg]
+    assert settings_problem(keyed) is None
+    rules.write_text('[[rule]]\nname = "a"\nhosts = []\n')
+    assert "hosts is empty" in (settings_problem(keyed) or "")

@@ -181,3 +181,20 @@ def broker_from_settings(settings: Settings, trust_dir: Path) -> SecretsBroker |
             f"the deployment CA in {settings.egress_ca_path()}: {exc.strerror} (make it where "
             "it can be written: `srt-mcp-server secrets ca DIRECTORY`)"
         ) from None
+
+
+def settings_problem(settings: Settings) -> str | None:
+    """Why the secret settings cannot work (bad rules, rules without a key), checked before
+    the server starts; None when they can."""
+    try:
+        rules = load_rules(settings.secrets_rules_path())
+        key = load_key(settings.secrets_key_bytes(), settings.secrets_key_file)
+    except (ValueError, SecretsKeyError) as exc:
+        return str(exc)
+    if rules and key is None:
+        return (
+            f"{settings.secrets_rules_path()} has {len(rules)} secret rules but there is no "
+            "secrets key: set SANDBOX_SECRETS_KEY or SANDBOX_SECRETS_KEY_FILE (make one with "
+            "`srt-mcp-server secrets keygen`)"
+        )
+    return None
