@@ -141,9 +141,7 @@ async def run(args: argparse.Namespace, lab: NetLab, tmp: Path) -> dict[str, obj
                 print(f"  2) {args.runs} x 100 MB down and up, {host} ...", flush=True)
                 url = f"https://{host}.allowed.test"
                 down = " ; ".join([f"{CURL} {url}/bytes/{SIZE}"] * args.runs)
-                up = " ; ".join(
-                    [f"head -c {SIZE} /dev/zero | {CURL} -T - {url}/echo"] * args.runs
-                )
+                up = " ; ".join([f"head -c {SIZE} /dev/zero | {CURL} -T - {url}/echo"] * args.runs)
                 results[f"down_{host}"] = _speeds(await run_in_sandbox(conn, down, session), False)
                 results[f"up_{host}"] = _speeds(await run_in_sandbox(conn, up, session), True)
         log = server.stderr_path.read_text()

@@ -19,6 +19,7 @@ HTTP (the same on every HTTP and HTTPS port; HTTP/1.1 with keep-alive, HEAD too)
     GET  /bytes/<n>                 200, n bytes of "0123456789abcdef"..., 64 KiB writes
     GET  /slow/<n>?rate=<bytes/s>   the same bytes, paced at `rate` (default 16384)
     GET  /redirect?to=<url>         302 to `url`
+    GET  /hangup                    200 "bye\n" (keep-alive if asked), then the origin closes
     GET  /auth/<anything>           401 unless the request's Authorization or X-Api-Key is
                                     one of the values in the "auth" JSON file (read afresh);
                                     then /auth/simple/<project>/ is a package index page of
@@ -356,6 +357,10 @@ class HttpOrigin:
                     await self.send_bytes(writer, size)
                 else:
                     await self.send_slowly(writer, size, rate)
+        elif path == "/hangup":  # (a kept-alive connection the origin then closes)
+            simple(200, b"bye\n")
+            await writer.drain()
+            return False
         elif path == "/redirect":
             location = query.get("to", ["/hello"])[0].encode()
             writer.write(

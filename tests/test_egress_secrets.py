@@ -441,3 +441,22 @@ async def test_run_code_kernels_get_the_principals_rules(
     assert printed.strip() == "200 hello, authorized True", result
     seen = [r for r in requests_seen(lab, "api.allowed.test") if "client=kernel" in r["target"]]
     assert seen and seen[-1]["headers"]["authorization"] == f"Bearer {KEY_B}"
+
+
+HANGUP = r"""
+import time, requests
+s = requests.Session()
+print(s.get("https://api.allowed.test/hangup").text.strip())
+time.sleep(1)  # (the origin's close reaches the proxy)
+r = s.get("https://api.allowed.test/auth/hello?client=after-hangup")
+print(r.status_code, r.text.strip())
+"""
+
+
+async def test_an_origin_that_closes_a_kept_alive_connection_is_dialled_again(
+    server: ServerProcess, lab: NetLab
+) -> None:
+    async with open_client(server.url, TOKEN_A, "legacy") as conn:
+        await put(conn, "hangup.py", HANGUP)
+        code, text, _ = await run(conn, "python hangup.py")
+    assert (code, text.split()) == (0, ["bye", "200", "hello,", "authorized"]), text

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,8 @@ class Exchange:
     idle: float
     deny: Callable[[str, str], None]  # (method, reason)
     used: Callable[[Binding, str, str], None]  # (binding, method, path)
+    # A new connection to the vetted address (after the origin closed a kept-alive one).
+    redial: Callable[[], Awaitable[Streams]] | None = None
 
     def masker(self) -> http1.Masker:
         return http1.Masker([m for b in self.bindings for m in b.masks])
@@ -81,46 +83,60 @@ async def terminate(
     upstream_context: ssl.SSLContext,
 ) -> None:
     """Serve one CONNECT to a bound host (the 200 already written). Returns when either side
-    is done."""
+    is done. An origin that closed between two requests is dialled again (`exchange.redial`)."""
     reader, writer = client
     try:
         await writer.start_tls(server_context, ssl_handshake_timeout=HANDSHAKE_SECONDS)
     except (OSError, TimeoutError, ssl.SSLError):
         exchange.deny("CONNECT", "client_tls_failed")  # (the sandbox does not trust our CA?)
         return
+    if not await _upstream_tls(exchange, origin, upstream_context, writer):
+        return
+    try:
+        while True:
+            try:
+                raw = await http1.read_head(reader, exchange.idle)
+            except (Refused, TimeoutError, ConnectionError, ssl.SSLError):
+                return
+            if raw is None:
+                return
+            method = ""
+            try:
+                head = http1.parse(raw)
+                method, target = _request_line(head)
+                if origin[0].at_eof() and exchange.redial is not None:
+                    origin = await exchange.redial()
+                    if not await _upstream_tls(exchange, origin, upstream_context, writer):
+                        return
+                if not await _one(exchange, head, method, target, client, origin):
+                    return
+            except Refused as refused:
+                exchange.deny(method, refused.reason)
+                await _refuse(writer, refused.status, f"egress denied: {refused.reason}", exchange)
+                return
+            except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+                return
+    finally:
+        origin[1].close()  # (a redialled one too; the first is also closed by its dialler)
+
+
+async def _upstream_tls(
+    exchange: Exchange, origin: Streams, context: ssl.SSLContext, client: asyncio.StreamWriter
+) -> bool:
+    """TLS to the real host, its certificate verified; False (answered) if it fails."""
     try:
         await origin[1].start_tls(
-            upstream_context,
-            server_hostname=exchange.host,
-            ssl_handshake_timeout=HANDSHAKE_SECONDS,
+            context, server_hostname=exchange.host, ssl_handshake_timeout=HANDSHAKE_SECONDS
         )
+        return True
     except ssl.SSLCertVerificationError as exc:
         exchange.deny("CONNECT", "upstream_certificate")
         detail = f"egress denied: upstream_certificate: {exc.verify_message}"
-        await _refuse(writer, 502, detail, exchange)
-        return
+        await _refuse(client, 502, detail, exchange)
     except (OSError, TimeoutError, ssl.SSLError):
         exchange.deny("CONNECT", "upstream_tls_failed")
-        await _refuse(writer, 502, "egress denied: upstream_tls_failed", exchange)
-        return
-    while True:
-        try:
-            raw = await http1.read_head(reader, exchange.idle)
-        except (Refused, TimeoutError, ConnectionError, ssl.SSLError):
-            return
-        if raw is None:
-            return
-        try:
-            head = http1.parse(raw)
-            method, target = _request_line(head)
-            if not await _one(exchange, head, method, target, client, origin):
-                return
-        except Refused as refused:
-            exchange.deny(method if "method" in locals() else "", refused.reason)
-            await _refuse(writer, refused.status, f"egress denied: {refused.reason}", exchange)
-            return
-        except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
-            return
+        await _refuse(client, 502, "egress denied: upstream_tls_failed", exchange)
+    return False
 
 
 async def plain(exchange: Exchange, head_bytes: bytes, client: Streams, origin: Streams) -> None:

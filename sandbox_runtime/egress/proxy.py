@@ -337,6 +337,7 @@ class Proxy:
             self.settings.idle_timeout,
             deny=lambda method, reason: sandbox.deny(method, host, port, reason),
             used=lambda b, method, path: sandbox.used(host, port, b, method, path),
+            redial=lambda: self._redial(sandbox, host, port),
         )
         if not request.connect:
             await inject.plain(exchange, request.head, client, origin)
@@ -344,6 +345,14 @@ class Proxy:
         client[1].write(b"HTTP/1.1 200 Connection established\r\n\r\n")
         context = self.leaves.context(host)
         await inject.terminate(exchange, client, origin, context, self.upstream)
+
+    async def _redial(self, sandbox: Sandbox, host: str, port: int) -> inject.Streams:
+        """A new connection for a terminated one whose origin closed: resolved and vetted
+        again. Raises Refused."""
+        addresses = await self.outbound.resolve(host)
+        remote, _ = await self.outbound.dial(sandbox.policy, host, port, addresses)
+        sandbox.connections += 1
+        return remote
 
 
 def _drop_privileges(uid: int, gid: int) -> None:
