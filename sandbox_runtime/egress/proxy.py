@@ -5,13 +5,16 @@ It runs as a child of the server (`python -m sandbox_runtime.egress.proxy`), as 
 user rather than root: it parses what hostile programs send. The server talks to it over a
 socketpair (`--control-fd`), one JSON object per line:
 
-    server -> proxy  {"op": "open", "id", "path", "allow", "deny", "cidrs", "exact", "max_bytes",
-                      "max_connections"}          listen on `path` for one sandbox
+    server -> proxy  {"op": "tls", "cert", "key", "upstream_cas"}   the deployment CA (once)
+                     {"op": "open", "id", "path", "allow", "deny", "cidrs", "exact", "max_bytes",
+                      "max_connections", "secrets"}   listen on `path` for one sandbox
                      {"op": "close", "id"}        stop listening, cut its connections
     proxy -> server  {"op": "opened", "id"} | {"op": "error", "id", "error"}
                      {"op": "closed", "id", "bytes", "connections", "denied"}
                      {"op": "denied", "id", "host", "port", "reason", "method"}
                      {"op": "connected", "id", "host", "port", "address"}
+                     {"op": "secret", "id", "rule", "secret", "host", "port", "method", "path",
+                      "event"}                    a request got a rule's headers (no value)
 
 For one request: the head is read (bounded, timed), parsed strictly, the authority made
 canonical and decided on by name before any lookup; the name is resolved once (the system's
@@ -20,6 +23,10 @@ addresses refused; a vetted address is dialled and the connection checked again 
 source address means a local destination). Plain HTTP goes out as one request with `Host`
 rewritten from the checked authority and `Connection: close`: a second request on the same
 connection cannot reach another name behind the same address.
+
+A CONNECT to a host one of the sandbox's secret rules binds is not a tunnel: the proxy
+terminates TLS with a leaf of the deployment CA, sets the rule's headers and re-makes TLS to
+the host (inject.py); so is a plain HTTP request to such a host.
 
 When the proxy stops, every sandbox's socket stops answering: no sandbox has a way out.
 

@@ -5,6 +5,10 @@ A sandbox with egress gets a directory of its own holding one socket, bound read
 the sandbox at SOCKET_DIR; its relay (relay.py) carries the sandbox's connections there. A
 proxy that dies takes every sandbox's socket with it and a new one never reopens them: those
 sandboxes stay without network (fail closed), later ones get the new proxy.
+
+With secret rules (`secrets`, egress/secrets.py) the proxy gets the deployment CA when it
+starts, and each socket the rules its sandbox's grant allows, rendered with their values; a
+lease then carries the trust bundle the sandbox binds over its system's.
 """
 
 from __future__ import annotations
