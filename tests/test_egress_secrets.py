@@ -136,6 +136,8 @@ def requests_seen(lab: NetLab, host: str) -> list[dict[str, Any]]:
 async def run(conn: Conn, command: str, seconds: int = 120) -> tuple[int, str, list[Any]]:
     """Run `command` in the session's sandbox: exit code, stdout+stderr, every event."""
     result = await conn.ok("execute_code", command=command, timeout_seconds=seconds)
+    shown = json.dumps(result)  # (every event, every response, every proxy error printed)
+    assert not any(key in shown for key in ALL_KEYS), "a secret's value in an execution's result"
     text = "".join(e.get("data", "") for e in result["output"] if e["type"] in ("stdout", "stderr"))
     return result["exit_code"], text, result["output"]
 
@@ -439,6 +441,7 @@ async def test_run_code_kernels_get_the_principals_rules(
         result = await conn.ok("run_code", language="python", code=code)
     printed = "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
     assert printed.strip() == "200 hello, authorized True", result
+    assert KEY_B not in json.dumps(result)
     seen = [r for r in requests_seen(lab, "api.allowed.test") if "client=kernel" in r["target"]]
     assert seen and seen[-1]["headers"]["authorization"] == f"Bearer {KEY_B}"
 
