@@ -37,6 +37,8 @@ def test_rules_bind_hosts_ports_methods_and_paths() -> None:
     assert not index.binds("a.pkg.example.com", 80)
     assert index.applies("GET", "/simple/x/") and not index.applies("POST", "/simple/x/")
     assert not index.applies("GET", "/upload")
+    assert not index.applies("GET", "/simple/../upload")
+    assert not index.applies("GET", "/simple/%2e%2e/upload")
     assert openai.render("sk-1234") == [("Authorization", "Bearer sk-1234")]
     assert index.render("tok-1234") == [("Authorization", "Basic X190b2tlbl9fOnRvay0xMjM0")]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import re
+import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,7 +85,12 @@ class SecretRule:
         """Whether a request (to a host it binds) with `method` and `path` gets the headers."""
         if self.methods and method.upper() not in self.methods:
             return False
-        return not self.paths or any(path.startswith(p) for p in self.paths)
+        if not self.paths:
+            return True
+        plain = urllib.parse.unquote(path)  # (`/v1/%2e%2e/admin` is not under /v1/)
+        if any(part in (".", "..") for part in plain.split("/")) or "\\" in plain:
+            return False
+        return any(plain.startswith(p) for p in self.paths)
 
     def render(self, value: str) -> list[tuple[str, str]]:
         """The headers with `value` in place of the placeholders."""
