@@ -108,7 +108,8 @@ class SecretsStore:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[dict[str, Any]]:
         """The document, to change: written back (atomically, 0600) when the block ends."""
-        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # (the state dir, by default: made as the server would make it; the file is 0600)
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         lock = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
