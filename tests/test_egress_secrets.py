@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hosted_harness import script_entry, text_of, toml
 from mcp_harness import Conn, ServerProcess, Servers, open_client, traversable_by_others
 from netlab import NetLab, netlab_fixture
 
@@ -94,6 +95,14 @@ def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory, serve: Servers
     traversable_by_others(tmpdir)
     rules = workdir / "secrets.toml"
     rules.write_text(RULES)
+    # A hosted server whose catalog entry references the store: OPENAI_API_KEY's rule binds a
+    # host the entry may reach (the proxy adds it), PYPI_TOKEN's does not (the value).
+    entry = script_entry(
+        "echoenv.py",
+        egress=["api.allowed.test"],
+        secrets={"OPENAI_API_KEY": "secret:openai", "PYPI_TOKEN": "secret:pypi"},
+    )
+    (workdir / "servers.toml").write_text(toml({"echoenv": entry}))  # fmt: skip
     settings = {
         "SANDBOX_STATE_DIR": str(workdir / "state"),
         "SANDBOX_SECRETS_KEY": SECRETS_KEY,
@@ -116,6 +125,7 @@ def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory, serve: Servers
         SANDBOX_EGRESS_RESOLVER=lab.resolver,
         SANDBOX_EGRESS_UPSTREAM_CA_FILE=str(lab.ca_path),
         SANDBOX_MAX_WAIT="300",
+        SANDBOX_SERVERS_FILE=str(workdir / "servers.toml"),
         **settings,
     )
     running.cli_env = env  # type: ignore[attr-defined]
@@ -397,6 +407,17 @@ async def test_a_caller_may_narrow_the_rules_never_widen(
             "execute_code", command="true", sandbox_config={"secrets": ["github"]}
         )
         assert refused.is_error
+
+
+async def test_a_hosted_server_gets_the_placeholder_where_the_proxy_adds_the_key(
+    server: ServerProcess,
+) -> None:
+    async with open_client(f"{server.base_url}/servers/echoenv/mcp", TOKEN_B) as conn:
+        result = await conn.client.call_tool("env", {})
+    env = json.loads(text_of(result))
+    assert env["OPENAI_API_KEY"] == "{{secret:openai}}"
+    assert env["PYPI_TOKEN"] == PYPI_KEY
+    assert KEY_A not in json.dumps(env) and KEY_B not in json.dumps(env)
 
 
 def test_no_value_in_list_logs_metrics_or_store(server: ServerProcess) -> None:
