@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,33 @@ headers = { X-Api-Key = "{{secret:openai}}" }
 """
 
 lab = netlab_fixture(scope="module", name="lab")
+CLIENTS_PYTHON = os.environ.get("SRT_CLIENTS_PY", "/work/main/.clients/py/bin/python")
+WHEELS = ("httpx", "httpcore", "h11", "anyio", "sniffio", "idna", "certifi", "typing_extensions")
+
+
+def wheel_of(dist: str, out: Path) -> Path:
+    """A wheel of `dist` as installed in the clients' venv (pure Python, py3-none-any): its
+    files and dist-info, byte for byte."""
+    probe = (
+        "import importlib.metadata as m, json, sys; d = m.distribution(sys.argv[1]); "
+        "print(json.dumps([d.metadata['Name'], d.version, str(d.locate_file('')), "
+        "[str(f) for f in d.files]]))"
+    )
+    done = subprocess.run(
+        [CLIENTS_PYTHON, "-c", probe, dist], capture_output=True, text=True, timeout=60, check=True
+    )
+    name, version, site, files = json.loads(done.stdout)
+    wheel = out / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        for file in files:
+            if (
+                file.startswith("..")
+                or "__pycache__" in file
+                or file.endswith(("INSTALLER", "REQUESTED", "direct_url.json"))
+            ):
+                continue
+            archive.write(Path(site) / file, file)
+    return wheel
 
 
 def _cli(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
@@ -80,15 +108,10 @@ def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory, serve: Servers
     lab.set_dns({"api.allowed.test": origin, "pypi.allowed.test": origin,
                  "other.test": origin, "wrong.test": origin})  # fmt: skip
     lab.set_auth([f"Bearer {KEY_A}", f"Bearer {KEY_B}", BASIC])
-    # The private index: httpx and what it needs, fetched as pip would (this machine's index).
-    done = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "-q", "-d", str(lab.files_dir), "httpx==0.28.1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, f"pip download httpx (the private index's files): {done.stderr}"
+    # The private index: httpx and what it needs, as wheels made from the clients' venv (no
+    # index is reached: the files are those installed there, their RECORDs as they are).
+    for dist in WHEELS:
+        wheel_of(dist, lab.files_dir)
     workdir = tmp_path_factory.mktemp("secrets")
     tmpdir = workdir / "tmp"
     tmpdir.mkdir()
