@@ -507,3 +507,54 @@ async def test_an_origin_that_closes_a_kept_alive_connection_is_dialled_again(
         await put(conn, "hangup.py", HANGUP)
         code, text, _ = await run(conn, "python hangup.py")
     assert (code, text.split()) == (0, ["bye", "200", "hello,", "authorized"]), text
+
+
+RAW_PY = r"""
+import json, os, socket, ssl, sys
+def exchange(request):
+    raw = socket.create_connection(("127.0.0.1", 3128))
+    raw.sendall(b"CONNECT api.allowed.test:443 HTTP/1.1\r\nHost: api.allowed.test:443\r\n\r\n")
+    assert raw.recv(4096).startswith(b"HTTP/1.1 200"), "CONNECT refused"
+    tls = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    conn = tls.wrap_socket(raw, server_hostname="api.allowed.test")
+    conn.sendall(request)
+    data = b""
+    while True:
+        try:
+            piece = conn.recv(65536)
+        except (ssl.SSLError, OSError):
+            break
+        if not piece:
+            break
+        data += piece
+    return data.split(b"\r\n", 1)[0].decode()
+print(json.dumps([exchange(bytes.fromhex(h)) for h in sys.argv[1:]]))
+"""
+
+# Request lines whose target has bytes a request-target never has: a lenient origin (one
+# that ends lines at a bare LF and splits on any whitespace, as Python's http.server does)
+# reads `Host: other.test` from the first, before the Host the proxy pins; the audit log
+# line (it quotes the path) would get a forged line of its own.
+SMUGGLED = (
+    b"GET /echo?case=lf\tHTTP/1.1\nHost:\tother.test\nX:\tx HTTP/1.1\r\n"
+    b"Host: api.allowed.test\r\nConnection: close\r\n\r\n",
+    b"GET /echo?case=cr\rsecret HTTP/1.1\r\nHost: api.allowed.test\r\nConnection: close\r\n\r\n",
+    b"GET /echo?case=nul\x00 HTTP/1.1\r\nHost: api.allowed.test\r\nConnection: close\r\n\r\n",
+    b"G\xc3\x89T /echo?case=method HTTP/1.1\r\nHost: api.allowed.test\r\nConnection: close\r\n\r\n",
+)
+
+
+async def test_a_request_target_with_control_bytes_is_refused(
+    server: ServerProcess, lab: NetLab
+) -> None:
+    async with open_client(server.url, TOKEN_A, "legacy") as conn:
+        await put(conn, "raw.py", RAW_PY)
+        code, text, events = await run(conn, "python raw.py " + " ".join(r.hex() for r in SMUGGLED))
+    assert code == 0, text
+    assert json.loads(text) == ["HTTP/1.1 400 Bad Request"] * len(SMUGGLED), text
+    assert not any(
+        "case=" in r["target"]
+        for r in requests_seen(lab, "api.allowed.test")
+        if any(c in r["target"] for c in "\t\n\r\x00") or "case=method" in r["target"]
+    )
+    assert [e["reason"] for e in events if e["type"] == "network_denied"] == ["bad_request"] * 4

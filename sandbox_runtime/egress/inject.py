@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from sandbox_runtime.egress.request import Refused, refusal
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 HANDSHAKE_SECONDS = 10.0
+_METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}")  # (a token)
+_TARGET = re.compile(rb"/[\x21-\x7e]*")
 
 
 @dataclass
@@ -157,7 +160,12 @@ def _request_line(head: http1.Head) -> tuple[str, str]:
     parts = head.first.split(b" ")
     if len(parts) != 3 or parts[2] not in (b"HTTP/1.1", b"HTTP/1.0") or not parts[1][:1] == b"/":
         raise Refused(400, "bad_request")  # (origin-form only: the authority is the CONNECT's)
-    if not parts[0].isalpha() or parts[0] == b"CONNECT":
+    if not _METHOD.fullmatch(parts[0]) or parts[0] == b"CONNECT":
+        raise Refused(400, "bad_request")
+    if not _TARGET.fullmatch(parts[1]):
+        # Visible ASCII only: an origin that ends lines at a bare LF or splits on any
+        # whitespace would read headers of the code's own (another Host) from a tab or LF in
+        # the target, before the ones the proxy set; and the audit line quotes the path.
         raise Refused(400, "bad_request")
     return parts[0].decode("ascii"), parts[1].decode("ascii", "replace")
 
