@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import ssl
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.secrets import SecretsGrant, narrow, parse_rules_document
 from sandbox_runtime.egress import ca, http1
-from sandbox_runtime.egress.secrets import SecretsBroker
+from sandbox_runtime.egress.secrets import SecretsBroker, settings_problem
 from sandbox_runtime.egress.secrets_store import SecretsKeyError, SecretsStore, load_key, make_key
 from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError
 from sandbox_runtime.servers.catalog import parse_entry
@@ -212,3 +216,39 @@ def test_rules_without_a_key_stop_the_start_with_one_line(tmp_path: Path) -> Non
     assert settings_problem(keyed) is None
     rules.write_text('[[rule]]\nname = "a"\nhosts = []\n')
     assert "hosts is empty" in (settings_problem(keyed) or "")
+
+
+def test_a_ca_that_cannot_be_made_stops_the_start_with_one_line(tmp_path: Path) -> None:
+    rules = tmp_path / "secrets.toml"
+    rules.write_text('[[rule]]\nname = "a"\nhosts = ["x.test"]\nbasic = "u"\n')
+    (tmp_path / "file").write_text("")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")} | {
+        "SANDBOX_STATE_DIR": str(tmp_path / "state"),
+        "SANDBOX_SECRETS_RULES": str(rules),
+        "SANDBOX_SECRETS_KEY": make_key(),
+        "SANDBOX_EGRESS_ALLOW": "x.test",
+    }
+    cases = {
+        "cannot be made (Not a directory)": {"SANDBOX_EGRESS_CA_DIR": str(tmp_path / "file/ca")},
+        "is not a PEM bundle": {"SANDBOX_EGRESS_UPSTREAM_CA_FILE": str(tmp_path / "file")},
+        "No such file": {"SANDBOX_EGRESS_UPSTREAM_CA_FILE": str(tmp_path / "none.pem")},
+    }
+    for expected, extra in cases.items():
+        done = subprocess.run(
+            [sys.executable, "-m", "sandbox_runtime.cli", "--port", "0"],
+            env=env | extra,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and expected in done.stderr, done.stderr
+    # The hint, followed exactly: the CA made where it can be written, and the start goes on.
+    made = tmp_path / "made-ca"
+    settings = Settings(state_dir=tmp_path, secrets_rules=rules, secrets_key=make_key(),  # type: ignore[call-arg]
+                        egress_allow="x.test", egress_ca_dir=made)  # fmt: skip
+    assert settings_problem(settings) is None
+    (made / "ca.pem").write_text("not a certificate")
+    (made / "ca.key").write_text("")
+    assert "is not a PEM certificate and key" in (settings_problem(settings) or "")

@@ -70,6 +70,49 @@ def load_or_create(directory: Path) -> tuple[bytes, bytes]:
     return cert_pem, key_pem
 
 
+def problem(directory: Path) -> str | None:
+    """Why the CA in `directory` cannot be loaded or made (checked before the server starts,
+    which makes it only later); None when it can. Makes the directory if missing."""
+    cert_path, key_path = directory / "ca.pem", directory / "ca.key"
+    hint = (
+        "set SANDBOX_EGRESS_CA_DIR to a directory the server can write (the CA is made there "
+        "at start), or make it with `srt-mcp-server secrets ca DIRECTORY` and set "
+        "SANDBOX_EGRESS_CA_DIR=DIRECTORY"
+    )
+    if cert_path.exists() and key_path.exists():
+        try:
+            x509.load_pem_x509_certificate(cert_path.read_bytes())
+            key = serialization.load_pem_private_key(key_path.read_bytes(), None)
+        except OSError as exc:
+            return f"the deployment CA in {directory} cannot be read ({exc.strerror}): {hint}"
+        except (ValueError, TypeError):
+            return f"the deployment CA in {directory} is not a PEM certificate and key: {hint}"
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            return f"the deployment CA's key in {directory} is not an EC key: {hint}"
+        return None
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"the deployment CA's directory {directory} cannot be made ({exc.strerror}): {hint}"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"the deployment CA's directory {directory} cannot be written: {hint}"
+    return None
+
+
+def upstream_problem(path: Path) -> str | None:
+    """Why SANDBOX_EGRESS_UPSTREAM_CA_FILE cannot be used; None when it can."""
+    try:
+        data = path.read_bytes()
+        if b"-----BEGIN CERTIFICATE-----" not in data:
+            raise ssl.SSLError("no PEM certificate in it")
+        upstream_context(data)
+    except (ssl.SSLError, ValueError) as exc:  # (before OSError: SSLError is one)
+        return f"SANDBOX_EGRESS_UPSTREAM_CA_FILE {path} is not a PEM bundle of CAs ({exc})"
+    except OSError as exc:
+        return f"SANDBOX_EGRESS_UPSTREAM_CA_FILE {path}: {exc.strerror}"
+    return None
+
+
 def system_bundle() -> bytes:
     """The host's CA bundle (empty if none is found)."""
     for path in SYSTEM_BUNDLES:
