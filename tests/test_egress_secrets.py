@@ -54,6 +54,12 @@ hosts = ["pypi.allowed.test"]
 basic = "__token__"
 
 [[rule]]
+name = "tls-only"
+secret = "openai"
+hosts = ["tls.allowed.test:443"]
+headers = { X-Api-Key = "{{secret:openai}}" }
+
+[[rule]]
 name = "wrong-cert"
 secret = "openai"
 hosts = ["wrong.test"]
@@ -105,8 +111,8 @@ def _cli(env: dict[str, str], *args: str, stdin: str = "") -> subprocess.Complet
 @pytest.fixture(scope="module")
 def server(lab: NetLab, tmp_path_factory: pytest.TempPathFactory, serve: Servers) -> ServerProcess:
     origin = [lab.origin_ip]
-    lab.set_dns({"api.allowed.test": origin, "pypi.allowed.test": origin,
-                 "other.test": origin, "wrong.test": origin})  # fmt: skip
+    bound = ["api.allowed.test", "pypi.allowed.test", "tls.allowed.test"]
+    lab.set_dns({name: origin for name in [*bound, "other.test", "wrong.test"]})
     lab.set_auth([f"Bearer {KEY_A}", f"Bearer {KEY_B}", BASIC])
     # The private index: httpx and what it needs, as wheels made from the clients' venv (no
     # index is reached: the files are those installed there, their RECORDs as they are).
@@ -558,3 +564,20 @@ async def test_a_request_target_with_control_bytes_is_refused(
         if any(c in r["target"] for c in "\t\n\r\x00") or "case=method" in r["target"]
     )
     assert [e["reason"] for e in events if e["type"] == "network_denied"] == ["bad_request"] * 4
+
+
+async def test_plain_http_to_port_443_gets_no_secret(server: ServerProcess, lab: NetLab) -> None:
+    # The docs' promise: a rule that names :443 keeps its key off plain HTTP. A plain request
+    # to port 443 (`http://host:443/`) would carry it in clear to whatever answers there.
+    async with open_client(server.url, TOKEN_A, "legacy") as conn:
+        _, _, plain = await run(
+            conn,
+            "curl -sS -m 20 http://tls.allowed.test:443/echo?case=plain443; "
+            "curl -sS -m 20 http://api.allowed.test:443/echo?case=plain443",
+        )
+        code, text, tls = await run(conn, "curl -sS https://tls.allowed.test/echo?case=tls443")
+    assert not [e for e in plain if e["type"] == "network_secret"], plain
+    assert code == 0 and json.loads(text)["headers"]["x-api-key"] == "*" * len(KEY_A), text
+    assert [e["name"] for e in tls if e["type"] == "network_secret"] == ["tls-only"], tls
+    seen = {r["target"]: r for r in requests_seen(lab, "tls.allowed.test")}
+    assert seen["/echo?case=tls443"]["headers"]["x-api-key"] == KEY_A

@@ -77,8 +77,13 @@ class SecretRule:
     paths: tuple[str, ...] = ()  # empty: every path
     principals: frozenset[str] = frozenset()  # empty: every principal
 
-    def binds(self, host: str, port: int) -> bool:
-        """Whether requests to `host` (canonical) and `port` may carry this secret."""
+    def binds(self, host: str, port: int, tls: bool = True) -> bool:
+        """Whether requests to `host` (canonical) and `port` may carry this secret: over TLS
+        (`tls`, a CONNECT the proxy terminates) or in clear. Never in clear to port 443: a
+        plain request there (`http://host:443/`) would give the value to whatever answers,
+        unverified and readable on the way; `:443` keeps a key off plain HTTP."""
+        if not tls and port == 443:
+            return False
         return any(r.matches_name(host) and port in r.ports for r in self.hosts)
 
     def applies(self, method: str, path: str) -> bool:

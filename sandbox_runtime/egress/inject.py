@@ -73,9 +73,9 @@ class Exchange:
         return http1.Masker([m for b in self.bindings for m in b.masks])
 
 
-def bound(bindings: list[Binding], host: str, port: int) -> list[Binding]:
-    """The bindings that may send their secret to `host`:`port`."""
-    return [b for b in bindings if b.rule.binds(host, port)]
+def bound(bindings: list[Binding], host: str, port: int, tls: bool) -> list[Binding]:
+    """The bindings that may send their secret to `host`:`port` (over TLS or in clear)."""
+    return [b for b in bindings if b.rule.binds(host, port, tls)]
 
 
 async def terminate(

@@ -298,7 +298,7 @@ class Proxy:
             }
         )
         out_writer = remote[1]
-        bindings = inject.bound(sandbox.bindings, request.host, request.port)
+        bindings = inject.bound(sandbox.bindings, request.host, request.port, request.connect)
         if bindings and self.leaves is not None:
             try:
                 await self._inject(sandbox, request, bindings, (reader, writer), remote)
