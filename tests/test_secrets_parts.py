@@ -16,6 +16,7 @@ import pytest
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.secrets import SecretsGrant, narrow, parse_rules_document
 from sandbox_runtime.egress import ca, http1
+from sandbox_runtime.egress.request import Refused
 from sandbox_runtime.egress.secrets import SecretsBroker, settings_problem
 from sandbox_runtime.egress.secrets_store import SecretsKeyError, SecretsStore, load_key, make_key
 from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError
@@ -158,6 +159,26 @@ async def test_a_chunked_response_is_masked_across_chunks() -> None:
             break
         decoded, rest = decoded + rest[:size], rest[size + 2 :]
     assert decoded == payload.replace(secret, b"*" * len(secret))
+
+
+async def test_a_chunk_size_line_over_the_readers_limit_is_a_refusal() -> None:
+    # Not an exception the proxy does not expect (which cost a traceback in the server's log
+    # per connection, and a plain-text 502 written into the TLS stream).
+    for raw in (b"0" * 100 + b"1\r\nx\r\n0\r\n\r\n", b"1\r\nx\r\n0\r\n" + b"t" * 100):
+        reader = asyncio.StreamReader(limit=64)
+        reader.feed_data(raw)
+        reader.feed_eof()
+
+        class Sink:
+            def write(self, data: bytes) -> None:
+                pass
+
+            async def drain(self) -> None:
+                return None
+
+        with pytest.raises(Refused) as refused:
+            await http1.copy_body(reader, Sink(), ("chunked", 0), lambda n: True, 5)  # type: ignore[arg-type]
+        assert refused.value.reason == "bad_chunk"
 
 
 def _broker(tmp_path: Path) -> SecretsBroker:

@@ -148,6 +148,14 @@ async def _write(writer: asyncio.StreamWriter, data: bytes, count: Count) -> Non
     await writer.drain()
 
 
+async def _line(src: asyncio.StreamReader, idle: float) -> bytes:
+    """A chunk-size or trailer line. Raises Refused (longer than the reader holds), ..."""
+    try:
+        return await asyncio.wait_for(src.readuntil(b"\r\n"), idle)
+    except asyncio.LimitOverrunError:
+        raise Refused(400, "bad_chunk") from None
+
+
 async def copy_body(
     src: asyncio.StreamReader,
     dst: asyncio.StreamWriter,
@@ -176,15 +184,15 @@ async def copy_body(
     if kind != "chunked":
         return
     while True:
-        line = await asyncio.wait_for(src.readuntil(b"\r\n"), idle)
+        line = await _line(src, idle)
         if len(line) > 4096:
-            raise Refused(400, "bad_request")
+            raise Refused(400, "bad_chunk")
         size_text = line.split(b";", 1)[0].strip()
         if not size_text or not all(c in b"0123456789abcdefABCDEF" for c in size_text):
             raise Refused(400, "bad_chunk")
         size = int(size_text, 16)
         if size == 0:
-            while (await asyncio.wait_for(src.readuntil(b"\r\n"), idle)) != b"\r\n":
+            while (await _line(src, idle)) != b"\r\n":
                 pass  # (trailers: dropped)
             break
         while size > 0:
