@@ -4,6 +4,8 @@ what a hosted server's `secret:NAME` becomes, the deployment CA's files."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime
 import json
 import os
 import ssl
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.secrets import SecretsGrant, narrow, parse_rules_document
@@ -225,6 +228,35 @@ def test_the_ca_key_is_private_and_the_bundle_trusts_the_ca(tmp_path: Path) -> N
     grant = SecretsGrant("alice", names=("openai",))
     assert [b["rule"] for b in broker.bindings(grant)] == ["openai"]
     assert [b["rule"] for b in broker.bindings(SecretsGrant("bob"))] == ["openai"]
+
+
+def _served_leaf(server: ssl.SSLContext, host: str) -> x509.Certificate:
+    """The certificate `server` presents for `host` (a handshake in memory, not verified)."""
+    client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    client.check_hostname, client.verify_mode = False, ssl.CERT_NONE
+    c_in, c_out, s_in, s_out = ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO(), ssl.MemoryBIO()
+    c = client.wrap_bio(c_in, c_out, server_hostname=host)
+    s = server.wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):
+        for side, out, other_in in ((c, c_out, s_in), (s, s_out, c_in)):
+            with contextlib.suppress(ssl.SSLWantReadError):
+                side.do_handshake()
+            other_in.write(out.read())
+    der = c.getpeercert(binary_form=True)
+    assert der is not None
+    return x509.load_der_x509_certificate(der)
+
+
+def test_a_long_running_proxy_never_serves_an_expired_leaf(tmp_path: Path) -> None:
+    # The leaves' contexts are cached: one kept in use for longer than a leaf lives must be
+    # made again, or every handshake to that host fails once it expires.
+    broker = _broker(tmp_path)
+    now = [datetime.datetime.now(datetime.UTC)]
+    leaves = ca.Leaves(broker.ca_cert, broker.ca_key, now=lambda: now[0])
+    for _ in range(4 * ca.LEAF_DAYS):
+        leaf = _served_leaf(leaves.context("api.example.com"), "api.example.com")
+        assert leaf.not_valid_before_utc <= now[0] < leaf.not_valid_after_utc
+        now[0] += datetime.timedelta(hours=12)
 
 
 def test_rules_without_a_key_stop_the_start_with_one_line(tmp_path: Path) -> None:

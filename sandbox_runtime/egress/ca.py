@@ -14,6 +14,7 @@ import ipaddress
 import os
 import ssl
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from cryptography import x509
@@ -140,7 +141,13 @@ def write_bundle(directory: Path, ca_pem: bytes) -> Path:
 class Leaves:
     """Server-side TLS contexts for the hosts the proxy terminates, signed by the CA."""
 
-    def __init__(self, ca_cert_pem: bytes, ca_key_pem: bytes) -> None:
+    def __init__(
+        self,
+        ca_cert_pem: bytes,
+        ca_key_pem: bytes,
+        now: Callable[[], datetime.datetime] = lambda: datetime.datetime.now(datetime.UTC),
+    ) -> None:
+        self._now = now
         self._ca = x509.load_pem_x509_certificate(ca_cert_pem)
         key = serialization.load_pem_private_key(ca_key_pem, None)
         assert isinstance(key, ec.EllipticCurvePrivateKey)
@@ -151,18 +158,21 @@ class Leaves:
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         )
-        self._contexts: OrderedDict[str, ssl.SSLContext] = OrderedDict()
+        # host -> (context, when it is made again: half its leaf's life, so a host in use
+        # for longer than a leaf lives never gets an expired one)
+        self._contexts: OrderedDict[str, tuple[ssl.SSLContext, datetime.datetime]] = OrderedDict()
 
     def context(self, host: str) -> ssl.SSLContext:
         """A TLS server context presenting a certificate for `host` (canonical)."""
         found = self._contexts.get(host)
-        if found is not None:
+        now = self._now()
+        if found is not None and now < found[1]:
             self._contexts.move_to_end(host)
-            return found
+            return found[0]
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.set_alpn_protocols(["http/1.1"])  # (HTTP/1.1 only inside: see http1.py)
-        pem = self._leaf(host) + self._key_pem
+        pem = self._leaf(host, now) + self._key_pem
         # load_cert_chain reads files only: a memfd, never on disk.
         fd = os.memfd_create("leaf", os.MFD_CLOEXEC)
         try:
@@ -170,17 +180,17 @@ class Leaves:
             context.load_cert_chain(f"/proc/self/fd/{fd}")
         finally:
             os.close(fd)
-        self._contexts[host] = context
+        self._contexts[host] = (context, now + datetime.timedelta(days=LEAF_DAYS / 2))
+        self._contexts.move_to_end(host)
         while len(self._contexts) > MAX_LEAVES:
             self._contexts.popitem(last=False)
         return context
 
-    def _leaf(self, host: str) -> bytes:
+    def _leaf(self, host: str, now: datetime.datetime) -> bytes:
         try:
             san: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
         except ValueError:
             san = x509.DNSName(host)
-        now = datetime.datetime.now(datetime.UTC)
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host[:64])]))
