@@ -91,6 +91,8 @@ def problem(directory: Path) -> str | None:
         if not isinstance(key, ec.EllipticCurvePrivateKey):
             return f"the deployment CA's key in {directory} is not an EC key: {hint}"
         return None
+    if cert_path.exists() or key_path.exists():
+        return f"the deployment CA in {directory} has only one of ca.pem and ca.key: {hint}"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
