@@ -11,13 +11,14 @@ import os
 import ssl
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 
 import pytest
 from cryptography import x509
 
 from sandbox_runtime.config import Settings
-from sandbox_runtime.domain.secrets import SecretsGrant, narrow, parse_rules_document
+from sandbox_runtime.domain.secrets import SecretsGrant, masks, narrow, parse_rules_document
 from sandbox_runtime.egress import ca, http1
 from sandbox_runtime.egress.request import Refused
 from sandbox_runtime.egress.secrets import SecretsBroker, settings_problem
@@ -128,6 +129,20 @@ def test_masking_catches_a_secret_split_across_every_boundary() -> None:
         out = b"".join(masker.feed(p) for p in parts) + masker.flush()
         assert out == body.replace(secret, b"*" * len(secret)), size
         assert len(masker.tail) == 0
+
+
+def test_echoes_in_json_and_url_forms_are_masked() -> None:
+    value = 'wJalr/XUtnF+EMI"K7MDE\\NG/bPxRfiCY'  # (an AWS-like key, a quote, a backslash)
+    rule = parse_rules_document(
+        {"rule": [{"name": "aws", "hosts": ["x.com"], "headers": {"X-Key": "{{secret:aws}}"}}]}
+    )[0]
+    masker = http1.Masker(masks(value, rule.render(value)))
+    as_json = json.dumps({"got": value})
+    echoes = [as_json, as_json.replace("/", "\\/"), "/cb?key=" + urllib.parse.quote(value, safe="")]
+    for echo in echoes:
+        shown = (masker.feed(echo.encode()) + masker.flush()).decode()
+        assert shown.count("*") >= len(value), shown
+        assert "wJalr" not in shown and "bPxRfiCY" not in shown, shown
 
 
 async def test_a_chunked_response_is_masked_across_chunks() -> None:

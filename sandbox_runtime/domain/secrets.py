@@ -135,6 +135,12 @@ def masks(value: str, rendered: list[tuple[str, str]]) -> list[bytes]:
     """What a response must not show: the value, and header values that carry it in another
     form (Basic's base64)."""
     found = {value.encode()}
+    # As JSON writes it (an API error quoting the header it got): `"` and `\` escaped, and
+    # `/` as `\/` too where a serializer does (PHP's, by default); a key with `/` or `+`
+    # (an AWS secret key, base64) percent-encoded, as in a URL an origin sends back.
+    escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+    found |= {escaped.encode(), escaped.replace("/", "\\/").encode()}
+    found.add(urllib.parse.quote(value, safe="").encode())
     for _, header in rendered:
         if value not in header and header.startswith("Basic "):
             found.add(header.split(" ", 1)[1].encode())
