@@ -199,6 +199,20 @@ async def test_a_chunk_size_line_over_the_readers_limit_is_a_refusal() -> None:
         assert refused.value.reason == "bad_chunk"
 
 
+def test_a_content_length_of_thousands_of_digits_is_a_refusal() -> None:
+    huge = b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n"
+    with pytest.raises(Refused) as refused:
+        http1.request_framing(http1.parse(b"POST / HTTP/1.1\r\n" + huge))
+    assert refused.value.reason == "bad_request"
+    with pytest.raises(Refused) as refused:
+        http1.response_framing("GET", 200, http1.parse(b"HTTP/1.1 200 OK\r\n" + huge))
+    assert refused.value.reason == "bad_response"
+    assert http1.request_framing(http1.parse(b"POST / HTTP/1.1\r\nContent-Length: 12\r\n\r\n")) == (
+        "length",
+        12,
+    )
+
+
 def _broker(tmp_path: Path) -> SecretsBroker:
     key = load_key(make_key(), None)
     store = SecretsStore(tmp_path / "store.json", key)

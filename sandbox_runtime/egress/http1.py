@@ -109,6 +109,12 @@ async def read_head(reader: asyncio.StreamReader, idle: float) -> bytes | None:
         raise Refused(431, "head_too_large") from None
 
 
+def _length(text: bytes) -> bool:
+    """Whether `text` is a Content-Length: digits, fewer than 19 (past any body; a
+    4300-digit one would be over int()'s limit, an exception nothing expects)."""
+    return text.isdigit() and len(text) < 19
+
+
 def request_framing(head: Head) -> tuple[str, int]:
     """("length", n) or ("chunked", 0) of a request's body. Raises Refused."""
     codings = head.tokens(b"transfer-encoding")
@@ -117,7 +123,7 @@ def request_framing(head: Head) -> tuple[str, int]:
         if codings != {b"chunked"} or lengths:
             raise Refused(400, "bad_request")
         return "chunked", 0
-    if len(set(lengths)) > 1 or (lengths and not lengths[0].isdigit()):
+    if len(set(lengths)) > 1 or (lengths and not _length(lengths[0])):
         raise Refused(400, "bad_request")
     return "length", int(lengths[0]) if lengths else 0
 
@@ -133,7 +139,7 @@ def response_framing(method: str, status: int, head: Head) -> tuple[str, int]:
         return "chunked", 0
     lengths = head.values(b"content-length")
     if lengths:
-        if len(set(lengths)) > 1 or not lengths[0].isdigit():
+        if len(set(lengths)) > 1 or not _length(lengths[0]):
             raise Refused(502, "bad_response")
         return "length", int(lengths[0])
     return "close", 0
