@@ -581,3 +581,16 @@ async def test_plain_http_to_port_443_gets_no_secret(server: ServerProcess, lab:
     assert [e["name"] for e in tls if e["type"] == "network_secret"] == ["tls-only"], tls
     seen = {r["target"]: r for r in requests_seen(lab, "tls.allowed.test")}
     assert seen["/echo?case=tls443"]["headers"]["x-api-key"] == KEY_A
+
+
+async def test_a_refused_narrowing_leaves_no_socket_directory(server: ServerProcess) -> None:
+    (egress,) = (server.workdir / "tmp").glob("srt-*/egress")
+    before = sorted(p.name for p in egress.iterdir())
+    async with open_client(server.url, TOKEN_A, "legacy") as conn:
+        for _ in range(5):
+            refused = await conn.call(
+                "execute_code", command="true", sandbox_config={"secrets": ["github"]}
+            )
+            assert refused.is_error
+            assert "not among the secret rules" in json.dumps(refused.model_dump()), refused
+    assert sorted(p.name for p in egress.iterdir()) == before

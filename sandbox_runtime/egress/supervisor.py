@@ -212,16 +212,18 @@ class EgressProxy:
         return self._writer
 
     async def open(self, policy: EgressPolicy, on_denied: DeniedHandler | None) -> Lease:
-        """A socket for one sandbox under `policy`. Raises SandboxSpawnError."""
+        """A socket for one sandbox under `policy`. Raises SandboxSpawnError, PolicyViolationError
+        (its grant narrows to names outside its rules)."""
         writer = await self._ensure_running()
+        # (Before anything is made: a caller's narrowing outside its rules raises here.)
+        grant = getattr(policy, "grant", None)
+        bindings = self.secrets.bindings(grant) if self.secrets is not None else []
         self._serial += 1
         sid = f"s{self._serial}"
         host_dir = self.base_dir / sid
         host_dir.mkdir(mode=0o700)
         if os.geteuid() == 0:
             os.chown(host_dir, self.uid, self.gid)
-        grant = getattr(policy, "grant", None)
-        bindings = self.secrets.bindings(grant) if self.secrets is not None else []
         bundle = self.secrets.bundle if self.secrets is not None else None
         lease = Lease(sid, host_dir, on_denied, trust_bundle=bundle, grant=grant)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
