@@ -50,6 +50,12 @@ def test_rules_bind_hosts_ports_methods_and_paths() -> None:
     assert not index.applies("GET", "/upload")
     assert not index.applies("GET", "/simple/../upload")
     assert not index.applies("GET", "/simple/%2e%2e/upload")
+    # Dot segments an origin still finds: with a path parameter (Tomcat and Spring read
+    # `..;x` as `..`), or encoded twice (an origin or a proxy behind it that decodes again).
+    for path in ("/simple/..;/upload", "/simple/..;x=1/upload", "/simple/%2e%2e%3b/upload",
+                 "/simple/%252e%252e/upload", "/simple/%252E%252E%252Fupload"):  # fmt: skip
+        assert not index.applies("GET", path), path
+    assert index.applies("GET", "/simple/a;b/") and index.applies("GET", "/simple/a%20b/")
     assert openai.render("sk-1234") == [("Authorization", "Bearer sk-1234")]
     assert index.render("tok-1234") == [("Authorization", "Basic X190b2tlbl9fOnRvay0xMjM0")]
 

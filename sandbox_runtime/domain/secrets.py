@@ -33,6 +33,8 @@ from sandbox_runtime.errors import InvalidRequestError, PolicyViolationError
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 PLACEHOLDER = re.compile(r"\{\{secret:([A-Za-z0-9][A-Za-z0-9_.-]{0,63})\}\}")
 HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,64}")
+# An escape still there once the path is decoded, of a character that matters to a path.
+_DOUBLE_ENCODED = re.compile(r"%(2e|2f|5c|3b|25)", re.IGNORECASE)
 MAX_VALUE = 8 * 1024  # bytes of one secret's value
 MAX_RULES = 256
 # Headers a rule may not set: they frame the request or address it.
@@ -93,7 +95,10 @@ class SecretRule:
         if not self.paths:
             return True
         plain = urllib.parse.unquote(path)  # (`/v1/%2e%2e/admin` is not under /v1/)
-        if any(part in (".", "..") for part in plain.split("/")) or "\\" in plain:
+        if _DOUBLE_ENCODED.search(plain) or "\\" in plain:
+            return False  # (`%252e%252e` is `..` to an origin that decodes again)
+        # A dot segment, with a path parameter too (`..;x`: Tomcat and Spring read it as `..`).
+        if any(part.split(";", 1)[0] in (".", "..") for part in plain.split("/")):
             return False
         return any(plain.startswith(p) for p in self.paths)
 
