@@ -58,6 +58,7 @@ name = "tls-only"
 secret = "openai"
 hosts = ["tls.allowed.test:443"]
 headers = { X-Api-Key = "{{secret:openai}}" }
+methods = ["GET"]
 
 [[rule]]
 name = "wrong-cert"
@@ -594,3 +595,21 @@ async def test_a_refused_narrowing_leaves_no_socket_directory(server: ServerProc
             assert refused.is_error
             assert "not among the secret rules" in json.dumps(refused.model_dump()), refused
     assert sorted(p.name for p in egress.iterdir()) == before
+
+
+async def test_a_rule_for_some_methods_takes_method_overrides_away(
+    server: ServerProcess, lab: NetLab
+) -> None:
+    # tls-only is for GET: a GET that an origin would take for a DELETE (the override headers
+    # many frameworks honour) must not carry its key there.
+    overrides = ("X-HTTP-Method-Override", "X-HTTP-Method", "X-Method-Override")
+    headers = " ".join(f"-H '{name}: DELETE'" for name in overrides)
+    async with open_client(server.url, TOKEN_A, "legacy") as conn:
+        code, text, _ = await run(
+            conn, f"curl -sS {headers} https://tls.allowed.test/echo?case=override"
+        )
+    assert code == 0, text
+    seen = {r["target"]: r for r in requests_seen(lab, "tls.allowed.test")}
+    got = seen["/echo?case=override"]["headers"]
+    assert got["x-api-key"] == KEY_A
+    assert not {name.lower() for name in overrides} & set(got), got

@@ -27,6 +27,7 @@ from sandbox_runtime.egress.request import Refused, refusal
 
 Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 HANDSHAKE_SECONDS = 10.0
+METHOD_OVERRIDES = (b"x-http-method-override", b"x-http-method", b"x-method-override")
 _METHOD = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,32}")  # (a token)
 _TARGET = re.compile(rb"/[\x21-\x7e]*")
 
@@ -195,6 +196,10 @@ async def _one(
     injected = False
     for binding in exchange.bindings:
         if binding.rule.applies(method, path):
+            if binding.rule.methods:
+                # A rule for some methods: no header that makes the origin take this request
+                # for another method (frameworks honour them; the key would go with it).
+                head.remove(*METHOD_OVERRIDES)
             for name, value in binding.headers:
                 head.put(name, value)
             exchange.used(binding, method, path)
