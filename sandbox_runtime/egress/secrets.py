@@ -197,7 +197,7 @@ def settings_problem(settings: Settings) -> str | None:
             "secrets key: set SANDBOX_SECRETS_KEY or SANDBOX_SECRETS_KEY_FILE (make one with "
             "`srt-mcp-server secrets keygen`)"
         )
-    if not rules or not settings.egress_policy().enabled:
+    if not rules or not settings.egress_policy().enabled or settings.role == "api":
         return None  # (no broker is made: nothing below is read)
     if settings.egress_upstream_ca_file is not None:
         problem = ca.upstream_problem(settings.egress_upstream_ca_file)
