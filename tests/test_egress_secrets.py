@@ -44,7 +44,7 @@ RULES = """
 [[rule]]
 name = "openai-api"
 secret = "openai"
-hosts = ["api.allowed.test"]
+hosts = ["api.allowed.test", "api.allowed.test:80"]  # (:80: in clear too, by name)
 headers = { Authorization = "Bearer {{secret:openai}}" }
 
 [[rule]]
@@ -567,14 +567,18 @@ async def test_a_request_target_with_control_bytes_is_refused(
     assert [e["reason"] for e in events if e["type"] == "network_denied"] == ["bad_request"] * 4
 
 
-async def test_plain_http_to_port_443_gets_no_secret(server: ServerProcess, lab: NetLab) -> None:
+async def test_plain_http_gets_a_secret_only_where_a_rule_names_the_port(
+    server: ServerProcess, lab: NetLab
+) -> None:
     # The docs' promise: a rule that names :443 keeps its key off plain HTTP. A plain request
     # to port 443 (`http://host:443/`) would carry it in clear to whatever answers there.
     async with open_client(server.url, TOKEN_A, "legacy") as conn:
         _, _, plain = await run(
             conn,
             "curl -sS -m 20 http://tls.allowed.test:443/echo?case=plain443; "
-            "curl -sS -m 20 http://api.allowed.test:443/echo?case=plain443",
+            "curl -sS -m 20 http://api.allowed.test:443/echo?case=plain443; "
+            # (a host named without a port gets its key over TLS only)
+            "curl -sS -m 20 http://pypi.allowed.test/echo?case=plain80",
         )
         code, text, tls = await run(conn, "curl -sS https://tls.allowed.test/echo?case=tls443")
     assert not [e for e in plain if e["type"] == "network_secret"], plain

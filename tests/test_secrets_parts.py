@@ -44,8 +44,14 @@ def test_rules_bind_hosts_ports_methods_and_paths() -> None:
     assert not openai.binds("evil.example.com", 443) and not openai.binds("api.example.com", 8443)
     assert index.binds("a.pkg.example.com", 443) and not index.binds("pkg.example.com", 443)
     assert not index.binds("a.pkg.example.com", 80)
-    assert openai.binds("api.example.com", 80, tls=False)
-    assert not openai.binds("api.example.com", 443, tls=False)  # (never in clear to 443)
+    # In clear only to a port the rule names; never to 443.
+    assert not openai.binds("api.example.com", 80, tls=False)
+    assert not openai.binds("api.example.com", 443, tls=False)
+    (plain,) = parse_rules_document(
+        {"rule": [{"name": "p", "hosts": ["in.example:80", "in.example:443"], "basic": "u"}]}
+    )
+    assert plain.binds("in.example", 80, tls=False) and plain.binds("in.example", 443)
+    assert not plain.binds("in.example", 443, tls=False)
     assert index.applies("GET", "/simple/x/") and not index.applies("POST", "/simple/x/")
     assert not index.applies("GET", "/upload")
     assert not index.applies("GET", "/simple/../upload")

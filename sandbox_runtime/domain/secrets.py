@@ -81,12 +81,15 @@ class SecretRule:
 
     def binds(self, host: str, port: int, tls: bool = True) -> bool:
         """Whether requests to `host` (canonical) and `port` may carry this secret: over TLS
-        (`tls`, a CONNECT the proxy terminates) or in clear. Never in clear to port 443: a
-        plain request there (`http://host:443/`) would give the value to whatever answers,
-        unverified and readable on the way; `:443` keeps a key off plain HTTP."""
-        if not tls and port == 443:
-            return False
-        return any(r.matches_name(host) and port in r.ports for r in self.hosts)
+        (`tls`, a CONNECT the proxy terminates) or in clear. In clear only to a port the
+        rule names (`host:80`, `host:8080`): a value sent in clear is readable on the way and
+        goes to whatever answers, so a host without a port gets it over TLS only; and never
+        in clear to port 443 (`http://host:443/`)."""
+        if tls:
+            return any(r.matches_name(host) and port in r.ports for r in self.hosts)
+        return port != 443 and any(
+            r.matches_name(host) and r.port is not None and r.port == port for r in self.hosts
+        )
 
     def applies(self, method: str, path: str) -> bool:
         """Whether a request (to a host it binds) with `method` and `path` gets the headers."""
