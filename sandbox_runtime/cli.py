@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "runtime (Python data stack, Deno, kernels) into SANDBOX_RUNTIME_DIR; servers "
         "add|list|remove|install|logs|import: the hosted MCP servers (servers --help); "
         "connect CLIENT…|disconnect|clients: wire MCP clients (Claude Code, Cursor, VS Code, "
-        "…) to this server (connect --help); token new: make a bearer token",
+        "…) to this server (connect --help); token new: make a bearer token; secrets "
+        "set|list|rm|keygen|rekey: keys the egress proxy adds to requests (secrets --help)",
     )
     parser.add_argument("action", nargs="?", choices=["install"], help=argparse.SUPPRESS)
     parser.add_argument(
@@ -174,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_runtime.servers.cli import main as servers_main
 
         return servers_main(argv[1:])
+    if argv[:1] == ["secrets"]:  # set|list|rm|keygen|rekey (`secrets --help`)
+        from sandbox_runtime.egress.secrets_cli import main as secrets_main
+
+        return secrets_main(argv[1:])
     if argv[:1] and argv[0] in ("connect", "disconnect", "clients", "token"):
         from sandbox_runtime.connect.cli import main as connect_main
 
@@ -193,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_doctor(settings)
     if args.command == "runtime":
         return _runtime(settings, args)
-    problem = state_dir_problem(settings.state_dir)
+    from sandbox_runtime.egress.secrets import settings_problem
+
+    problem = state_dir_problem(settings.state_dir) or settings_problem(settings)
     if problem:
         print(problem, file=sys.stderr)
         return 2

@@ -249,6 +249,13 @@ class Metrics:
             "Bytes through the egress proxy (both ways), counted when a sandbox ends.",
             registry=r,
         )
+        self.egress_secret_uses = Counter(
+            "srt_egress_secret_uses_total",
+            "Requests the egress proxy set a secret rule's headers on, by rule name (never "
+            "the value).",
+            ["rule"],
+            registry=r,
+        )
         self.workspaces_mounted = Gauge(
             "srt_workspaces_mounted",
             "Workspace images mounted on this replica, by kind (session; slot: a warm "
@@ -335,6 +342,8 @@ class Metrics:
             self.egress_connections.inc()
         elif op == "closed":
             self.egress_bytes.inc(int(message.get("bytes") or 0))
+        elif op == "secret":
+            self.egress_secret_uses.labels(str(message.get("rule"))).inc()
 
     def render(self) -> tuple[bytes, str]:
         if self._interpreter_gauges is not None:

@@ -556,6 +556,17 @@ class NetLab:
         with os.fdopen(fd, "wb") as f:
             f.write(key_pem)
 
+    @property
+    def files_dir(self) -> Path:
+        """The files /auth/simple/ lists and /auth/files/ serves."""
+        return self.dir / "files"
+
+    def set_auth(self, accepted: Sequence[str]) -> None:
+        """The Authorization or X-Api-Key values /auth/ accepts (takes effect at once)."""
+        path = self.dir / "auth.json"
+        path.with_suffix(".tmp").write_text(json.dumps(list(accepted)))
+        path.with_suffix(".tmp").replace(path)
+
     def _start_origin(self) -> None:
         config = {
             "binds": [a for a in (self.origin_ip, self.origin_ip6) if a],
@@ -568,7 +579,10 @@ class NetLab:
             "dns_log": str(self._dns_log),
             "access_log": str(self._access_log),
             "ready": str(self.dir / "ready"),
+            "auth": str(self.dir / "auth.json"),
+            "files": str(self.files_dir),
         }
+        self.files_dir.mkdir(exist_ok=True)
         config_path = self.dir / "origin.json"
         config_path.write_text(json.dumps(config, indent=2))
         for log in (self._dns_log, self._access_log):

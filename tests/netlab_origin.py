@@ -18,6 +18,12 @@ HTTP (the same on every HTTP and HTTPS port; HTTP/1.1 with keep-alive, HEAD too)
                                     client (peer address), body_length, body_sha256
     GET  /bytes/<n>                 200, n bytes of "0123456789abcdef"..., 64 KiB writes
     GET  /slow/<n>?rate=<bytes/s>   the same bytes, paced at `rate` (default 16384)
+    GET  /redirect?to=<url>         302 to `url`
+    GET  /hangup                    200 "bye\n" (keep-alive if asked), then the origin closes
+    GET  /auth/<anything>           401 unless the request's Authorization or X-Api-Key is
+                                    one of the values in the "auth" JSON file (read afresh);
+                                    then /auth/simple/<project>/ is a package index page of
+                                    the "files" directory and /auth/files/<name> a file of it
     anything else                   404
 
 DNS (UDP and TCP port 53): A and AAAA answers from the JSON mapping file, read afresh for
@@ -243,8 +249,9 @@ class Connection:
 
 
 class HttpOrigin:
-    def __init__(self, logs: Logs) -> None:
+    def __init__(self, logs: Logs, config: dict[str, Any] | None = None) -> None:
         self.logs = logs
+        self.config = config or {}
 
     async def handle(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int, tls: bool
@@ -301,6 +308,7 @@ class HttpOrigin:
                 "method": request.method,
                 "target": request.target,
                 "host": request.headers.get("host"),
+                "headers": request.headers,
             }
         )
         body_length, body_sha256 = await read_body(request, reader, writer)
@@ -349,10 +357,48 @@ class HttpOrigin:
                     await self.send_bytes(writer, size)
                 else:
                     await self.send_slowly(writer, size, rate)
+        elif path == "/hangup":  # (a kept-alive connection the origin then closes)
+            simple(200, b"bye\n")
+            await writer.drain()
+            return False
+        elif path == "/redirect":
+            location = query.get("to", ["/hello"])[0].encode()
+            writer.write(
+                b"HTTP/1.1 302 Found\r\nLocation: "
+                + location
+                + b"\r\nContent-Length: 0\r\n"
+                + (b"" if keep else b"Connection: close\r\n")
+                + b"\r\n"
+            )
+        elif path.startswith("/auth/"):
+            self.authorized(request, path, simple)
         else:
             simple(404, b"not found\n")
         await writer.drain()
         return keep
+
+    def authorized(self, request: Request, path: str, simple: Any) -> None:
+        """/auth/...: the private package index (see the module's docstring)."""
+        try:
+            accepted = json.loads(Path(self.config["auth"]).read_text())
+        except (KeyError, OSError, ValueError):
+            accepted = []
+        sent = [request.headers.get("authorization"), request.headers.get("x-api-key")]
+        if not any(value in accepted for value in sent if value):
+            simple(401, b"unauthorized\n")
+            return
+        files = Path(self.config.get("files", "/nonexistent"))
+        if path.startswith("/auth/simple/"):
+            links = "".join(
+                f'<a href="/auth/files/{f.name}">{f.name}</a>\n' for f in sorted(files.glob("*"))
+            )
+            simple(200, f"<html><body>\n{links}</body></html>\n".encode(), "text/html")
+        elif path.startswith("/auth/files/") and (files / path.rsplit("/", 1)[1]).is_file():
+            simple(200, (files / path.rsplit("/", 1)[1]).read_bytes(), "application/octet-stream")
+        elif path == "/auth/hello":
+            simple(200, b"hello, authorized\n")
+        else:
+            simple(404, b"not found\n")
 
     @staticmethod
     async def send_bytes(writer: asyncio.StreamWriter, size: int) -> None:
@@ -512,7 +558,7 @@ def tls_context(cert: str, key: str) -> ssl.SSLContext:
 async def serve(config: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     logs = Logs(config["dns_log"], config["access_log"])
-    http = HttpOrigin(logs)
+    http = HttpOrigin(logs, config)
     dns_origin = DnsOrigin(config["dns_map"], int(config["dns_ttl"]), logs)
     context = tls_context(config["cert"], config["key"])
     closers: list[Any] = []

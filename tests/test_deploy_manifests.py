@@ -47,6 +47,7 @@ CRD_KINDS = {
 
 # Environment variables whose name says they hold a credential: never a literal value.
 SECRET_NAME = re.compile(r"TOKEN|SECRET|KEY|PASSWORD")
+PATH_SUFFIXES = ("_STORE", "_RULES", "_DIR", "_FILE")  # (where secrets are, not secrets)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,7 +446,7 @@ def test_sandbox_runtime_probes_are_health_and_ready(every: Rendered) -> None:
 def test_credentials_only_from_secrets(every: Rendered) -> None:
     for container in _all_containers(every.objects):
         for env in container.get("env", []):
-            if SECRET_NAME.search(env["name"]):
+            if SECRET_NAME.search(env["name"]) and not env["name"].endswith(PATH_SUFFIXES):
                 assert "value" not in env, f"{container['name']}: {env['name']} is a literal"
                 assert "secretKeyRef" in env["valueFrom"], env
             # No URL with a password written into it (redis://:hunter2@...): only $(VAR).

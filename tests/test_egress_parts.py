@@ -51,6 +51,8 @@ def test_connect_names_an_authority() -> None:
             b"POST http://a.example/ HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
             (400, "bad_request"),
         ),
+        (b"POST http://a.example/ HTTP/1.1\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n",
+         (400, "bad_request")),
         (b"GET http://a.example/ HTTP/1.1\r\n" + b"X: y\r\n" * 101 + b"\r\n",
          (431, "too_many_headers")),
     ],

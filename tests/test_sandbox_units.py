@@ -59,8 +59,9 @@ DEV = Path("/private/root/dev")
 class Lease:
     """An egress lease as the backend sees one (egress_port.EgressLease)."""
 
-    def __init__(self, host_dir: Path) -> None:
+    def __init__(self, host_dir: Path, trust_bundle: Path | None = None) -> None:
         self.host_dir = host_dir
+        self.trust_bundle = trust_bundle
 
 
 def spec(**kw: object) -> SandboxSpec:
@@ -183,6 +184,18 @@ def test_with_egress_the_relay_is_init_and_holds_the_callers_variables() -> None
     assert command == [RELAY_PYTHON, "-I", "-S", "-B", RELAY_PATH, f"{SOCKET_DIR}/{SOCKET_NAME}",
                        str(RELAY_PORT), "/usr/bin/python3", "-c", "print(1)"]  # fmt: skip
     assert argv.RELAY_ENV not in env_of(build(spec(), lease=lease)[0])  # (no variables: none)
+    assert "SSL_CERT_FILE" not in env  # (no secret rules: the host's trust store as it is)
+
+
+def test_with_secret_rules_the_trust_bundle_is_the_system_store() -> None:
+    lease = Lease(Path("/private/egress/s1"), Path("/private/egress-trust/ca-certificates.crt"))
+    options, _ = build(spec(), lease=lease)
+    bundle = "/etc/ssl/certs/ca-certificates.crt"
+    assert ("/private/egress-trust/ca-certificates.crt", bundle) in pairs(options, "--ro-bind")
+    env = env_of(options)
+    for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+                 "PIP_CERT", "GIT_SSL_CAINFO"):  # fmt: skip
+        assert env[name] == bundle, name
 
 
 def test_bwrap_reads_its_options_from_a_descriptor() -> None:

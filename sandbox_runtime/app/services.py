@@ -47,6 +47,7 @@ from sandbox_runtime.app.roles import API_ROLE, placement_queue, serve_placement
 from sandbox_runtime.app.state_lock import holding, needs_lock
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.egress.secrets import broker_from_settings
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.manager import ExecutionManager
@@ -359,6 +360,10 @@ async def _egress(
         supervisor=supervisor,
     )
     egress.on_event.append(metrics.count_egress)
+    assert backend.private_dir is not None
+    egress.secrets = broker_from_settings(settings, backend.private_dir / "egress-trust")
+    if egress.secrets is not None:
+        logger.info("secret rules: {}", [r["rule"] for r in egress.secrets.describe()])
     await egress.start()
     backend.egress = egress
     logger.info("egress allowed: {}", policy.describe())

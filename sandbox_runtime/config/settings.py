@@ -288,6 +288,34 @@ class Settings(BaseSettings):
     egress_idle_timeout: float = Field(
         120, gt=0, le=86400, description="Seconds a proxied connection may carry nothing."
     )
+    secrets_rules: Path | None = Field(
+        None,
+        description="Secret rules (TOML `[[rule]]`: a stored secret, the hosts it may go to, "
+        "the headers the egress proxy sets; docs/secrets.md); default `<state_dir>/secrets.toml`.",
+    )
+    secrets_store: Path | None = Field(
+        None,
+        description="The secrets store (values encrypted with the secrets key; may be on a "
+        "filesystem replicas share); default `<state_dir>/secrets.store.json`.",
+    )
+    secrets_key: SecretStr | None = Field(
+        None,
+        description="The key the secrets store is encrypted with (32+ characters; "
+        "`srt-mcp-server secrets keygen`).",
+    )
+    secrets_key_file: Path | None = Field(
+        None, description="A file holding the secrets key (instead of SANDBOX_SECRETS_KEY)."
+    )
+    egress_ca_dir: Path | None = Field(
+        None,
+        description="The deployment CA the proxy terminates TLS to secret-bound hosts with "
+        "(made at first start; the key never enters a sandbox); default `<state_dir>/egress-ca`.",
+    )
+    egress_upstream_ca_file: Path | None = Field(
+        None,
+        description="More CAs (PEM) the proxy trusts for real hosts it re-encrypts to, besides "
+        "the system's (an internal service's CA).",
+    )
     sandbox_user: str | None = Field(
         None,
         description="Unprivileged host user sandboxes run as (never root); default: "
@@ -630,6 +658,19 @@ class Settings(BaseSettings):
     def egress_policy(self) -> EgressPolicy:
         """The server's egress policy (the ceiling of every sandbox's). Raises ValueError."""
         return EgressPolicy(self.egress_allow, self.egress_deny, self.egress_allow_cidrs)
+
+    def secrets_rules_path(self) -> Path:
+        return self.secrets_rules or self.state_dir / "secrets.toml"
+
+    def secrets_store_path(self) -> Path:
+        return self.secrets_store or self.state_dir / "secrets.store.json"
+
+    def secrets_key_bytes(self) -> str | None:
+        """The secrets key as given (SANDBOX_SECRETS_KEY; the file is read by the store)."""
+        return self.secrets_key.get_secret_value() if self.secrets_key is not None else None
+
+    def egress_ca_path(self) -> Path:
+        return self.egress_ca_dir or self.state_dir / "egress-ca"
 
     def egress_resolvers(self) -> list[tuple[str, int]]:
         """(address, port) of each DNS server SANDBOX_EGRESS_RESOLVER names."""

@@ -8,6 +8,7 @@ Pure logic, standard library only. The proxy parses an authority with `parse_aut
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -246,6 +247,15 @@ class EgressPolicy:
         self.exact: frozenset[IPAddress] = (
             exact_addresses(self.allow_cidrs) if exact is None else exact
         )
+        # Whose sandbox this is, for the secret rules (secrets.py's SecretsGrant; None: no
+        # secret goes through this sandbox's socket).
+        self.grant: Any = None
+
+    def granting(self, grant: Any) -> EgressPolicy:
+        """A copy of this policy whose sandbox gets the secret rules `grant` allows."""
+        policy = copy.copy(self)
+        policy.grant = grant
+        return policy
 
     @property
     def enabled(self) -> bool:

@@ -44,6 +44,9 @@ class SandboxLimits:
     network_allow: tuple[str, ...] | None = None
     """A caller's narrowing of the egress policy (`sandbox_config.network` as a list): egress
     rules and CIDRs, each within the server's; None: the server's policy as it is."""
+    secrets: tuple[str, ...] | None = None
+    """A caller's narrowing of the secret rules its sandbox gets (`sandbox_config.secrets`: rule
+    or secret names, or false for none); None: every rule the principal has."""
     pseudo_terminals: bool = False
     """Pseudo-terminals (a private /dev/pts) in the sandbox. Off unless the server allows them:
     they open the kernel's tty layer to the sandbox, and the /dev that has them costs bwrap
@@ -62,6 +65,18 @@ class SandboxLimits:
         if not isinstance(request, dict):
             raise PolicyViolationError("sandbox_config must be an object of limit names to values")
         known = {f.name for f in fields(self)} - {"network_allow"}
+        if "secrets" in request:
+            # Names within the principal's rules (checked when the sandbox's socket opens:
+            # domain/secrets.narrow); false or [] for none. Never a widening.
+            value = request["secrets"]
+            if value is False or value == []:
+                request = {**request, "secrets": ()}
+            elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+                request = {**request, "secrets": tuple(value)}
+            elif value is not True:
+                raise PolicyViolationError(
+                    "sandbox_config.secrets must be false or a list of names"
+                )
         problems: list[str] = []
         changes: dict[str, Any] = {}
         for key, value in request.items():
@@ -72,6 +87,10 @@ class SandboxLimits:
                 )
                 continue
             ceiling = getattr(self, key)
+            if key == "secrets":
+                if value is not True:
+                    changes[key] = value
+                continue
             if key == "network":
                 # False, true (the server's egress policy) or a list of names within it: the
                 # list itself is checked against the policy by EgressPolicy.narrow.

@@ -61,6 +61,9 @@ class EventType(StrEnum):
     INPUT_REQUEST = "input_request"
     # The egress proxy refused a request of the sandbox's (`host`, `port`, `reason`).
     NETWORK_DENIED = "network_denied"
+    # The egress proxy set a secret rule's headers on a request (`name` the rule, `host`,
+    # `port`); never the value.
+    NETWORK_SECRET = "network_secret"  # noqa: S105 (an event's name, not a password)
     # Code mode: the code called a hosted server's tool (`name` server.tool, `reason` ok,
     # error, refused or failed, `duration_ms`, `message` what was sent and received).
     TOOL_CALL = "tool_call"

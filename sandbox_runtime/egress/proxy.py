@@ -5,13 +5,16 @@ It runs as a child of the server (`python -m sandbox_runtime.egress.proxy`), as 
 user rather than root: it parses what hostile programs send. The server talks to it over a
 socketpair (`--control-fd`), one JSON object per line:
 
-    server -> proxy  {"op": "open", "id", "path", "allow", "deny", "cidrs", "exact", "max_bytes",
-                      "max_connections"}          listen on `path` for one sandbox
+    server -> proxy  {"op": "tls", "cert", "key", "upstream_cas"}   the deployment CA (once)
+                     {"op": "open", "id", "path", "allow", "deny", "cidrs", "exact", "max_bytes",
+                      "max_connections", "secrets"}   listen on `path` for one sandbox
                      {"op": "close", "id"}        stop listening, cut its connections
     proxy -> server  {"op": "opened", "id"} | {"op": "error", "id", "error"}
                      {"op": "closed", "id", "bytes", "connections", "denied"}
                      {"op": "denied", "id", "host", "port", "reason", "method"}
                      {"op": "connected", "id", "host", "port", "address"}
+                     {"op": "secret", "id", "rule", "secret", "host", "port", "method", "path",
+                      "event"}                    a request got a rule's headers (no value)
 
 For one request: the head is read (bounded, timed), parsed strictly, the authority made
 canonical and decided on by name before any lookup; the name is resolved once (the system's
@@ -20,6 +23,10 @@ addresses refused; a vetted address is dialled and the connection checked again 
 source address means a local destination). Plain HTTP goes out as one request with `Host`
 rewritten from the checked authority and `Connection: close`: a second request on the same
 connection cannot reach another name behind the same address.
+
+A CONNECT to a host one of the sandbox's secret rules binds is not a tunnel: the proxy
+terminates TLS with a leaf of the deployment CA, sets the rule's headers and re-makes TLS to
+the host (inject.py); so is a plain HTTP request to such a host.
 
 When the proxy stops, every sandbox's socket stops answering: no sandbox has a way out.
 
@@ -45,6 +52,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sandbox_runtime.domain.egress import EgressPolicy
+from sandbox_runtime.egress import inject
+from sandbox_runtime.egress.ca import Leaves, upstream_context
 from sandbox_runtime.egress.outbound import Outbound, local_addresses
 from sandbox_runtime.egress.pipe import pipe
 from sandbox_runtime.egress.request import MAX_HEAD, Request, answer
@@ -75,6 +84,9 @@ class Sandbox:
         self.max_bytes = int(spec.get("max_bytes") or 0)
         self.max_connections = int(spec.get("max_connections") or 64)
         self.path = str(spec["path"])
+        # Secret rules this sandbox's requests may get (values rendered by the server).
+        self.bindings = [inject.Binding.from_spec(b) for b in spec.get("secrets") or ()]
+        self.uses = 0
         self.server: asyncio.AbstractServer | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self.bytes = 0
@@ -101,6 +113,24 @@ class Sandbox:
         self.bytes += n
         return not self.max_bytes or self.bytes <= self.max_bytes
 
+    def used(self, host: str, port: int, binding: inject.Binding, method: str, path: str) -> None:
+        """A request to `host` got `binding`'s secret: the server logs it (the audit line),
+        counts it and tells the execution (by rule name; never the value)."""
+        self.uses += 1
+        self.proxy.send(
+            {
+                "op": "secret",
+                "id": self.id,
+                "rule": binding.rule.name,
+                "secret": binding.rule.secret,
+                "host": host,
+                "port": port,
+                "method": method[:20],
+                "path": path[:200],
+                "event": self.uses <= MAX_EVENTS,
+            }
+        )
+
 
 class Proxy:
     def __init__(self, settings: Settings) -> None:
@@ -111,6 +141,10 @@ class Proxy:
         self.outbound = Outbound(
             settings.resolvers, settings.resolve_timeout, settings.connect_timeout
         )
+        # Terminating TLS for secret rules: the deployment CA's leaves and the context towards
+        # real hosts (the server sends the CA and the operator's extra CAs: op "tls").
+        self.leaves: Leaves | None = None
+        self.upstream = upstream_context(b"")
 
     # -- control channel ---------------------------------------------------------------------
 
@@ -133,7 +167,11 @@ class Proxy:
 
     async def _command(self, message: dict[str, Any]) -> None:
         sid = str(message.get("id"))
-        if message.get("op") == "open":
+        if message.get("op") == "tls":
+            self.leaves = Leaves(message["cert"].encode(), message["key"].encode())
+            self.upstream = upstream_context(str(message.get("upstream_cas", "")).encode())
+            self.send({"op": "tls_ready", "id": None})
+        elif message.get("op") == "open":
             try:
                 await self._open(sid, message)
             except (OSError, ValueError) as exc:
@@ -260,6 +298,13 @@ class Proxy:
             }
         )
         out_writer = remote[1]
+        bindings = inject.bound(sandbox.bindings, request.host, request.port, request.connect)
+        if bindings and self.leaves is not None:
+            try:
+                await self._inject(sandbox, request, bindings, (reader, writer), remote)
+            finally:
+                out_writer.close()
+            return
         over_budget = functools.partial(
             sandbox.deny, request.method, request.host, request.port, "byte_limit"
         )
@@ -278,6 +323,43 @@ class Proxy:
             )
         finally:
             out_writer.close()
+
+    async def _inject(
+        self,
+        sandbox: Sandbox,
+        request: Request,
+        bindings: list[inject.Binding],
+        client: inject.Streams,
+        origin: inject.Streams,
+    ) -> None:
+        """A request to a host secret rules bind: TLS terminated (CONNECT) or plain HTTP
+        rewritten, the rules' headers set, echoes masked (inject.py)."""
+        assert self.leaves is not None
+        host, port = request.host, request.port
+        exchange = inject.Exchange(
+            host,
+            port,
+            bindings,
+            sandbox.count,
+            self.settings.idle_timeout,
+            deny=lambda method, reason: sandbox.deny(method, host, port, reason),
+            used=lambda b, method, path: sandbox.used(host, port, b, method, path),
+            redial=lambda: self._redial(sandbox, host, port),
+        )
+        if not request.connect:
+            await inject.plain(exchange, request.head, client, origin)
+            return
+        client[1].write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        context = self.leaves.context(host)
+        await inject.terminate(exchange, client, origin, context, self.upstream)
+
+    async def _redial(self, sandbox: Sandbox, host: str, port: int) -> inject.Streams:
+        """A new connection for a terminated one whose origin closed: resolved and vetted
+        again. Raises Refused."""
+        addresses = await self.outbound.resolve(host)
+        remote, _ = await self.outbound.dial(sandbox.policy, host, port, addresses)
+        sandbox.connections += 1
+        return remote
 
 
 def _drop_privileges(uid: int, gid: int) -> None:

@@ -89,8 +89,8 @@ def parse_head(head: bytes) -> Request:
     lengths = [v for n, _, v in headers if n == b"content-length"]
     if any(n == b"transfer-encoding" for n, _, _ in headers):
         raise Refused(411, "chunked_body")  # plain HTTP bodies need a Content-Length
-    if len(set(lengths)) > 1 or (lengths and not lengths[0].isdigit()):
-        raise Refused(400, "bad_request")
+    if len(set(lengths)) > 1 or (lengths and not (lengths[0].isdigit() and len(lengths[0]) < 19)):
+        raise Refused(400, "bad_request")  # (19+ digits: past any body, and int()'s limit)
     body = int(lengths[0]) if lengths else 0
     request = Request(method.decode(), host, port, connect=False, body_length=body)
     return _rewrite(request, method, path, headers)

@@ -5,6 +5,10 @@ A sandbox with egress gets a directory of its own holding one socket, bound read
 the sandbox at SOCKET_DIR; its relay (relay.py) carries the sandbox's connections there. A
 proxy that dies takes every sandbox's socket with it and a new one never reopens them: those
 sandboxes stay without network (fail closed), later ones get the new proxy.
+
+With secret rules (`secrets`, egress/secrets.py) the proxy gets the deployment CA when it
+starts, and each socket the rules its sandbox's grant allows, rendered with their values; a
+lease then carries the trust bundle the sandbox binds over its system's.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from loguru import logger
 
 from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.domain.egress import EgressSettings as EgressSettings
+from sandbox_runtime.egress.secrets import SecretsBroker
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.egress_port import SOCKET_NAME, DeniedHandler
 from sandbox_runtime.supervisor import Supervisor
@@ -43,6 +48,10 @@ class Lease:
     host_dir: Path
     on_denied: DeniedHandler | None
     closed: asyncio.Future[None] | None = None
+    # The trust bundle (the host's CAs and the deployment's) bound over the sandbox's, when
+    # the proxy may terminate TLS for it; and whose sandbox it is (secrets' audit lines).
+    trust_bundle: Path | None = None
+    grant: Any = None
 
 
 class EgressProxy:
@@ -77,6 +86,8 @@ class EgressProxy:
         # How many times the proxy has died: a sandbox started before a death has no network
         # (its socket died), which a pool of sandboxes started ahead must know.
         self.deaths = 0
+        # Secret rules, store and CA (set by the owner before start; None: no secrets).
+        self.secrets: SecretsBroker | None = None
 
     @property
     def pid(self) -> int | None:
@@ -130,6 +141,8 @@ class EgressProxy:
             writer.close()
             self._stop_process()
             raise SandboxUnavailableError(hello.get("error") or "it exited at start")
+        if self.secrets is not None:
+            writer.write(json.dumps(self.secrets.tls_message()).encode() + b"\n")
         self._writer = writer
         self._reader_task = self._supervisor.spawn("egress proxy reader", self._read(reader))
         logger.info("egress proxy started (pid {})", self._proc.pid)
@@ -156,6 +169,8 @@ class EgressProxy:
         if op == "closed" and lease is not None:
             if lease.closed is not None and not lease.closed.done():
                 lease.closed.set_result(None)
+        elif op == "secret" and self.secrets is not None:
+            self.secrets.used(lease.grant if lease is not None else None, message)
         elif op == "denied" and lease is not None and lease.on_denied is not None:
             host, port = str(message.get("host", "")), int(message.get("port") or 0)
             lease.on_denied(host, port, str(message.get("reason")))
@@ -197,15 +212,20 @@ class EgressProxy:
         return self._writer
 
     async def open(self, policy: EgressPolicy, on_denied: DeniedHandler | None) -> Lease:
-        """A socket for one sandbox under `policy`. Raises SandboxSpawnError."""
+        """A socket for one sandbox under `policy`. Raises SandboxSpawnError, PolicyViolationError
+        (its grant narrows to names outside its rules)."""
         writer = await self._ensure_running()
+        # (Before anything is made: a caller's narrowing outside its rules raises here.)
+        grant = getattr(policy, "grant", None)
+        bindings = self.secrets.bindings(grant) if self.secrets is not None else []
         self._serial += 1
         sid = f"s{self._serial}"
         host_dir = self.base_dir / sid
         host_dir.mkdir(mode=0o700)
         if os.geteuid() == 0:
             os.chown(host_dir, self.uid, self.gid)
-        lease = Lease(sid, host_dir, on_denied)
+        bundle = self.secrets.bundle if self.secrets is not None else None
+        lease = Lease(sid, host_dir, on_denied, trust_bundle=bundle, grant=grant)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[sid] = future
         self._leases[sid] = lease
@@ -221,6 +241,7 @@ class EgressProxy:
                     "exact": sorted(map(str, policy.exact)),
                     "max_bytes": self.settings.max_bytes,
                     "max_connections": self.settings.max_connections,
+                    "secrets": bindings,
                 }
             ).encode()
             + b"\n"

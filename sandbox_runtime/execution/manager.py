@@ -32,7 +32,7 @@ from sandbox_runtime.errors import (
 from sandbox_runtime.execution.cluster import Cluster
 from sandbox_runtime.execution.code_mode import Bridges, OpenBridge, bridged_env, open_bridge
 from sandbox_runtime.execution.execution import Execution
-from sandbox_runtime.execution.network import denied_to, egress_of
+from sandbox_runtime.execution.network import denied_to, egress_of, granted
 from sandbox_runtime.execution.reading import (
     MAX_EVENTS_PER_READ,
     OutputPage,
@@ -163,9 +163,9 @@ class ExecutionManager:
             )
         await self.supervisor.stop(EVICT_LOOP)
 
-    def egress_of(self, limits: SandboxLimits) -> EgressPolicy | None:
-        """The egress policy of a sandbox under `limits` (see network.egress_of)."""
-        return egress_of(self.egress_policy, limits)
+    def egress_of(self, limits: SandboxLimits, owner: Owner | None = None) -> EgressPolicy | None:
+        """The egress policy under `limits`, with `owner`'s secret rules if given (network.py)."""
+        return granted(egress_of(self.egress_policy, limits), owner, limits, None)
 
     def network_denied(self, execution: Execution) -> DeniedHandler:
         """Where the proxy's denials for `execution`'s sandbox go (see network.denied_to)."""
@@ -232,7 +232,7 @@ class ExecutionManager:
                     cwd=cwd,
                     interactive=request.interactive,
                     timeout=timeout,
-                    egress=egress,
+                    egress=granted(egress, owner, limits, execution),
                     on_denied=self.network_denied(execution),
                     bridge_dir=bridge.directory if bridge is not None else None,
                 )

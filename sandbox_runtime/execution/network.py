@@ -7,6 +7,8 @@ from loguru import logger
 from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.domain.models import EventType
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.domain.secrets import SecretsGrant
 from sandbox_runtime.egress.supervisor import DeniedHandler
 from sandbox_runtime.execution.execution import Execution
 
@@ -39,3 +41,35 @@ def denied_to(execution: Execution) -> DeniedHandler:
             )
 
     return denied
+
+
+def granted(
+    policy: EgressPolicy | None,
+    owner: Owner | None,
+    limits: SandboxLimits,
+    execution: Execution | None,
+) -> EgressPolicy | None:
+    """`policy` for `owner`'s sandbox, with the secret rules its principal has (narrowed by
+    `sandbox_config.secrets`); their uses become `network_secret` events of `execution`.
+    No owner: `policy` as it is (no secret)."""
+    if policy is None or owner is None:
+        return policy
+
+    def used(rule: str, host: str, port: int) -> None:
+        if execution is not None and not execution.status.finished:
+            execution.emit(
+                EventType.NETWORK_SECRET,
+                name=rule,
+                host=host,
+                port=port,
+                message=f"secret rule {rule} applied ({host}:{port})",
+            )
+
+    grant = SecretsGrant(
+        owner.principal,
+        owner.session_id,
+        execution.execution_id if execution is not None else "",
+        limits.secrets,
+        used,
+    )
+    return policy.granting(grant)

@@ -25,6 +25,7 @@ from loguru import logger
 
 from sandbox_runtime.config import Settings, cli_name
 from sandbox_runtime.domain.owner import Owner, workspace_name
+from sandbox_runtime.domain.secrets import for_principal
 from sandbox_runtime.errors import (
     InvalidRequestError,
     LimitExceededError,
@@ -300,8 +301,10 @@ class InterpreterManager:
             )
         self._make_room(owner, language)
         name = workspace_name(owner)
-        # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel.
-        kernel = await self.warm.take(spec, owner) if limits == self.manager.limits else None
+        # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel;
+        # so does a principal with secret rules (a pooled kernel's proxy socket has none).
+        pooled = limits == self.manager.limits and not self._has_secrets(owner)
+        kernel = await self.warm.take(spec, owner) if pooled else None
         warm = kernel is not None
         if kernel is not None:
             self.metrics.interpreter_events.labels(spec.language, "warm_hit").inc()
@@ -309,7 +312,7 @@ class InterpreterManager:
             if self.settings.warm_interpreters().get(language):
                 self.metrics.interpreter_events.labels(spec.language, "warm_miss").inc()
             workspace, _ = await self.manager.workspaces.ensure(name, owner.principal)
-            kernel = self._new_kernel(spec, workspace, limits)
+            kernel = self._new_kernel(spec, workspace, limits, owner)
             await kernel.start()
         self.metrics.interpreter_events.labels(spec.language, "start").inc()
         interpreter = Interpreter(owner, language, kernel, limits)
@@ -321,14 +324,20 @@ class InterpreterManager:
         return interpreter
 
     def _new_kernel(
-        self, spec: KernelSpec, workspace: Path, limits: SandboxLimits
+        self, spec: KernelSpec, workspace: Path, limits: SandboxLimits, owner: Owner | None = None
     ) -> SandboxedKernel:
-        """A kernel (not started yet) of this replica's, in `workspace`, under `limits`."""
+        """A kernel (not started yet) of this replica's, in `workspace`, under `limits` (with
+        `owner`'s secret rules, if given: a pooled kernel has no owner yet)."""
         return SandboxedKernel(
             self.manager.backend, spec, workspace, limits, self.kernels_root,
-            egress=self.manager.egress_of(limits), on_dropped=self._dropped,
+            egress=self.manager.egress_of(limits, owner), on_dropped=self._dropped,
             supervisor=self.supervisor,
         )  # fmt: skip
+
+    def _has_secrets(self, owner: Owner) -> bool:
+        egress = self.manager.egress
+        broker = egress.secrets if egress is not None else None
+        return broker is not None and bool(for_principal(broker.rules, owner.principal))
 
     def _dropped(self, reason: str, size: int) -> None:
         self.metrics.interpreter_dropped.labels(reason).inc(size)

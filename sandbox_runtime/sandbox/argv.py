@@ -11,7 +11,13 @@ import resource
 from pathlib import Path
 
 from sandbox_runtime.domain.limits import MIB, SandboxLimits
-from sandbox_runtime.sandbox.egress_port import RELAY_PORT, SOCKET_DIR, SOCKET_NAME, EgressLease
+from sandbox_runtime.sandbox.egress_port import (
+    RELAY_PORT,
+    SOCKET_DIR,
+    SOCKET_NAME,
+    TRUST_BUNDLE,
+    EgressLease,
+)
 from sandbox_runtime.sandbox.host import (
     BRIDGE_DIR,
     KERNEL_DIR,
@@ -69,6 +75,14 @@ EGRESS_ENV = {
     "NO_PROXY": "localhost,127.0.0.1,::1",
     "no_proxy": "localhost,127.0.0.1,::1",
     "NODE_USE_ENV_PROXY": "1",
+}  # fmt: skip
+# Where programs look for CAs, when the proxy may terminate TLS (secret rules): the bundle
+# bound at TRUST_BUNDLE has the host's CAs and the deployment's (certifi, Node and pip carry
+# their own lists otherwise).
+TRUST_ENV = {
+    name: TRUST_BUNDLE
+    for name in ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS",
+                 "PIP_CERT", "GIT_SSL_CAINFO", "DENO_CERT", "AWS_CA_BUNDLE")
 }  # fmt: skip
 
 # What a program inside finds in its environment before the caller's variables.
@@ -172,12 +186,17 @@ def bwrap_args(
         # but the sandbox cannot put another in its place. The relay is init: no bwrap
         # init above it, so the relay is what the command cannot signal.
         args += ["--ro-bind", str(lease.host_dir), SOCKET_DIR, "--as-pid-1"]
+        if lease.trust_bundle is not None:
+            args += ["--ro-bind", str(lease.trust_bundle), TRUST_BUNDLE]
     args += ["--chdir", spec.cwd, "--clearenv"]
     for key, value in base_env(runtime_dir).items():
         args += ["--setenv", key, value]
     if lease is not None:
         for key, value in EGRESS_ENV.items():
             args += ["--setenv", key, value]
+        if lease.trust_bundle is not None:
+            for key, value in TRUST_ENV.items():
+                args += ["--setenv", key, value]
     # The caller's variables act on the command only: bwrap execs nothing else, and the
     # rlimits are in place before the command starts. With egress, bwrap execs the relay:
     # the variables go to it as one JSON value it sets only in the command's process (an

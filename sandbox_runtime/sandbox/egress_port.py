@@ -17,6 +17,7 @@ from sandbox_runtime.domain.egress import EgressPolicy
 
 SOCKET_DIR = "/run/srt-egress"  # inside a sandbox
 SOCKET_NAME = "proxy.sock"
+TRUST_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"  # inside a sandbox
 RELAY_PORT = 3128  # the relay's port on the sandbox's loopback (the proxy URL it is given)
 
 # Who hears of a denied connection: host, port, reason.
@@ -29,6 +30,12 @@ class EgressLease(Protocol):
     @property
     def host_dir(self) -> Path:
         """The host directory holding the socket; bound at SOCKET_DIR in the sandbox."""
+        ...
+
+    @property
+    def trust_bundle(self) -> Path | None:
+        """A CA bundle (the host's CAs and the deployment's, for the proxy's TLS to hosts a
+        secret rule binds) bound over TRUST_BUNDLE; None: the sandbox keeps the host's."""
         ...
 
 

@@ -287,6 +287,17 @@ def build_etc(etc: Path) -> None:
         else:
             with contextlib.suppress(OSError):
                 copy_public(str(host), str(target))
+    # The point a trust bundle is bound on (sandboxes whose TLS the egress proxy may
+    # terminate): a file, whatever the host has there.
+    bundle = etc / "ssl" / "certs" / "ca-certificates.crt"
+    bundle.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    if bundle.is_symlink() or not bundle.exists():
+        content = b""
+        with contextlib.suppress(OSError):
+            content = Path("/etc/ssl/certs/ca-certificates.crt").read_bytes()
+        bundle.unlink(missing_ok=True)
+        bundle.write_bytes(content)
+        os.chmod(bundle, 0o644)
     for root, dirs, _ in os.walk(etc):
         for d in dirs:
             path = os.path.join(root, d)

@@ -256,16 +256,21 @@ def _check_entry(where: str, entry: Entry) -> None:
     if entry.warm > 1:
         raise CatalogError(f"{where}.warm: a shared server has one instance (0 or 1)")
     for var, ref in entry.secrets.items():
-        if not (ref.startswith("env:") and ENV_NAME.fullmatch(ref[4:])) and not (
-            ref.startswith("file:") and ref[5:].startswith("/")
+        if (
+            not (ref.startswith("env:") and ENV_NAME.fullmatch(ref[4:]))
+            and not (ref.startswith("file:") and ref[5:].startswith("/"))
+            and not (ref.startswith("secret:") and SECRET_NAME.fullmatch(ref[7:]))
         ):
             raise CatalogError(
-                f"{where}.secrets.{var} must be env:NAME (from the server's environment) or "
-                "file:/absolute/path"
+                f"{where}.secrets.{var} must be env:NAME (from the server's environment), "
+                "file:/absolute/path or secret:NAME (the secrets store)"
             )
     overlap = set(entry.env) & set(entry.secrets)
     if overlap:
         raise CatalogError(f"{where}: {', '.join(sorted(overlap))} in both env and secrets")
+
+
+SECRET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def resolve_secret(ref: str, environ: Mapping[str, str] | None = None) -> str:

@@ -37,7 +37,7 @@ from sandbox_runtime.sandbox.spec import SandboxSpec
 from sandbox_runtime.servers.catalog import Catalog, CatalogError, Entry
 from sandbox_runtime.servers.catalog_file import CatalogFile
 from sandbox_runtime.servers.instance import Instance, InstanceError, RemoteError
-from sandbox_runtime.servers.launch import environment, instance_limits, program
+from sandbox_runtime.servers.launch import environment, instance_limits, program, stored_secrets
 from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, owner_of, sees
 from sandbox_runtime.servers.log_sink import LogSink
 from sandbox_runtime.servers.remote import RemoteInstance
@@ -287,8 +287,8 @@ class ServerHost:
             except CatalogError as exc:
                 raise CatalogError(f"server {entry.name}: {exc}") from None
         argv, server_dir = program(entry, self.servers_dir)
-        env = environment(entry)
         limits = instance_limits(entry, self.manager.limits)
+        env = environment(entry, stored_secrets(self.manager.egress, owner.principal, entry))
         workspace, _ = await self.manager.workspaces.ensure(
             workspace_name(owner), owner.principal or None
         )
@@ -299,7 +299,7 @@ class ServerHost:
                 limits=limits,
                 env=env,
                 interactive=True,
-                egress=self.manager.egress_of(limits),
+                egress=self.manager.egress_of(limits, owner),
                 server_dir=server_dir,
             )
         )

@@ -3,10 +3,12 @@ secrets resolved, here and only here) and its sandbox's limits."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from sandbox_runtime.config import cli_name
 from sandbox_runtime.domain.limits import SandboxLimits
+from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import PolicyViolationError
 from sandbox_runtime.sandbox.host import WORKSPACE
 from sandbox_runtime.servers.catalog import CatalogError, Entry, resolve_secret
@@ -36,15 +38,33 @@ def program(entry: Entry, servers_dir: Path) -> tuple[list[str], Path | None]:
     return [*installed.program, *entry.args], servers_dir / "install" / entry.name
 
 
-def environment(entry: Entry) -> dict[str, str]:
-    """The entry's variables and its secrets' values (HOME is its state directory)."""
+def environment(entry: Entry, stored: Callable[[str], str] | None = None) -> dict[str, str]:
+    """The entry's variables and its secrets' values (HOME is its state directory);
+    `stored(NAME)` gives what a `secret:NAME` reference becomes (the secrets store's value,
+    or a placeholder the egress proxy replaces: egress/secrets.py `for_instance`)."""
     env = {"HOME": WORKSPACE, **entry.env}
     for var, ref in entry.secrets.items():
         try:
-            env[var] = resolve_secret(ref)
-        except CatalogError as exc:
+            if ref.startswith("secret:"):
+                if stored is None:
+                    raise CatalogError(f"secret {ref}: this server has no secret rules or key")
+                env[var] = stored(ref[7:])
+            else:
+                env[var] = resolve_secret(ref)
+        except (CatalogError, ValueError) as exc:
             raise CatalogError(f"server {entry.name}: {exc}") from None
     return env
+
+
+def stored_secrets(
+    egress: EgressProxy | None, principal: str, entry: Entry
+) -> Callable[[str], str] | None:
+    """What `environment` resolves `secret:NAME` with for `principal`'s instance of `entry`
+    (None: the server has no secret rules)."""
+    broker = egress.secrets if egress is not None else None
+    if broker is None:
+        return None
+    return lambda name: broker.for_instance(name, principal, list(entry.egress))
 
 
 def instance_limits(entry: Entry, ceiling: SandboxLimits) -> SandboxLimits:

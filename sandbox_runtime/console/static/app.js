@@ -180,6 +180,9 @@ function render(event) {
     case "network_denied":
       appendText("out-note", `[network denied] ${event.message ?? ""}\n`);
       break;
+    case "network_secret":
+      appendText("out-note", `[secret] ${event.message ?? ""}\n`);
+      break;
     default:
       break; // ready, exit: the final line says how it ended
   }
