@@ -305,8 +305,7 @@ class InterpreterManager:
         # so does a principal with secret rules (a pooled kernel's proxy socket has none).
         pooled = limits == self.manager.limits and not self._has_secrets(owner)
         kernel = await self.warm.take(spec, owner) if pooled else None
-        warm = kernel is not None
-        if kernel is not None:
+        if warm := kernel is not None:
             self.metrics.interpreter_events.labels(spec.language, "warm_hit").inc()
         else:
             if self.settings.warm_interpreters().get(language):
@@ -335,8 +334,7 @@ class InterpreterManager:
         )  # fmt: skip
 
     def _has_secrets(self, owner: Owner) -> bool:
-        egress = self.manager.egress
-        broker = egress.secrets if egress is not None else None
+        broker = self.manager.egress.secrets if self.manager.egress is not None else None
         return broker is not None and bool(for_principal(broker.rules, owner.principal))
 
     def _dropped(self, reason: str, size: int) -> None:
