@@ -221,3 +221,42 @@ async def test_run_code_reads_as_a_notebook(server: ServerProcess, mode: Mode) -
             if "hi model" in text:
                 break
         assert "hi model" in text and done["status"] == "completed", text
+
+
+async def _quietly(*_: Any) -> None:
+    """A progress callback: asking for progress makes the reply an SSE event, whose size the
+    official client bounds (1 MiB)."""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_texts_of_characters_that_cost_more_on_the_wire_fit_an_sse_event(
+    server: ServerProcess, mode: Mode
+) -> None:
+    # A budget counts characters; JSON sends a control character as \u0001 (6 bytes) and an
+    # emoji as 4: at the largest budget, 400,000 of them made a text of 1.6-2.4 MB, which the
+    # client refused ("Server-sent event exceeded the 1048576 byte limit").
+    session = f"wire-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, mode) as conn:
+        for char in ("\\x01", "\\U0001F600"):
+            command = f"python3 -c \"import sys; sys.stdout.write('{char}' * 3000000)\""
+            ran = await conn.call(
+                "execute_code", _quietly, command=command, session=session, max_chars=400_000
+            )
+            text = text_of(ran)
+            assert len(json.dumps(text)) <= 512 * 1024  # (as the 2026 era escapes it)
+            await follow(conn, text, "read_file")  # its hints still work as written
+            page = await conn.call(
+                "get_execution_output",
+                _quietly,
+                execution_id=(ran.structured_content or {})["execution_id"],
+                session=session,
+                max_chars=400_000,
+            )
+            assert not page.is_error
+            assert len(json.dumps(text_of(page))) <= 512 * 1024
+        await conn.ok(
+            "execute_code", command="python3 -c \"open('e','w').write(chr(0x1F600) * 300000)\""
+        )
+        read = await conn.call("read_file", _quietly, path="e")
+        assert not read.is_error
+        await follow(conn, text_of(read), "read_file")
