@@ -107,9 +107,9 @@ def reply(
 # A budget counts characters, but JSON sends a control character as 6 bytes (\u0001), and the
 # 2026 era's replies any character past ASCII escaped (an emoji: 12 bytes): a text of 400,000
 # of them was 2.4-4.8 MB, past the official client's 1 MiB per SSE event. A text is also
-# bounded in bytes on the wire, leaving the rest of the event to the structured content (its
-# pages are at most 256 KiB of JSON, counted the same way).
-TEXT_WIRE_MAX = 512 * 1024
+# bounded in bytes on the wire, leaving the rest of the event to the structured content (a
+# page of events is at most 256 KiB of JSON counted the same way, a read_file 512 KiB).
+TEXT_WIRE_MAX = 384 * 1024
 
 
 def wire_size(text: str) -> int:
