@@ -125,7 +125,8 @@ async def read_file(
             )
         if text is not None:
             data = data[:used]
-            text, data = _within_wire(text, data, max(DEFAULT_READ_BYTES, len(data)))
+            if len(data) <= DEFAULT_READ_BYTES:  # (a larger read is the caller's to fit)
+                text, data = _within_wire(text, data, DEFAULT_READ_BYTES)
     return {
         "path": display(parts),
         "size": size,
