@@ -266,3 +266,48 @@ async def test_texts_of_characters_that_cost_more_on_the_wire_fit_an_sse_event(
             read = await conn.call("read_file", _quietly, path="e")
             assert not read.is_error and not (read.structured_content or {})["eof"]
             await follow(conn, text_of(read), "read_file", _quietly)
+
+
+# stdout and stderr taking turns: the text marks each turn ([stderr], [stdout]), which the log
+# and the events do not hold. The hints' offset and cursor counted the marks as output: the
+# read_file hint skipped 9 bytes of output per turn shown, the cursor events shown only in part.
+TURNS = (  # (slowly: each line an event of its own, never one cut inside a line)
+    "import sys, time\nfor i in range(300):\n    print(f'out {i}', flush=True)\n"
+    "    print(f'err {i}', file=sys.stderr, flush=True)\n    time.sleep(0.002)"
+)
+
+
+@pytest.mark.parametrize("response_format", ["concise", "detailed"])
+async def test_hints_read_on_exactly_where_the_text_stops_when_streams_take_turns(
+    server: ServerProcess, response_format: str
+) -> None:
+    session = f"turns-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        ran = await conn.call(
+            "execute_code",
+            command=["python3", "-c", TURNS],
+            session=session,
+            max_chars=2000,
+            response_format=response_format,
+        )
+        text = text_of(ran)
+        execution_id = (ran.structured_content or {})["execution_id"]
+        # The output the head shows (its lines without the marks), as the log holds it.
+        shown = "".join(re.findall(r"^(?:out|err) \d+\n", text[: text.index("[…")], re.M))
+        log = f".outputs/{execution_id}.log"
+        size = (await conn.ok("read_file", path=log, length=1, session=session))["size"]
+        whole = (await conn.ok("read_file", path=log, length=size, session=session))["content"]
+        assert shown and whole.startswith(shown), shown[-200:]
+        part, _ = await follow(conn, text, "read_file")
+        assert part["offset"] == len(shown.encode()), (part["offset"], len(shown))
+        # The cursor: every event up to it is shown whole (nothing skipped).
+        cursor = next(a for t, a in hints(text) if t == "get_execution_output")["last_event_id"]
+        upto = await conn.ok(
+            "get_execution_output",
+            execution_id=execution_id,
+            last_event_id="0",
+            limit=int(cursor),
+            session=session,
+        )
+        data = "".join(e["data"] for e in upto["output"] if e["type"] in ("stdout", "stderr"))
+        assert shown.startswith(data), (cursor, len(data), len(shown))
