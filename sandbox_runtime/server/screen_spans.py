@@ -44,7 +44,7 @@ def cursor_within(spans: list[Span], end: int, after: str) -> str:
 def detailed_events(events: list[dict[str, Any]], spans: list[Span] | None = None) -> str:
     """Every event with its id, type, time and fields (response_format='detailed');
     `spans` gets where each is."""
-    lines = []
+    lines: list[str] = []
     at = 0
     for event in events:
         fields = {k: v for k, v in event.items() if k not in ("event_id", "type", "ts", "data")}
