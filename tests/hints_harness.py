@@ -18,10 +18,13 @@ def text_of(result: CallToolResult) -> str:
     return texts[0]
 
 
-async def follow(conn: Conn, text: str, tool: str) -> tuple[dict[str, Any], str]:
-    """Make the first call to `tool` the text names, exactly; it must succeed."""
+async def follow(
+    conn: Conn, text: str, tool: str, progress: Any = None
+) -> tuple[dict[str, Any], str]:
+    """Make the first call to `tool` the text names, exactly; it must succeed (`progress`: a
+    callback, which makes the reply an SSE event, whose size the official client bounds)."""
     named = [args for name, args in hints(text) if name == tool]
     assert named, f"no {tool}(...) hint in: {text[-2000:]}"
-    result = await conn.call(tool, **named[0])
+    result = await conn.call(tool, progress, **named[0])
     assert not result.is_error, f"following {tool}({named[0]}) failed: {text_of(result)}"
     return dict(result.structured_content or {}), text_of(result)

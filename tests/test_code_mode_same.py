@@ -300,3 +300,36 @@ async def test_the_hosts_limit_of_calls_at_once_still_holds(server: ServerProces
     # connection being refused still counts while it is answered, so a few more may be.)
     assert 1 <= len(slept) <= 8 and len(refused) == 16 - len(slept), got
     assert all(r.startswith("limit: 8 calls at once at most per execution") for r in refused), got
+
+
+# Calls naming a tool the server does not list: each had the host list the server's tools
+# again (a request to it, and its stubs written again), uncounted by the execution's limit of
+# calls: a loop of them made unbounded requests. They count as calls now.
+UNKNOWN_LOOP = """
+import json
+from mcp_servers import BridgeError, echoenv
+echoenv.tools()
+kinds = {}
+for _ in range(1100):
+    try:
+        echoenv.no_such_tool()
+    except BridgeError as exc:
+        kinds[exc.kind] = kinds.get(exc.kind, 0) + 1
+open("kinds.json", "w").write(json.dumps(kinds))  # (past the first page's 1000 events)
+"""
+
+
+async def test_calls_of_unknown_tools_count_against_the_limit_of_calls(
+    server: ServerProcess,
+) -> None:
+    def listed() -> float:
+        return server.metric(ALICE, "srt_hosted_server_calls_total", 'tool="tools/list"')
+
+    before = listed()
+    async with open_client(server.url, ALICE) as conn:
+        command = ["python3", "-c", UNKNOWN_LOOP]
+        result = await conn.ok("execute_code", command=command, servers=["echoenv"])
+        assert result["exit_code"] == 0, stream(result, "stderr")[-2000:]
+        kinds = json.loads((await conn.ok("read_file", path="kinds.json"))["content"])
+    assert kinds.get("limit", 0) >= 100 and kinds["unknown_tool"] <= 1000, kinds
+    assert listed() - before <= 1001

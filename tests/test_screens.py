@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from typing import Any
 
 import pytest
 from hints_harness import follow, hints, text_of
@@ -203,3 +204,91 @@ async def test_a_program_writing_line_by_line_keeps_all_its_output(server: Serve
         first = done["output"][0]
         assert first["type"] == "ready" and first["event_id"] == "1", first  # nothing dropped
         assert int(status["last_event_id"]) < 2_000, status  # (gathered: ~150 on a quiet machine)
+
+
+async def _quietly(*_: Any) -> None:
+    """A progress callback: asking for progress makes the reply an SSE event, whose size the
+    official client bounds (1 MiB)."""
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_texts_of_characters_that_cost_more_on_the_wire_fit_an_sse_event(
+    server: ServerProcess, mode: Mode
+) -> None:
+    # A budget counts characters; JSON sends a control character as \u0001 (6 bytes) and the
+    # 2026 era an emoji as 12: at the largest budget, 400,000 of them made a text of 2.4-4.8 MB,
+    # which the client refused ("Server-sent event exceeded the 1048576 byte limit"); and so
+    # did a read_file of 512 KiB (its default) of such text, the log's hint among them.
+    session = f"wire-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, mode) as conn:
+        for char in ("\\x01", "\\U0001F600"):
+            command = f"python3 -c \"import sys; sys.stdout.write('{char}' * 3000000)\""
+            ran = await conn.call(
+                "execute_code", _quietly, command=command, session=session, max_chars=400_000
+            )
+            text = text_of(ran)
+            assert len(json.dumps(text)) <= 384 * 1024  # (as the 2026 era escapes it)
+            part, part_text = await follow(conn, text, "read_file", _quietly)  # as written
+            assert part["length"] > 0
+            await follow(conn, part_text, "read_file", _quietly)
+            page = await conn.call(
+                "get_execution_output",
+                _quietly,
+                execution_id=(ran.structured_content or {})["execution_id"],
+                session=session,
+                max_chars=400_000,
+            )
+            assert not page.is_error
+            assert len(json.dumps(text_of(page))) <= 384 * 1024
+        for char in ("chr(1)", "chr(0x1F600)"):
+            await conn.ok(
+                "execute_code", command=f"python3 -c \"open('e','w').write({char} * 3000000)\""
+            )
+            read = await conn.call("read_file", _quietly, path="e")
+            assert not read.is_error and not (read.structured_content or {})["eof"]
+            await follow(conn, text_of(read), "read_file", _quietly)
+
+
+# stdout and stderr taking turns: the text marks each turn ([stderr], [stdout]), which the log
+# and the events do not hold. The hints' offset and cursor counted the marks as output: the
+# read_file hint skipped 9 bytes of output per turn shown, the cursor events shown only in part.
+TURNS = (  # (slowly: each line an event of its own, never one cut inside a line)
+    "import sys, time\nfor i in range(300):\n    print(f'out {i}', flush=True)\n"
+    "    print(f'err {i}', file=sys.stderr, flush=True)\n    time.sleep(0.002)"
+)
+
+
+@pytest.mark.parametrize("response_format", ["concise", "detailed"])
+async def test_hints_read_on_exactly_where_the_text_stops_when_streams_take_turns(
+    server: ServerProcess, response_format: str
+) -> None:
+    session = f"turns-{uuid.uuid4().hex[:6]}"
+    async with open_client(server.url, TOKEN, "auto") as conn:
+        ran = await conn.call(
+            "execute_code",
+            command=["python3", "-c", TURNS],
+            session=session,
+            max_chars=2000,
+            response_format=response_format,
+        )
+        text = text_of(ran)
+        execution_id = (ran.structured_content or {})["execution_id"]
+        # The output the head shows (its lines without the marks), as the log holds it.
+        shown = "".join(re.findall(r"^(?:out|err) \d+\n", text[: text.index("[…")], re.M))
+        log = f".outputs/{execution_id}.log"
+        size = (await conn.ok("read_file", path=log, length=1, session=session))["size"]
+        whole = (await conn.ok("read_file", path=log, length=size, session=session))["content"]
+        assert shown and whole.startswith(shown), shown[-200:]
+        part, _ = await follow(conn, text, "read_file")
+        assert part["offset"] == len(shown.encode()), (part["offset"], len(shown))
+        # The cursor: every event up to it is shown whole (nothing skipped).
+        cursor = next(a for t, a in hints(text) if t == "get_execution_output")["last_event_id"]
+        upto = await conn.ok(
+            "get_execution_output",
+            execution_id=execution_id,
+            last_event_id="0",
+            limit=int(cursor),
+            session=session,
+        )
+        data = "".join(e["data"] for e in upto["output"] if e["type"] in ("stdout", "stderr"))
+        assert shown.startswith(data), (cursor, len(data), len(shown))

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from sandbox_runtime.execution.execution import CHUNK_BYTES, chunks
+from sandbox_runtime.server.screen_spans import Span, cursor_within, output_in
 from sandbox_runtime.server.screens import (
     MIN_BUDGET,
     call,
@@ -119,3 +120,17 @@ def test_a_cut_page_reads_on_from_its_note_without_repeating_or_adding() -> None
             break
         after = found.group(1)
     assert pages > 3 and got == whole
+
+
+def test_what_a_cut_shows_is_counted_as_output_not_as_text() -> None:
+    spans: list[Span] = []
+    shown = render(
+        events(("stdout", "a\n"), ("stderr", "bé\n"), ("stdout", "c\nd\n")), None, "e", spans
+    )
+    assert shown == "a\n[stderr]\nbé\n[stdout]\nc\nd\n"
+    # Up to "c\n": a\n, bé\n (4 bytes) and c\n are output; the marks are not.
+    upto = shown.index("d\n")
+    assert output_in(spans, 0, upto) == (2 + 4 + 2, 3)
+    assert cursor_within(spans, upto, "0") == "3"  # (event 4, "c\nd\n", is shown in part)
+    assert cursor_within(spans, len(shown), "0") == "4"
+    assert output_in(spans, upto, len(shown)) == (2, 1)

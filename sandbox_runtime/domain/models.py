@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from enum import StrEnum
@@ -109,8 +110,10 @@ class OutputEvent(BaseModel):
         return self.model_dump(mode="json", exclude_none=True, exclude={"seq"})
 
     def wire_size(self) -> int:
-        """Bytes of this event as JSON, escapes included (what a page of output budgets)."""
-        return len(self.model_dump_json(exclude_none=True).encode())
+        """Bytes of this event as JSON, escapes included (what a page of output budgets): as
+        the 2026 era's replies send it, every character past ASCII escaped (an emoji is 12
+        bytes, `\ud83d\ude00`; the legacy era sends it as its 4 UTF-8 bytes)."""
+        return len(json.dumps(self.model_dump(mode="json", exclude_none=True)))
 
 
 class ExecutionInfo(BaseModel):

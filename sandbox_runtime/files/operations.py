@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import math
 import mimetypes
 import time
@@ -124,6 +125,8 @@ async def read_file(
             )
         if text is not None:
             data = data[:used]
+            if len(data) <= DEFAULT_READ_BYTES:  # (a larger read is the caller's to fit)
+                text, data = _within_wire(text, data, DEFAULT_READ_BYTES)
     return {
         "path": display(parts),
         "size": size,
@@ -134,6 +137,22 @@ async def read_file(
         "content": text if text is not None else base64.b64encode(data).decode(),
         "mime_type": mime_type_of(parts[-1]),
     }
+
+
+def _within_wire(text: str, data: bytes, most: int) -> tuple[str, bytes]:
+    """`text` (the UTF-8 of `data`) cut to its start that takes at most `most` bytes as JSON
+    escapes it (the 2026 era escapes all but ASCII: a control character is 6 bytes, an emoji
+    12), and those bytes of `data`: a read of 512 KiB of such text was 3-6 MB on the wire, past
+    the official client's 1 MiB per SSE event. The reply's `length` says where the next read
+    starts, as when a character is cut at the end of a part."""
+    size = len(json.dumps(text))
+    if size <= most:
+        return text, data
+    keep = len(text) * most // size
+    while keep and len(json.dumps(text[:keep])) > most:
+        keep = keep * 9 // 10
+    text = text[:keep]
+    return text, data[: len(text.encode("utf-8"))]
 
 
 def _decode(data: bytes, complete: bool) -> tuple[str | None, int]:

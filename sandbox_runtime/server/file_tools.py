@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from functools import partial
 from typing import Annotated, Any
 from urllib.parse import quote, unquote
 
@@ -17,7 +18,7 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.app.services import Root
 from sandbox_runtime.server.replies import reply
 from sandbox_runtime.server.resources import RESOURCE_TEMPLATE, THIS_SESSION
-from sandbox_runtime.server.screens import read_screen, result_budget
+from sandbox_runtime.server.screens import read_screen
 from sandbox_runtime.server.tools import SessionArg, call, owner_of, session_name
 from sandbox_runtime.sessions.models import SessionReset
 
@@ -157,7 +158,7 @@ def register_file_tools(mcp: FastMCP, root: Root) -> None:
             if result["encoding"] != "base64":
                 data = base64.b64encode(data.encode()).decode()
             content.append(ImageContent(type="image", data=data, mime_type=result["mime_type"]))
-        screen = read_screen(structured, structured.get("session"), result_budget.get())
+        screen = partial(read_screen, structured, structured.get("session"))
         return reply(structured, content, screen=screen)
 
     @mcp.tool

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
 from fastmcp import Context, FastMCP
@@ -137,7 +138,8 @@ async def _run_code(
     blocks = _content(structured)
     # The images go once as image content: the JSON text does not carry them a third time.
     shown = {**structured, "results": [_without_images(b) for b in structured["results"]]}
-    screen = run_code_screen({**structured, "screen": result.get("screen")}, result_budget.get())
+    shaped = {**structured, "screen": result.get("screen")}
+    screen = partial(run_code_screen, shaped)  # (made for the budget: replies.fitted)
     return reply(structured, blocks[1:], text=blocks[0].text, shown=shown, screen=screen)
 
 

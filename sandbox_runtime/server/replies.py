@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from fastmcp.exceptions import NotFoundError, ToolError, ValidationError
@@ -75,19 +76,23 @@ def reply(
     text: str | None = None,
     items: list[Any] | None = None,
     shown: dict[str, Any] | None = None,
-    screen: str | None = None,
+    screen: str | Callable[[int], str] | None = None,
 ) -> ToolResult:
     """A successful result: `structured`, one text block, then `extra` blocks that are not
     text (images, resource links).
 
-    The text: `screen` (else `structured` as `key: value` lines), within the call's budget.
+    The text: `screen` (a screen made for a budget: `fitted`; else `structured` as
+    `key: value` lines), within the call's budget.
     As json (module docstring): in the legacy era the JSON of the result (`shown`, when what
     the text shows of it leaves out what `extra` carries, such as images; of each of `items`,
     when the result is a list, as 0.2 sent lists); in the 2026 era `text`, else the JSON.
     """
     blocks = [b for b in extra or [] if not isinstance(b, TextContent)]
     if result_format.get() != "json":
-        body = screen if screen is not None else compact(structured)
+        if callable(screen):
+            body = fitted(screen)
+        else:
+            body = screen if screen is not None else compact(structured)
         head = [TextContent(type="text", text=within_budget(body))]
     elif legacy_era():
         whole = shown if shown is not None else structured
@@ -99,14 +104,43 @@ def reply(
     return ToolResult(content=[*head, *blocks], structured_content=structured)
 
 
+# A budget counts characters, but JSON sends a control character as 6 bytes (\u0001), and the
+# 2026 era's replies any character past ASCII escaped (an emoji: 12 bytes): a text of 400,000
+# of them was 2.4-4.8 MB, past the official client's 1 MiB per SSE event. A text is also
+# bounded in bytes on the wire, leaving the rest of the event to the structured content (a
+# page of events is at most 256 KiB of JSON counted the same way, a read_file 512 KiB).
+TEXT_WIRE_MAX = 384 * 1024
+
+
+def wire_size(text: str) -> int:
+    """The bytes `text` takes in a JSON reply, at most (escaped as the 2026 era sends it)."""
+    return len(json.dumps(text))
+
+
+def fitted(screen: Callable[[int], str]) -> str:
+    """The screen made for the call's budget, made again for a smaller one while its text
+    takes more than TEXT_WIRE_MAX bytes on the wire (its cuts and hints are then the smaller
+    budget's: they still work as written)."""
+    budget = result_budget.get()
+    text = screen(budget)
+    while (size := wire_size(text)) > TEXT_WIRE_MAX and budget > MIN_BUDGET:
+        budget = max(MIN_BUDGET, budget * TEXT_WIRE_MAX // size * 9 // 10)
+        text = screen(budget)
+    return text
+
+
 def within_budget(text: str) -> str:
     """A text cut to the call's budget (screens cut output themselves, saying how to read the
     rest; this bounds everything else: the structured content has it all)."""
-    budget = result_budget.get()
-    if len(text) <= budget:
-        return text
-    head = first(text, budget - 200)
-    return f"{head}\n[… {len(text) - len(head):,} more characters: the structured content has them]"
+
+    def cut(budget: int) -> str:
+        if len(text) <= budget:
+            return text
+        head = first(text, budget - 200)
+        more = len(text) - len(head)
+        return f"{head}\n[… {more:,} more characters: the structured content has them]"
+
+    return fitted(cut)
 
 
 # The official client refuses an SSE event over 1 MiB, and a legacy reply carries its result

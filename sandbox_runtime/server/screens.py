@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextvars
 import json
-from datetime import UTC, datetime
 from typing import Any
 
 from sandbox_runtime.domain.owner import DEFAULT_SESSION
 from sandbox_runtime.server.cuts import cut, first, last, measure, omitted_note
+from sandbox_runtime.server.screen_spans import Span, cursor_within, detailed_events, output_in
 
 FORMATS = ("concise", "detailed", "json")
 MIN_BUDGET, MAX_BUDGET = 2_000, 400_000
@@ -78,43 +78,48 @@ def _event_line(event: dict[str, Any], session: str | None, execution_id: str) -
     return None  # ready, exit, timeout, cancelled: the status line says them
 
 
-def render(events: list[dict[str, Any]], session: str | None, execution_id: str) -> str:
-    """Events as a terminal shows them: stdout as is, stderr marked, others one line each."""
+def render(
+    events: list[dict[str, Any]],
+    session: str | None,
+    execution_id: str,
+    spans: list[Span] | None = None,
+) -> str:
+    """Events as a terminal shows them: stdout as is, stderr marked, others one line each;
+    `spans` gets where each is (screen_spans)."""
     out: list[str] = []
+    at = 0
     stream = "stdout"
     marked = False
 
+    def put(piece: str) -> None:
+        nonlocal at
+        out.append(piece)
+        at += len(piece)
+
     def line_start() -> None:
         if out and not out[-1].endswith("\n"):
-            out.append("\n")
+            put("\n")
 
     for event in events:
         kind = event.get("type")
         if kind in ("stdout", "stderr"):
             if kind != stream and (kind == "stderr" or marked):
                 line_start()
-                out.append(f"[{kind}]\n")
+                put(f"[{kind}]\n")
                 marked = True
             stream = kind
-            out.append(event.get("data") or "")
-            continue
-        line = _event_line(event, session, execution_id)
-        if line:
-            line_start()
-            out.append(line + "\n")
+            start = at
+            put(event.get("data") or "")
+        else:
+            line = _event_line(event, session, execution_id)
+            if line:
+                line_start()
+            start = at
+            if line:
+                put(line + "\n")
+        if spans is not None:
+            spans.append((event, start, at))
     return "".join(out)
-
-
-def detailed_events(events: list[dict[str, Any]]) -> str:
-    """Every event with its id, type, time and fields (response_format='detailed')."""
-    lines = []
-    for event in events:
-        fields = {k: v for k, v in event.items() if k not in ("event_id", "type", "ts", "data")}
-        when = datetime.fromtimestamp(float(event.get("ts") or 0), UTC).strftime("%H:%M:%S.%f")
-        head = f"#{event.get('event_id')} {event.get('type')} {when[:-3]}"
-        extra = " " + json.dumps(fields, ensure_ascii=False) if fields else ""
-        lines.append(head + extra + (f"\n{event['data']}" if event.get("data") else ""))
-    return "\n".join(lines)
 
 
 # -- executions ------------------------------------------------------------------------------
@@ -148,39 +153,46 @@ def execution_screen(
     execution_id = result["execution_id"]
     events = result.get("output") or []
     detailed = result_format.get() == "detailed"
-    text = detailed_events(events) if detailed else render(events, session, execution_id)
+    spans: list[Span] = []
+    if detailed:
+        text = detailed_events(events, spans)
+    else:
+        text = render(events, session, execution_id, spans)
     budget = max(MIN_BUDGET, budget) - NOTES_ROOM  # (what is said around the output)
     screen = result.get("screen") or {}
-    tail = render(screen.get("tail") or [], session, execution_id) if screen else ""
+    tail_spans: list[Span] = []
+    tail = render(screen.get("tail") or [], session, execution_id, tail_spans) if screen else ""
     log = screen.get("log") or {}
     more_via: list[str] = []
     parts: list[str] = []
-    whole = None if detailed else _whole_head(events, session, execution_id, budget)
+    # What is cut is counted as output (screen_spans): the log's bytes, the events' ids. A
+    # concise head ends with a whole event when one fits (_whole_head): the cursor after it
+    # reads on repeating nothing.
+    whole = None if detailed else _whole_head(spans, budget)
     if tail:  # head from the first page, tail from the end; the middle is in the log
-        head = whole[0] if whole else first(text, budget // 2)
-        tail = last(tail, budget - len(head))
-        size = screen["total_bytes"] - measure(head)[0] - measure(tail)[0]
-        lines = screen["total_lines"] - head.count("\n") - tail.count("\n")
+        head = text[:whole] if whole else first(text, budget // 2)
+        end = last(tail, budget - len(head))
+        head_out = output_in(spans, 0, len(head))
+        end_out = output_in(tail_spans, len(tail) - len(end), len(tail))
+        size = screen["total_bytes"] - head_out[0] - end_out[0]
+        lines = screen["total_lines"] - head_out[1] - end_out[1]
         if log.get("path"):
-            more_via.append(
-                _read_log(log, session, log.get("offset", 0) + measure(head)[0], size, budget)
-            )
-        more_via.append(read_on(result, whole[1] if whole else _cursor_after(events, head, after)))
-        parts += [head, omitted_note(max(0, size), max(0, lines), more_via, head), tail]
+            offset = log.get("offset", 0) + head_out[0]
+            more_via.append(_read_log(log, session, offset, size, budget))
+        more_via.append(read_on(result, cursor_within(spans, len(head), after)))
+        parts += [head, omitted_note(max(0, size), max(0, lines), more_via, head), end]
     else:
         head, middle, end = cut(text, budget)
         if middle and whole:  # the head ends with an event: reading on repeats none of it
-            head, rest = whole[0], text[len(whole[0]) :]
-            end = last(rest, budget - len(head))
+            head, rest = text[:whole], text[whole:]
+            end = last(rest, budget - whole)
             middle = rest[: len(rest) - len(end)]
         if middle:
-            size, lines = measure(middle)
+            size, lines = output_in(spans, len(head), len(text) - len(end))
             if log.get("path"):
-                more_via.append(
-                    _read_log(log, session, log.get("offset", 0) + measure(head)[0], size, budget)
-                )
-            cursor = whole[1] if whole else _cursor_after(events, head, after)
-            more_via.append(read_on(result, cursor))
+                offset = log.get("offset", 0) + output_in(spans, 0, len(head))[0]
+                more_via.append(_read_log(log, session, offset, size, budget))
+            more_via.append(read_on(result, cursor_within(spans, len(head), after)))
             parts += [head, omitted_note(size, lines, more_via, head), end]
         elif text:
             parts.append(text)
@@ -225,38 +237,20 @@ def _detail_head(result: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in shown.items())
 
 
-def _whole_head(
-    events: list[dict[str, Any]], session: str | None, execution_id: str, budget: int
-) -> tuple[str, str] | None:
-    """The text of as many whole events from the start as fit in three quarters of `budget`,
-    and the id of the last of them: a head that ends with an event, so the call that reads on
-    from that id repeats none of it (a quarter is left for the tail). None when not even the
-    first output event fits (events are up to 64 KiB; a small budget cuts inside one)."""
+def _whole_head(spans: list[Span], budget: int) -> int | None:
+    """Where a head of whole events ends: after as many events from the start as fit in
+    three quarters of `budget` (a quarter is left for the tail), so the cursor after the last
+    of them (screen_spans.cursor_within) reads on repeating none of the head. None when not
+    even the first output event fits (events are up to 64 KiB; a small budget cuts inside
+    one). (The text up to an event's span end is the text of the events up to it.)"""
     limit = budget - budget // 4
-    low, high = 0, len(events)
-    while low < high:  # (render(events[:k]) is a prefix of render(events), growing with k)
-        mid = (low + high + 1) // 2
-        if len(render(events[:mid], session, execution_id)) <= limit:
-            low = mid
-        else:
-            high = mid - 1
-    head = render(events[:low], session, execution_id)
-    if not any(e.get("type") in ("stdout", "stderr") for e in events[:low]):
-        return None
-    return head, str(events[low - 1].get("event_id"))
-
-
-def _cursor_after(events: list[dict[str, Any]], head: str, after: str) -> str:
-    """The id of the last event whose output the head shows whole (where reading goes on)."""
-    used = 0
-    cursor = after
-    for event in events:
-        if event.get("type") in ("stdout", "stderr"):
-            used += len(event.get("data") or "")
-            if used > len(head):
-                break
-        cursor = str(event.get("event_id"))
-    return cursor
+    end = None
+    for event, _, last_at in spans:
+        if last_at > limit:
+            break
+        if end is not None or event.get("type") in ("stdout", "stderr"):
+            end = last_at
+    return end
 
 
 def _read_log(log: dict[str, Any], session: str | None, offset: int, size: int, budget: int) -> str:

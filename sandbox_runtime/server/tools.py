@@ -91,8 +91,8 @@ async def execute(
         sink = progress.report if progress is not None else None
         result = await call(s, lambda: s.router.run(owner, "execute", args, sink), tool)
     structured = execution_result(owner, result, ExecutionResult)
-    screen = execution_screen({**structured, "screen": result.get("screen")}, result_budget.get())
-    return reply(structured, screen=screen)
+    shaped = {**structured, "screen": result.get("screen")}
+    return reply(structured, screen=lambda budget: execution_screen(shaped, budget))
 
 
 ServersArg = Annotated[
@@ -258,7 +258,9 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
                 )
                 screen = {"log": log} if log else {}
         shaped = {**structured, "screen": screen}
-        return reply(structured, screen=execution_screen(shaped, budget, after=str(cursor)))
+        return reply(
+            structured, screen=lambda fit: execution_screen(shaped, fit, after=str(cursor))
+        )
 
     @mcp.tool
     async def send_stdin(

@@ -299,8 +299,6 @@ class Bridge:
             answer = _refusal("not_allowed", f"tool {tool!r} of server {name!r} is not allowed")
         elif not isinstance(arguments, dict):
             answer = _refusal("invalid", "arguments must be an object")
-        elif (unknown := await self._unknown_tool(entry, tool)) is not None:
-            answer = unknown
         elif self._calls >= self.limits.calls:
             answer = _refusal("limit", f"this execution made {self.limits.calls} calls already")
         elif len(self._active) > self.limits.concurrent:
@@ -311,6 +309,10 @@ class Bridge:
             )
         elif self._bytes + size > self.limits.bytes:
             answer = _refusal("limit", f"this execution moved {self.limits.bytes} bytes already")
+        elif (unknown := await self._unknown_tool(entry, tool)) is not None:
+            self._calls += 1  # (it listed the server's tools again: a request, as a call is)
+            self._bytes += size
+            answer = unknown
         else:
             self._calls += 1
             self._bytes += size

@@ -60,12 +60,15 @@ async def screen_extras(
         if size >= budget // 2:
             break
     tail.reverse()
+    log = await keep_log(manager, owner, execution, output)
+    if "path" in log:  # (where the first kept event's output begins: after the note)
+        log["offset"] = len(_note(execution))
     return {
         "screen": {
             "total_bytes": sum(len(d.encode("utf-8", "surrogatepass")) for _, d in output),
             "total_lines": sum(d.count("\n") for _, d in output),
             "tail": tail,
-            "log": await keep_log(manager, owner, execution, output),
+            "log": log,
         }
     }
 
