@@ -134,3 +134,28 @@ def test_what_a_cut_shows_is_counted_as_output_not_as_text() -> None:
     assert cursor_within(spans, upto, "0") == "3"  # (event 4, "c\nd\n", is shown in part)
     assert cursor_within(spans, len(shown), "0") == "4"
     assert output_in(spans, upto, len(shown)) == (2, 1)
+
+
+def test_a_head_of_whole_events_is_counted_as_output_when_streams_take_turns() -> None:
+    """The head ends with a whole event and its hints count output only: the cursor is that
+    event's id, the read_file offset the bytes of the events up to it (not the [stderr] and
+    [stdout] marks), the omitted bytes the output neither the head nor the tail shows."""
+    pairs = [("stdout" if i % 3 else "stderr", f"lïne {i} " * 9 + "\n") for i in range(600)]
+    page = events(*pairs)
+    result = {"execution_id": "e", "status": "completed", "exit_code": 0, "output": page,
+              "next_cursor": page[-1]["event_id"], "has_more": False, "session": "s",
+              "screen": {"log": {"path": ".outputs/e.log", "offset": 0}}}  # fmt: skip
+    text = execution_screen(result, 20_000)
+    note = re.search(r"\n\[… ([\d,]+) bytes.*offset=(\d+).*last_event_id='(\d+)'[^\]]*\]\n", text)
+    assert note, text[-3000:]
+    cursor = int(note.group(3))
+    upto = "".join(str(e["data"]) for e in page if int(str(e["event_id"])) <= cursor)
+    head = re.sub(r"^\[std(out|err)\]\n", "", text[: note.start() + 1], flags=re.M)
+    assert head == upto  # (whole events, the marks aside)
+    assert int(note.group(2)) == len(upto.encode())
+    tail = text[note.end() :].removesuffix("[exit 0]")
+    tail = re.sub(r"^\[std(out|err)\]\n", "", tail, flags=re.M)
+    whole = "".join(d for _, d in pairs)
+    assert whole.endswith(tail) and int(note.group(1).replace(",", "")) == len(
+        whole[len(upto) : len(whole) - len(tail)].encode()
+    )
