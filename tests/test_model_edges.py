@@ -131,7 +131,9 @@ async def test_a_wrong_token_is_refused_in_words_and_never_echoed(server: Server
         )
         missing = await http.post(server.url, json=initialize)
     assert resp.status_code == 401
-    assert resp.reason_phrase.startswith("Unauthorized: invalid token ("), resp.reason_phrase
+    assert resp.reason_phrase.startswith("Unauthorized: invalid token, or none ("), (
+        resp.reason_phrase
+    )
     error = resp.json()["error"]
     assert error["code"] == -32001
     assert error["message"].startswith("invalid token: "), error

@@ -292,3 +292,22 @@ async def test_hints_read_on_exactly_where_the_text_stops_when_streams_take_turn
         )
         data = "".join(e["data"] for e in upto["output"] if e["type"] in ("stdout", "stderr"))
         assert shown.startswith(data), (cursor, len(data), len(shown))
+
+
+@pytest.mark.parametrize("tool", ["execute_code", "run_code"])
+async def test_json_text_is_whole_and_keeps_no_log_file(server: ServerProcess, tool: str) -> None:
+    # 0.2's programs read the JSON text (response_format="json" or SANDBOX_RESULT_TEXT=json): it
+    # is shown whole, so nothing is cut and no `.outputs/` file appears in their workspace.
+    session = f"json-{uuid.uuid4().hex[:6]}"
+    code = "print('x' * 5000)"
+    args = {"command": f'python3 -c "{code}"'} if tool == "execute_code" else {"code": code}
+    async with open_client(server.url, TOKEN, "legacy") as conn:
+        result = await conn.call(
+            tool, session=session, response_format="json", max_chars=2000, **args
+        )
+        assert not result.is_error and "x" * 5000 in text_of(result)
+        assert json.loads(text_of(result))["execution_id"]
+        listed = await conn.call("list_files", session=session, path=".")
+        assert ".outputs" not in json.dumps(listed.structured_content), listed.structured_content
+        cut = await conn.call(tool, session=session, max_chars=2000, **args)  # (concise: kept)
+        assert ".outputs/" in text_of(cut), text_of(cut)

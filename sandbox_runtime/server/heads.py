@@ -64,10 +64,9 @@ class HeadTimeoutProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
 # What a 401's status line says. httpx puts the reason phrase in its HTTPStatusError ("Client
 # error '401 ...' for url ..."), and that error is all the 1.x Python client shows of a refused
 # token: LangChain's adapters and pydantic-ai on it never read the body. uvicorn takes the
-# phrase from a table per status code; every 401 this server sends is a refused bearer token.
-REFUSED_PHRASE = (
-    b"Unauthorized: invalid token (send the server's token as Authorization: Bearer <token>)"
-)
+# phrase from a table per status code, so it is one for every 401 (the MCP endpoints', the
+# metrics endpoint's): it says what any of them means.
+REFUSED_PHRASE = b"Unauthorized: invalid token, or none (send Authorization: Bearer <token>)"
 
 
 def say_why_in_401s() -> None:

@@ -13,7 +13,7 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.server.replies import reply
 from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
-from sandbox_runtime.server.screens import result_budget, run_code_screen
+from sandbox_runtime.server.screens import run_code_screen, screen_args
 from sandbox_runtime.server.tools import (
     ExecutionResult,
     FormatArg,
@@ -130,7 +130,7 @@ async def _run_code(
 ) -> ToolResult:
     """run_code(_async): the session-bound `run_code` operation, on the session's home."""
     owner = owner_of(ctx, session)
-    args = {**args, "max_chars": result_budget.get()}
+    args = {**args, **screen_args()}
     async with progress_of(ctx, args["wait"], s.settings.progress_interval) as progress:
         sink = progress.report if progress is not None else None
         result = await call(s, lambda: s.router.run(owner, "run_code", args, sink), tool)

@@ -32,6 +32,12 @@ result_budget: contextvars.ContextVar[int] = contextvars.ContextVar(
 )
 
 
+def screen_args() -> dict[str, Any]:
+    """What a session operation is told of this call's text: its budget, and whether it is
+    cut at all (JSON text, 0.2's, is shown whole: no cut and no `.outputs/` log file)."""
+    return {"max_chars": result_budget.get(), "screen": result_format.get() != "json"}
+
+
 def call(tool: str, session: str | None = None, **args: Any) -> str:
     """A call as a model makes it (Python syntax: keyword arguments, literal values), with the
     session when it is not the default one (ids are the session's)."""

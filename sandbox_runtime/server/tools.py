@@ -44,6 +44,8 @@ from sandbox_runtime.server.screens import (
     execution_screen,
     list_screen,
     result_budget,
+    result_format,
+    screen_args,
     status_screen,
     stdin_screen,
 )
@@ -86,7 +88,7 @@ async def execute(
 ) -> ToolResult:
     """execute_code(_async): the session-bound `execute` operation, on the session's home."""
     owner = owner_of(ctx, session)
-    args = {"request": request, "wait": wait, "max_chars": result_budget.get()}
+    args = {"request": request, "wait": wait, **screen_args()}
     async with progress_of(ctx, wait, s.settings.progress_interval) as progress:
         sink = progress.report if progress is not None else None
         result = await call(s, lambda: s.router.run(owner, "execute", args, sink), tool)
@@ -250,7 +252,8 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         budget = result_budget.get()
         screen: dict[str, Any] = {}
         shown = sum(len(e.get("data") or "") for e in events)
-        if page.info.status.finished and shown > budget:  # cut: the rest is in its log file
+        cut = shown > budget and result_format.get() != "json"  # (JSON text: shown whole)
+        if page.info.status.finished and cut:  # cut: the rest is in its log file
             args = {"execution_id": execution_id, "max_chars": budget, "after": cursor}
             with contextlib.suppress(ToolFailure):  # (no file: the cursor still reads on)
                 log = await call(

@@ -104,6 +104,8 @@ async def execute(
     events = [e.public() for e in page.events]
     result = result_fields(page.info, events, page.next_cursor, page.has_more)
     result["files"] = await changed_files(manager, owner, since)
+    if not args.get("screen", True):  # (JSON text: shown whole, no cut, no log file)
+        return result
     screen = await screen_extras(manager, owner, execution, page.next_cursor, budget_of(args))
     return {**result, **screen}
 
@@ -172,7 +174,9 @@ async def run_code(
     extra["files"] = await changed_files(parts.manager, owner, since)
     result = call_result(execution)
     shown_upto = int(result["next_cursor"])
-    extra.update(await screen_extras(parts.manager, owner, execution, shown_upto, budget_of(args)))
+    if args.get("screen", True):  # (JSON text: shown whole, no cut, no log file)
+        budget = budget_of(args)
+        extra.update(await screen_extras(parts.manager, owner, execution, shown_upto, budget))
     return {**result, **extra}
 
 
