@@ -210,6 +210,7 @@ class ControlPlane:
             return Response(status_code=204)
         if action in ("connect", "resume"):
             timeout = checked_timeout(body.get("timeout"), DEFAULT_TIMEOUT_SECONDS)
+            sandbox = await self.sandboxes.with_traffic_token(sandbox)
             if sandbox.state == "paused":
                 await self.sandboxes.resume(sandbox, timeout)
                 return JSONResponse(wire.created(sandbox), status_code=201)

@@ -100,6 +100,7 @@ class Sandboxes:
             template=template,
             alias=alias,
             access_token=secrets.token_urlsafe(24),
+            traffic_token=secrets.token_urlsafe(24),
             started_at=now,
             end_at=now + seconds,
             timeout=seconds,
@@ -127,28 +128,31 @@ class Sandboxes:
         found = await self.store.get(sandbox_id)
         return found if found is not None and found.principal == principal else None
 
-    async def by_token(self, sandbox_id: str, token: str) -> E2BSandbox | None:
-        """The sandbox whose envd access token is `token` (None for any mismatch: the same
-        answer whether the sandbox exists or not)."""
+    async def by_token(self, sandbox_id: str, token: str, traffic: str = "") -> E2BSandbox | None:
+        """The sandbox whose envd access token is `token`, or (`traffic`, the code
+        interpreter's port only) whose traffic access token is `traffic`. None for any
+        mismatch: the same answer whether the sandbox exists or not."""
         if not valid_sandbox_id(sandbox_id):
             return None
         found = await self.store.get(sandbox_id)
-        offered = (token or "").encode("utf-8", "surrogateescape")
-        if found is None or not secrets.compare_digest(found.access_token.encode(), offered):
+        if found is None:
+            return None
+        access = _same(found.access_token, token)
+        by_traffic = bool(found.traffic_token) and _same(found.traffic_token, traffic)
+        if not (access or by_traffic):
             return None
         if found.expired():
             await self._timed_out(found)
             return await self.store.get(sandbox_id)
         return found
 
-    async def by_id(self, sandbox_id: str) -> E2BSandbox | None:
-        """The sandbox `sandbox_id`, whoever asks (the code interpreter's /contexts, to which
-        E2B's SDKs send no access token)."""
-        found = await self.store.get(sandbox_id) if valid_sandbox_id(sandbox_id) else None
-        if found is not None and found.expired():
-            await self._timed_out(found)
-            return await self.store.get(sandbox_id)
-        return found
+    async def with_traffic_token(self, sandbox: E2BSandbox) -> E2BSandbox:
+        """The sandbox with a traffic access token (minted for a record an older server
+        wrote, before it is handed out by connect)."""
+        if not sandbox.traffic_token:
+            sandbox.traffic_token = secrets.token_urlsafe(24)
+            await self.store.put(sandbox)
+        return sandbox
 
     async def set_timeout(self, sandbox: E2BSandbox, seconds: int) -> None:
         sandbox.end_at = time.time() + seconds
@@ -215,3 +219,12 @@ class Sandboxes:
             logger.warning(
                 "e2b sandbox {}: ending it at its timeout failed: {}", sandbox.sandbox_id, exc
             )
+
+
+def _same(known: str, offered: str) -> bool:
+    """Whether `offered` is the token `known`, in constant time (an empty one never is)."""
+    if not known or not offered:
+        return False
+    return secrets.compare_digest(
+        known.encode(), offered.encode("utf-8", "surrogateescape")
+    )

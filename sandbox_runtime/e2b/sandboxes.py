@@ -60,6 +60,10 @@ class E2BSandbox:
     # False (allow_internet_access=false): its code runs with sandbox_config network false;
     # true: the server's egress policy applies, as to any session.
     allow_internet: bool = True
+    # What E2B's code-interpreter SDKs send (E2B-Traffic-Access-Token) to port 49999, where
+    # they send no X-Access-Token (/contexts): either token opens the interpreter, nothing
+    # else does. ("" in a record an older server wrote: connect mints one.)
+    traffic_token: str = ""
 
     @property
     def owner(self) -> Owner:
