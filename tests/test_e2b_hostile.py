@@ -197,6 +197,41 @@ def test_uploads_are_bounded(http: httpx2.Client) -> None:
     kill(http, sandbox)
 
 
+def test_multipart_headers_are_bounded(http: httpx2.Client) -> None:
+    """A part's headers over the multipart parser's bounds (one header's size, their count),
+    and a body that is not multipart, are a 400 saying so (they were a bare 500)."""
+    sandbox = create(http)
+    boundary = "b0undary"
+
+    def body(headers: str) -> Iterator[bytes]:
+        yield (
+            f"--{boundary}\r\n"
+            'Content-Disposition: form-data; name="file"; filename="h.txt"\r\n'
+        ).encode()
+        yield headers.encode()
+        yield f"\r\nhi\r\n--{boundary}--\r\n".encode()
+
+    def chunked(headers: str) -> Iterator[bytes]:
+        whole = b"".join(body(headers))
+        for i in range(0, len(whole), 65536):
+            yield whole[i : i + 65536]
+
+    h = {**envd(sandbox), "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    long_value = "X-Junk: " + "j" * (3 * 2**20) + "\r\n"
+    resp = http.post("/files", content=chunked(long_value), headers=h)
+    assert resp.status_code == 400, resp.text
+    assert "multipart body is malformed: Maximum header size" in resp.json()["message"]
+    many = "".join(f"X-{i}: v\r\n" for i in range(5000))
+    resp = http.post("/files", content=chunked(many), headers=h)
+    assert resp.status_code == 400 and "malformed" in resp.json()["message"], resp.text
+    resp = http.post("/files", content=b"--b0undary\r\nnot a header line\r\n\r\n", headers=h)
+    assert resp.status_code == 400 and "malformed" in resp.json()["message"], resp.text
+    fine = http.post("/files", content=chunked("X-Fine: 1\r\n"), headers=h)
+    assert fine.status_code == 200, fine.text
+    assert http.get("/files", params={"path": "h.txt"}, headers=envd(sandbox)).content == b"hi"
+    kill(http, sandbox)
+
+
 def test_oversized_and_malformed_connect_messages(http: httpx2.Client) -> None:
     """A frame announcing 64 MiB, a truncated header, a frame that is not JSON, a unary body
     over the limit, a stream with the wrong content type: each a Connect error naming the
