@@ -205,8 +205,7 @@ def test_multipart_headers_are_bounded(http: httpx2.Client) -> None:
 
     def body(headers: str) -> Iterator[bytes]:
         yield (
-            f"--{boundary}\r\n"
-            'Content-Disposition: form-data; name="file"; filename="h.txt"\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="h.txt"\r\n'
         ).encode()
         yield headers.encode()
         yield f"\r\nhi\r\n--{boundary}--\r\n".encode()
@@ -375,6 +374,32 @@ def test_what_we_do_not_have_says_so(http: httpx2.Client) -> None:
     assert sandbox["templateID"] == "code-interpreter-v1"
     assert http.get(f"/sandboxes/{sandbox['sandboxID']}/metrics", headers=key).status_code == 501
     kill(http, sandbox)
+
+
+def test_a_kill_during_a_pause_is_final(server: ServerProcess, http: httpx2.Client) -> None:
+    """A kill answered while a pause is still taking its snapshot: the pause's end did write
+    the record back (paused, listed, counted against the cap); now it finds it gone."""
+    import threading
+
+    key = {"X-API-KEY": ALICE}
+    sandbox = create(http)
+    made = start(http, sandbox, "head -c 40M /dev/urandom > a.bin")  # (a slow snapshot)
+    assert frames(made.content)[-1] == (2, {}), made.content[-200:]
+    paused: dict[str, httpx2.Response] = {}
+
+    def pause() -> None:
+        with httpx2.Client(base_url=f"{server.base_url}/e2b", timeout=60) as other:
+            paused["answer"] = other.post(f"/sandboxes/{sandbox['sandboxID']}/pause", headers=key)
+
+    thread = threading.Thread(target=pause)
+    thread.start()
+    time.sleep(0.05)
+    assert http.delete(f"/sandboxes/{sandbox['sandboxID']}", headers=key).status_code == 204
+    thread.join()
+    assert paused["answer"].status_code in (204, 404), paused["answer"].text
+    assert http.get(f"/sandboxes/{sandbox['sandboxID']}", headers=key).status_code == 404
+    listed = http.get("/v2/sandboxes", params={"state": "running,paused"}, headers=key).json()
+    assert sandbox["sandboxID"] not in [s["sandboxID"] for s in listed]
 
 
 def test_auto_pause_at_the_timeout_keeps_the_files(http: httpx2.Client) -> None:

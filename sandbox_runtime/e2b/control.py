@@ -23,6 +23,7 @@ from sandbox_runtime.e2b import wire
 from sandbox_runtime.e2b.lifecycle import (
     DEFAULT_TIMEOUT_SECONDS,
     Sandboxes,
+    SandboxGoneError,
     checked_map,
     checked_timeout,
 )
@@ -84,6 +85,8 @@ class ControlPlane:
     async def __call__(self, request: Request, path: str, principal: str) -> Response:
         try:
             return await self._route(request, path, principal)
+        except SandboxGoneError as exc:
+            return wire.error(404, f"sandbox {exc} not found (it was killed meanwhile)")
         except LimitExceededError as exc:
             return wire.error(429, str(exc))
         except InvalidRequestError as exc:

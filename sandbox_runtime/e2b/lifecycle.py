@@ -66,6 +66,10 @@ def checked_map(value: object, name: str) -> dict[str, str]:
     return dict(value)
 
 
+class SandboxGoneError(Exception):
+    """The sandbox was killed while a change of it was under way."""
+
+
 class Sandboxes:
     """The E2B sandboxes of this deployment (records in `store`, sessions via the router)."""
 
@@ -151,13 +155,19 @@ class Sandboxes:
         wrote, before it is handed out by connect)."""
         if not sandbox.traffic_token:
             sandbox.traffic_token = secrets.token_urlsafe(24)
-            await self.store.put(sandbox)
+            await self._replace(sandbox)
         return sandbox
+
+    async def _replace(self, sandbox: E2BSandbox) -> None:
+        """Write a changed record back, unless the sandbox was killed meanwhile (a kill is
+        final: a pause, resume or timeout that was under way must not bring it back)."""
+        if not await self.store.replace(sandbox):
+            raise SandboxGoneError(sandbox.sandbox_id)
 
     async def set_timeout(self, sandbox: E2BSandbox, seconds: int) -> None:
         sandbox.end_at = time.time() + seconds
         sandbox.timeout = seconds
-        await self.store.put(sandbox)
+        await self._replace(sandbox)
 
     async def kill(self, sandbox: E2BSandbox) -> bool:
         """End the sandbox: its record at once (nothing reaches it after this returns), then,
@@ -181,7 +191,7 @@ class Sandboxes:
         sandbox.snapshot_id = str(taken.get("snapshot_id") or taken.get("id") or "")
         await self.services.router.run(sandbox.owner, "end_session", {})
         sandbox.state = "paused"
-        await self.store.put(sandbox)
+        await self._replace(sandbox)  # (its snapshot, if killed meanwhile, ages out)
 
     async def resume(self, sandbox: E2BSandbox, seconds: int) -> None:
         if sandbox.snapshot_id:
@@ -192,7 +202,11 @@ class Sandboxes:
         sandbox.started_at = time.time()
         sandbox.end_at = time.time() + seconds
         sandbox.timeout = seconds
-        await self.store.put(sandbox)
+        try:
+            await self._replace(sandbox)
+        except SandboxGoneError:  # (killed while its files came back: they go again)
+            await self._end_session(sandbox.sandbox_id, sandbox.owner)
+            raise
 
     async def list(self, principal: str) -> list[E2BSandbox]:
         out = []
@@ -225,6 +239,4 @@ def _same(known: str, offered: str) -> bool:
     """Whether `offered` is the token `known`, in constant time (an empty one never is)."""
     if not known or not offered:
         return False
-    return secrets.compare_digest(
-        known.encode(), offered.encode("utf-8", "surrogateescape")
-    )
+    return secrets.compare_digest(known.encode(), offered.encode("utf-8", "surrogateescape"))

@@ -94,6 +94,10 @@ class SandboxStore(Protocol):
 
     async def put(self, sandbox: E2BSandbox) -> None: ...
 
+    async def replace(self, sandbox: E2BSandbox) -> bool:
+        """Write the record only if it is still there (not killed meanwhile); whether it was."""
+        ...
+
     async def delete(self, sandbox: E2BSandbox) -> bool:
         """Remove the record; whether this call removed it (one of several racing callers)."""
         ...
@@ -118,6 +122,12 @@ class MemorySandboxStore:
     async def put(self, sandbox: E2BSandbox) -> None:
         self._records[sandbox.sandbox_id] = E2BSandbox.from_json(sandbox.to_json())
 
+    async def replace(self, sandbox: E2BSandbox) -> bool:
+        if sandbox.sandbox_id not in self._records:
+            return False
+        await self.put(sandbox)
+        return True
+
     async def delete(self, sandbox: E2BSandbox) -> bool:
         return self._records.pop(sandbox.sandbox_id, None) is not None
 
@@ -130,6 +140,19 @@ class MemorySandboxStore:
 
     async def expired(self, now: float, limit: int) -> list[E2BSandbox]:
         return [s for s in self._records.values() if s.expired(now)][:limit]
+
+
+# One record's write, atomic (a kill between a check and the write cannot be undone by it):
+# with ARGV[7] = 1, only while the record is there.
+WRITE_SCRIPT = """
+if ARGV[7] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+if ARGV[6] ~= '' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[3])
+else redis.call('ZREM', KEYS[3], ARGV[3]) end
+return 1
+"""
 
 
 class RedisSandboxStore:
@@ -155,18 +178,26 @@ class RedisSandboxStore:
         return E2BSandbox.from_json(raw) if raw else None
 
     async def put(self, sandbox: E2BSandbox) -> None:
+        await self._write(sandbox, only_if_present=False)
+
+    async def replace(self, sandbox: E2BSandbox) -> bool:
+        return await self._write(sandbox, only_if_present=True)
+
+    async def _write(self, sandbox: E2BSandbox, only_if_present: bool) -> bool:
         keep = PAUSED_KEEP_SECONDS if sandbox.state == "paused" else 3600
         ttl = max(60, int(sandbox.end_at - time.time()) + keep)
         score = sandbox.end_at if sandbox.state == "running" else time.time() + keep
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self._key(sandbox.sandbox_id), sandbox.to_json(), ex=ttl)
-        pipe.zadd(self._principal(sandbox.principal), {sandbox.sandbox_id: score})
-        pipe.expire(self._principal(sandbox.principal), PAUSED_KEEP_SECONDS)
-        if sandbox.state == "running":
-            pipe.zadd(self._ends(), {sandbox.sandbox_id: sandbox.end_at})
-        else:
-            pipe.zrem(self._ends(), sandbox.sandbox_id)
-        await pipe.execute()
+        keys = [self._key(sandbox.sandbox_id), self._principal(sandbox.principal), self._ends()]
+        args = [
+            sandbox.to_json(),
+            ttl,
+            sandbox.sandbox_id,
+            score,
+            PAUSED_KEEP_SECONDS,
+            sandbox.end_at if sandbox.state == "running" else "",
+            1 if only_if_present else 0,
+        ]
+        return bool(await self.redis.eval(WRITE_SCRIPT, len(keys), *keys, *args))
 
     async def delete(self, sandbox: E2BSandbox) -> bool:
         pipe = self.redis.pipeline(transaction=True)
