@@ -132,6 +132,34 @@ def test_a_killed_sandbox_is_not_written_back_redis(redis_server: Any) -> None:
     asyncio.run(run())
 
 
+async def racing_creates_stay_within_the_cap(store: SandboxStore) -> None:
+    now = time.time()
+    sandboxes = [
+        E2BSandbox(f"icap{i}", "carol", "base", "base", "tok", now, now + 60, 60) for i in range(20)
+    ]
+    added = await asyncio.gather(*(store.add(s, 3) for s in sandboxes))
+    assert sum(added) == 3 and await store.count("carol") == 3
+
+
+def test_racing_creates_stay_within_the_cap_memory() -> None:
+    asyncio.run(racing_creates_stay_within_the_cap(MemorySandboxStore()))
+
+
+def test_racing_creates_stay_within_the_cap_redis(redis_server: Any) -> None:
+    """Creates on several replicas at once: counted and written in one step, not a count read
+    by all of them before any wrote (SANDBOX_E2B_MAX_SANDBOXES was passed by a burst)."""
+    import redis.asyncio as aioredis
+
+    async def run() -> None:
+        client = aioredis.from_url(redis_server.url)
+        try:
+            await racing_creates_stay_within_the_cap(RedisSandboxStore(client, "t44cap:"))
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
 def request_of(chunks: list[bytes]) -> Request:
     messages = [
         {"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}

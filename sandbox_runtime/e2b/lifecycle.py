@@ -92,11 +92,6 @@ class Sandboxes:
         allow_internet: bool = True,
     ) -> E2BSandbox:
         limit = self.services.settings.e2b_max_sandboxes
-        if await self.store.count(principal) >= limit:
-            raise LimitExceededError(
-                f"this key already has {limit} sandboxes (running or paused; "
-                "SANDBOX_E2B_MAX_SANDBOXES): kill one first"
-            )
         now = time.time()
         sandbox = E2BSandbox(
             sandbox_id=new_sandbox_id(),
@@ -113,7 +108,11 @@ class Sandboxes:
             auto_pause=auto_pause,
             allow_internet=allow_internet,
         )
-        await self.store.put(sandbox)
+        if not await self.store.add(sandbox, limit):
+            raise LimitExceededError(
+                f"this key already has {limit} sandboxes (running or paused; "
+                "SANDBOX_E2B_MAX_SANDBOXES): kill one first"
+            )
         return sandbox
 
     async def find(self, principal: str, sandbox_id: str) -> E2BSandbox | None:

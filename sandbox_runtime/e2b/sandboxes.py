@@ -98,6 +98,10 @@ class SandboxStore(Protocol):
         """Write the record only if it is still there (not killed meanwhile); whether it was."""
         ...
 
+    async def add(self, sandbox: E2BSandbox, limit: int) -> bool:
+        """Write a new record unless its principal has `limit` already; whether it was."""
+        ...
+
     async def delete(self, sandbox: E2BSandbox) -> bool:
         """Remove the record; whether this call removed it (one of several racing callers)."""
         ...
@@ -122,6 +126,12 @@ class MemorySandboxStore:
     async def put(self, sandbox: E2BSandbox) -> None:
         self._records[sandbox.sandbox_id] = E2BSandbox.from_json(sandbox.to_json())
 
+    async def add(self, sandbox: E2BSandbox, limit: int) -> bool:
+        if await self.count(sandbox.principal) >= limit:  # (no await between: atomic)
+            return False
+        await self.put(sandbox)
+        return True
+
     async def replace(self, sandbox: E2BSandbox) -> bool:
         if sandbox.sandbox_id not in self._records:
             return False
@@ -142,10 +152,15 @@ class MemorySandboxStore:
         return [s for s in self._records.values() if s.expired(now)][:limit]
 
 
-# One record's write, atomic (a kill between a check and the write cannot be undone by it):
-# with ARGV[7] = 1, only while the record is there.
+# One record's write, atomic with its check: `replace` only while the record is there (a
+# kill between a check and the write cannot be undone by it), `add` only while the principal
+# has fewer than ARGV[8] (creates racing on several replicas cannot pass the cap together).
 WRITE_SCRIPT = """
-if ARGV[7] == '1' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[7] == 'replace' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[7] == 'add' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[9])
+  if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[8]) then return 0 end
+end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
 redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
 redis.call('EXPIRE', KEYS[2], ARGV[5])
@@ -178,12 +193,15 @@ class RedisSandboxStore:
         return E2BSandbox.from_json(raw) if raw else None
 
     async def put(self, sandbox: E2BSandbox) -> None:
-        await self._write(sandbox, only_if_present=False)
+        await self._write(sandbox, "put")
 
     async def replace(self, sandbox: E2BSandbox) -> bool:
-        return await self._write(sandbox, only_if_present=True)
+        return await self._write(sandbox, "replace")
 
-    async def _write(self, sandbox: E2BSandbox, only_if_present: bool) -> bool:
+    async def add(self, sandbox: E2BSandbox, limit: int) -> bool:
+        return await self._write(sandbox, "add", limit)
+
+    async def _write(self, sandbox: E2BSandbox, mode: str, limit: int = 0) -> bool:
         keep = PAUSED_KEEP_SECONDS if sandbox.state == "paused" else 3600
         ttl = max(60, int(sandbox.end_at - time.time()) + keep)
         score = sandbox.end_at if sandbox.state == "running" else time.time() + keep
@@ -195,7 +213,9 @@ class RedisSandboxStore:
             score,
             PAUSED_KEEP_SECONDS,
             sandbox.end_at if sandbox.state == "running" else "",
-            1 if only_if_present else 0,
+            mode,
+            limit,
+            time.time() - 3600,  # (what count() prunes first)
         ]
         return bool(await self.redis.eval(WRITE_SCRIPT, len(keys), *keys, *args))
 
