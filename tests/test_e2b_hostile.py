@@ -402,6 +402,27 @@ def test_a_kill_during_a_pause_is_final(server: ServerProcess, http: httpx2.Clie
     assert sandbox["sandboxID"] not in [s["sandboxID"] for s in listed]
 
 
+def test_a_timeout_whose_pause_fails_still_ends_the_sandbox(http: httpx2.Client) -> None:
+    """autoPause, but the workspace is too large to snapshot: the timeout ends the sandbox
+    anyway (it was retried every second, running on past its timeout, for ever)."""
+    key = {"X-API-KEY": ALICE}
+    sandbox = create(http, autoPause=True, timeout=3)
+    made = start(http, sandbox, "head -c 70M /dev/urandom > big.bin; sleep 600 &")
+    assert frames(made.content)[-1] == (2, {}), made.content[-200:]
+    deadline = time.monotonic() + 30
+    status = 200
+    while time.monotonic() < deadline and status == 200:
+        time.sleep(0.5)
+        status = http.get(f"/sandboxes/{sandbox['sandboxID']}", headers=key).status_code
+    assert status == 404
+    listing = http.post(
+        "/process.Process/List",
+        json={},
+        headers={**envd(sandbox), "Content-Type": "application/json"},
+    )
+    assert listing.status_code == 502 and "not found" in listing.json()["message"]
+
+
 def test_auto_pause_at_the_timeout_keeps_the_files(http: httpx2.Client) -> None:
     """autoPause: at its timeout the sandbox is paused (its files in a snapshot), not killed;
     its envd answers 'paused' meanwhile; connect resumes it with its files."""

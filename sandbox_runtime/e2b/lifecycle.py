@@ -222,9 +222,23 @@ class Sandboxes:
             await self._timed_out(sandbox)
 
     async def _timed_out(self, sandbox: E2BSandbox) -> None:
+        """End a sandbox whose time is up: paused (autoPause), or killed, also when its pause
+        fails (a workspace too large to keep, a snapshot store down): a timeout always ends
+        it, it does not run on while the pause is retried."""
         try:
             if sandbox.auto_pause and self.services.snapshots.enabled:
-                await self.pause(sandbox)
+                try:
+                    await self.pause(sandbox)
+                except SandboxGoneError:
+                    return
+                except Exception as exc:
+                    logger.warning(
+                        "e2b sandbox {}: its pause at its timeout failed, killed instead: {}",
+                        sandbox.sandbox_id,
+                        exc,
+                    )
+                    sandbox.state = "running"  # (its session is ended with it)
+                    await self.kill(sandbox)
             else:
                 await self.kill(sandbox)
             logger.info("e2b sandbox {} timed out", sandbox.sandbox_id)
