@@ -402,6 +402,36 @@ def test_a_kill_during_a_pause_is_final(server: ServerProcess, http: httpx2.Clie
     assert sandbox["sandboxID"] not in [s["sandboxID"] for s in listed]
 
 
+def test_two_connects_to_a_paused_sandbox_resume_it_once(
+    server: ServerProcess, http: httpx2.Client
+) -> None:
+    """Two processes connect to a paused sandbox at once: one resumes it (201), the other
+    waits for that and connects to the running sandbox (200). Both resumed it, the second
+    restoring the snapshot again over what was written since the first."""
+    import threading
+
+    key = {"X-API-KEY": ALICE}
+    sandbox = create(http)
+    made = start(http, sandbox, "head -c 40M /dev/urandom > a.bin")  # (a slow restore)
+    assert frames(made.content)[-1] == (2, {}), made.content[-200:]
+    paused = http.post(f"/sandboxes/{sandbox['sandboxID']}/pause", headers=key)
+    assert paused.status_code == 204, paused.text
+    answers: list[int] = []
+
+    def connect() -> None:
+        with httpx2.Client(base_url=f"{server.base_url}/e2b", timeout=120) as other:
+            url = f"/sandboxes/{sandbox['sandboxID']}/connect"
+            answers.append(other.post(url, json={"timeout": 60}, headers=key).status_code)
+
+    threads = [threading.Thread(target=connect) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(answers) == [200, 201]
+    kill(http, sandbox)
+
+
 def test_a_timeout_whose_pause_fails_still_ends_the_sandbox(http: httpx2.Client) -> None:
     """autoPause, but the workspace is too large to snapshot: the timeout ends the sandbox
     anyway (it was retried every second, running on past its timeout, for ever)."""

@@ -114,8 +114,19 @@ async def replace_is_a_write_only_while_there(store: SandboxStore) -> None:
     assert await store.get("irepl") is None and await store.count("alice") == 0
 
 
+async def one_transition_at_a_time(store: SandboxStore) -> None:
+    assert await store.claim("itr", "a", 60) is True
+    assert await store.claim("itr", "b", 60) is False
+    await store.release("itr", "b")  # (not b's: nothing happens)
+    assert await store.claim("itr", "b", 60) is False
+    await store.release("itr", "a")
+    assert await store.claim("itr", "b", 60) is True
+    assert await store.claim("other", "a", 60) is True
+
+
 def test_a_killed_sandbox_is_not_written_back_memory() -> None:
     asyncio.run(replace_is_a_write_only_while_there(MemorySandboxStore()))
+    asyncio.run(one_transition_at_a_time(MemorySandboxStore()))
 
 
 def test_a_killed_sandbox_is_not_written_back_redis(redis_server: Any) -> None:
@@ -125,6 +136,7 @@ def test_a_killed_sandbox_is_not_written_back_redis(redis_server: Any) -> None:
         client = aioredis.from_url(redis_server.url)
         try:
             await replace_is_a_write_only_while_there(RedisSandboxStore(client, "t44:"))
+            await one_transition_at_a_time(RedisSandboxStore(client, "t44:"))
             assert await client.zcard("t44:e2b:ends") == 0
         finally:
             await client.aclose()

@@ -10,8 +10,11 @@ replica that takes a sandbox out of `e2b:ends` first ends it (or pauses it: auto
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import secrets
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from loguru import logger
@@ -31,6 +34,8 @@ from sandbox_runtime.errors import InvalidRequestError, LimitExceededError
 MAX_TIMEOUT_SECONDS = 24 * 3600
 DEFAULT_TIMEOUT_SECONDS = 300
 SWEEP_INTERVAL = 1.0
+TRANSITION_SECONDS = 600  # a pause's or resume's claim lapses after this (a replica died)
+TRANSITION_WAIT = 120.0  # how long a request waits for another's pause or resume
 
 
 def store_for(services: Any) -> SandboxStore:
@@ -68,6 +73,10 @@ def checked_map(value: object, name: str) -> dict[str, str]:
 
 class SandboxGoneError(Exception):
     """The sandbox was killed while a change of it was under way."""
+
+
+class TransitionBusyError(LimitExceededError):
+    """Another pause or resume of the sandbox did not end within TRANSITION_WAIT."""
 
 
 class Sandboxes:
@@ -163,6 +172,24 @@ class Sandboxes:
         if not await self.store.replace(sandbox):
             raise SandboxGoneError(sandbox.sandbox_id)
 
+    @contextlib.asynccontextmanager
+    async def transition(self, sandbox_id: str) -> AsyncIterator[None]:
+        """One pause or resume of a sandbox at a time, across replicas: the next waits for
+        it (and then reads the record again: two resumes restored the snapshot twice, the
+        second over files written after the first)."""
+        owner = secrets.token_hex(8)
+        deadline = time.monotonic() + TRANSITION_WAIT
+        while not await self.store.claim(sandbox_id, owner, TRANSITION_SECONDS):
+            if time.monotonic() > deadline:
+                raise TransitionBusyError(
+                    f"a pause or resume of sandbox {sandbox_id} is still under way: retry shortly"
+                )
+            await asyncio.sleep(0.05)
+        try:
+            yield
+        finally:
+            await self.store.release(sandbox_id, owner)
+
     async def set_timeout(self, sandbox: E2BSandbox, seconds: int) -> None:
         sandbox.end_at = time.time() + seconds
         sandbox.timeout = seconds
@@ -228,8 +255,13 @@ class Sandboxes:
         try:
             if sandbox.auto_pause and self.services.snapshots.enabled:
                 try:
-                    await self.pause(sandbox)
-                except SandboxGoneError:
+                    async with self.transition(sandbox.sandbox_id):
+                        now = await self.store.get(sandbox.sandbox_id)
+                        if now is None or not now.expired():  # (resumed, extended, ended)
+                            return
+                        sandbox = now
+                        await self.pause(sandbox)
+                except (SandboxGoneError, TransitionBusyError):  # (killed; another's resume)
                     return
                 except Exception as exc:
                     logger.warning(

@@ -102,6 +102,13 @@ class SandboxStore(Protocol):
         """Write a new record unless its principal has `limit` already; whether it was."""
         ...
 
+    async def claim(self, sandbox_id: str, owner: str, seconds: int) -> bool:
+        """Take the sandbox's transition (a pause or resume under way) for `owner` unless
+        another holds it; it lapses after `seconds`."""
+        ...
+
+    async def release(self, sandbox_id: str, owner: str) -> None: ...
+
     async def delete(self, sandbox: E2BSandbox) -> bool:
         """Remove the record; whether this call removed it (one of several racing callers)."""
         ...
@@ -118,6 +125,18 @@ class MemorySandboxStore:
 
     def __init__(self) -> None:
         self._records: dict[str, E2BSandbox] = {}
+        self._claims: dict[str, tuple[str, float]] = {}
+
+    async def claim(self, sandbox_id: str, owner: str, seconds: int) -> bool:
+        held = self._claims.get(sandbox_id)
+        if held is not None and held[1] > time.monotonic():
+            return False
+        self._claims[sandbox_id] = (owner, time.monotonic() + seconds)
+        return True
+
+    async def release(self, sandbox_id: str, owner: str) -> None:
+        if self._claims.get(sandbox_id, ("", 0.0))[0] == owner:
+            del self._claims[sandbox_id]
 
     async def get(self, sandbox_id: str) -> E2BSandbox | None:
         found = self._records.get(sandbox_id)
@@ -169,11 +188,17 @@ else redis.call('ZREM', KEYS[3], ARGV[3]) end
 return 1
 """
 
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
 
 class RedisSandboxStore:
     """The records in the cluster's Redis: `e2b:sandbox:{id}` (JSON, expiring a while after
     the sandbox's end), `e2b:principal:{p}:sandboxes` (ids by end of life) and `e2b:ends`
-    (running sandboxes by end of life: whichever replica takes one out first ends it)."""
+    (running sandboxes by end of life: whichever replica takes one out first ends it);
+    `e2b:transition:{id}` while a pause or resume of it runs (lapsing)."""
 
     def __init__(self, redis: Any, prefix: str = "") -> None:
         self.redis = redis
@@ -187,6 +212,15 @@ class RedisSandboxStore:
 
     def _ends(self) -> str:
         return f"{self.prefix}e2b:ends"
+
+    def _claim(self, sandbox_id: str) -> str:
+        return f"{self.prefix}e2b:transition:{sandbox_id}"
+
+    async def claim(self, sandbox_id: str, owner: str, seconds: int) -> bool:
+        return bool(await self.redis.set(self._claim(sandbox_id), owner, nx=True, ex=seconds))
+
+    async def release(self, sandbox_id: str, owner: str) -> None:
+        await self.redis.eval(RELEASE_SCRIPT, 1, self._claim(sandbox_id), owner)
 
     async def get(self, sandbox_id: str) -> E2BSandbox | None:
         raw = await self.redis.get(self._key(sandbox_id))
