@@ -197,6 +197,40 @@ def test_uploads_are_bounded(http: httpx2.Client) -> None:
     kill(http, sandbox)
 
 
+def test_multipart_headers_are_bounded(http: httpx2.Client) -> None:
+    """A part's headers over the multipart parser's bounds (one header's size, their count),
+    and a body that is not multipart, are a 400 saying so (they were a bare 500)."""
+    sandbox = create(http)
+    boundary = "b0undary"
+
+    def body(headers: str) -> Iterator[bytes]:
+        yield (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="h.txt"\r\n'
+        ).encode()
+        yield headers.encode()
+        yield f"\r\nhi\r\n--{boundary}--\r\n".encode()
+
+    def chunked(headers: str) -> Iterator[bytes]:
+        whole = b"".join(body(headers))
+        for i in range(0, len(whole), 65536):
+            yield whole[i : i + 65536]
+
+    h = {**envd(sandbox), "Content-Type": f"multipart/form-data; boundary={boundary}"}
+    long_value = "X-Junk: " + "j" * (3 * 2**20) + "\r\n"
+    resp = http.post("/files", content=chunked(long_value), headers=h)
+    assert resp.status_code == 400, resp.text
+    assert "multipart body is malformed: Maximum header size" in resp.json()["message"]
+    many = "".join(f"X-{i}: v\r\n" for i in range(5000))
+    resp = http.post("/files", content=chunked(many), headers=h)
+    assert resp.status_code == 400 and "malformed" in resp.json()["message"], resp.text
+    resp = http.post("/files", content=b"--b0undary\r\nnot a header line\r\n\r\n", headers=h)
+    assert resp.status_code == 400 and "malformed" in resp.json()["message"], resp.text
+    fine = http.post("/files", content=chunked("X-Fine: 1\r\n"), headers=h)
+    assert fine.status_code == 200, fine.text
+    assert http.get("/files", params={"path": "h.txt"}, headers=envd(sandbox)).content == b"hi"
+    kill(http, sandbox)
+
+
 def test_oversized_and_malformed_connect_messages(http: httpx2.Client) -> None:
     """A frame announcing 64 MiB, a truncated header, a frame that is not JSON, a unary body
     over the limit, a stream with the wrong content type: each a Connect error naming the
@@ -340,6 +374,83 @@ def test_what_we_do_not_have_says_so(http: httpx2.Client) -> None:
     assert sandbox["templateID"] == "code-interpreter-v1"
     assert http.get(f"/sandboxes/{sandbox['sandboxID']}/metrics", headers=key).status_code == 501
     kill(http, sandbox)
+
+
+def test_a_kill_during_a_pause_is_final(server: ServerProcess, http: httpx2.Client) -> None:
+    """A kill answered while a pause is still taking its snapshot: the pause's end did write
+    the record back (paused, listed, counted against the cap); now it finds it gone."""
+    import threading
+
+    key = {"X-API-KEY": ALICE}
+    sandbox = create(http)
+    made = start(http, sandbox, "head -c 40M /dev/urandom > a.bin")  # (a slow snapshot)
+    assert frames(made.content)[-1] == (2, {}), made.content[-200:]
+    paused: dict[str, httpx2.Response] = {}
+
+    def pause() -> None:
+        with httpx2.Client(base_url=f"{server.base_url}/e2b", timeout=60) as other:
+            paused["answer"] = other.post(f"/sandboxes/{sandbox['sandboxID']}/pause", headers=key)
+
+    thread = threading.Thread(target=pause)
+    thread.start()
+    time.sleep(0.05)
+    assert http.delete(f"/sandboxes/{sandbox['sandboxID']}", headers=key).status_code == 204
+    thread.join()
+    assert paused["answer"].status_code in (204, 404), paused["answer"].text
+    assert http.get(f"/sandboxes/{sandbox['sandboxID']}", headers=key).status_code == 404
+    listed = http.get("/v2/sandboxes", params={"state": "running,paused"}, headers=key).json()
+    assert sandbox["sandboxID"] not in [s["sandboxID"] for s in listed]
+
+
+def test_two_connects_to_a_paused_sandbox_resume_it_once(
+    server: ServerProcess, http: httpx2.Client
+) -> None:
+    """Two processes connect to a paused sandbox at once: one resumes it (201), the other
+    waits for that and connects to the running sandbox (200). Both resumed it, the second
+    restoring the snapshot again over what was written since the first."""
+    import threading
+
+    key = {"X-API-KEY": ALICE}
+    sandbox = create(http)
+    made = start(http, sandbox, "head -c 40M /dev/urandom > a.bin")  # (a slow restore)
+    assert frames(made.content)[-1] == (2, {}), made.content[-200:]
+    paused = http.post(f"/sandboxes/{sandbox['sandboxID']}/pause", headers=key)
+    assert paused.status_code == 204, paused.text
+    answers: list[int] = []
+
+    def connect() -> None:
+        with httpx2.Client(base_url=f"{server.base_url}/e2b", timeout=120) as other:
+            url = f"/sandboxes/{sandbox['sandboxID']}/connect"
+            answers.append(other.post(url, json={"timeout": 60}, headers=key).status_code)
+
+    threads = [threading.Thread(target=connect) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(answers) == [200, 201]
+    kill(http, sandbox)
+
+
+def test_a_timeout_whose_pause_fails_still_ends_the_sandbox(http: httpx2.Client) -> None:
+    """autoPause, but the workspace is too large to snapshot: the timeout ends the sandbox
+    anyway (it was retried every second, running on past its timeout, for ever)."""
+    key = {"X-API-KEY": ALICE}
+    sandbox = create(http, autoPause=True, timeout=3)
+    made = start(http, sandbox, "head -c 70M /dev/urandom > big.bin; sleep 600 &")
+    assert frames(made.content)[-1] == (2, {}), made.content[-200:]
+    deadline = time.monotonic() + 30
+    status = 200
+    while time.monotonic() < deadline and status == 200:
+        time.sleep(0.5)
+        status = http.get(f"/sandboxes/{sandbox['sandboxID']}", headers=key).status_code
+    assert status == 404
+    listing = http.post(
+        "/process.Process/List",
+        json={},
+        headers={**envd(sandbox), "Content-Type": "application/json"},
+    )
+    assert listing.status_code == 502 and "not found" in listing.json()["message"]
 
 
 def test_auto_pause_at_the_timeout_keeps_the_files(http: httpx2.Client) -> None:

@@ -274,7 +274,7 @@ def test_context_id_with_language_is_refused_and_an_unknown_context_is_404(
         )
         assert (unknown.status_code, unknown.text) == (404, "Context nope not found")
         for path, method in (("/contexts/nope", "DELETE"), ("/contexts/nope/restart", "POST")):
-            gone = http.request(method, path, headers=interp(sandbox_id, None))
+            gone = http.request(method, path, headers=interp(sandbox_id, token))
             assert (gone.status_code, gone.text) == (404, "Context nope not found")
         bad_language = http.post(
             "/execute", json={"code": "1", "language": "cobol"}, headers=interp(sandbox_id, token)
@@ -291,7 +291,7 @@ def test_context_id_with_language_is_refused_and_an_unknown_context_is_404(
         )
         assert bad_env.status_code == 400 and "not valid" in bad_env.text
         # Nothing of these made a context.
-        listed = http.get("/contexts", headers=interp(sandbox_id, None)).json()
+        listed = http.get("/contexts", headers=interp(sandbox_id, token)).json()
         assert [c["language"] for c in listed] == ["python", "javascript"]
 
 
@@ -314,24 +314,59 @@ def test_an_oversized_body_is_refused_before_it_is_read_whole(
         assert next(e for e in ndjson(fine) if e["type"] == "result")["text"] == "42"
 
 
-def test_tokens_that_do_not_match_reach_nothing(server: ServerProcess, sandbox: Any) -> None:
-    sandbox_id, _token = sandbox
+def test_tokens_that_do_not_match_reach_nothing(server: ServerProcess) -> None:
+    """Every call to port 49999 needs the sandbox's access token or its traffic access token
+    (what E2B's SDKs send to /contexts): the sandbox id alone, another sandbox's tokens, or
+    the traffic token on envd reach nothing, with the answer an unknown sandbox gets."""
     with httpx2.Client(base_url=f"{server.base_url}/e2b", timeout=60) as http:
+        made = http.post(
+            "/sandboxes", json={"templateID": "code-interpreter-v1"}, headers={"X-API-KEY": KEY}
+        ).json()
         other = http.post(
             "/sandboxes", json={"templateID": "base"}, headers={"X-API-KEY": OTHER_KEY}
         ).json()
+        sandbox_id, traffic = made["sandboxID"], made["trafficAccessToken"]
         try:
-            for headers in (
-                interp(sandbox_id, None),  # /execute needs the token
-                interp(sandbox_id, "wrong"),
-                interp(sandbox_id, other["envdAccessToken"]),  # another principal's
-            ):
-                refused = http.post("/execute", json={"code": "1"}, headers=headers)
-                assert refused.status_code in (401, 502), refused.text
-            # /contexts carries no token from E2B's SDKs: an unknown sandbox id is refused.
-            unknown = http.get("/contexts", headers=interp("i" + "0" * 19, None))
-            assert unknown.status_code == 502
+            assert traffic and traffic != made["envdAccessToken"]
+            connected = http.post(
+                f"/sandboxes/{sandbox_id}/connect", json={}, headers={"X-API-KEY": KEY}
+            ).json()
+            assert connected["trafficAccessToken"] == traffic
+            by_traffic = {**interp(sandbox_id, None), "E2B-Traffic-Access-Token": traffic}
+            assert http.get("/contexts", headers=by_traffic).status_code == 200
+            ran = http.post("/execute", json={"code": "6 * 7"}, headers=by_traffic)
+            assert next(e for e in ndjson(ran) if e["type"] == "result")["text"] == "42"
+            unknown_id = "i" + "0" * 19
+            unknown = http.get(
+                "/contexts", headers=interp(unknown_id, other["envdAccessToken"])
+            ).json()
+            assert unknown["message"] == f"The sandbox {unknown_id} was not found"
+            others = {
+                **interp(sandbox_id, other["envdAccessToken"]),
+                "E2B-Traffic-Access-Token": other["trafficAccessToken"],
+            }
+            for path in ("/contexts", "/execute"):
+                for headers in (
+                    interp(sandbox_id, None),  # the id alone
+                    interp(sandbox_id, "wrong"),
+                    {**interp(sandbox_id, None), "E2B-Traffic-Access-Token": "wrong"},
+                    others,  # another principal's sandbox's tokens
+                ):
+                    refused = http.post(path, json={"code": "1"}, headers=headers)
+                    assert refused.status_code in (401, 502), refused.text
+                    if refused.status_code == 502:
+                        assert refused.json()["message"] == (
+                            f"The sandbox {sandbox_id} was not found"
+                        )
+            envd = {
+                "E2b-Sandbox-Id": sandbox_id,
+                "E2B-Traffic-Access-Token": traffic,
+                "Content-Type": "application/json",
+            }
+            listed = http.post("/process.Process/List", json={}, headers=envd)
+            assert listed.status_code == 401, listed.text
         finally:
+            http.delete(f"/sandboxes/{sandbox_id}", headers={"X-API-KEY": KEY})
             http.delete(f"/sandboxes/{other['sandboxID']}", headers={"X-API-KEY": OTHER_KEY})
 
 
@@ -389,7 +424,7 @@ def test_bash_and_typescript_contexts_and_input_over_the_wire(
             return ndjson(answer)
 
         made = http.post(
-            "/contexts", json={"language": "bash", "cwd": "/tmp"}, headers=interp(sandbox_id, None)
+            "/contexts", json={"language": "bash", "cwd": "/tmp"}, headers=interp(sandbox_id, token)
         )
         assert made.status_code == 200 and made.json()["cwd"] == "/tmp"
         bash = run({"code": "pwd; export Q=7", "context_id": made.json()["id"]})
@@ -404,10 +439,10 @@ def test_bash_and_typescript_contexts_and_input_over_the_wire(
         assert [e["name"] for e in errors] == ["StdinNotImplementedError"]
         assert run({"code": "'after'"})[0]["text"] == "after"  # (unquoted, as E2B's)
         bad_cwd = http.post(
-            "/contexts", json={"cwd": "/no/such/dir"}, headers=interp(sandbox_id, None)
+            "/contexts", json={"cwd": "/no/such/dir"}, headers=interp(sandbox_id, token)
         )
         assert bad_cwd.status_code == 500 and "No such file or directory" in bad_cwd.text
-        listed = http.get("/contexts", headers=interp(sandbox_id, None)).json()
+        listed = http.get("/contexts", headers=interp(sandbox_id, token)).json()
         assert [c["language"] for c in listed] == [
             "python",
             "javascript",
@@ -486,7 +521,10 @@ def test_calls_through_a_replica_that_is_not_the_sandboxs_home(tmp_path: Path) -
             context = http.post(
                 f"{other.base_url}/e2b/contexts",
                 json={"language": "python"},
-                headers=interp(made["sandboxID"], None),
+                headers={
+                    **interp(made["sandboxID"], None),
+                    "E2B-Traffic-Access-Token": made["trafficAccessToken"],
+                },
             ).json()
             separate = ndjson(
                 http.post(

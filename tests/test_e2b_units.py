@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,13 @@ from starlette.requests import Request
 
 from sandbox_runtime.e2b.connect import MAX_FRAME, ConnectError, frame, read_frames
 from sandbox_runtime.e2b.paths import to_e2b, to_workspace
-from sandbox_runtime.e2b.sandboxes import E2BSandbox, MemorySandboxStore, valid_sandbox_id
+from sandbox_runtime.e2b.sandboxes import (
+    E2BSandbox,
+    MemorySandboxStore,
+    RedisSandboxStore,
+    SandboxStore,
+    valid_sandbox_id,
+)
 from sandbox_runtime.e2b.wire import template_of
 from sandbox_runtime.errors import FileAccessError, InvalidRequestError
 from sandbox_runtime.workspaces.fsops import WorkspaceFiles
@@ -89,6 +96,78 @@ def test_the_memory_store_hands_out_copies_and_counts_per_principal() -> None:
         assert await store.count("alice") == 1 and await store.count("bob") == 0
         assert [s.sandbox_id for s in await store.expired(3.0, 10)] == ["iabc"]
         assert await store.delete(sandbox) is True and await store.delete(sandbox) is False
+
+    asyncio.run(run())
+
+
+async def replace_is_a_write_only_while_there(store: SandboxStore) -> None:
+    now = time.time()
+    sandbox = E2BSandbox("irepl", "alice", "base", "base", "tok", now, now + 60, 60)
+    assert await store.replace(sandbox) is False and await store.get("irepl") is None
+    await store.put(sandbox)
+    sandbox.state = "paused"
+    assert await store.replace(sandbox) is True
+    assert (await store.get("irepl")).state == "paused"  # type: ignore[union-attr]
+    assert await store.delete(sandbox) is True
+    # (a pause or resume finishing after a kill leaves nothing behind)
+    assert await store.replace(sandbox) is False
+    assert await store.get("irepl") is None and await store.count("alice") == 0
+
+
+async def one_transition_at_a_time(store: SandboxStore) -> None:
+    assert await store.claim("itr", "a", 60) is True
+    assert await store.claim("itr", "b", 60) is False
+    await store.release("itr", "b")  # (not b's: nothing happens)
+    assert await store.claim("itr", "b", 60) is False
+    await store.release("itr", "a")
+    assert await store.claim("itr", "b", 60) is True
+    assert await store.claim("other", "a", 60) is True
+
+
+def test_a_killed_sandbox_is_not_written_back_memory() -> None:
+    asyncio.run(replace_is_a_write_only_while_there(MemorySandboxStore()))
+    asyncio.run(one_transition_at_a_time(MemorySandboxStore()))
+
+
+def test_a_killed_sandbox_is_not_written_back_redis(redis_server: Any) -> None:
+    import redis.asyncio as aioredis
+
+    async def run() -> None:
+        client = aioredis.from_url(redis_server.url)
+        try:
+            await replace_is_a_write_only_while_there(RedisSandboxStore(client, "t44:"))
+            await one_transition_at_a_time(RedisSandboxStore(client, "t44:"))
+            assert await client.zcard("t44:e2b:ends") == 0
+        finally:
+            await client.aclose()
+
+    asyncio.run(run())
+
+
+async def racing_creates_stay_within_the_cap(store: SandboxStore) -> None:
+    now = time.time()
+    sandboxes = [
+        E2BSandbox(f"icap{i}", "carol", "base", "base", "tok", now, now + 60, 60) for i in range(20)
+    ]
+    added = await asyncio.gather(*(store.add(s, 3) for s in sandboxes))
+    assert sum(added) == 3 and await store.count("carol") == 3
+
+
+def test_racing_creates_stay_within_the_cap_memory() -> None:
+    asyncio.run(racing_creates_stay_within_the_cap(MemorySandboxStore()))
+
+
+def test_racing_creates_stay_within_the_cap_redis(redis_server: Any) -> None:
+    """Creates on several replicas at once: counted and written in one step, not a count read
+    by all of them before any wrote (SANDBOX_E2B_MAX_SANDBOXES was passed by a burst)."""
+    import redis.asyncio as aioredis
+
+    async def run() -> None:
+        client = aioredis.from_url(redis_server.url)
+        try:
+            await racing_creates_stay_within_the_cap(RedisSandboxStore(client, "t44cap:"))
+        finally:
+            await client.aclose()
 
     asyncio.run(run())
 

@@ -3,8 +3,9 @@
 `http://HOST:PORT/e2b`.
 
 A request with an `E2b-Sandbox-Id` header is for a sandbox (envd on port 49983, the code
-interpreter on 49999, by `E2b-Sandbox-Port`) and must carry that sandbox's `X-Access-Token`
-(but for the interpreter's `/contexts`, to which E2B's SDKs send none); any other is for the
+interpreter on 49999, by `E2b-Sandbox-Port`) and must carry that sandbox's `X-Access-Token` (or,
+to the interpreter, its `E2B-Traffic-Access-Token`: E2B's SDKs send only that to `/contexts`;
+create and connect hand out both); any other is for the
 control plane and must carry an API key (`X-API-KEY`: one of the server's tokens,
 SANDBOX_AUTH_TOKEN(S); `srt-mcp-server token new --e2b` makes one of E2B's shape). A token
 that does not match gets the same answer as a sandbox that does not exist.
@@ -83,14 +84,19 @@ class E2BApp:
             return await self.control(request, path, principal)
         port = request.headers.get("e2b-sandbox-port", str(wire.ENVD_PORT))
         token = request.headers.get("x-access-token", "")
-        if not token and port == str(wire.INTERPRETER_PORT) and path.startswith("/contexts"):
-            # E2B's SDKs send no access token to the interpreter's /contexts (E2B's own
-            # interpreter checks none): the unguessable sandbox id is the key there.
-            sandbox = await self.sandboxes.by_id(sandbox_id)
-        elif not token:
-            return wire.error(401, "missing X-Access-Token: send the sandbox's envdAccessToken")
-        else:
-            sandbox = await self.sandboxes.by_token(sandbox_id, token)
+        # E2B's code-interpreter SDKs send no access token to the interpreter's /contexts,
+        # but do send the sandbox's traffic access token to all of port 49999: either opens
+        # it. envd takes the access token alone.
+        traffic = ""
+        if port == str(wire.INTERPRETER_PORT):
+            traffic = request.headers.get("e2b-traffic-access-token", "")
+        if not token and not traffic:
+            return wire.error(
+                401,
+                "missing X-Access-Token: send the sandbox's envdAccessToken (or, to the code "
+                "interpreter, its trafficAccessToken as E2B-Traffic-Access-Token)",
+            )
+        sandbox = await self.sandboxes.by_token(sandbox_id, token, traffic)
         if sandbox is None:  # (the same answer whether it exists or not)
             return _gone(sandbox_id, f"The sandbox {sandbox_id} was not found")
         if sandbox.state != "running":

@@ -23,6 +23,7 @@ from sandbox_runtime.e2b import wire
 from sandbox_runtime.e2b.lifecycle import (
     DEFAULT_TIMEOUT_SECONDS,
     Sandboxes,
+    SandboxGoneError,
     checked_map,
     checked_timeout,
 )
@@ -84,6 +85,8 @@ class ControlPlane:
     async def __call__(self, request: Request, path: str, principal: str) -> Response:
         try:
             return await self._route(request, path, principal)
+        except SandboxGoneError as exc:
+            return wire.error(404, f"sandbox {exc} not found (it was killed meanwhile)")
         except LimitExceededError as exc:
             return wire.error(429, str(exc))
         except InvalidRequestError as exc:
@@ -199,6 +202,17 @@ class ControlPlane:
             if sandbox.state == "running":
                 await self.sandboxes.set_timeout(sandbox, max(duration, _left(sandbox)))
             return Response(status_code=204)
+        if action in ("pause", "connect", "resume"):
+            async with self.sandboxes.transition(sandbox_id):  # (one at a time, then re-read)
+                again = await self.sandboxes.find_live(sandbox_id, principal)
+                if again is None:
+                    return wire.error(404, f"sandbox {sandbox_id} not found")
+                return await self.change(again, action, body)
+        return wire.error(404, f"no such endpoint: POST {request.url.path}")
+
+    async def change(self, sandbox: E2BSandbox, action: str, body: dict[str, Any]) -> Response:
+        """Pause, resume or connect (which resumes a paused sandbox)."""
+        sandbox_id = sandbox.sandbox_id
         if action == "pause":
             if sandbox.state == "paused":
                 return wire.error(409, f"sandbox {sandbox_id} is already paused")
@@ -208,17 +222,16 @@ class ControlPlane:
                 )
             await self.sandboxes.pause(sandbox)
             return Response(status_code=204)
-        if action in ("connect", "resume"):
-            timeout = checked_timeout(body.get("timeout"), DEFAULT_TIMEOUT_SECONDS)
-            if sandbox.state == "paused":
-                await self.sandboxes.resume(sandbox, timeout)
-                return JSONResponse(wire.created(sandbox), status_code=201)
-            if action == "resume":
-                return wire.error(409, f"sandbox {sandbox_id} is already running")
-            if timeout > _left(sandbox):  # (connect only ever lengthens a sandbox's life)
-                await self.sandboxes.set_timeout(sandbox, timeout)
-            return JSONResponse(wire.created(sandbox), status_code=200)
-        return wire.error(404, f"no such endpoint: POST {request.url.path}")
+        timeout = checked_timeout(body.get("timeout"), DEFAULT_TIMEOUT_SECONDS)
+        sandbox = await self.sandboxes.with_traffic_token(sandbox)
+        if sandbox.state == "paused":
+            await self.sandboxes.resume(sandbox, timeout)
+            return JSONResponse(wire.created(sandbox), status_code=201)
+        if action == "resume":
+            return wire.error(409, f"sandbox {sandbox_id} is already running")
+        if timeout > _left(sandbox):  # (connect only ever lengthens a sandbox's life)
+            await self.sandboxes.set_timeout(sandbox, timeout)
+        return JSONResponse(wire.created(sandbox), status_code=200)
 
 
 def _left(sandbox: E2BSandbox) -> int:

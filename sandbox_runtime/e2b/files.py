@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote
 
+from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -231,6 +232,8 @@ class FilesEndpoint:
             return JSONResponse(written)
         except _Refused as exc:
             return wire.error(exc.status, exc.message)
+        except MultipartParseError as exc:  # (its own bounds: a part's headers, the boundary)
+            return wire.error(400, f"the multipart body is malformed: {exc}")
         finally:
             spool.close()
 

@@ -60,6 +60,10 @@ class E2BSandbox:
     # False (allow_internet_access=false): its code runs with sandbox_config network false;
     # true: the server's egress policy applies, as to any session.
     allow_internet: bool = True
+    # What E2B's code-interpreter SDKs send (E2B-Traffic-Access-Token) to port 49999, where
+    # they send no X-Access-Token (/contexts): either token opens the interpreter, nothing
+    # else does. ("" in a record an older server wrote: connect mints one.)
+    traffic_token: str = ""
 
     @property
     def owner(self) -> Owner:
@@ -90,6 +94,21 @@ class SandboxStore(Protocol):
 
     async def put(self, sandbox: E2BSandbox) -> None: ...
 
+    async def replace(self, sandbox: E2BSandbox) -> bool:
+        """Write the record only if it is still there (not killed meanwhile); whether it was."""
+        ...
+
+    async def add(self, sandbox: E2BSandbox, limit: int) -> bool:
+        """Write a new record unless its principal has `limit` already; whether it was."""
+        ...
+
+    async def claim(self, sandbox_id: str, owner: str, seconds: int) -> bool:
+        """Take the sandbox's transition (a pause or resume under way) for `owner` unless
+        another holds it; it lapses after `seconds`."""
+        ...
+
+    async def release(self, sandbox_id: str, owner: str) -> None: ...
+
     async def delete(self, sandbox: E2BSandbox) -> bool:
         """Remove the record; whether this call removed it (one of several racing callers)."""
         ...
@@ -106,6 +125,18 @@ class MemorySandboxStore:
 
     def __init__(self) -> None:
         self._records: dict[str, E2BSandbox] = {}
+        self._claims: dict[str, tuple[str, float]] = {}
+
+    async def claim(self, sandbox_id: str, owner: str, seconds: int) -> bool:
+        held = self._claims.get(sandbox_id)
+        if held is not None and held[1] > time.monotonic():
+            return False
+        self._claims[sandbox_id] = (owner, time.monotonic() + seconds)
+        return True
+
+    async def release(self, sandbox_id: str, owner: str) -> None:
+        if self._claims.get(sandbox_id, ("", 0.0))[0] == owner:
+            del self._claims[sandbox_id]
 
     async def get(self, sandbox_id: str) -> E2BSandbox | None:
         found = self._records.get(sandbox_id)
@@ -113,6 +144,18 @@ class MemorySandboxStore:
 
     async def put(self, sandbox: E2BSandbox) -> None:
         self._records[sandbox.sandbox_id] = E2BSandbox.from_json(sandbox.to_json())
+
+    async def add(self, sandbox: E2BSandbox, limit: int) -> bool:
+        if await self.count(sandbox.principal) >= limit:  # (no await between: atomic)
+            return False
+        await self.put(sandbox)
+        return True
+
+    async def replace(self, sandbox: E2BSandbox) -> bool:
+        if sandbox.sandbox_id not in self._records:
+            return False
+        await self.put(sandbox)
+        return True
 
     async def delete(self, sandbox: E2BSandbox) -> bool:
         return self._records.pop(sandbox.sandbox_id, None) is not None
@@ -128,10 +171,34 @@ class MemorySandboxStore:
         return [s for s in self._records.values() if s.expired(now)][:limit]
 
 
+# One record's write, atomic with its check: `replace` only while the record is there (a
+# kill between a check and the write cannot be undone by it), `add` only while the principal
+# has fewer than ARGV[8] (creates racing on several replicas cannot pass the cap together).
+WRITE_SCRIPT = """
+if ARGV[7] == 'replace' and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if ARGV[7] == 'add' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[9])
+  if redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[8]) then return 0 end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2])
+redis.call('ZADD', KEYS[2], ARGV[4], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[5])
+if ARGV[6] ~= '' then redis.call('ZADD', KEYS[3], ARGV[6], ARGV[3])
+else redis.call('ZREM', KEYS[3], ARGV[3]) end
+return 1
+"""
+
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
 class RedisSandboxStore:
     """The records in the cluster's Redis: `e2b:sandbox:{id}` (JSON, expiring a while after
     the sandbox's end), `e2b:principal:{p}:sandboxes` (ids by end of life) and `e2b:ends`
-    (running sandboxes by end of life: whichever replica takes one out first ends it)."""
+    (running sandboxes by end of life: whichever replica takes one out first ends it);
+    `e2b:transition:{id}` while a pause or resume of it runs (lapsing)."""
 
     def __init__(self, redis: Any, prefix: str = "") -> None:
         self.redis = redis
@@ -146,23 +213,45 @@ class RedisSandboxStore:
     def _ends(self) -> str:
         return f"{self.prefix}e2b:ends"
 
+    def _claim(self, sandbox_id: str) -> str:
+        return f"{self.prefix}e2b:transition:{sandbox_id}"
+
+    async def claim(self, sandbox_id: str, owner: str, seconds: int) -> bool:
+        return bool(await self.redis.set(self._claim(sandbox_id), owner, nx=True, ex=seconds))
+
+    async def release(self, sandbox_id: str, owner: str) -> None:
+        await self.redis.eval(RELEASE_SCRIPT, 1, self._claim(sandbox_id), owner)
+
     async def get(self, sandbox_id: str) -> E2BSandbox | None:
         raw = await self.redis.get(self._key(sandbox_id))
         return E2BSandbox.from_json(raw) if raw else None
 
     async def put(self, sandbox: E2BSandbox) -> None:
+        await self._write(sandbox, "put")
+
+    async def replace(self, sandbox: E2BSandbox) -> bool:
+        return await self._write(sandbox, "replace")
+
+    async def add(self, sandbox: E2BSandbox, limit: int) -> bool:
+        return await self._write(sandbox, "add", limit)
+
+    async def _write(self, sandbox: E2BSandbox, mode: str, limit: int = 0) -> bool:
         keep = PAUSED_KEEP_SECONDS if sandbox.state == "paused" else 3600
         ttl = max(60, int(sandbox.end_at - time.time()) + keep)
         score = sandbox.end_at if sandbox.state == "running" else time.time() + keep
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self._key(sandbox.sandbox_id), sandbox.to_json(), ex=ttl)
-        pipe.zadd(self._principal(sandbox.principal), {sandbox.sandbox_id: score})
-        pipe.expire(self._principal(sandbox.principal), PAUSED_KEEP_SECONDS)
-        if sandbox.state == "running":
-            pipe.zadd(self._ends(), {sandbox.sandbox_id: sandbox.end_at})
-        else:
-            pipe.zrem(self._ends(), sandbox.sandbox_id)
-        await pipe.execute()
+        keys = [self._key(sandbox.sandbox_id), self._principal(sandbox.principal), self._ends()]
+        args = [
+            sandbox.to_json(),
+            ttl,
+            sandbox.sandbox_id,
+            score,
+            PAUSED_KEEP_SECONDS,
+            sandbox.end_at if sandbox.state == "running" else "",
+            mode,
+            limit,
+            time.time() - 3600,  # (what count() prunes first)
+        ]
+        return bool(await self.redis.eval(WRITE_SCRIPT, len(keys), *keys, *args))
 
     async def delete(self, sandbox: E2BSandbox) -> bool:
         pipe = self.redis.pipeline(transaction=True)

@@ -54,7 +54,7 @@ def created(sandbox: E2BSandbox) -> dict[str, Any]:
         "clientID": "sandbox-runtime",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": sandbox.access_token,
-        "trafficAccessToken": None,
+        "trafficAccessToken": sandbox.traffic_token or None,
         "domain": None,
     }
 
