@@ -28,13 +28,9 @@ from sandbox_runtime.sandbox.ahead import StartedSandbox
 from sandbox_runtime.sandbox.argv import STUB_PROGRAM
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.egress_port import EgressGate, EgressLease
-from sandbox_runtime.sandbox.host import (
-    STUB_PERL,
-    build_root,
-    make_workspace,
-    relay_problem,
-    stub_problem,
-)
+from sandbox_runtime.sandbox.host import STUB_PERL, build_root, make_workspace
+from sandbox_runtime.sandbox.host import relay_problem, stub_problem
+from sandbox_runtime.sandbox.image_root import ImageRoots
 from sandbox_runtime.sandbox.pipes import Streams, close_all, open_streams, sandbox_fds
 from sandbox_runtime.sandbox.process import SandboxProcess, close_streams, pidfd_of_child
 from sandbox_runtime.sandbox.reaping import children_of as _children  # noqa: F401 (bench/)
@@ -74,6 +70,7 @@ class BubblewrapBackend:
         # The egress proxy (set by the owner once started; None: no sandbox has network).
         self.egress: EgressGate[Any] | None = None
         self.relay_problem: str | None = None  # why sandboxes cannot have egress here
+        self.images: ImageRoots | None = None  # the roots of environments' sandboxes
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -103,6 +100,7 @@ class BubblewrapBackend:
         )
         self._root_dir = self._private_dir / "root"
         build_root(self._root_dir)
+        self.images = ImageRoots(self._private_dir / "images")
         self.relay_problem = relay_problem()
         self.stub_problem = stub_problem()
         self._dev_dir, self.dev_problem = prepare.prebuilt_dev(self._root_dir, self._private_dir)
@@ -155,9 +153,7 @@ class BubblewrapBackend:
         """The host uid sandboxes run as."""
         return self._uid
 
-    @property
-    def sandbox_gid(self) -> int:
-        return self._gid
+    sandbox_gid = property(lambda self: self._gid)
 
     def create_workspace(self, name: str) -> Path:
         """A workspace directory owned by the sandbox user (created if missing)."""
@@ -174,6 +170,8 @@ class BubblewrapBackend:
     ) -> tuple[list[str], list[str]]:
         """bubblewrap's options for `spec` and the command it runs (through the egress relay
         when `lease` is this sandbox's socket on the proxy)."""
+        if spec.image is not None and self.images is not None:  # (built by spawn)
+            return self.images.bwrap_args(spec, self._dev_dir, lease)
         if self._fixed is None:  # (the options every sandbox shares: computed once)
             assert self._root_dir is not None
             self._fixed = argv.fixed_args(self._root_dir, self.config.runtime_dir, argv.root_tops())
@@ -192,7 +190,9 @@ class BubblewrapBackend:
             raise SandboxUnavailableError(self.unavailable_reason or "sandbox backend not started")
         validate_command(spec.argv)
         spec.env = validate_env(spec.env)
-        assert self._seccomp_path is not None
+        assert self._seccomp_path is not None and self.images is not None
+        if spec.image:  # (its root is built once, then shared by its sandboxes)
+            await asyncio.to_thread(self.images.build, spec.image)
         lease = await self._egress_lease(spec)
         try:
             proc = await self._spawn(spec, lease)
@@ -214,6 +214,7 @@ class BubblewrapBackend:
             and (spec.egress is None or not spec.egress.enabled)
             and spec.kernel_dir is None is spec.server_dir is spec.bridge_dir
             and not spec.loopback_inet
+            and spec.image is None  # (the pool's sandboxes are on the default root)
         )
 
     async def prestart(self, workspace: Path, limits: SandboxLimits) -> StartedSandbox:
@@ -284,17 +285,16 @@ class BubblewrapBackend:
         await started.proc.aclose()
 
     async def _egress_lease(self, spec: SandboxSpec) -> EgressLease | None:
-        """This sandbox's socket on the egress proxy, if its policy allows anything.
-        Raises SandboxUnavailableError, SandboxSpawnError (fails closed: no sandbox starts
-        with a network it was to have but without the proxy between)."""
+        """This sandbox's socket on the egress proxy, if its policy allows anything. Raises
+        SandboxUnavailableError, SandboxSpawnError (fails closed: never a network unproxied)."""
         if spec.egress is None or not spec.egress.enabled:
             return None
-        if self.relay_problem is not None:
-            raise SandboxUnavailableError(f"egress unavailable: {self.relay_problem}")
+        problem = self.relay_problem or (spec.image and self.images and self.images.relay_problem)
+        if problem:
+            raise SandboxUnavailableError(f"egress unavailable: {problem}")
         if self.egress is None:
             raise SandboxUnavailableError("egress unavailable: the egress proxy is not running")
-        lease: EgressLease = await self.egress.open(spec.egress, spec.on_denied)
-        return lease
+        return await self.egress.open(spec.egress, spec.on_denied)  # type: ignore[no-any-return]
 
     async def _spawn(
         self, spec: SandboxSpec, lease: EgressLease | None, command_r: int | None = None
