@@ -268,6 +268,24 @@ class Settings(BaseSettings):
         "private, loopback, link-local and the host's own addresses are refused otherwise, "
         "metadata addresses unless named exactly.",
     )
+    environment_max_mb: int = Field(
+        4096,
+        ge=16,
+        description="Largest environment (root filesystem) a build or an import may make, in "
+        "MiB; past it the build stops and the previous environment of that name stays.",
+    )
+    environment_build_allow: str = Field(
+        "deb.debian.org,security.debian.org,pypi.org,files.pythonhosted.org,proxy.golang.org,"
+        "sum.golang.org,cloud.r-project.org",
+        description="Names a Dockerfile's RUN steps may reach through the egress proxy (same "
+        "syntax as SANDBOX_EGRESS_ALLOW): the package registries; empty: RUN has no network.",
+    )
+    environment_build_timeout: int = Field(
+        1800,
+        ge=10,
+        le=86400,
+        description="Seconds one RUN step (or one `FROM debian:` bootstrap) may take.",
+    )
     egress_resolver: str = Field(
         "",
         description="DNS servers the proxy asks, `host[:port]` comma-separated; default the "
@@ -642,6 +660,10 @@ class Settings(BaseSettings):
 
     def servers_path(self) -> Path:
         return self.servers_file or self.state_dir / "servers.toml"
+
+    def environments_path(self) -> Path:
+        """Environments: roots by digest, names as pointers (environments/store.py)."""
+        return self.state_dir / "environments"
 
     def servers_dir(self) -> Path:
         """Hosted servers' installs (`install/<name>`) and logs (`logs/<name>.log`)."""
