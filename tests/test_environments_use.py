@@ -8,14 +8,18 @@ laid out as the store keeps roots (a directory per root)."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import started_backend
+from mcp_harness import ServerProcess, open_client, running_server
 
+from sandbox_runtime.environments.store import EnvironmentStore
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxSpec
 from sandbox_runtime.sandbox.spec import ImageRoot, shell_argv
 
@@ -81,7 +85,7 @@ async def run(
             limits=backend.config.limits,
             timeout=30,
             image=image,
-        )  # fmt: skip
+        )
     )
     try:
         out, err, outcome = await asyncio.gather(
@@ -128,9 +132,10 @@ async def test_a_hostile_environment_gives_nothing(
 ) -> None:
     _, hostile = images
     async with started_backend(tmp_path) as backend:
-        code, out, err = await run(
+        _, out, err = await run(
             backend, hostile,
-            "/usr/share/suid/busybox id -u; /usr/share/suid/busybox cat /proc/self/status | grep -E '^(Uid|NoNewPrivs)';"
+            "/usr/share/suid/busybox id -u;"
+            " /usr/share/suid/busybox cat /proc/self/status | grep -E '^(Uid|NoNewPrivs)';"
             " cat /usr/share/mem > /dev/null && echo MEM-READ;"
             " cat /usr/share/shadow && echo SHADOW-READ; cat /etc/shadow && echo SHADOW2;"
             " grep -c . /etc/passwd; ls /usr/share/everything/ ; ls /var/ | wc -l",
@@ -161,3 +166,78 @@ async def test_every_layer_holds_on_an_environment(
             "Seccomp:\t2" in out and "NoNewPrivs:\t1" in out and "CapEff:\t0000000000000000" in out
         )
         assert code == 0, err
+
+
+# -- sessions on environments, through the real server ----------------------------------------
+
+ALICE, BOB = "alice-token-" + "a" * 20, "bob-token-" + "b" * 22
+
+
+def install(state_dir: Path, image: ImageRoot, description: str) -> None:
+    """Put `image`'s tree into the server's environment store as a build would (root by
+    digest, configuration, name)."""
+    store = EnvironmentStore(state_dir / "environments")
+    digest = "sha256:" + hashlib.sha256(image.name.encode()).hexdigest()
+    root_digest = "sha256:" + hashlib.sha256(b"root " + image.name.encode()).hexdigest()
+    store.tmp.mkdir(parents=True, exist_ok=True)
+    tree = store.tmp / image.name
+    shutil.copytree(image.root, tree, symlinks=True)
+    store.add_root(tree, root_digest)
+    os.chmod(store.base, 0o755)
+    for part in (store.roots, store.root_path(root_digest)):
+        os.chmod(part, 0o755)
+    config = {"root_digest": root_digest, "env": dict(image.env), "workdir": image.workdir,
+              "user": image.user, "description": description, "size_bytes": 3 << 20}  # fmt: skip
+    store.add_image(digest, config)
+    store.point(image.name, digest)
+
+
+@pytest.fixture(scope="module")
+def env_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    workdir = tmp_path_factory.mktemp("envs")
+    settings = {"SANDBOX_AUTH_TOKENS": f"alice:{ALICE},bob:{BOB}",
+                "SANDBOX_ENVIRONMENTS_ALLOW": "alice=*;*=tiny"}  # fmt: skip
+    with running_server(workdir, **settings) as server:
+        base = tmp_path_factory.mktemp("trees")
+        os.chmod(base, 0o755)
+        install(server.state_dir, tiny_environment(base, "tiny"), "busybox only")
+        install(server.state_dir, tiny_environment(base, "other"), "another tiny one")
+        yield server
+
+
+async def test_sessions_run_on_the_environment_they_chose(env_server: ServerProcess) -> None:
+    async with open_client(env_server.url, ALICE) as conn:
+        listed = await conn.call("list_environments")
+        names = [e["name"] for e in (listed.structured_content or {})["environments"]]
+        assert names == ["default", "other", "tiny"]
+        text = listed.content[0].text  # type: ignore[union-attr]
+        assert "tiny (shell only, 3 MB) - busybox only" in text
+        a, b = await asyncio.gather(
+            conn.ok("execute_code", session="a", image="tiny",
+                    command="cat /etc/os-release; whoami; echo $TINY_HOME"),
+            conn.ok("execute_code", session="b", command="test -x /usr/bin/perl && echo perl"),
+        )  # fmt: skip
+        out_a = "".join(e.get("data") or "" for e in a["output"])
+        assert 'PRETTY_NAME="tiny env"' in out_a and "analyst" in out_a and "/opt/tool" in out_a
+        assert "perl" in "".join(e.get("data") or "" for e in b["output"])
+        # Fixed by the first sandbox: a later call naming another is refused, saying how.
+        error = await conn.error("execute_code", session="a", image="other", command="true")
+        assert "runs on environment 'tiny'" in error and "new session" in error
+        error = await conn.error("execute_code", session="b", image="tiny", command="true")
+        assert "runs on environment 'default'" in error
+        again = await conn.ok("execute_code", session="a", command="cat /etc/os-release")
+        assert "tiny env" in "".join(e.get("data") or "" for e in again["output"])
+        same = await conn.ok("execute_code", session="a", image="tiny", command="true")
+        assert same["exit_code"] == 0
+        error = await conn.error("execute_code", session="c", image="nope", command="true")
+        assert "no environment 'nope'" in error and "default, other, tiny" in error
+
+
+async def test_the_operator_chooses_who_may_use_which(env_server: ServerProcess) -> None:
+    async with open_client(env_server.url, BOB) as conn:
+        listed = await conn.ok("list_environments")
+        assert [e["name"] for e in listed["environments"]] == ["default", "tiny"]
+        error = await conn.error("execute_code", session="x", image="other", command="true")
+        assert "no environment 'other' you may use" in error
+        done = await conn.ok("execute_code", session="y", image="tiny", command="whoami")
+        assert done["exit_code"] == 0

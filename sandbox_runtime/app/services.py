@@ -49,7 +49,9 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.secrets import broker_from_settings
 from sandbox_runtime.egress.supervisor import EgressProxy
+from sandbox_runtime.environments.store import EnvironmentStore
 from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.execution.images import SessionImages, parse_allow
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.files.urls import FileUrlSigner, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager
@@ -231,6 +233,9 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             egress=egress,
         )
         _link(workspaces, pool, manager, metrics)
+        manager.images = SessionImages(  # (a wrong SANDBOX_ENVIRONMENTS_ALLOW stops the start)
+            EnvironmentStore(settings.environments_path()), parse_allow(settings.environments_allow)
+        )
         workspaces.refill = lambda: _spawn_fill(supervisor, workspaces)
 
         interpreters = InterpreterManager(settings, manager)

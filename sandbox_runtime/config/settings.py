@@ -274,6 +274,13 @@ class Settings(BaseSettings):
         description="Largest environment (root filesystem) a build or an import may make, in "
         "MiB; past it the build stops and the previous environment of that name stays.",
     )
+    environments_allow: str = Field(
+        "",
+        description="Which environments each principal may name in `image` (execute_code, "
+        "run_code): `PRINCIPAL=NAME,NAME` entries separated by `;`, `*` for every other "
+        "principal or every environment (e.g. `alice=r,go;*=default`); `default` is always "
+        "allowed. Empty: everyone may use every environment.",
+    )
     environment_build_allow: str = Field(
         "deb.debian.org,security.debian.org,pypi.org,files.pythonhosted.org,proxy.golang.org,"
         "sum.golang.org,cloud.r-project.org",

@@ -28,8 +28,13 @@ from sandbox_runtime.sandbox.ahead import StartedSandbox
 from sandbox_runtime.sandbox.argv import STUB_PROGRAM
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.egress_port import EgressGate, EgressLease
-from sandbox_runtime.sandbox.host import STUB_PERL, build_root, make_workspace
-from sandbox_runtime.sandbox.host import relay_problem, stub_problem
+from sandbox_runtime.sandbox.host import (
+    STUB_PERL,
+    build_root,
+    make_workspace,
+    relay_problem,
+    stub_problem,
+)
 from sandbox_runtime.sandbox.image_root import ImageRoots
 from sandbox_runtime.sandbox.pipes import Streams, close_all, open_streams, sandbox_fds
 from sandbox_runtime.sandbox.process import SandboxProcess, close_streams, pidfd_of_child
@@ -294,7 +299,7 @@ class BubblewrapBackend:
             raise SandboxUnavailableError(f"egress unavailable: {problem}")
         if self.egress is None:
             raise SandboxUnavailableError("egress unavailable: the egress proxy is not running")
-        return await self.egress.open(spec.egress, spec.on_denied)  # type: ignore[no-any-return]
+        return await self.egress.open(spec.egress, spec.on_denied)
 
     async def _spawn(
         self, spec: SandboxSpec, lease: EgressLease | None, command_r: int | None = None

@@ -28,7 +28,7 @@ import stat
 from pathlib import Path
 
 from sandbox_runtime.errors import SandboxUnavailableError
-
+from sandbox_runtime.sandbox import argv
 from sandbox_runtime.sandbox.egress_port import SOCKET_DIR, EgressLease
 from sandbox_runtime.sandbox.host import (
     BRIDGE_DIR,
@@ -43,7 +43,6 @@ from sandbox_runtime.sandbox.host import (
     SERVER_DIR,
     WORKSPACE,
 )
-from sandbox_runtime.sandbox import argv
 from sandbox_runtime.sandbox.spec import HOST_DIR, ImageLayout, ImageRoot, SandboxSpec
 
 # The environment's top-level directories bound into the sandbox (those it has as real

@@ -38,7 +38,7 @@ from sandbox_runtime.server.results import (
     status_of,
 )
 from sandbox_runtime.server.results import ExecutionResult as ExecutionResult
-from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
+from sandbox_runtime.server.schemas import EnvironmentArg, ImageArg, SandboxConfigArg
 from sandbox_runtime.server.screens import (
     cancel_screen,
     execution_screen,
@@ -122,6 +122,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         wait_for_completion: WaitArg = True,
         session: SessionArg = None,
         servers: ServersArg = None,
+        image: ImageArg = None,
         response_format: FormatArg = "concise",
         max_chars: MaxCharsArg = None,
     ) -> ToolResult:
@@ -135,6 +136,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
             **({"servers": servers} if servers is not None else {}),
+            **({"image": image} if image is not None else {}),
         }
         return await execute(
             root.services, ctx, session, request, wait_for_completion, "execute_code"
@@ -151,6 +153,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
         servers: ServersArg = None,
+        image: ImageArg = None,
     ) -> ToolResult:
         """Start a long or interactive command and return its execution_id at once (then
         get_execution_output, send_stdin, cancel_execution)."""
@@ -162,6 +165,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
             **({"servers": servers} if servers is not None else {}),
+            **({"image": image} if image is not None else {}),
         }
         return await execute(root.services, ctx, session, request, False, "execute_code_async")
 

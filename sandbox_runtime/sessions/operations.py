@@ -60,6 +60,7 @@ REQUEST_FIELDS = frozenset(
         "environment",
         "sandbox_config",
         "servers",
+        "image",
     )
 )
 
