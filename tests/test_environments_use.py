@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import ipaddress
 import os
 import shutil
 import stat
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import started_backend
-from mcp_harness import ServerProcess, open_client, running_server
+from mcp_harness import ServerProcess, Servers, open_client, running_server
+from netlab import NetLab, netlab_fixture
 
 from sandbox_runtime.environments.store import EnvironmentStore
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxSpec
@@ -25,7 +27,7 @@ from sandbox_runtime.sandbox.spec import ImageRoot, shell_argv
 
 BUSYBOX = "/usr/bin/busybox"  # static: runs on any root
 TOOLS = ("sh", "id", "cat", "ls", "test", "echo", "grep", "whoami", "unshare", "env", "pwd",
-         "wc", "stat", "touch")  # fmt: skip
+         "wc", "stat", "touch", "wget", "ps")  # fmt: skip
 
 
 def tiny_environment(base: Path, name: str, hostile: bool = False) -> ImageRoot:
@@ -241,3 +243,39 @@ async def test_the_operator_chooses_who_may_use_which(env_server: ServerProcess)
         assert "no environment 'other' you may use" in error
         done = await conn.ok("execute_code", session="y", image="tiny", command="whoami")
         assert done["exit_code"] == 0
+
+
+# -- egress on an environment without Python ---------------------------------------------------
+
+EGRESS_TOKEN = "env-egress-token-0123456789"
+lab = netlab_fixture(scope="module", name="lab")
+
+
+@pytest.fixture(scope="module")
+def egress_server(
+    lab: NetLab, tmp_path_factory: pytest.TempPathFactory, serve: Servers
+) -> ServerProcess:
+    lab.set_dns({"allowed.test": [lab.origin_ip], "other.test": [lab.origin_ip]})
+    network = ipaddress.ip_interface(f"{lab.host_ip}/30").network
+    server = serve("env-egress", SANDBOX_AUTH_TOKEN=EGRESS_TOKEN,
+                   SANDBOX_EGRESS_ALLOW="allowed.test", SANDBOX_EGRESS_ALLOW_CIDRS=str(network),
+                   SANDBOX_EGRESS_RESOLVER=lab.resolver)  # fmt: skip
+    base = tmp_path_factory.mktemp("egress-trees")
+    os.chmod(base, 0o755)
+    install(server.state_dir, tiny_environment(base, "tiny"), "busybox only")
+    return server
+
+
+async def test_egress_holds_on_an_environment_without_python(egress_server: ServerProcess) -> None:
+    """The relay (a Python program) runs on the host's Python through the host's loader: the
+    environment has no Python at all; the policy is the same as on the default root."""
+    async with open_client(egress_server.url, EGRESS_TOKEN) as conn:
+        done = await conn.ok(
+            "execute_code", session="net", image="tiny",
+            command="test -e /usr/bin/python3 || echo no-python;"
+            " echo allowed=$(wget -q -O - http://allowed.test/hello);"
+            " wget -q -O - http://other.test/hello || echo other-refused; ps -o pid,args | head",
+        )  # fmt: skip
+        out = "".join(e.get("data") or "" for e in done["output"])
+        assert "no-python" in out and "allowed=hello from origin 80" in out, out
+        assert "other-refused" in out, out
