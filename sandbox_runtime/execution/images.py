@@ -19,6 +19,7 @@ from typing import Any
 
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.environments.store import (
+    DEFAULT,
     DEFAULT_NAME,
     Environment,
     EnvironmentsError,
@@ -60,6 +61,7 @@ class SessionImages:
         self.allow = allow
         self.records = store.base / "sessions"
         self._known: dict[str, dict[str, str]] = {}
+        self._found: dict[str, Environment] = {}  # by digest (a stored one never changes)
 
     def allowed(self, principal: str, name: str) -> bool:
         """Whether `principal` may run on environment `name` (`default` always)."""
@@ -125,10 +127,30 @@ class SessionImages:
         return image_of(env)
 
     async def _by_digest(self, digest: str) -> Environment:
+        if digest in self._found:
+            return self._found[digest]
         try:
-            return await self.store.ensure(digest)
+            env = await self.store.ensure(digest)
         except EnvironmentsError as exc:
             raise SandboxUnavailableError(f"this session's environment is missing: {exc}") from exc
+        self._found[digest] = env
+        return env
+
+    def session_environment(self, owner: Owner) -> Environment | None:
+        """The session's environment when it is not the default (None: the default, or not
+        chosen yet). Raises SandboxUnavailableError when it is not on this replica (for_call
+        brings it first)."""
+        record = self.recorded(owner)
+        if record is None or record["digest"] == DEFAULT.digest:
+            return None
+        env = self._found.get(record["digest"]) or self.store.by_digest(record["digest"])
+        if env is None:
+            raise SandboxUnavailableError(
+                f"this session's environment {record['name']!r} is not on this replica: "
+                "retry the call (it is fetched by the session's first call here)"
+            )
+        self._found[record["digest"]] = env
+        return env
 
     def describe(self, principal: str, default_languages: list[str]) -> list[dict[str, Any]]:
         """The environments `principal` may use: name, description, languages (run_code's;

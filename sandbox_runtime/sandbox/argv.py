@@ -141,6 +141,11 @@ def fixed_args(
         args += ["--ro-bind", str(image.root_dir), "/"]
         for source, inside in image.binds:
             args += ["--ro-bind", source, inside]
+        # The host's /usr and the runtime, out of the way, for what runs on the host's Python
+        # in every environment: the egress relay, the kernels' pipe (image_root.py).
+        args += ["--ro-bind", "/usr", f"{HOST_DIR}/usr"]
+        if runtime_dir is not None:
+            args += ["--ro-bind", str(runtime_dir), RUNTIME]
         return [*args, "--proc", "/proc"]
     args += ["--ro-bind", str(root_dir), "/", "--ro-bind", "/usr", "/usr"]
     if runtime_dir is not None:
@@ -198,8 +203,6 @@ def bwrap_args(
         args += ["--ro-bind", str(lease.host_dir), SOCKET_DIR, "--as-pid-1"]
         if lease.trust_bundle is not None:
             args += ["--ro-bind", str(lease.trust_bundle), TRUST_BUNDLE]
-        if image is not None:
-            args += ["--ro-bind", "/usr", f"{HOST_DIR}/usr"]
     cwd = spec.cwd
     if image is not None and cwd == WORKSPACE:
         cwd = image.cwd

@@ -105,7 +105,7 @@ class BubblewrapBackend:
         )
         self._root_dir = self._private_dir / "root"
         build_root(self._root_dir)
-        self.images = ImageRoots(self._private_dir / "images")
+        self.images = ImageRoots(self._private_dir / "images", self.config.runtime_dir)
         self.relay_problem = relay_problem()
         self.stub_problem = stub_problem()
         self._dev_dir, self.dev_problem = prepare.prebuilt_dev(self._root_dir, self._private_dir)

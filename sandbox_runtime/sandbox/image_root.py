@@ -10,10 +10,12 @@ nosuid and nodev, so a setuid file or a device node in an environment gives noth
 resolve inside the sandbox, never on the host: a top-level link is recreated as a link (bwrap
 would follow it on the host), never bound.
 
-The egress relay is a Python program: an environment may have no Python, or one too old for
-it. With egress, the host's /usr is bound read-only at HOST_DIR/usr and the relay runs on the
-host's Python through the host's own dynamic loader (the environment's loader and libc may
-differ from the ones the host's Python was built for).
+The egress relay and the kernels' pipe are Python programs: an environment may have no
+Python, or one too old for them. The host's /usr is bound read-only at HOST_DIR/usr (and the
+runtime at /opt/srt-runtime) and they run on the host's Python through the host's own dynamic
+loader (the environment's loader and libc may differ from the ones the host's Python was built
+for). That is what the default root shows every sandbox anyway, out of the way here: nothing
+on the environment's PATH.
 """
 
 from __future__ import annotations
@@ -206,8 +208,9 @@ class ImageRoots:
     """The roots built for environments, one per environment (by digest) for as long as the
     backend runs, under `directory` (in its private directory), with their shared options."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, runtime_dir: Path | None) -> None:
         self.directory = directory
+        self.runtime_dir = runtime_dir
         self._built: dict[str, tuple[ImageLayout, list[str]]] = {}
         self.relay_python, self.relay_problem = host_relay_argv()
 
@@ -231,7 +234,7 @@ class ImageRoots:
                 f"the environment {image.name!r} cannot be used: {exc}; rebuild or re-import it "
                 "(`srt-mcp-server env inspect NAME` shows where its root is)"
             ) from exc
-        self._built[image.digest] = (layout, argv.fixed_args(dest, None, [], layout))
+        self._built[image.digest] = (layout, argv.fixed_args(dest, self.runtime_dir, [], layout))
 
     def bwrap_args(
         self, spec: SandboxSpec, dev_dir: Path | None, lease: EgressLease | None

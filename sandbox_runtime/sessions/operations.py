@@ -163,6 +163,7 @@ async def run_code(
         args.get("environment"),
         args.get("sandbox_config"),
         args.get("servers"),
+        args.get("image"),
     )
     extra: dict[str, Any] = {"language": execution.info.language}
     if reset is not None:

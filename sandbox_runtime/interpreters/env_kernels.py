@@ -1,0 +1,84 @@
+"""Interpreters on an environment (DESIGN §21): the kernels are the environment's own (its
+Jupyter kernelspecs, e.g. IRkernel's `ir` for run_code(language="r")), run in a sandbox on
+its root.
+
+Between the host and a kernel sits our pipe (runtime_files/srt_kernel_pipe.py): Python with
+pyzmq. An environment need not have either (an R one has neither), so the pipe runs as the
+egress relay does: on the host's Python through the host's loader (the host's /usr is bound
+read-only at HOST_DIR/usr on every environment's sandbox), importing pyzmq from the runtime
+(bound at /opt/srt-runtime, built for that same Python). The kernel itself is started by the
+pipe as a plain child: the environment's program, its libraries, its PATH. It listens on
+loopback TCP (a kernel's ipc naming is not the same everywhere: IRkernel's is not Jupyter's).
+"""
+
+from __future__ import annotations
+
+import glob
+from pathlib import Path
+
+from sandbox_runtime.domain.owner import Owner
+from sandbox_runtime.environments.store import Environment
+from sandbox_runtime.errors import InvalidRequestError, SandboxUnavailableError
+from sandbox_runtime.execution.images import SessionImages, image_of
+from sandbox_runtime.interpreters.runtime import KernelSpec
+from sandbox_runtime.sandbox.host import RUNTIME
+from sandbox_runtime.sandbox.spec import ImageRoot
+
+# Runs the pipe with the runtime's site-packages first on sys.path (-I leaves out every
+# variable and user directory: the environment's PYTHONPATH never reaches the pipe).
+PIPE_BOOT = (
+    "import runpy, sys; sys.path.insert(0, sys.argv[1]); sys.argv = sys.argv[2:];"
+    " runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
+def environment_spec(env: Environment, image: ImageRoot, language: str) -> KernelSpec:
+    """The kernel of `language` (base name, lower case) in `env`. Raises InvalidRequestError
+    when it has none."""
+    found = env.kernelspecs.get(language)
+    if found is None:
+        found = next((k for k in env.kernelspecs.values() if k.language.lower() == language), None)
+    if found is None:
+        have = ", ".join(sorted(env.kernelspecs)) or "none"
+        raise InvalidRequestError(
+            f"the environment {env.name!r} has no {language} kernel (its languages: {have}); "
+            "execute_code runs any program it has, or use an environment with a Jupyter "
+            f"kernelspec for {language} (list_environments)"
+        )
+    return KernelSpec(
+        language=language,
+        kernel=language,
+        argv=list(found.argv),
+        tcp=True,
+        linger=0.1,
+        display_name=found.display_name,
+        image=image,
+    )
+
+
+def pipe_argv(relay_python: list[str], runtime_dir: Path | None, pipe: str) -> list[str]:
+    """How the pipe starts in a sandbox on an environment (then its own arguments).
+    Raises SandboxUnavailableError when the host cannot run it there."""
+    sites = (
+        sorted(glob.glob(str(runtime_dir / "lib" / "python3*" / "site-packages")))
+        if runtime_dir
+        else []
+    )
+    if not relay_python or not sites:
+        raise SandboxUnavailableError(
+            "interpreters on environments need the host's python3 and the runtime (pyzmq) "
+            "installed: run `srt-mcp-server runtime install`"
+        )
+    site = RUNTIME + sites[0].removeprefix(str(runtime_dir))
+    return [*relay_python, "-I", "-c", PIPE_BOOT, site, pipe]
+
+
+def session_spec(images: SessionImages | None, owner: Owner, language: str) -> KernelSpec | None:
+    """The kernel of `language` (its base name, lower case) for `owner`'s session when it runs
+    on an environment (None: the default's, the runtime's). Raises InvalidRequestError,
+    SandboxUnavailableError."""
+    env = images.session_environment(owner) if images is not None else None
+    image = image_of(env) if env is not None else None
+    if env is None or image is None:
+        return None
+    return environment_spec(env, image, language)
