@@ -13,13 +13,23 @@ import ipaddress
 import os
 import shutil
 import stat
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import started_backend
-from mcp_harness import ServerProcess, Servers, open_client, running_server
+from mcp_harness import (
+    ServerProcess,
+    Servers,
+    eventually,
+    open_client,
+    replica_process,
+    running_server,
+)
 from netlab import NetLab, netlab_fixture
+from redis_harness import RedisServer
 
 from sandbox_runtime.environments.store import EnvironmentStore
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxSpec
@@ -279,3 +289,53 @@ async def test_egress_holds_on_an_environment_without_python(egress_server: Serv
         out = "".join(e.get("data") or "" for e in done["output"])
         assert "no-python" in out and "allowed=hello from origin 80" in out, out
         assert "other-refused" in out, out
+
+
+# -- a session re-homed on another replica keeps its environment -------------------------------
+
+REPLICA_TOKEN = "env-replica-token-0123456789"
+
+
+def output_of(result: dict[str, Any]) -> str:
+    return "".join(e.get("data") or "" for e in result["output"])
+
+
+async def test_a_rehomed_session_keeps_its_environment(
+    tmp_path: Path, redis_server: RedisServer, serve: Servers
+) -> None:
+    """Two replicas with state directories of their own, one snapshot store: the session's
+    environment travels in its snapshot (by digest) and the replica it moves to runs it on
+    the same one; naming another there is still refused."""
+    store = str(tmp_path / "shared-store")
+    base = tmp_path / "trees"
+    base.mkdir(mode=0o755)
+    replicas = []
+    for name in ("ea", "eb"):
+        server = replica_process(tmp_path, redis_server.url, f"{name}-{uuid.uuid4().hex[:6]}",
+                                 REPLICA_TOKEN, SANDBOX_SNAPSHOT_STORE=store,
+                                 SANDBOX_WORKSPACE_POOL="0")  # fmt: skip
+        replicas.append(serve.add(server))
+        install(server.state_dir, tiny_environment(base / name, "tiny"), "busybox only")
+        install(server.state_dir, tiny_environment(base / name, "other"), "another")
+    a, b = replicas
+    session = f"e-{uuid.uuid4().hex[:8]}"
+    async with open_client(a.url, REPLICA_TOKEN) as on_a:
+        done = await on_a.ok("execute_code", session=session, image="tiny",
+                             command="echo kept > f.txt; whoami")  # fmt: skip
+        assert output_of(done) == "analyst\n"
+        taken = await on_a.ok("snapshot_session", session=session)
+        assert taken["environment"]["name"] == "tiny", taken
+    a.stop(timeout=60)
+    async with open_client(b.url, REPLICA_TOKEN) as on_b:
+
+        async def moved() -> dict[str, Any] | None:
+            result = await on_b.call("execute_code", session=session,
+                                     command="cat f.txt; cat /etc/os-release; whoami")  # fmt: skip
+            return None if result.is_error else dict(result.structured_content or {})
+
+        result = await eventually(moved, 30, "the session to be re-homed", interval=0.5)
+        assert result["session_reset"]["restored_from"], result
+        out = output_of(result)
+        assert out.startswith("kept\n") and "tiny env" in out and "analyst" in out, out
+        error = await on_b.error("execute_code", session=session, image="other", command="true")
+        assert "runs on environment 'tiny'" in error

@@ -269,6 +269,9 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             closing.add(queue.redis.aclose)
         router = Router(settings, parts, cluster, queue if settings.role == "api" else None)
         snapshots.still_home = _still_home(cluster, router)
+        if manager.images is not None:
+            snapshots.environment_of = manager.images.recorded
+            snapshots.adopt_environment = manager.images.adopt
         triggers = Triggers(
             snapshots,
             lambda: [owner for _, owner in router.placements.homed_at(settings.replica_id)],
