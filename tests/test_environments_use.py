@@ -8,11 +8,14 @@ laid out as the store keeps roots (a directory per root)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import ipaddress
+import json
 import os
 import shutil
 import stat
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +23,7 @@ from typing import Any
 
 import pytest
 from conftest import started_backend
+from mcp.types import ImageContent
 from mcp_harness import (
     ServerProcess,
     Servers,
@@ -185,21 +189,24 @@ async def test_every_layer_holds_on_an_environment(
 ALICE, BOB = "alice-token-" + "a" * 20, "bob-token-" + "b" * 22
 
 
-def install(state_dir: Path, image: ImageRoot, description: str) -> None:
+def install(
+    state_dir: Path, image: ImageRoot, description: str, kernelspecs: dict[str, Any] | None = None
+) -> None:
     """Put `image`'s tree into the server's environment store as a build would (root by
-    digest, configuration, name)."""
+    digest, configuration, name); the tree is linked, not copied (cp -al)."""
     store = EnvironmentStore(state_dir / "environments")
     digest = "sha256:" + hashlib.sha256(image.name.encode()).hexdigest()
     root_digest = "sha256:" + hashlib.sha256(b"root " + image.name.encode()).hexdigest()
     store.tmp.mkdir(parents=True, exist_ok=True)
     tree = store.tmp / image.name
-    shutil.copytree(image.root, tree, symlinks=True)
+    subprocess.run(["cp", "-al", str(image.root), str(tree)], check=True)
     store.add_root(tree, root_digest)
     os.chmod(store.base, 0o755)
     for part in (store.roots, store.root_path(root_digest)):
         os.chmod(part, 0o755)
     config = {"root_digest": root_digest, "env": dict(image.env), "workdir": image.workdir,
-              "user": image.user, "description": description, "size_bytes": 3 << 20}  # fmt: skip
+              "user": image.user, "description": description, "size_bytes": 3 << 20,
+              "kernelspecs": kernelspecs or {}}  # fmt: skip
     store.add_image(digest, config)
     store.point(image.name, digest)
 
@@ -339,3 +346,60 @@ async def test_a_rehomed_session_keeps_its_environment(
         assert out.startswith("kept\n") and "tiny env" in out and "analyst" in out, out
         error = await on_b.error("execute_code", session=session, image="other", command="true")
         assert "runs on environment 'tiny'" in error
+
+
+# -- R and Go environments from the distribution's packages -----------------------------------
+
+
+def debian_root(base: Path, packages: list[str]) -> Path:
+    """A bookworm root with `packages` (mmdebstrap, minbase), world-readable as a store's."""
+    root = base / "root"
+    subprocess.run(["mmdebstrap", "--variant=minbase", "--quiet", f"--include={','.join(packages)}",
+                    "bookworm", str(root)], check=True, timeout=900)  # fmt: skip
+    os.chmod(base, 0o755)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lang_server(tmp_path_factory: pytest.TempPathFactory, serve: Servers) -> ServerProcess:
+    server = serve("env-langs")
+    r = debian_root(tmp_path_factory.mktemp("r"), ["r-base-core", "r-cran-irkernel",
+                                                   "fonts-dejavu-core"])  # fmt: skip
+    spec = json.loads((r / "usr/share/jupyter/kernels/ir/kernel.json").read_text())
+    kernel = {"argv": spec["argv"], "display_name": spec["display_name"], "language": "r"}
+    install(server.state_dir, ImageRoot("r", "", r, (("LANG", "C.UTF-8"),)), "R 4 with IRkernel",
+            {"r": kernel})  # fmt: skip
+    go = debian_root(tmp_path_factory.mktemp("go"), ["golang-go", "ca-certificates"])
+    install(server.state_dir, ImageRoot("go", "", go, (("GOCACHE", "/tmp/go-cache"),
+            ("GOPATH", "/tmp/go"), ("GOFLAGS", "-mod=mod"))), "Go")  # fmt: skip
+    return server
+
+
+async def test_run_code_in_r_computes_and_plots(lang_server: ServerProcess) -> None:
+    async with open_client(lang_server.url, None) as conn:
+        result = await conn.call(
+            "run_code", session="r1", image="r", language="r",
+            code="x <- c(2, 4, 9)\ncat(sprintf('mean=%.1f\\n', mean(x)))\nplot(x, type='l')",
+        )  # fmt: skip
+        assert not result.is_error, result.content
+        structured = result.structured_content or {}
+        text = json.dumps(structured)
+        assert "mean=5.0" in text, text[:2000]
+        images = [b for b in result.content if isinstance(b, ImageContent)]
+        assert images and images[0].mime_type == "image/png", result.content
+        assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
+        # State kept between calls, in the environment's own R.
+        again = await conn.ok("run_code", session="r1", language="r",
+                              code="cat(sum(x), R.version$major)")  # fmt: skip
+        assert "15 4" in json.dumps(again), again
+        error = await conn.error("run_code", session="r1", language="javascript", code="1")
+        assert "has no javascript kernel" in error and "its languages: r" in error
+
+
+async def test_go_run_in_the_go_environment(lang_server: ServerProcess) -> None:
+    program = 'package main\nimport "fmt"\nfunc main() { fmt.Println("sum", 2+40) }\n'
+    async with open_client(lang_server.url, None) as conn:
+        await conn.ok("write_file", session="g1", path="main.go", content=program)
+        done = await conn.ok("execute_code", session="g1", image="go",
+                             command="go run main.go", timeout_seconds=120)  # fmt: skip
+        assert output_of(done).strip() == "sum 42", done
