@@ -280,6 +280,11 @@ class Settings(BaseSettings):
         description="Names a Dockerfile's RUN steps may reach through the egress proxy (same "
         "syntax as SANDBOX_EGRESS_ALLOW): the package registries; empty: RUN has no network.",
     )
+    environment_build_allow_cidrs: str = Field(
+        "",
+        description="Address ranges RUN steps may reach besides those names (a private "
+        "mirror: `10.0.5.0/24`; same syntax as SANDBOX_EGRESS_ALLOW_CIDRS).",
+    )
     environment_build_timeout: int = Field(
         1800,
         ge=10,
