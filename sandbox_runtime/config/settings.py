@@ -268,6 +268,11 @@ class Settings(BaseSettings):
         "private, loopback, link-local and the host's own addresses are refused otherwise, "
         "metadata addresses unless named exactly.",
     )
+    environments_dir: Path | None = Field(
+        None,
+        description="Where environments are kept (roots by digest, names as pointers; "
+        "docs/environments.md); default `<state_dir>/environments`.",
+    )
     environment_max_mb: int = Field(
         4096,
         ge=16,
@@ -668,7 +673,7 @@ class Settings(BaseSettings):
 
     def environments_path(self) -> Path:
         """Environments: roots by digest, names as pointers (environments/store.py)."""
-        return self.state_dir / "environments"
+        return self.environments_dir or self.state_dir / "environments"
 
     def servers_dir(self) -> Path:
         """Hosted servers' installs (`install/<name>`) and logs (`logs/<name>.log`)."""
