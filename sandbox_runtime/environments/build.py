@@ -46,6 +46,7 @@ from sandbox_runtime.environments.store import (
     remove_tree,
 )
 from sandbox_runtime.sandbox.egress_port import EgressGate
+from sandbox_runtime.sandbox.host import WORKSPACE
 
 Log = Callable[[str], None]
 CONFIG_KEYS = ("root_digest", "env", "workdir", "user", "labels")
@@ -275,6 +276,7 @@ def finish_root(
 
     clean_leftovers(tree)
     changed = neutralize(tree)
+    ensure_mount_points(tree)
     for what, count in sorted(changed.items()):
         log(f"  {what}: {count}")
     try:
@@ -296,6 +298,20 @@ def finish_root(
 
 
 PATH_DEFAULT = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+# Directories every root has, so a sandbox can mount on them in a read-only root (an
+# imported image may lack them; a directory there already, or a link, is left alone).
+MOUNT_POINTS = {"proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "run": 0o755,
+                "etc": 0o755, "opt": 0o755, "root": 0o700, WORKSPACE.lstrip("/"): 0o755}  # fmt: skip
+
+
+def ensure_mount_points(tree: Path) -> None:
+    for name, mode in MOUNT_POINTS.items():
+        path = tree / name
+        if not path.exists() and not path.is_symlink():
+            path.mkdir()
+            os.chmod(path, mode)
 
 
 def image_digest(config: dict[str, Any]) -> str:

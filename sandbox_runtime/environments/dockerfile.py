@@ -48,12 +48,11 @@ def parse(text: str, name: str = "Dockerfile") -> list[Instruction]:
         parts = [raw]
         while parts[-1].rstrip().endswith("\\") and i < len(lines):
             parts[-1] = parts[-1].rstrip()[:-1]
-            nxt = lines[i]
-            i += 1
-            if nxt.lstrip().startswith("#"):
-                parts.append("")
-                continue
-            parts.append(nxt)
+            while i < len(lines) and lines[i].lstrip().startswith("#"):
+                i += 1  # (a comment inside a continued instruction is dropped)
+            if i < len(lines):
+                parts.append(lines[i])
+                i += 1
         joined = " ".join(p.strip() for p in parts).strip()
         match = _KEYWORD.match(joined)
         if match is None:
