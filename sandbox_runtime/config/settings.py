@@ -268,6 +268,11 @@ class Settings(BaseSettings):
         "private, loopback, link-local and the host's own addresses are refused otherwise, "
         "metadata addresses unless named exactly.",
     )
+    environments_dir: Path | None = Field(
+        None,
+        description="Where environments are kept (roots by digest, names as pointers; "
+        "docs/environments.md); default `<state_dir>/environments`.",
+    )
     environment_max_mb: int = Field(
         4096,
         ge=16,
@@ -286,6 +291,11 @@ class Settings(BaseSettings):
         "sum.golang.org,cloud.r-project.org",
         description="Names a Dockerfile's RUN steps may reach through the egress proxy (same "
         "syntax as SANDBOX_EGRESS_ALLOW): the package registries; empty: RUN has no network.",
+    )
+    environment_build_allow_cidrs: str = Field(
+        "",
+        description="Address ranges RUN steps may reach besides those names (a private "
+        "mirror: `10.0.5.0/24`; same syntax as SANDBOX_EGRESS_ALLOW_CIDRS).",
     )
     environment_build_timeout: int = Field(
         1800,
@@ -670,7 +680,7 @@ class Settings(BaseSettings):
 
     def environments_path(self) -> Path:
         """Environments: roots by digest, names as pointers (environments/store.py)."""
-        return self.state_dir / "environments"
+        return self.environments_dir or self.state_dir / "environments"
 
     def servers_dir(self) -> Path:
         """Hosted servers' installs (`install/<name>`) and logs (`logs/<name>.log`)."""

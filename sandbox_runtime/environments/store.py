@@ -131,7 +131,8 @@ def environment_from(name: str, digest: str, root: Path, config: dict[str, Any])
         kernelspecs=specs,
         languages=sorted(specs),
         size_bytes=int(config.get("size_bytes") or 0),
-        description=config.get("description") or "",
+        description=config.get("description")
+        or (config.get("labels") or {}).get("description", ""),
         labels=dict(config.get("labels") or {}),
         created=float(config.get("created") or 0.0),
     )
