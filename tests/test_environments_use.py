@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import ipaddress
 import json
 import os
@@ -35,9 +34,13 @@ from mcp_harness import (
 from netlab import NetLab, netlab_fixture
 from redis_harness import RedisServer
 
-from sandbox_runtime.environments.store import EnvironmentStore
+from sandbox_runtime.environments.build import image_digest
+from sandbox_runtime.environments.digest import summarize
+from sandbox_runtime.environments.sharing import push
+from sandbox_runtime.environments.store import Environment, EnvironmentStore
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxSpec
 from sandbox_runtime.sandbox.spec import ImageRoot, shell_argv
+from sandbox_runtime.snapshots.stores import open_store
 
 BUSYBOX = "/usr/bin/busybox"  # static: runs on any root
 TOOLS = ("sh", "id", "cat", "ls", "test", "echo", "grep", "whoami", "unshare", "env", "pwd",
@@ -72,7 +75,9 @@ def tiny_environment(base: Path, name: str, hostile: bool = False) -> ImageRoot:
         (root / "var").symlink_to("/etc")
     else:
         (root / "etc").mkdir()
-        (root / "etc" / "os-release").write_text('ID=tiny\nPRETTY_NAME="tiny env"\n')
+        (root / "etc" / "os-release").write_text(
+            f'ID=tiny\nPRETTY_NAME="tiny env"\nVARIANT={name}\n'
+        )
         (root / "etc" / "secret").write_text("root only\n")
         os.chmod(root / "etc" / "secret", 0o600)
     for directory, dirs, _ in os.walk(root):
@@ -191,24 +196,26 @@ ALICE, BOB = "alice-token-" + "a" * 20, "bob-token-" + "b" * 22
 
 def install(
     state_dir: Path, image: ImageRoot, description: str, kernelspecs: dict[str, Any] | None = None
-) -> None:
-    """Put `image`'s tree into the server's environment store as a build would (root by
-    digest, configuration, name); the tree is linked, not copied (cp -al)."""
+) -> Environment:
+    """Put `image`'s tree into the server's environment store as a build would (root by its
+    content digest, configuration by its digest, name); the tree is linked, not copied."""
     store = EnvironmentStore(state_dir / "environments")
-    digest = "sha256:" + hashlib.sha256(image.name.encode()).hexdigest()
-    root_digest = "sha256:" + hashlib.sha256(b"root " + image.name.encode()).hexdigest()
     store.tmp.mkdir(parents=True, exist_ok=True)
     tree = store.tmp / image.name
     subprocess.run(["cp", "-al", str(image.root), str(tree)], check=True)
+    root_digest = summarize(tree).digest
     store.add_root(tree, root_digest)
-    os.chmod(store.base, 0o755)
-    for part in (store.roots, store.root_path(root_digest)):
+    for part in (store.base, store.roots, store.root_path(root_digest)):
         os.chmod(part, 0o755)
     config = {"root_digest": root_digest, "env": dict(image.env), "workdir": image.workdir,
               "user": image.user, "description": description, "size_bytes": 3 << 20,
-              "kernelspecs": kernelspecs or {}}  # fmt: skip
+              "kernelspecs": kernelspecs or {}, "labels": {}}  # fmt: skip
+    digest = image_digest(config)
     store.add_image(digest, config)
     store.point(image.name, digest)
+    env = store.get(image.name)
+    assert env is not None
+    return env
 
 
 @pytest.fixture(scope="module")
@@ -322,9 +329,14 @@ async def test_a_rehomed_session_keeps_its_environment(
                                  REPLICA_TOKEN, SANDBOX_SNAPSHOT_STORE=store,
                                  SANDBOX_WORKSPACE_POOL="0")  # fmt: skip
         replicas.append(serve.add(server))
-        install(server.state_dir, tiny_environment(base / name, "tiny"), "busybox only")
         install(server.state_dir, tiny_environment(base / name, "other"), "another")
     a, b = replicas
+    # Only A has `tiny`; it is pushed to the shared store (`env push`), B fetches it by digest.
+    tiny = install(a.state_dir, tiny_environment(base / "ea", "tiny"), "busybox only")
+    shared = open_store(store, tmp_path / "unused", endpoint=None, region="", timeout=10)
+    assert shared is not None
+    await push(EnvironmentStore(a.state_dir / "environments"), tiny, shared, print)
+    assert EnvironmentStore(b.state_dir / "environments").by_digest(tiny.digest) is None
     session = f"e-{uuid.uuid4().hex[:8]}"
     async with open_client(a.url, REPLICA_TOKEN) as on_a:
         done = await on_a.ok("execute_code", session=session, image="tiny",
@@ -346,6 +358,7 @@ async def test_a_rehomed_session_keeps_its_environment(
         assert out.startswith("kept\n") and "tiny env" in out and "analyst" in out, out
         error = await on_b.error("execute_code", session=session, image="other", command="true")
         assert "runs on environment 'tiny'" in error
+    assert EnvironmentStore(b.state_dir / "environments").by_digest(tiny.digest) is not None
 
 
 # -- R and Go environments from the distribution's packages -----------------------------------

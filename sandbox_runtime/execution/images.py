@@ -1,8 +1,9 @@
 """Which environment a session's sandboxes run on (DESIGN §21): named by a call's `image`,
 allowed per principal by the operator, fixed when the session's first sandbox starts.
 
-The choice is recorded on the session's home (`<state_dir>/environments/sessions/`, root's,
-by workspace name: never in the workspace, which the sandbox may write) as the environment's
+The choice is recorded on the session's home (`<state_dir>/session-environments/`, root's,
+by workspace name: never in the workspace, which the sandbox may write; not beside the
+environments, which several servers may share) as the environment's
 name and content digest; snapshots carry it (snapshots/service.py), so a session restored on
 another replica goes on on the same environment, fetched there by digest when missing
 (EnvironmentStore.ensure). A later call naming another environment is refused: the session
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 from sandbox_runtime.domain.owner import Owner, workspace_name
@@ -56,10 +58,10 @@ def image_of(env: Environment) -> ImageRoot | None:
 class SessionImages:
     """The environments of this replica's sessions."""
 
-    def __init__(self, store: EnvironmentStore, allow: dict[str, set[str]]) -> None:
+    def __init__(self, store: EnvironmentStore, allow: dict[str, set[str]], records: Path) -> None:
         self.store = store
         self.allow = allow
-        self.records = store.base / "sessions"
+        self.records = records
         self._known: dict[str, dict[str, str]] = {}
         self._found: dict[str, Environment] = {}  # by digest (a stored one never changes)
 
