@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 from conftest import started_backend
+from environments_harness import build_all, environments_dir
 from mcp.types import ImageContent
 from mcp_harness import (
     ServerProcess,
@@ -364,34 +365,20 @@ async def test_a_rehomed_session_keeps_its_environment(
 # -- R and Go environments from the distribution's packages -----------------------------------
 
 
-def debian_root(base: Path, packages: list[str]) -> Path:
-    """A bookworm root with `packages` (mmdebstrap, minbase), world-readable as a store's."""
-    root = base / "root"
-    subprocess.run(["mmdebstrap", "--variant=minbase", "--quiet", f"--include={','.join(packages)}",
-                    "bookworm", str(root)], check=True, timeout=900)  # fmt: skip
-    os.chmod(base, 0o755)
-    return root
-
-
 @pytest.fixture(scope="module")
 def lang_server(tmp_path_factory: pytest.TempPathFactory, serve: Servers) -> ServerProcess:
-    server = serve("env-langs")
-    r = debian_root(tmp_path_factory.mktemp("r"), ["r-base-core", "r-cran-irkernel",
-                                                   "fonts-dejavu-core"])  # fmt: skip
-    spec = json.loads((r / "usr/share/jupyter/kernels/ir/kernel.json").read_text())
-    kernel = {"argv": spec["argv"], "display_name": spec["display_name"], "language": "r"}
-    install(server.state_dir, ImageRoot("r", "", r, (("LANG", "C.UTF-8"),)), "R 4 with IRkernel",
-            {"r": kernel})  # fmt: skip
-    go = debian_root(tmp_path_factory.mktemp("go"), ["golang-go", "ca-certificates"])
-    install(server.state_dir, ImageRoot("go", "", go, (("GOCACHE", "/tmp/go-cache"),
-            ("GOPATH", "/tmp/go"), ("GOFLAGS", "-mod=mod"))), "Go")  # fmt: skip
-    return server
+    """A server on the tests' built environments (environments_harness.py, built once per
+    machine: test-r with r-base-core and r-cran-irkernel, test-go with golang-go, from
+    Debian's packages)."""
+    names = ("test-base", "test-r", "test-go")
+    built = build_all(environments_dir(), tmp_path_factory.mktemp("env-builds"), names)
+    return serve("env-langs", SANDBOX_ENVIRONMENTS_DIR=str(built.base))
 
 
 async def test_run_code_in_r_computes_and_plots(lang_server: ServerProcess) -> None:
     async with open_client(lang_server.url, None) as conn:
         result = await conn.call(
-            "run_code", session="r1", image="r", language="r",
+            "run_code", session="r1", image="test-r", language="r",
             code="x <- c(2, 4, 9)\ncat(sprintf('mean=%.1f\\n', mean(x)))\nplot(x, type='l')",
         )  # fmt: skip
         assert not result.is_error, result.content
@@ -413,6 +400,6 @@ async def test_go_run_in_the_go_environment(lang_server: ServerProcess) -> None:
     program = 'package main\nimport "fmt"\nfunc main() { fmt.Println("sum", 2+40) }\n'
     async with open_client(lang_server.url, None) as conn:
         await conn.ok("write_file", session="g1", path="main.go", content=program)
-        done = await conn.ok("execute_code", session="g1", image="go",
+        done = await conn.ok("execute_code", session="g1", image="test-go",
                              command="go run main.go", timeout_seconds=120)  # fmt: skip
         assert output_of(done).strip() == "sum 42", done
