@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,7 +106,7 @@ async def run(rounds: int) -> None:
             print(f"  default {d_default / 2**20:7.2f} MiB   {ENV} {d_env / 2**20:7.2f} MiB")
             print(f"  the environment itself: {env.size_bytes / 2**20:.0f} MiB, once "
                   f"({used_bytes(env.root) / 2**20:.0f} MiB on disk), not per session")  # fmt: skip
-    subprocess.run(["rm", "-rf", str(work)], check=False)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 def main() -> None:
