@@ -50,7 +50,7 @@ def test_dockerfile_subset_parses_continuations_comments_and_forms() -> None:
     ("text", "expected"),
     [
         ("FROM debian:bookworm\nEXPOSE 80\n", "Dockerfile:2: EXPOSE is not supported"),
-        ("FROM debian:bookworm\nCMD [\"sh\"]\n", "Dockerfile:2: CMD is not supported"),
+        ('FROM debian:bookworm\nCMD ["sh"]\n', "Dockerfile:2: CMD is not supported"),
         ("FROM debian:bookworm\n\nADD x /x\n", "Dockerfile:3: ADD is not supported"),
         ("FROM debian:bookworm\nFROBNICATE\n", "Dockerfile:2: FROBNICATE is not an instruction"),
         ("RUN true\n", "the first instruction must be FROM"),

@@ -118,6 +118,12 @@ async def run(
     return outcome.exit_code or 0, out.decode(errors="replace"), err.decode(errors="replace")
 
 
+@pytest.fixture(params=[False, True], ids=["direct", "started-ahead"])
+def ahead(request: pytest.FixtureRequest) -> bool:
+    """Sandboxes started for their call, or started ahead (the pool's way) and handed it."""
+    return bool(request.param)
+
+
 @pytest.fixture
 def images(tmp_path: Path) -> tuple[ImageRoot, ImageRoot]:
     base = tmp_path / "roots"
@@ -126,10 +132,10 @@ def images(tmp_path: Path) -> tuple[ImageRoot, ImageRoot]:
 
 
 async def test_a_sandbox_runs_on_its_environment(
-    tmp_path: Path, images: tuple[ImageRoot, ImageRoot]
+    tmp_path: Path, ahead: bool, images: tuple[ImageRoot, ImageRoot]
 ) -> None:
     tiny, _ = images
-    async with started_backend(tmp_path) as backend:
+    async with started_backend(tmp_path, ahead) as backend:
         code, out, err = await run(
             backend, tiny,
             "cat /etc/os-release; cat /opt/tool/VERSION; echo home=$TINY_HOME; id -u; whoami;"
@@ -147,13 +153,14 @@ async def test_a_sandbox_runs_on_its_environment(
         # The default root is what it was.
         code, out, _ = await run(backend, None, "test -e /usr/bin/perl && echo host-perl")
         assert out.strip() == "host-perl"
+        assert not ahead or getattr(backend, "launched", 0) == 2  # (both through the stub)
 
 
 async def test_a_hostile_environment_gives_nothing(
-    tmp_path: Path, images: tuple[ImageRoot, ImageRoot]
+    tmp_path: Path, ahead: bool, images: tuple[ImageRoot, ImageRoot]
 ) -> None:
     _, hostile = images
-    async with started_backend(tmp_path) as backend:
+    async with started_backend(tmp_path, ahead) as backend:
         _, out, err = await run(
             backend, hostile,
             "/usr/share/suid/busybox id -u;"
@@ -170,13 +177,14 @@ async def test_a_hostile_environment_gives_nothing(
         assert "NoNewPrivs:\t1" in out and "Uid:\t1000\t1000\t1000\t1000" in out
         assert lines[lines.index("NoNewPrivs:\t1") + 1] == "3"  # our passwd, not the host's
         assert "workspace" in out  # / is the sandbox's own root
+        assert not ahead or getattr(backend, "launched", 0) == 1
 
 
 async def test_every_layer_holds_on_an_environment(
-    tmp_path: Path, images: tuple[ImageRoot, ImageRoot]
+    tmp_path: Path, ahead: bool, images: tuple[ImageRoot, ImageRoot]
 ) -> None:
     tiny, _ = images
-    async with started_backend(tmp_path) as backend:
+    async with started_backend(tmp_path, ahead) as backend:
         code, out, err = await run(
             backend, tiny,
             "unshare -U true && echo USERNS; unshare -n true && echo NETNS;"

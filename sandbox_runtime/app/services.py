@@ -49,10 +49,8 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.secrets import broker_from_settings
 from sandbox_runtime.egress.supervisor import EgressProxy
-from sandbox_runtime.environments.sharing import SharedFetcher
-from sandbox_runtime.environments.store import EnvironmentStore
 from sandbox_runtime.errors import SandboxRuntimeError
-from sandbox_runtime.execution.images import SessionImages, parse_allow
+from sandbox_runtime.execution.images import session_images
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.files.urls import FileUrlSigner, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager
@@ -234,11 +232,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             egress=egress,
         )
         _link(workspaces, pool, manager, metrics)
-        manager.images = SessionImages(  # (a wrong SANDBOX_ENVIRONMENTS_ALLOW stops the start)
-            EnvironmentStore(settings.environments_path()),
-            parse_allow(settings.environments_allow),
-            settings.state_dir / "session-environments",
-        )
+        manager.images = images = session_images(settings)  # (sessions' environments)
         workspaces.refill = lambda: _spawn_fill(supervisor, workspaces)
 
         interpreters = InterpreterManager(settings, manager)
@@ -272,13 +266,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             closing.add(queue.redis.aclose)
         router = Router(settings, parts, cluster, queue if settings.role == "api" else None)
         snapshots.still_home = _still_home(cluster, router)
-        if manager.images is not None:  # (a session's environment travels with its snapshots)
-            snapshots.environment_of = manager.images.recorded
-            snapshots.adopt_environment = manager.images.adopt
-            if snapshots.store is not None:  # (and is fetched by digest where it is missing)
-                manager.images.store.fetcher = SharedFetcher(
-                    snapshots.store, settings.environment_max_mb * 1024 * 1024, logger.info
-                )
+        images.attach(snapshots, settings.environment_max_mb)  # (they travel with snapshots)
         triggers = Triggers(
             snapshots,
             lambda: [owner for _, owner in router.placements.homed_at(settings.replica_id)],

@@ -16,10 +16,15 @@ import asyncio
 import contextlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from loguru import logger
+
+from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner, workspace_name
+from sandbox_runtime.environments.sharing import SharedFetcher
 from sandbox_runtime.environments.store import (
     DEFAULT,
     DEFAULT_NAME,
@@ -48,6 +53,24 @@ def parse_allow(text: str) -> dict[str, set[str]]:
     return allow
 
 
+class SnapshotHooks(Protocol):
+    """What the snapshot service offers here (snapshots/service.py; a layer above)."""
+
+    store: Any
+    environment_of: Callable[[Owner], dict[str, str] | None]
+    adopt_environment: Callable[[Owner, Any], None]
+
+
+def session_images(settings: Settings) -> SessionImages:
+    """The sessions' environments under `settings`. Raises ValueError (a wrong
+    SANDBOX_ENVIRONMENTS_ALLOW: the server does not start)."""
+    return SessionImages(
+        EnvironmentStore(settings.environments_path()),
+        parse_allow(settings.environments_allow),
+        settings.state_dir / "session-environments",
+    )
+
+
 def image_of(env: Environment) -> ImageRoot | None:
     """The backend's view of `env` (None: the default root)."""
     if env.root is None:
@@ -64,6 +87,15 @@ class SessionImages:
         self.records = records
         self._known: dict[str, dict[str, str]] = {}
         self._found: dict[str, Environment] = {}  # by digest (a stored one never changes)
+
+    def attach(self, snapshots: SnapshotHooks, max_mb: int) -> None:
+        """A session's environment travels with its snapshots (recorded in each, adopted by
+        the session one is restored into), and is fetched by digest from the shared store
+        where it is missing (environments/sharing.py)."""
+        snapshots.environment_of = self.recorded
+        snapshots.adopt_environment = self.adopt
+        if snapshots.store is not None:
+            self.store.fetcher = SharedFetcher(snapshots.store, max_mb * 2**20, logger.info)
 
     def allowed(self, principal: str, name: str) -> bool:
         """Whether `principal` may run on environment `name` (`default` always)."""

@@ -263,9 +263,8 @@ class ExecutionManager:
         self._executions[execution_id] = execution
         self._running[execution_id] = execution
         with logger.contextualize(execution_id=execution_id):
-            logger.info("execution started principal={} interactive={} timeout={:g}s image={}",
-                        owner.principal, request.interactive, timeout,
-                        image.name if image else "default")  # fmt: skip
+            logger.info("execution started principal={} interactive={} timeout={:g}s",
+                        owner.principal, request.interactive, timeout)  # fmt: skip
         self.supervisor.spawn("execution output", execution.attach(process))
         self.supervisor.spawn("execution release", self._release_when_done(execution))
         return execution

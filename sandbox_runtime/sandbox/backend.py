@@ -28,14 +28,8 @@ from sandbox_runtime.sandbox.ahead import StartedSandbox
 from sandbox_runtime.sandbox.argv import STUB_PROGRAM
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.egress_port import EgressGate, EgressLease
-from sandbox_runtime.sandbox.host import (
-    STUB_PERL,
-    build_root,
-    make_workspace,
-    relay_problem,
-    stub_problem,
-)
-from sandbox_runtime.sandbox.image_root import ImageRoots
+from sandbox_runtime.sandbox.host import build_root, make_workspace, relay_problem, stub_problem
+from sandbox_runtime.sandbox.image_root import ImageRoot, ImageRoots
 from sandbox_runtime.sandbox.pipes import Streams, close_all, open_streams, sandbox_fds
 from sandbox_runtime.sandbox.process import SandboxProcess, close_streams, pidfd_of_child
 from sandbox_runtime.sandbox.reaping import children_of as _children  # noqa: F401 (bench/)
@@ -196,8 +190,7 @@ class BubblewrapBackend:
         validate_command(spec.argv)
         spec.env = validate_env(spec.env)
         assert self._seccomp_path is not None and self.images is not None
-        if spec.image:  # (its root is built once, then shared by its sandboxes)
-            await asyncio.to_thread(self.images.build, spec.image)
+        await self.images.ready(spec.image)  # (built once, then shared by its sandboxes)
         lease = await self._egress_lease(spec)
         try:
             proc = await self._spawn(spec, lease)
@@ -219,10 +212,12 @@ class BubblewrapBackend:
             and (spec.egress is None or not spec.egress.enabled)
             and spec.kernel_dir is None is spec.server_dir is spec.bridge_dir
             and not spec.loopback_inet
-            and spec.image is None  # (the pool's sandboxes are on the default root)
+            and (spec.image is None or bool(self.images and self.images.stub_perl))
         )
 
-    async def prestart(self, workspace: Path, limits: SandboxLimits) -> StartedSandbox:
+    async def prestart(
+        self, workspace: Path, limits: SandboxLimits, image: ImageRoot | None = None
+    ) -> StartedSandbox:
         """Start a sandbox for `workspace` under `limits` ahead of need: everything an
         execution's sandbox is but its command (`launch` gives it one).
 
@@ -232,12 +227,11 @@ class BubblewrapBackend:
             raise SandboxUnavailableError(self.unavailable_reason or "sandbox backend not started")
         if self.stub_problem is not None:
             raise SandboxUnavailableError(self.stub_problem)
-        template = SandboxSpec(
-            argv=[STUB_PERL, "-e", STUB_PROGRAM],
-            workspace=workspace,
-            limits=limits,
-            interactive=True,  # stdin is a pipe; the stub opens /dev/null for the others
-        )
+        assert self.images is not None
+        await self.images.ready(image)
+        stub = [*self.images.stub(image), "-e", STUB_PROGRAM]
+        # (stdin is a pipe; the stub opens /dev/null for the others)
+        template = SandboxSpec(stub, workspace, limits, interactive=True, image=image)
         try:
             command_r, command_w = os.pipe2(os.O_CLOEXEC)
         except OSError as exc:
@@ -249,12 +243,12 @@ class BubblewrapBackend:
             raise
         if proc.running:  # (one that ended already has been seen off by its exit)
             self._waiting.add(proc)
-        return StartedSandbox(proc, command_w, workspace, limits)
+        return StartedSandbox(proc, command_w, workspace, limits, image=image)
 
     def launch(self, started: StartedSandbox, spec: SandboxSpec) -> SandboxProcess:
-        """Hand `spec`'s command to a sandbox started ahead (for the same workspace and
-        limits); it serves this execution only. The wall-clock timeout, duration and CPU time
-        count from now.
+        """Hand `spec`'s command to a sandbox started ahead (for the same workspace, limits
+        and environment); it serves this execution only. The wall-clock timeout, duration and
+        CPU time count from now.
 
         Raises InvalidRequestError, SandboxSpawnError (it had ended, or is not for this call,
         or the command could not be handed over); the sandbox started ahead is ended then.
@@ -265,7 +259,7 @@ class BubblewrapBackend:
             spec.env = validate_env(spec.env)
             if "\0" in spec.cwd:
                 raise InvalidRequestError("working_directory must not contain NUL")
-            if spec.workspace != started.workspace or spec.limits != started.limits:
+            if (spec.workspace, spec.limits, spec.image) != started.shape:
                 raise SandboxSpawnError("the sandbox started ahead is for another workspace")
             if not self.can_prestart(spec):
                 raise SandboxSpawnError("this execution cannot run in a sandbox started ahead")

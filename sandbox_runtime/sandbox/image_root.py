@@ -20,6 +20,7 @@ on the environment's PATH.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import glob
 import hashlib
@@ -43,6 +44,7 @@ from sandbox_runtime.sandbox.host import (
     RUNTIME,
     SANDBOX_UID,
     SERVER_DIR,
+    STUB_PERL,
     WORKSPACE,
 )
 from sandbox_runtime.sandbox.spec import HOST_DIR, ImageLayout, ImageRoot, SandboxSpec
@@ -213,10 +215,21 @@ class ImageRoots:
         self.runtime_dir = runtime_dir
         self._built: dict[str, tuple[ImageLayout, list[str]]] = {}
         self.relay_python, self.relay_problem = host_relay_argv()
+        # The stub of sandboxes started ahead (argv.STUB_PROGRAM) on an environment: the
+        # host's Perl through the host's loader, as the relay ([] when the host has none).
+        perl = os.path.realpath(STUB_PERL)
+        usable = not self.relay_problem and perl.startswith("/usr/") and os.access(perl, os.X_OK)
+        self.stub_perl = [*self.relay_python[:3], f"{HOST_DIR}{perl}"] if usable else []
 
-    def get(self, image: ImageRoot) -> tuple[ImageLayout, list[str]] | None:
-        """`image`'s layout and fixed options, if built."""
-        return self._built.get(image.digest)
+    async def ready(self, image: ImageRoot | None) -> None:
+        """Build `image`'s root off the event loop, if not yet (None: the default root).
+        Raises SandboxUnavailableError."""
+        if image is not None and image.digest not in self._built:
+            await asyncio.to_thread(self.build, image)
+
+    def stub(self, image: ImageRoot | None) -> list[str]:
+        """The interpreter of the stub of a sandbox started ahead on `image`."""
+        return self.stub_perl if image is not None else [STUB_PERL]
 
     def build(self, image: ImageRoot) -> None:
         """Build `image`'s root (if not yet) and keep its fixed options.
