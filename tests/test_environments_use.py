@@ -400,6 +400,8 @@ async def test_run_code_in_r_computes_and_plots(lang_server: ServerProcess) -> N
         again = await conn.ok("run_code", session="r1", language="r",
                               code="cat(sum(x), R.version$major)")  # fmt: skip
         assert "15 4" in json.dumps(again), again
+        listed = await conn.ok("list_languages", session="r1")
+        assert [(x["language"], x["running"]) for x in listed["languages"]] == [("r", True)]
         error = await conn.error("run_code", session="r1", language="javascript", code="1")
         assert "has no javascript kernel" in error and "its languages: r" in error
 

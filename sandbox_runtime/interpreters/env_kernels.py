@@ -14,7 +14,9 @@ loopback TCP (a kernel's ipc naming is not the same everywhere: IRkernel's is no
 from __future__ import annotations
 
 import glob
+from collections.abc import Container
 from pathlib import Path
+from typing import Any
 
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.environments.store import Environment
@@ -82,3 +84,23 @@ def session_spec(images: SessionImages | None, owner: Owner, language: str) -> K
     if env is None or image is None:
         return None
     return environment_spec(env, image, language)
+
+
+def session_languages(
+    images: SessionImages | None, owner: Owner, running: Container[tuple[Owner, str]]
+) -> list[dict[str, Any]] | None:
+    """list_languages for `owner`'s session on an environment: its kernels (None: the
+    session is on the default, or has not chosen yet: the runtime's)."""
+    env = images.session_environment(owner) if images is not None else None
+    if env is None:
+        return None
+    return [
+        {
+            "language": language,
+            "version": None,
+            "kernel": spec.display_name,
+            "running": (owner, language) in running,
+            "packages": {},
+        }
+        for language, spec in sorted(env.kernelspecs.items())
+    ]

@@ -36,7 +36,7 @@ from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.interpreters import kernel_dirs
 from sandbox_runtime.interpreters.calls import CallRun, run_call
-from sandbox_runtime.interpreters.env_kernels import session_spec
+from sandbox_runtime.interpreters.env_kernels import session_languages, session_spec
 from sandbox_runtime.interpreters.interpreter import (
     Interpreter,
     Key,
@@ -164,14 +164,13 @@ class InterpreterManager:
 
     def languages(self, owner: Owner) -> list[dict[str, Any]]:
         """Every language with its version, packages of note, and whether `owner` has an
-        interpreter running."""
+        interpreter running (its environment's, for a session on one: env_kernels.py)."""
         runtime = self.runtime or load_runtime(self.runtime_dir)
-        if runtime is None:
-            return []
-        manifest = runtime.manifest
+        if (env := session_languages(self.manager.images, owner, self._interpreters)) is not None:
+            return env
+        manifest = runtime.manifest if runtime is not None else {}
         out = []
-        for language in runtime.languages:
-            spec = runtime.kernels[language]
+        for language, spec in sorted(runtime.kernels.items()) if runtime is not None else []:
             if spec.kernel == "deno":
                 version, packages = manifest.get("deno"), {}
             elif language == "python":
