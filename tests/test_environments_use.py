@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from conftest import started_backend
 from environments_harness import build_all, environments_dir
+from hosted_harness import catalog_server, message_of, script_entry, text_of
 from mcp.types import ImageContent
 from mcp_harness import (
     ServerProcess,
@@ -413,3 +414,34 @@ async def test_go_run_in_the_go_environment(lang_server: ServerProcess) -> None:
         done = await conn.ok("execute_code", session="g1", image="test-go",
                              command="go run main.go", timeout_seconds=120)  # fmt: skip
         assert output_of(done).strip() == "sum 42", done
+
+
+# -- a hosted server whose catalog entry names an environment ---------------------------------
+
+HOST_PYTHON = [  # the host's Python as the relay runs it: what any environment can start
+    "/run/srt-host/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+    "--library-path", "/run/srt-host/usr/lib/x86_64-linux-gnu", "/run/srt-host/usr/bin/python3",
+]  # fmt: skip
+
+
+async def test_a_hosted_server_runs_on_the_environment_its_entry_names(
+    tmp_path: Path,
+) -> None:
+    base = tmp_path / "trees"
+    base.mkdir(mode=0o755)
+    entry = script_entry("echoenv.py", image="tiny")
+    entry["command"] = [*HOST_PYTHON, *entry["command"][1:]]
+    catalog = {"ontiny": entry, "bad": {**script_entry("echoenv.py"), "image": "nope"}}
+    (tmp_path / "server").mkdir()
+    with catalog_server(tmp_path / "server", catalog, f"alice:{ALICE}") as server:
+        install(server.state_dir, tiny_environment(base, "tiny"), "busybox only")
+        async with open_client(f"{server.base_url}/servers/ontiny/mcp", ALICE) as conn:
+            env = json.loads(text_of(await conn.client.call_tool("env", {})))
+        assert env["TINY_HOME"] == "/opt/tool" and env["USER"] == "analyst", env
+        async with open_client(server.url, ALICE) as conn:
+            listed = await conn.ok("list_servers", server="bad")
+        problem = listed["servers"][0]["problem"] or ""
+        with pytest.raises(BaseException) as refused:  # (at initialize: the instance starts)
+            async with open_client(f"{server.base_url}/servers/bad/mcp", ALICE) as conn:
+                await conn.client.call_tool("env", {})
+        assert "no environment 'nope' here" in message_of(refused.value) + problem
