@@ -167,6 +167,7 @@ class Builder:
         if ins.keyword == "FROM" and ins.args.strip() == DEFAULT_NAME:
             record = self.settings.runtime_dir / "srt-runtime.json"
             h.update(record.read_bytes() if record.is_file() else b"")
+            h.update(bootstrap.DEFAULT_BASE_VERSION.encode())
         if ins.keyword == "COPY":
             for source in copy_sources(ins, context)[0]:
                 h.update(summarize(source).digest.encode() if source.is_dir() else b"")
