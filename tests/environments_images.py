@@ -15,7 +15,9 @@ from pathlib import Path
 BUSYBOX = Path(shutil.which("busybox") or "/usr/bin/busybox")  # static: runs in any root
 
 
-def _info(name: str, kind: bytes = tarfile.REGTYPE, mode: int = 0o644, **kw: object) -> tarfile.TarInfo:
+def _info(
+    name: str, kind: bytes = tarfile.REGTYPE, mode: int = 0o644, **kw: object
+) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
     info.type = kind
     info.mode = mode
@@ -99,7 +101,10 @@ def oci_layout(layers: list[bytes], config: dict[str, object]) -> dict[str, byte
         "config": {"digest": _blob(files, json.dumps(config).encode())},
         "layers": [{"digest": _blob(files, layer)} for layer in layers],
     }
-    index = {"schemaVersion": 2, "manifests": [{"digest": _blob(files, json.dumps(manifest).encode())}]}
+    index = {
+        "schemaVersion": 2,
+        "manifests": [{"digest": _blob(files, json.dumps(manifest).encode())}],
+    }
     files["index.json"] = json.dumps(index).encode()
     return files
 

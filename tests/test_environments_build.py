@@ -40,11 +40,16 @@ def run_in(env: Environment, command: str, workspace: Path | None = None) -> str
     return done.stdout
 
 
-def test_r_environment_has_irkernel_computes_and_plots(built_environments: BuiltEnvironments) -> None:
+def test_r_environment_has_irkernel_computes_and_plots(
+    built_environments: BuiltEnvironments,
+) -> None:
     env = built_environments.get("test-r")
     assert "r" in env.languages and env.kernelspecs["r"].argv[0] == "R"
-    out = run_in(env, "Rscript -e 'cat(sum(1:10), \"\\n\"); png(\"/tmp/p.png\"); "
-                      "plot(1:3); invisible(dev.off()); cat(file.size(\"/tmp/p.png\") > 0)'")  # fmt: skip
+    script = (
+        'cat(sum(1:10), "\\n"); png("/tmp/p.png"); plot(1:3); invisible(dev.off()); '
+        'cat(file.size("/tmp/p.png") > 0)'
+    )
+    out = run_in(env, f"Rscript -e '{script}'")
     assert out.split() == ["55", "TRUE"]
     assert env.description == "R with IRkernel"
 
@@ -79,7 +84,9 @@ def test_rebuild_of_an_unchanged_dockerfile_is_all_cached(
         assert again.get(name).digest == digest
 
 
-def _build(built: BuiltEnvironments, tmp_path: Path, name: str, dockerfile: str, **extra: str) -> Any:
+def _build(
+    built: BuiltEnvironments, tmp_path: Path, name: str, dockerfile: str, **extra: str
+) -> Any:
     context = tmp_path / f"ctx-{name}"
     context.mkdir(exist_ok=True)
     (context / "Dockerfile").write_text(dockerfile)
@@ -163,7 +170,9 @@ def test_run_reaches_only_the_allowed_registries(
         "printf 'GET http://example.com/ HTTP/1.1\\r\\nHost: example.com\\r\\n\\r\\n' >&3; "
         "head -1 <&3; (exec 4<>/dev/tcp/1.1.1.1/80) 2>/dev/null || echo no-route; exit 7"
     )
-    done = _build(built_environments, tmp_path, "test-net", f"FROM test-base\nRUN bash -c \"{probe}\"\n")
+    done = _build(
+        built_environments, tmp_path, "test-net", f'FROM test-base\nRUN bash -c "{probe}"\n'
+    )
     assert done.returncode == 1
     assert "HTTP/1.1 403" in done.stderr and "no-route" in done.stderr
     assert "egress refused example.com:80" in done.stderr
@@ -192,7 +201,8 @@ def _copy_through_links(
     # a link in the root that points at a host directory: COPY through it lands in the root
     done = _build(
         built_environments, tmp_path, name,
-        f"FROM test-base\nRUN mkdir -p {victim} && ln -s {victim} /linked\nCOPY app.txt /linked/\nCOPY app.txt /opt/app/\n",
+        f"FROM test-base\nRUN mkdir -p {victim} && ln -s {victim} /linked\n"
+        "COPY app.txt /linked/\nCOPY app.txt /opt/app/\n",
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     env = built_environments.get(name)

@@ -303,8 +303,10 @@ PATH_DEFAULT = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Directories every root has, so a sandbox can mount on them in a read-only root (an
 # imported image may lack them; a directory there already, or a link, is left alone).
-MOUNT_POINTS = {"proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "run": 0o755,
-                "etc": 0o755, "opt": 0o755, "root": 0o700, WORKSPACE.lstrip("/"): 0o755}  # fmt: skip
+MOUNT_POINTS = {
+    "proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "run": 0o755, "etc": 0o755,
+    "opt": 0o755, "root": 0o700, WORKSPACE.lstrip("/"): 0o755,
+}  # fmt: skip
 
 
 def ensure_mount_points(tree: Path) -> None:
