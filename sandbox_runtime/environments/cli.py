@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("name")
     r = sub.add_parser("rm", help="remove NAME (its root goes when nothing else uses it)")
     r.add_argument("name")
+    sub.add_parser("prune", help="drop the cache of intermediate build steps and their roots")
     p = sub.add_parser("push", help="put NAME's root in the shared store (SANDBOX_SNAPSHOT_STORE)")
     p.add_argument("name")
     f = sub.add_parser("fetch", help="bring DIGEST from the shared store, optionally as NAME")
@@ -208,6 +209,11 @@ def _rm(args: Any, _settings: Settings, store: EnvironmentStore, _shared: Any) -
     return 0
 
 
+def _prune(_args: Any, _settings: Settings, store: EnvironmentStore, _shared: Any) -> int:
+    _log(f"pruned the build cache: {store.prune()} root(s) deleted")
+    return 0
+
+
 def _push(args: Any, settings: Settings, store: EnvironmentStore, shared: Any) -> int:
     from sandbox_runtime.environments.sharing import push
 
@@ -243,6 +249,7 @@ ACTIONS: dict[str, Callable[[Any, Settings, EnvironmentStore, Any], int]] = {
     "list": _list,
     "inspect": _inspect,
     "rm": _rm,
+    "prune": _prune,
     "push": _push,
     "fetch": _fetch,
 }
