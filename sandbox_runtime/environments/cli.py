@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import pwd
 import secrets
 import sys
@@ -91,6 +92,10 @@ def _log(line: str) -> None:
 
 
 def _build(args: Any, settings: Settings, store: EnvironmentStore, _shared: Any) -> int:
+    if os.geteuid() != 0:
+        # (mmdebstrap's root mode and the build sandbox's uid map both need it)
+        print(f"env build: run it as root (sudo {cli_name()} env build …)", file=sys.stderr)
+        return 2
     context = Path(args.context)
     dockerfile = Path(args.file) if args.file else context / "Dockerfile"
     try:
