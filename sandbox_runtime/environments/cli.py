@@ -8,8 +8,8 @@ import dataclasses
 import json
 import os
 import pwd
-import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -126,7 +126,11 @@ async def _build_async(
         runtime_dir=settings.runtime_path(),
     )
     egress = None
-    base = store.tmp / f"egress-{secrets.token_hex(4)}"
+    # The proxy drops to `nobody` and makes its sockets here: a directory of its own in the
+    # system's temporary directory, which that user can reach (a state directory may not be).
+    holder = Path(tempfile.mkdtemp(prefix="srt-build-egress-"))
+    os.chmod(holder, 0o711)
+    base = holder / "egress"
     if build_settings.allow.strip():
         nobody = pwd.getpwnam("nobody")
         # (a build downloads what its packages weigh: the size limit bounds it, not egress's)
@@ -141,7 +145,7 @@ async def _build_async(
     finally:
         if egress is not None:
             await egress.aclose()
-        await asyncio.to_thread(remove_tree, base)
+        await asyncio.to_thread(remove_tree, holder)
 
 
 def _describe(store: EnvironmentStore, env: Environment, description: str) -> None:
