@@ -212,3 +212,15 @@ def _copy_through_links(
     assert (env.root / victim.relative_to("/") / "app.txt").read_text() == "app\n"
     outside = _build(built_environments, tmp_path, name, "FROM test-base\nCOPY ../secret.txt /s\n")
     assert outside.returncode == 1 and "outside the build context" in outside.stderr
+
+
+def test_run_after_user_runs_as_that_user_without_privileges(
+    built_environments: BuiltEnvironments, tmp_path: Path
+) -> None:
+    done = _build(
+        built_environments, tmp_path, "test-user",
+        "FROM test-base\nUSER 1234:1234\n"
+        "RUN echo uid=$(id -u) gid=$(id -g); touch /etc/x 2>/dev/null || echo no-write; exit 9\n",
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "uid=1234 gid=1234" in done.stderr and "no-write" in done.stderr
