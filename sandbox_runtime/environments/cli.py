@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     prog = f"{cli_name()} env"
     parser = _Parser(prog=prog, description="Environments: read-only root filesystems that "
-                     "sessions run on (docs/environments.md).")  # fmt: skip
+                     "sessions run on (docs/environments-build.md).")  # fmt: skip
     sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
     b = sub.add_parser("build", help="build NAME from a Dockerfile (the subset in the docs)")
     b.add_argument("name")
