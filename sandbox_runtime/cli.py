@@ -1,4 +1,4 @@
-"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, or
+"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, `env …`, or
 `connect|disconnect|clients|token` (sandbox_runtime/connect)."""
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "add|list|remove|install|logs|import: the hosted MCP servers (servers --help); "
         "connect CLIENT…|disconnect|clients: wire MCP clients (Claude Code, Cursor, VS Code, "
         "…) to this server (connect --help); token new: make a bearer token; secrets "
-        "set|list|rm|keygen|rekey: keys the egress proxy adds to requests (secrets --help)",
+        "set|list|rm|keygen|rekey: keys the egress proxy adds to requests (secrets --help); env "
+        "build|import|list|inspect|rm|prune|push|fetch: environments (env --help)",
     )
     parser.add_argument("action", nargs="?", choices=["install"], help=argparse.SUPPRESS)
     parser.add_argument(

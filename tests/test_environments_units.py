@@ -4,6 +4,7 @@ images the tests assemble (real tars, real filesystem; no bwrap needed but for `
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import stat
 import subprocess
@@ -152,7 +153,7 @@ def test_tar_bomb_stops_at_the_limit_and_keeps_the_previous(tmp_path: Path, outs
 def test_not_an_image_is_a_clear_error(tmp_path: Path) -> None:
     store = EnvironmentStore(tmp_path / "environments")
     junk = write_tar({"hello.txt": b"hi"}, tmp_path / "junk.tar")
-    with pytest.raises(ImageError, match="no index.json"):
+    with pytest.raises(ImageError, match=r"no index\.json"):
         import_image(store, "junk", junk, 16 * MIB, lambda _: None)
     with pytest.raises(ImageError, match="no such file"):
         import_image(store, "junk", tmp_path / "missing.tar", 16 * MIB, lambda _: None)
@@ -173,3 +174,34 @@ def test_push_then_ensure_on_another_worker_gives_the_same_digest(
     assert fetched.digest == env.digest and fetched.root_digest == env.root_digest
     assert fetched.root is not None and (fetched.root / "etc/keep").read_text() == "kept\n"
     assert list(there.tmp.iterdir()) == []
+
+
+def test_cli_imports_lists_inspects_pushes_fetches_and_removes(
+    tmp_path: Path, outside: Path
+) -> None:
+    from environments_harness import run_env_cli
+
+    image = write_tar(docker_save(hostile_layers(outside), IMAGE_CONFIG), tmp_path / "img.tar")
+    base, state = tmp_path / "environments", tmp_path / "state"
+    shared = {"SANDBOX_SNAPSHOT_STORE": str(tmp_path / "shared")}
+    done = run_env_cli(["import", "img", str(image)], base, state, timeout=120)
+    assert done.returncode == 0, done.stderr
+    digest = done.stdout.strip()
+    assert "refused" in done.stderr and f"imported img {digest}" in done.stderr
+    listed = json.loads(run_env_cli(["list", "--json"], base, state, timeout=60).stdout)
+    assert [(e["name"], e["digest"]) for e in listed] == [("default", "default"), ("img", digest)]
+    inspected = json.loads(run_env_cli(["inspect", "img"], base, state, timeout=60).stdout)
+    assert inspected["env"]["GREETING"] == "hello" and inspected["root"].startswith(str(base))
+    pushed = run_env_cli(["push", "img"], base, state, timeout=120, **shared)
+    assert pushed.returncode == 0, pushed.stderr
+    other = tmp_path / "other"
+    fetched = run_env_cli(["fetch", digest, "--name", "img2"], other, state, timeout=120, **shared)
+    assert fetched.returncode == 0, fetched.stderr
+    assert EnvironmentStore(other).get("img2").digest == digest  # type: ignore[union-attr]
+    removed = run_env_cli(["rm", "img"], base, state, timeout=60)
+    assert removed.returncode == 0 and "1 unused root(s) deleted" in removed.stderr
+    assert list((base / "roots").iterdir()) == []
+    missing = run_env_cli(["inspect", "img"], base, state, timeout=60)
+    assert missing.returncode == 1 and "env list" in missing.stderr
+    unknown = run_env_cli(["frobnicate"], base, state, timeout=60)
+    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr

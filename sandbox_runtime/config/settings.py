@@ -271,7 +271,7 @@ class Settings(BaseSettings):
     environments_dir: Path | None = Field(
         None,
         description="Where environments are kept (roots by digest, names as pointers; "
-        "docs/environments.md); default `<state_dir>/environments`.",
+        "docs/environments-build.md); default `<state_dir>/environments`.",
     )
     environment_max_mb: int = Field(
         4096,

@@ -29,6 +29,8 @@ BASE_PACKAGES = ("ca-certificates",)
 # `FROM default`: what the shared runtime (a venv over the system's python3) needs.
 DEFAULT_PACKAGES = ("ca-certificates", "python3", "python3-pip", "python3-venv", "libexpat1")
 RUNTIME_AT = "opt/srt-runtime"
+# Part of FROM default's cache key: a change to what default_base makes rebuilds it.
+DEFAULT_BASE_VERSION = "2"
 
 Log = Callable[[str], None]
 
@@ -118,6 +120,14 @@ def default_base(target: Path, runtime_dir: Path, log: Log, timeout: float) -> N
     dest = target / RUNTIME_AT
     dest.parent.mkdir(parents=True, exist_ok=True)
     _run(["cp", "-a", "--reflink=auto", f"{runtime_dir}/.", str(dest)], log, timeout, "cp")
+    # The runtime is a venv made without pip over the system's: `pip` is the system's pip
+    # run by the venv's Python, so `RUN pip install` lands in /opt/srt-runtime (PEP 668
+    # refuses the system's own site-packages).
+    for name in ("pip", "pip3"):
+        wrapper = dest / "bin" / name
+        wrapper.unlink(missing_ok=True)
+        wrapper.write_text(f'#!/bin/sh\nexec /{RUNTIME_AT}/bin/python3 -m pip "$@"\n')
+        wrapper.chmod(0o755)
     # The venv's own record of where it was made: where it is now.
     cfg = dest / "pyvenv.cfg"
     if cfg.is_file():

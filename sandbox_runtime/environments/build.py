@@ -167,6 +167,7 @@ class Builder:
         if ins.keyword == "FROM" and ins.args.strip() == DEFAULT_NAME:
             record = self.settings.runtime_dir / "srt-runtime.json"
             h.update(record.read_bytes() if record.is_file() else b"")
+            h.update(bootstrap.DEFAULT_BASE_VERSION.encode())
         if ins.keyword == "COPY":
             for source in copy_sources(ins, context)[0]:
                 h.update(summarize(source).digest.encode() if source.is_dir() else b"")
@@ -302,8 +303,10 @@ PATH_DEFAULT = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # Directories every root has, so a sandbox can mount on them in a read-only root (an
 # imported image may lack them; a directory there already, or a link, is left alone).
-MOUNT_POINTS = {"proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "run": 0o755,
-                "etc": 0o755, "opt": 0o755, "root": 0o700, WORKSPACE.lstrip("/"): 0o755}  # fmt: skip
+MOUNT_POINTS = {
+    "proc": 0o555, "dev": 0o755, "sys": 0o555, "tmp": 0o1777, "run": 0o755, "etc": 0o755,
+    "opt": 0o755, "root": 0o700, WORKSPACE.lstrip("/"): 0o755,
+}  # fmt: skip
 
 
 def ensure_mount_points(tree: Path) -> None:

@@ -6,9 +6,10 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import pwd
-import secrets
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     prog = f"{cli_name()} env"
     parser = _Parser(prog=prog, description="Environments: read-only root filesystems that "
-                     "sessions run on (docs/environments.md).")  # fmt: skip
+                     "sessions run on (docs/environments-build.md).")  # fmt: skip
     sub = parser.add_subparsers(dest="action", required=True, parser_class=_Parser)
     b = sub.add_parser("build", help="build NAME from a Dockerfile (the subset in the docs)")
     b.add_argument("name")
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("name")
     r = sub.add_parser("rm", help="remove NAME (its root goes when nothing else uses it)")
     r.add_argument("name")
+    sub.add_parser("prune", help="drop the cache of intermediate build steps and their roots")
     p = sub.add_parser("push", help="put NAME's root in the shared store (SANDBOX_SNAPSHOT_STORE)")
     p.add_argument("name")
     f = sub.add_parser("fetch", help="bring DIGEST from the shared store, optionally as NAME")
@@ -90,6 +92,10 @@ def _log(line: str) -> None:
 
 
 def _build(args: Any, settings: Settings, store: EnvironmentStore, _shared: Any) -> int:
+    if os.geteuid() != 0:
+        # (mmdebstrap's root mode and the build sandbox's uid map both need it)
+        print(f"env build: run it as root (sudo {cli_name()} env build …)", file=sys.stderr)
+        return 2
     context = Path(args.context)
     dockerfile = Path(args.file) if args.file else context / "Dockerfile"
     try:
@@ -120,7 +126,11 @@ async def _build_async(
         runtime_dir=settings.runtime_path(),
     )
     egress = None
-    base = store.tmp / f"egress-{secrets.token_hex(4)}"
+    # The proxy drops to `nobody` and makes its sockets here: a directory of its own in the
+    # system's temporary directory, which that user can reach (a state directory may not be).
+    holder = Path(tempfile.mkdtemp(prefix="srt-build-egress-"))
+    os.chmod(holder, 0o711)
+    base = holder / "egress"
     if build_settings.allow.strip():
         nobody = pwd.getpwnam("nobody")
         # (a build downloads what its packages weigh: the size limit bounds it, not egress's)
@@ -135,7 +145,7 @@ async def _build_async(
     finally:
         if egress is not None:
             await egress.aclose()
-        await asyncio.to_thread(remove_tree, base)
+        await asyncio.to_thread(remove_tree, holder)
 
 
 def _describe(store: EnvironmentStore, env: Environment, description: str) -> None:
@@ -208,6 +218,11 @@ def _rm(args: Any, _settings: Settings, store: EnvironmentStore, _shared: Any) -
     return 0
 
 
+def _prune(_args: Any, _settings: Settings, store: EnvironmentStore, _shared: Any) -> int:
+    _log(f"pruned the build cache: {store.prune()} root(s) deleted")
+    return 0
+
+
 def _push(args: Any, settings: Settings, store: EnvironmentStore, shared: Any) -> int:
     from sandbox_runtime.environments.sharing import push
 
@@ -243,6 +258,7 @@ ACTIONS: dict[str, Callable[[Any, Settings, EnvironmentStore, Any], int]] = {
     "list": _list,
     "inspect": _inspect,
     "rm": _rm,
+    "prune": _prune,
     "push": _push,
     "fetch": _fetch,
 }

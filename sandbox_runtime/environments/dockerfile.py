@@ -62,7 +62,7 @@ def parse(text: str, name: str = "Dockerfile") -> list[Instruction]:
             what = "is not supported" if keyword in KNOWN_UNSUPPORTED else "is not an instruction"
             raise DockerfileError(
                 f"{name}:{start + 1}: {keyword} {what} in environment builds; the subset is "
-                f"{', '.join(SUPPORTED)} (docs/environments.md)"
+                f"{', '.join(SUPPORTED)} (docs/environments-build.md)"
             )
         if not args:
             raise DockerfileError(f"{name}:{start + 1}: {keyword} needs arguments")

@@ -27,6 +27,7 @@ from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.environments.digest import tree_size
 from sandbox_runtime.environments.store import EnvironmentsError
 from sandbox_runtime.sandbox.egress_port import RELAY_PORT, SOCKET_DIR, SOCKET_NAME, EgressGate
+from sandbox_runtime.supervisor import scoped
 
 HOST_USR = "/run/srt-host/usr"
 RELAY_AT = "/run/srt-relay.py"
@@ -205,7 +206,7 @@ async def _supervise(
                 _kill(proc.pid)
                 return
 
-    watcher = asyncio.create_task(watch_size())
+    watcher = scoped(watch_size())
     try:
         await asyncio.wait_for(asyncio.gather(read(), proc.wait()), step_seconds)
     except TimeoutError:
@@ -216,6 +217,7 @@ async def _supervise(
         ) from None
     finally:
         watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
         if proc.returncode is None:
             _kill(proc.pid)
             await proc.wait()

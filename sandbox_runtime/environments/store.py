@@ -266,6 +266,18 @@ class EnvironmentStore:
             return False
         return True
 
+    def prune(self) -> int:
+        """Drop the build cache of every step whose root no named environment has (the
+        intermediate roots: a rebuild runs those steps again), then `collect`."""
+        keep = {env.root_digest for env in self.list()[1:]}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in self.cache.iterdir():
+                digest = str((_read_json(entry) or {}).get("digest", ""))
+                config = _read_json(self.image_path(digest)) if DIGEST.match(digest) else None
+                if config is None or config.get("root_digest") not in keep:
+                    entry.unlink(missing_ok=True)
+        return self.collect()
+
     def collect(self) -> int:
         """Remove roots and images no name points at and no cache entry reaches. Returns
         the number of roots removed."""
