@@ -197,6 +197,12 @@ async def test_every_layer_holds_on_an_environment(
             "Seccomp:\t2" in out and "NoNewPrivs:\t1" in out and "CapEff:\t0000000000000000" in out
         )
         assert code == 0, err
+        # The execution's cgroup and rlimits: its pids (64 in the tests' policy), file size.
+        loop = "i=0; while [ $i -lt 100 ]; do sleep 2 & i=$((i+1)); done; wait"
+        code, out, err = await run(backend, tiny, loop)
+        assert code != 0 and "can't fork" in err, (code, out, err[-500:])
+        code, out, err = await run(backend, tiny, "cat /dev/zero > f; wc -c < f")
+        assert int(out.split()[-1]) == backend.config.limits.file_size_mb * 2**20, (out, err)
 
 
 # -- sessions on environments, through the real server ----------------------------------------
