@@ -285,6 +285,16 @@ async def test_the_operator_chooses_who_may_use_which(env_server: ServerProcess)
         assert done["exit_code"] == 0
 
 
+async def test_a_fork_goes_on_on_the_snapshots_environment(env_server: ServerProcess) -> None:
+    async with open_client(env_server.url, ALICE) as conn:
+        await conn.ok("execute_code", session="f1", image="other", command="echo x > x.txt")
+        await conn.ok("fork_session", from_session="f1", to_session="f2")
+        done = await conn.ok("execute_code", session="f2", command="cat x.txt /etc/os-release")
+        assert output_of(done).startswith("x\n") and "VARIANT=other" in output_of(done)
+        error = await conn.error("execute_code", session="f2", image="tiny", command="true")
+        assert "runs on environment 'other'" in error
+
+
 # -- egress on an environment without Python ---------------------------------------------------
 
 EGRESS_TOKEN = "env-egress-token-0123456789"
