@@ -397,10 +397,14 @@ def lang_server(tmp_path_factory: pytest.TempPathFactory, serve: Servers) -> Ser
     Debian's packages)."""
     names = ("test-base", "test-r", "test-go")
     built = build_all(environments_dir(), tmp_path_factory.mktemp("env-builds"), names)
-    return serve("env-langs", SANDBOX_ENVIRONMENTS_DIR=str(built.base))
+    return serve("env-langs", SANDBOX_ENVIRONMENTS_DIR=str(built.base),
+                 SANDBOX_INTERPRETER_WARM="python=0,r@test-r=1")  # fmt: skip
 
 
 async def test_run_code_in_r_computes_and_plots(lang_server: ServerProcess) -> None:
+    """On a warm R kernel (SANDBOX_INTERPRETER_WARM r@test-r=1): the session takes it."""
+    warm = ("srt_interpreters{", 'language="r@test-r"', 'state="warm"')
+    await eventually(lambda: lang_server.metric("none", *warm) == 1, 60, "a warm R kernel")
     async with open_client(lang_server.url, None) as conn:
         result = await conn.call(
             "run_code", session="r1", image="test-r", language="r",
@@ -417,6 +421,8 @@ async def test_run_code_in_r_computes_and_plots(lang_server: ServerProcess) -> N
         again = await conn.ok("run_code", session="r1", language="r",
                               code="cat(sum(x), R.version$major)")  # fmt: skip
         assert "15 4" in json.dumps(again), again
+        hits = ("srt_interpreter_events_total{", 'language="r"', 'event="warm_hit"')
+        assert lang_server.metric("none", *hits) == 1
         listed = await conn.ok("list_languages", session="r1")
         assert [(x["language"], x["running"]) for x in listed["languages"]] == [("r", True)]
         error = await conn.error("run_code", session="r1", language="javascript", code="1")

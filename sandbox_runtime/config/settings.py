@@ -134,8 +134,9 @@ class Settings(BaseSettings):
     )
     interpreter_warm: str = Field(
         "python=1",
-        description="Interpreters started ahead of need, per language: `python=1,bash=0`; "
-        "a new session's first call takes one instead of starting a kernel.",
+        description="Interpreters started ahead of need, per language: `python=1,bash=0`, "
+        "or a language on an environment: `r@r=1`; a new session's first call takes one "
+        "instead of starting a kernel.",
     )
 
     pool_size: int = Field(

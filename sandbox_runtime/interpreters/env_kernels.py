@@ -14,7 +14,7 @@ loopback TCP (a kernel's ipc naming is not the same everywhere: IRkernel's is no
 from __future__ import annotations
 
 import glob
-from collections.abc import Container
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +104,24 @@ def session_languages(
         }
         for language, spec in sorted(env.kernelspecs.items())
     ]
+
+
+def pool_key(spec: KernelSpec) -> str:
+    """The warm pool's key of `spec`: its language, `LANGUAGE@ENVIRONMENT` on an environment
+    (as SANDBOX_INTERPRETER_WARM names them: `r@r=1`)."""
+    return spec.language if spec.image is None else f"{spec.language}@{spec.image.name}"
+
+
+def pool_spec(
+    images: SessionImages | None, key: str, default: Callable[[str], KernelSpec]
+) -> KernelSpec:
+    """The kernel a warm pool key stands for (`default` of a bare language). Raises
+    InvalidRequestError when its environment or kernel is not here."""
+    language, _, name = key.partition("@")
+    if not name:
+        return default(key)
+    env = images.store.get(name) if images is not None else None
+    image = image_of(env) if env is not None else None
+    if env is None or image is None:
+        raise InvalidRequestError(f"SANDBOX_INTERPRETER_WARM {key}: no environment {name!r} here")
+    return environment_spec(env, image, language)

@@ -36,7 +36,7 @@ from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.interpreters import kernel_dirs
 from sandbox_runtime.interpreters.calls import CallRun, run_call
-from sandbox_runtime.interpreters.env_kernels import session_languages, session_spec
+from sandbox_runtime.interpreters.env_kernels import pool_spec, session_languages, session_spec
 from sandbox_runtime.interpreters.interpreter import (
     Interpreter,
     Key,
@@ -78,7 +78,8 @@ class InterpreterManager:
         # Kernels being stopped, with their workspace: still holding it until they are gone.
         self._stopping: dict[asyncio.Task[None], str] = {}
         self._ended: OrderedDict[Key, str] = OrderedDict()
-        self.warm = WarmPool(settings, manager, self._spec, self._new_kernel)
+        spec = lambda key: pool_spec(manager.images, key, self._spec)  # noqa: E731
+        self.warm = WarmPool(settings, manager, spec, self._new_kernel)
         self._reaping = False
         self.closed = False  # (the server is stopping: aclose)
         self.metrics.bind_interpreters(self._gauges)
@@ -96,7 +97,7 @@ class InterpreterManager:
         self._reaping = True
         if self.runtime is not None and self.manager.backend.unavailable_reason is None:
             for language, count in self.settings.warm_interpreters().items():
-                if language in self.runtime.kernels:
+                if language in self.runtime.kernels or "@" in language:
                     for _ in range(count):
                         self.warm.fill(language)
 
@@ -299,7 +300,7 @@ class InterpreterManager:
         name = workspace_name(owner)
         # Pooled kernels run under the server's limits: a caller's tighter ones start a kernel;
         # so does a principal with secret rules (a pooled kernel's proxy socket has none).
-        pooled = limits == self.manager.limits and not self._has_secrets(owner) and not spec.image
+        pooled = limits == self.manager.limits and not self._has_secrets(owner)
         kernel = await self.warm.take(spec, owner) if pooled else None
         if warm := kernel is not None:
             self.metrics.interpreter_events.labels(spec.language, "warm_hit").inc()
