@@ -40,6 +40,7 @@ from sandbox_runtime.environments.build import image_digest
 from sandbox_runtime.environments.digest import summarize
 from sandbox_runtime.environments.sharing import push
 from sandbox_runtime.environments.store import Environment, EnvironmentStore
+from sandbox_runtime.errors import SandboxUnavailableError
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxSpec
 from sandbox_runtime.sandbox.spec import ImageRoot, shell_argv
 from sandbox_runtime.snapshots.stores import open_store
@@ -203,6 +204,19 @@ async def test_every_layer_holds_on_an_environment(
         assert code != 0 and "can't fork" in err, (code, out, err[-500:])
         code, out, err = await run(backend, tiny, "cat /dev/zero > f; wc -c < f")
         assert int(out.split()[-1]) == backend.config.limits.file_size_mb * 2**20, (out, err)
+
+
+async def test_an_environment_past_the_bounds_is_refused_saying_why(tmp_path: Path) -> None:
+    base = tmp_path / "roots"
+    base.mkdir(mode=0o755)
+    wide = tiny_environment(base, "wide")
+    for i in range(65):
+        (wide.root / "opt" / f"tool{i}").mkdir(mode=0o755)
+    async with started_backend(tmp_path) as backend:
+        with pytest.raises(SandboxUnavailableError) as refused:
+            await run(backend, wide, "true")
+        assert "its /opt has 66 entries, at most 64" in str(refused.value)
+        assert "rebuild or re-import it" in str(refused.value)
 
 
 # -- sessions on environments, through the real server ----------------------------------------

@@ -56,6 +56,7 @@ BIND_TOPS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "var", "sr
 OWN_OPT = {Path(RUNTIME).name, Path(SERVER_DIR).name}
 MAX_ETC_FILE = 1024 * 1024  # an /etc entry bigger than this is left out of the copy
 MAX_ETC_FILES = 5000
+MAX_OPT_ENTRIES = 64
 USER_NAME = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
@@ -101,7 +102,11 @@ def build_image_root(dest: Path, image: ImageRoot) -> ImageLayout:
         binds += _place(tree / top, dest / top, f"/{top}")
     opt = tree / "opt"
     if _is_dir(opt):
-        for entry in sorted(os.listdir(opt)):
+        entries = sorted(os.listdir(opt))
+        if len(entries) > MAX_OPT_ENTRIES:  # (each is a mount in every sandbox on it)
+            raise OSError(f"its /opt has {len(entries)} entries, at most {MAX_OPT_ENTRIES}: "
+                          "put them under fewer directories")  # fmt: skip
+        for entry in entries:
             if entry not in OWN_OPT:
                 binds += _place(opt / entry, dest / "opt" / entry, f"/opt/{entry}")
     _copy_etc(tree / "etc", dest / "etc", user_name(image))
