@@ -31,6 +31,7 @@ from mcp_harness import (
     eventually,
     open_client,
     replica_process,
+    run_server_once,
     running_server,
 )
 from netlab import NetLab, netlab_fixture
@@ -287,6 +288,11 @@ async def test_sessions_run_on_the_environment_they_chose(env_server: ServerProc
         assert same["exit_code"] == 0
         error = await conn.error("execute_code", session="c", image="nope", command="true")
         assert "no environment 'nope'" in error and "default, other, tiny" in error
+
+
+def test_a_wrong_allow_setting_stops_the_start_saying_how(tmp_path: Path) -> None:
+    code, err = run_server_once(tmp_path, SANDBOX_ENVIRONMENTS_ALLOW="alice")
+    assert code == 2 and "entry 'alice' is not PRINCIPAL=NAME,NAME" in err, err[-500:]
 
 
 async def test_the_operator_chooses_who_may_use_which(env_server: ServerProcess) -> None:

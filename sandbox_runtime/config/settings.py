@@ -586,6 +586,12 @@ class Settings(BaseSettings):
         description="Bearer token for GET /metrics; default: any client token is accepted.",
     )
 
+    @field_validator("environments_allow")
+    @classmethod
+    def _environments_allow(cls, value: str) -> str:
+        parsing.environments_allow(value)  # (ValueError naming the entry)
+        return value
+
     @field_validator("log_format")
     @classmethod
     def _format(cls, value: str) -> str:

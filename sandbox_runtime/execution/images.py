@@ -23,6 +23,7 @@ from typing import Any, Protocol
 from loguru import logger
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.config.parsing import environments_allow as parse_allow
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.environments.sharing import SharedFetcher
 from sandbox_runtime.environments.store import (
@@ -34,23 +35,6 @@ from sandbox_runtime.environments.store import (
 )
 from sandbox_runtime.errors import InvalidRequestError, SandboxUnavailableError
 from sandbox_runtime.sandbox.spec import ImageRoot
-
-
-def parse_allow(text: str) -> dict[str, set[str]]:
-    """SANDBOX_ENVIRONMENTS_ALLOW as {principal: names} ("*" for every principal not named,
-    "*" among names for every environment). Empty text: {} (everyone may use everything).
-    Raises ValueError naming the entry that is not `principal=name,name`."""
-    allow: dict[str, set[str]] = {}
-    for entry in text.replace("\n", ";").split(";"):
-        if not entry.strip():
-            continue
-        principal, sep, names = entry.partition("=")
-        if not sep or not principal.strip():
-            raise ValueError(f"SANDBOX_ENVIRONMENTS_ALLOW entry {entry.strip()!r} is not "
-                             "PRINCIPAL=NAME,NAME (e.g. `alice=r,go;*=default`)")  # fmt: skip
-        chosen = {n.strip() for n in names.split(",") if n.strip()}
-        allow.setdefault(principal.strip(), set()).update(chosen)
-    return allow
 
 
 class SnapshotHooks(Protocol):
