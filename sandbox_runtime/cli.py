@@ -1,4 +1,4 @@
-"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, or
+"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, `env …`, or
 `connect|disconnect|clients|token` (sandbox_runtime/connect)."""
 
 from __future__ import annotations
@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "add|list|remove|install|logs|import: the hosted MCP servers (servers --help); "
         "connect CLIENT…|disconnect|clients: wire MCP clients (Claude Code, Cursor, VS Code, "
         "…) to this server (connect --help); token new: make a bearer token; secrets "
-        "set|list|rm|keygen|rekey: keys the egress proxy adds to requests (secrets --help)",
+        "set|list|rm|keygen|rekey: keys the egress proxy adds to requests (secrets --help); env "
+        "build|import|list|inspect|rm|prune|push|fetch: environments (env --help)",
     )
     parser.add_argument("action", nargs="?", choices=["install"], help=argparse.SUPPRESS)
     parser.add_argument(
@@ -179,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_runtime.egress.secrets_cli import main as secrets_main
 
         return secrets_main(argv[1:])
+    if argv[:1] == ["env"]:  # build|import|list|inspect|rm|push|fetch (`env --help`)
+        from sandbox_runtime.environments.cli import main as env_main
+
+        return env_main(argv[1:], shared=_shared_store)
     if argv[:1] and argv[0] in ("connect", "disconnect", "clients", "token"):
         from sandbox_runtime.connect.cli import main as connect_main
 
@@ -236,6 +241,22 @@ def main(argv: list[str] | None = None) -> int:
             return _run(serve(settings))
         except KeyboardInterrupt:  # a second Ctrl+C while stopping: the server has said so
             return 130
+
+
+def _shared_store(settings: Settings) -> Any:
+    """The snapshot store, where environments are shared between workers (by digest)."""
+    from sandbox_runtime.snapshots.stores import open_store
+
+    store = open_store(
+        settings.snapshot_store,
+        settings.state_dir / "snapshots",
+        endpoint=settings.snapshot_s3_endpoint,
+        region=settings.snapshot_s3_region,
+        timeout=settings.snapshot_store_timeout,
+    )
+    if store is None:
+        raise SystemExit("SANDBOX_SNAPSHOT_STORE is 'none': no store to share environments")
+    return store
 
 
 def _runtime(settings: Settings, args: argparse.Namespace) -> int:

@@ -77,7 +77,7 @@ class StartedAheadBackend(BubblewrapBackend):
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         if not self.can_prestart(spec):
             return await super().spawn(spec)
-        started = await self.prestart(spec.workspace, spec.limits)
+        started = await self.prestart(spec.workspace, spec.limits, spec.image)
         try:
             proc = self.launch(started, spec)
         except BaseException:
@@ -254,3 +254,17 @@ def pytest_runtest_makereport(
             if log := server.log_since(offsets.get(id(server), 0)):
                 report.sections.append((f"server log ({server.workdir})", log))
     return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Environments (issue 46): built once per machine, cached (tests/environments_harness.py)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def built_environments(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """test-base, test-r, test-go and test-pip in a store shared by the machine's test runs
+    (`.base`: its directory, for a server's SANDBOX_ENVIRONMENTS_DIR)."""
+    from environments_harness import build_all, environments_dir
+
+    return build_all(environments_dir(), tmp_path_factory.mktemp("env-builds"))

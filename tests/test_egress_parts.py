@@ -4,6 +4,7 @@ the vetting of resolved addresses, and the copy both ways over socketpairs (no n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import socket
 
@@ -139,6 +140,32 @@ def test_pipe_copies_both_ways_and_stops_at_the_body_length() -> None:
         return got, back
 
     assert asyncio.run(run()) == (b"body", b"reply")
+
+
+def test_pipe_does_not_half_close_the_origin_after_a_plain_http_request() -> None:
+    """Some origins and mirrors take a FIN after the request for an abort and reset."""
+
+    async def run() -> bool:
+        sandbox, client = await stream_pair()
+        origin_side, origin = await stream_pair()
+        task = asyncio.ensure_future(
+            pipe(client, origin, idle=5, body_length=0, count=lambda n: True, on_limit=print)
+        )
+        try:
+            # (the request's head was sent by the proxy; no body: nothing more, and no EOF)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(origin_side[0].read(1), 0.5)
+            eof = origin_side[0].at_eof()
+            origin_side[1].write(b"reply")
+            origin_side[1].write_eof()
+            assert await sandbox[0].read() == b"reply"
+            await asyncio.wait_for(task, 5)
+        finally:
+            for _, writer in (sandbox, client, origin_side, origin):
+                writer.close()
+        return eof
+
+    assert asyncio.run(run()) is False
 
 
 def test_pipe_stops_when_the_budget_is_spent() -> None:

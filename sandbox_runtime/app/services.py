@@ -50,6 +50,7 @@ from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.secrets import broker_from_settings
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.execution.images import session_images
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.files.urls import FileUrlSigner, url_key
 from sandbox_runtime.interpreters.manager import InterpreterManager
@@ -231,6 +232,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             egress=egress,
         )
         _link(workspaces, pool, manager, metrics)
+        manager.images = images = session_images(settings)  # (sessions' environments)
         workspaces.refill = lambda: _spawn_fill(supervisor, workspaces)
 
         interpreters = InterpreterManager(settings, manager)
@@ -264,6 +266,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             closing.add(queue.redis.aclose)
         router = Router(settings, parts, cluster, queue if settings.role == "api" else None)
         snapshots.still_home = _still_home(cluster, router)
+        images.attach(snapshots, settings.environment_max_mb)  # (they travel with snapshots)
         triggers = Triggers(
             snapshots,
             lambda: [owner for _, owner in router.placements.homed_at(settings.replica_id)],

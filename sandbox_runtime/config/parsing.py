@@ -77,3 +77,20 @@ def inode_count(workspace_mb: int, workspace_inodes: int | None) -> int:
     """Inodes per workspace image: the setting (or one per 16 KiB), at most one per KiB."""
     wanted = workspace_inodes or workspace_mb * 64
     return max(256, min(wanted, workspace_mb * 1024))
+
+
+def environments_allow(text: str) -> dict[str, set[str]]:
+    """SANDBOX_ENVIRONMENTS_ALLOW as {principal: names} ("*" for every principal not named,
+    "*" among names for every environment). Empty text: {} (everyone may use everything).
+    Raises ValueError naming the entry that is not `principal=name,name`."""
+    allow: dict[str, set[str]] = {}
+    for entry in text.replace("\n", ";").split(";"):
+        if not entry.strip():
+            continue
+        principal, sep, names = entry.partition("=")
+        if not sep or not principal.strip():
+            raise ValueError(f"SANDBOX_ENVIRONMENTS_ALLOW entry {entry.strip()!r} is not "
+                             "PRINCIPAL=NAME,NAME (e.g. `alice=r,go;*=default`)")  # fmt: skip
+        chosen = {n.strip() for n in names.split(",") if n.strip()}
+        allow.setdefault(principal.strip(), set()).update(chosen)
+    return allow

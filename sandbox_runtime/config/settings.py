@@ -134,8 +134,9 @@ class Settings(BaseSettings):
     )
     interpreter_warm: str = Field(
         "python=1",
-        description="Interpreters started ahead of need, per language: `python=1,bash=0`; "
-        "a new session's first call takes one instead of starting a kernel.",
+        description="Interpreters started ahead of need, per language: `python=1,bash=0`, "
+        "or a language on an environment: `r@r=1`; a new session's first call takes one "
+        "instead of starting a kernel.",
     )
 
     pool_size: int = Field(
@@ -267,6 +268,41 @@ class Settings(BaseSettings):
         description="Address ranges sandboxes may reach (an internal mirror: `10.0.5.0/24`); "
         "private, loopback, link-local and the host's own addresses are refused otherwise, "
         "metadata addresses unless named exactly.",
+    )
+    environments_dir: Path | None = Field(
+        None,
+        description="Where environments are kept (roots by digest, names as pointers; "
+        "docs/environments-build.md); default `<state_dir>/environments`.",
+    )
+    environment_max_mb: int = Field(
+        4096,
+        ge=16,
+        description="Largest environment (root filesystem) a build or an import may make, in "
+        "MiB; past it the build stops and the previous environment of that name stays.",
+    )
+    environments_allow: str = Field(
+        "",
+        description="Which environments each principal may name in `image` (execute_code, "
+        "run_code): `PRINCIPAL=NAME,NAME` entries separated by `;`, `*` for every other "
+        "principal or every environment (e.g. `alice=r,go;*=default`); `default` is always "
+        "allowed. Empty: everyone may use every environment.",
+    )
+    environment_build_allow: str = Field(
+        "deb.debian.org,security.debian.org,pypi.org,files.pythonhosted.org,proxy.golang.org,"
+        "sum.golang.org,cloud.r-project.org",
+        description="Names a Dockerfile's RUN steps may reach through the egress proxy (same "
+        "syntax as SANDBOX_EGRESS_ALLOW): the package registries; empty: RUN has no network.",
+    )
+    environment_build_allow_cidrs: str = Field(
+        "",
+        description="Address ranges RUN steps may reach besides those names (a private "
+        "mirror: `10.0.5.0/24`; same syntax as SANDBOX_EGRESS_ALLOW_CIDRS).",
+    )
+    environment_build_timeout: int = Field(
+        1800,
+        ge=10,
+        le=86400,
+        description="Seconds one RUN step (or one `FROM debian:` bootstrap) may take.",
     )
     egress_resolver: str = Field(
         "",
@@ -550,6 +586,12 @@ class Settings(BaseSettings):
         description="Bearer token for GET /metrics; default: any client token is accepted.",
     )
 
+    @field_validator("environments_allow")
+    @classmethod
+    def _environments_allow(cls, value: str) -> str:
+        parsing.environments_allow(value)  # (ValueError naming the entry)
+        return value
+
     @field_validator("log_format")
     @classmethod
     def _format(cls, value: str) -> str:
@@ -642,6 +684,10 @@ class Settings(BaseSettings):
 
     def servers_path(self) -> Path:
         return self.servers_file or self.state_dir / "servers.toml"
+
+    def environments_path(self) -> Path:
+        """Environments: roots by digest, names as pointers (environments/store.py)."""
+        return self.environments_dir or self.state_dir / "environments"
 
     def servers_dir(self) -> Path:
         """Hosted servers' installs (`install/<name>`) and logs (`logs/<name>.log`)."""

@@ -49,8 +49,10 @@ async def pipe(
             await dst.drain()
             if left is not None:
                 left -= len(data)
+        # A plain HTTP request (`limit`) is whole at its length: no half-close after it, which
+        # some servers and mirrors take for an aborted request and answer with a reset.
         with contextlib.suppress(OSError):
-            if dst.can_write_eof():
+            if limit is None and dst.can_write_eof():
                 dst.write_eof()
 
     async def watchdog() -> None:

@@ -32,6 +32,7 @@ from sandbox_runtime.errors import (
 from sandbox_runtime.execution.cluster import Cluster
 from sandbox_runtime.execution.code_mode import Bridges, OpenBridge, bridged_env, open_bridge
 from sandbox_runtime.execution.execution import Execution
+from sandbox_runtime.execution.images import SessionImages
 from sandbox_runtime.execution.network import denied_to, egress_of, granted
 from sandbox_runtime.execution.reading import (
     MAX_EVENTS_PER_READ,
@@ -83,6 +84,7 @@ class ExecutionManager:
         self.egress = egress
         self.egress_policy = settings.egress_policy()
         self.bridges: list[Bridges] = []  # code mode's, from the composition root (or none)
+        self.images: SessionImages | None = None  # sessions' environments (from the root)
         self.limits = settings.limits()
         # An execution's info copies it (most run with the server's limits: asdict is slow).
         self._limits_dict = self.limits.as_dict()
@@ -223,6 +225,7 @@ class ExecutionManager:
         try:
             workspace, _ = await self.workspaces.ensure(workspace_name(owner), owner.principal)
             bridge = await open_bridge(self.bridges, owner, request.servers, execution)
+            image = await self.images.for_call(owner, request.image) if self.images else None
             process = await self.pool.spawn(
                 SandboxSpec(
                     argv=argv,
@@ -235,6 +238,7 @@ class ExecutionManager:
                     egress=granted(egress, owner, limits, execution),
                     on_denied=self.network_denied(execution),
                     bridge_dir=bridge.directory if bridge is not None else None,
+                    image=image,
                 )
             )
             if bridge is not None:
@@ -259,12 +263,8 @@ class ExecutionManager:
         self._executions[execution_id] = execution
         self._running[execution_id] = execution
         with logger.contextualize(execution_id=execution_id):
-            logger.info(
-                "execution started principal={} interactive={} timeout={:g}s",
-                owner.principal,
-                request.interactive,
-                timeout,
-            )
+            logger.info("execution started principal={} interactive={} timeout={:g}s",
+                        owner.principal, request.interactive, timeout)  # fmt: skip
         self.supervisor.spawn("execution output", execution.attach(process))
         self.supervisor.spawn("execution release", self._release_when_done(execution))
         return execution

@@ -21,6 +21,9 @@ class ExecuteRequest:
     sandbox_config: dict[str, Any] | None = None
     # Code mode: the hosted servers its code may call ("*": every one the principal may use)
     servers: list[str] | None = None
+    # The environment the session's sandboxes run on (execution/images.py); None: the
+    # session's, or the default for its first sandbox.
+    image: str | None = None
 
 
 def command_argv(command: object) -> list[str]:

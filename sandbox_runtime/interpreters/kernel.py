@@ -44,6 +44,7 @@ from sandbox_runtime.execution.code_mode import (
 )
 from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.interpreters import kernel_dirs, kernel_execute
+from sandbox_runtime.interpreters.env_kernels import pipe_argv
 from sandbox_runtime.interpreters.kernel_execute import OnMessage
 from sandbox_runtime.interpreters.kernel_inbox import FLOODED, SIZE, Inbox, OnDropped
 from sandbox_runtime.interpreters.kernel_wire import (
@@ -179,17 +180,21 @@ class SandboxedKernel:
         os.chmod(connection, 0o600)
         shutil.copyfile(PIPE, directory / PIPE.name)  # (the server's own, whatever the runtime)
         kernel_argv = list(self.spec.argv)
-        if kernel_argv and "/" not in kernel_argv[0]:
+        pipe = [f"{RUNTIME}/bin/python", "-I", f"{KERNEL_DIR}/{PIPE.name}"]
+        if self.spec.image is not None:  # (an environment's kernel: its PATH finds it)
+            assert self.backend.images is not None
+            relay_python = self.backend.images.relay_python
+            pipe = pipe_argv(relay_python, self.backend.config.runtime_dir, pipe[-1])
+        elif kernel_argv and "/" not in kernel_argv[0]:
             kernel_argv[0] = f"{RUNTIME}/bin/{kernel_argv[0]}"
-        argv = [
-            f"{RUNTIME}/bin/python", "-I", f"{KERNEL_DIR}/{PIPE.name}", CONNECTION_FILE,
-            str(MESSAGE_MAX_BYTES), "tcp" if self.spec.tcp else "ipc", "--", *kernel_argv,
-        ]  # fmt: skip
+        argv = [*pipe, CONNECTION_FILE, str(MESSAGE_MAX_BYTES), "tcp" if self.spec.tcp else "ipc",
+                "--", *kernel_argv]  # fmt: skip
         # Code mode: a directory bound read-only at /run/srt-bridge with the mcp_servers library;
         # a run_code call naming servers opens its bridge's socket there (use_bridge).
         self.bridge_dir = self.kernels_root / f"b-{secrets.token_hex(8)}"
         write_library(self.bridge_dir, [])
-        env = {**KERNEL_ENV, **BRIDGE_ENV, **self.spec.env, **self.env}
+        env = {**(KERNEL_ENV if self.spec.image is None else {}), **BRIDGE_ENV,
+               **self.spec.env, **self.env}  # fmt: skip
         self.started_at = time.monotonic()
         self.process = await self.backend.spawn(
             SandboxSpec(
@@ -203,6 +208,7 @@ class SandboxedKernel:
                 egress=self.egress,
                 on_denied=self._denied,
                 bridge_dir=self.bridge_dir,
+                image=self.spec.image,
             )
         )
         if self.backend.egress is not None:

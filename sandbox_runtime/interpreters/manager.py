@@ -36,6 +36,7 @@ from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.interpreters import kernel_dirs
 from sandbox_runtime.interpreters.calls import CallRun, run_call
+from sandbox_runtime.interpreters.env_kernels import pool_spec, session_languages, session_spec
 from sandbox_runtime.interpreters.interpreter import (
     Interpreter,
     Key,
@@ -77,7 +78,8 @@ class InterpreterManager:
         # Kernels being stopped, with their workspace: still holding it until they are gone.
         self._stopping: dict[asyncio.Task[None], str] = {}
         self._ended: OrderedDict[Key, str] = OrderedDict()
-        self.warm = WarmPool(settings, manager, self._spec, self._new_kernel)
+        spec = lambda key: pool_spec(manager.images, key, self._spec)  # noqa: E731
+        self.warm = WarmPool(settings, manager, spec, self._new_kernel)
         self._reaping = False
         self.closed = False  # (the server is stopping: aclose)
         self.metrics.bind_interpreters(self._gauges)
@@ -95,7 +97,7 @@ class InterpreterManager:
         self._reaping = True
         if self.runtime is not None and self.manager.backend.unavailable_reason is None:
             for language, count in self.settings.warm_interpreters().items():
-                if language in self.runtime.kernels:
+                if language in self.runtime.kernels or "@" in language:
                     for _ in range(count):
                         self.warm.fill(language)
 
@@ -142,9 +144,13 @@ class InterpreterManager:
 
     # -- languages ---------------------------------------------------------------------------
 
-    def _spec(self, language: str) -> KernelSpec:
+    def _spec(self, language: str, owner: Owner | None = None) -> KernelSpec:
         """The kernel of `language` (or of `LANGUAGE:INSTANCE`, one more interpreter of that
-        language in the same session: the E2B edge's code contexts)."""
+        language in the same session: the E2B edge's code contexts); the environment's for
+        `owner`'s session on one (env_kernels.py)."""
+        base = base_language(language) if isinstance(language, str) else ""
+        if owner and (spec := session_spec(self.manager.images, owner, base.lower())):
+            return spec
         if self.runtime is None:
             self.runtime = load_runtime(self.runtime_dir)  # installed since we started?
         if self.runtime is None:
@@ -152,7 +158,6 @@ class InterpreterManager:
                 f"no runtime is installed at {self.runtime_dir}: run `{cli_name()} runtime "
                 "install` (./scripts/serve does it on first use)"
             )
-        base = base_language(language) if isinstance(language, str) else ""
         if base.lower() not in self.runtime.kernels or not valid_instance(language):
             names = ", ".join(self.runtime.languages)
             raise InvalidRequestError(f"unknown language {language!r}; one of {names}")
@@ -160,14 +165,13 @@ class InterpreterManager:
 
     def languages(self, owner: Owner) -> list[dict[str, Any]]:
         """Every language with its version, packages of note, and whether `owner` has an
-        interpreter running."""
+        interpreter running (its environment's, for a session on one: env_kernels.py)."""
         runtime = self.runtime or load_runtime(self.runtime_dir)
-        if runtime is None:
-            return []
-        manifest = runtime.manifest
+        if (env := session_languages(self.manager.images, owner, self._interpreters)) is not None:
+            return env
+        manifest = runtime.manifest if runtime is not None else {}
         out = []
-        for language in runtime.languages:
-            spec = runtime.kernels[language]
+        for language, spec in sorted(runtime.kernels.items()) if runtime is not None else []:
             if spec.kernel == "deno":
                 version, packages = manifest.get("deno"), {}
             elif language == "python":
@@ -175,15 +179,8 @@ class InterpreterManager:
             else:
                 version, packages = None, {}
             running = (owner, language) in self._interpreters
-            out.append(
-                {
-                    "language": language,
-                    "version": version,
-                    "kernel": spec.display_name,
-                    "running": running,
-                    "packages": packages,
-                }
-            )
+            out.append({"language": language, "version": version, "kernel": spec.display_name,
+                        "running": running, "packages": packages})  # fmt: skip
         return out
 
     # -- interpreters ------------------------------------------------------------------------
@@ -289,7 +286,7 @@ class InterpreterManager:
     async def _start(
         self, owner: Owner, language: str, limits: SandboxLimits | None = None
     ) -> Interpreter:
-        spec = self._spec(language)
+        spec = self._spec(language, owner)
         limits = limits or self.manager.limits
         if self.closed or not self.manager.accepting:
             raise SandboxRuntimeError("the server is shutting down; retry on another replica")
@@ -354,7 +351,7 @@ class InterpreterManager:
     ) -> dict[str, Any]:
         """Stop the owner's interpreter of `language` and start a fresh one (under the
         caller's tighter limits, if any). Raises PolicyViolationError, InvalidRequestError."""
-        spec = self._spec(language)
+        spec = self._spec(language, owner)
         language = spec.language if language.lower() == spec.language else language.lower()
         limits = self.manager.limits.tighten(sandbox_config)
         self.manager.egress_of(limits)  # (refuses a widening before anything is stopped)
@@ -371,7 +368,7 @@ class InterpreterManager:
     def stop(self, owner: Owner, language: str) -> bool:
         """Stop the owner's interpreter of `language` (a call running there ends failed);
         whether one ran. Raises InvalidRequestError for an unknown language."""
-        spec = self._spec(language)
+        spec = self._spec(language, owner)
         key = (owner, spec.language if language.lower() == spec.language else language.lower())
         if key not in self._interpreters:
             return False
@@ -389,6 +386,7 @@ class InterpreterManager:
         environment: dict[str, str] | None,
         sandbox_config: dict[str, Any] | None = None,
         servers: list[str] | None = None,
+        image: str | None = None,
     ) -> tuple[Execution, str | None]:
         """Queue `code` on the owner's interpreter; the execution and the state_reset reason.
         `sandbox_config` tightens the limits of an interpreter this call starts; `servers`
@@ -397,7 +395,9 @@ class InterpreterManager:
         Raises InvalidRequestError, PolicyViolationError, LimitExceededError,
         SandboxUnavailableError, SandboxSpawnError.
         """
-        spec = self._spec(language)
+        if self.manager.images is not None:  # (the session's environment, fixed now)
+            await self.manager.images.for_call(owner, image)
+        spec = self._spec(language, owner)
         language = spec.language if language.lower() == spec.language else language.lower()
         if not isinstance(code, str):
             raise InvalidRequestError("code must be a string")

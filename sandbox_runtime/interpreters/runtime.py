@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from sandbox_runtime.sandbox.host import RUNTIME
+from sandbox_runtime.sandbox.spec import ImageRoot
 
 MANIFEST = "srt-runtime.json"
 # What the runtime's layout is: a runtime of an older layout is rebuilt by `runtime install`.
@@ -118,6 +119,9 @@ class KernelSpec:
     tcp: bool = False  # a kernel that cannot use ipc sockets: behind the relay
     linger: float = 0.0  # output may trail the cell's end: flush, and wait at least this long
     display_name: str = ""
+    # An environment's kernel (interpreters/env_kernels.py): the root it runs on; None: the
+    # runtime's.
+    image: ImageRoot | None = None
 
 
 @dataclass

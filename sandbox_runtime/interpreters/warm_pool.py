@@ -1,4 +1,5 @@
-"""Interpreters started ahead of need: per language, each kernel in a slot workspace of its own.
+"""Interpreters started ahead of need: per language (or language on an environment: `r@r`),
+each kernel in a slot workspace of its own.
 
 A new session's first call takes one instead of starting a kernel: its slot workspace becomes
 the session's (only for a session whose workspace is empty and that nothing uses), and the pool
@@ -20,6 +21,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner, workspace_name
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.manager import ExecutionManager
+from sandbox_runtime.interpreters.env_kernels import pool_key
 from sandbox_runtime.interpreters.interpreter import Key
 from sandbox_runtime.interpreters.kernel import SandboxedKernel
 from sandbox_runtime.interpreters.runtime import KernelSpec
@@ -88,6 +90,11 @@ class WarmPool:
 
     async def _warm(self, language: str) -> None:
         started = time.monotonic()
+        try:  # (`language`: LANGUAGE, or LANGUAGE@ENVIRONMENT: env_kernels.pool_key)
+            spec = self._spec(language)
+        except SandboxRuntimeError as exc:
+            logger.warning("no warm {} interpreter: {}", language, exc)
+            return
         try:
             slot, _ = await self.manager.workspaces.ensure(
                 f"{SLOT_PREFIX}{secrets.token_hex(8)}", ahead=True
@@ -95,7 +102,7 @@ class WarmPool:
         except SandboxRuntimeError as exc:
             logger.warning("no workspace for a warm {} interpreter: {}", language, exc)
             return
-        kernel = self._new_kernel(self._spec(language), slot, self.manager.limits)
+        kernel = self._new_kernel(spec, slot, self.manager.limits)
         try:
             await kernel.start()
         except Exception as exc:  # the pool stays short; calls start kernels themselves
@@ -113,14 +120,16 @@ class WarmPool:
         """A pooled kernel, made this owner's by turning its slot workspace into the owner's:
         only for a session whose workspace is empty (a new session) and that nothing uses
         (no execution, other interpreter, file operation or sandbox waiting in it)."""
-        pool = self._kernels.get(spec.language)
+        pooled = pool_key(spec)
+        pool = self._kernels.get(pooled)
         workspaces = self.manager.workspaces
         name = workspace_name(owner)
         key = (owner, spec.language)
         while pool:
             kernel, slot = pool.pop()
-            self.fill(spec.language)
-            if not kernel.alive or kernel.egress_lost:  # (dead, or its proxy socket died)
+            self.fill(pooled)
+            # (dead, or its proxy socket died, or on an environment rebuilt since)
+            if not kernel.alive or kernel.egress_lost or kernel.spec.image != spec.image:
                 self.manager.supervisor.spawn(f"stop a warm {spec.language} kernel", kernel.stop())
                 continue
             self.adopting[key] = slot.name

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import SandboxSpawnError
 from sandbox_runtime.sandbox.argv import stub_command
+from sandbox_runtime.sandbox.host import WORKSPACE
+from sandbox_runtime.sandbox.image_root import start_dir
 from sandbox_runtime.sandbox.pipes import write_at_once
 from sandbox_runtime.sandbox.process import SandboxProcess
-from sandbox_runtime.sandbox.spec import SandboxSpec
+from sandbox_runtime.sandbox.spec import ImageRoot, SandboxSpec
 
 
 @dataclass(eq=False)
@@ -27,6 +29,12 @@ class StartedSandbox:
     workspace: Path
     limits: SandboxLimits
     started_at: float = field(default_factory=time.monotonic)
+    image: ImageRoot | None = None  # the environment it runs on (None: the default root)
+
+    @property
+    def shape(self) -> tuple[Path, SandboxLimits, ImageRoot | None]:
+        """What a call's spec must match to run here: workspace, limits, environment."""
+        return self.workspace, self.limits, self.image
 
     @property
     def usable(self) -> bool:
@@ -35,6 +43,8 @@ class StartedSandbox:
     def hand_over(self, spec: SandboxSpec) -> None:
         """Write `spec`'s command (checked already) to the stub, all of it at once: the stub
         reads only then. Raises SandboxSpawnError."""
+        if spec.image is not None and spec.cwd == WORKSPACE:  # (as bwrap_args does)
+            spec = replace(spec, cwd=start_dir(spec.image))
         payload = stub_command(spec)
         fd = self.command_fd
         if fd is None or not self.proc.running:

@@ -29,7 +29,7 @@ from sandbox_runtime.sandbox.host import (
     SERVER_DIR,
     WORKSPACE,
 )
-from sandbox_runtime.sandbox.spec import SandboxSpec
+from sandbox_runtime.sandbox.spec import HOST_DIR, ImageLayout, SandboxSpec
 
 # How a sandbox starts: the spawner (spawner.py, already the unprivileged sandbox uid with
 # no capabilities and no_new_privs) starts bwrap with fds the server made; bwrap first waits
@@ -112,9 +112,12 @@ def root_tops() -> list[str]:
     return [top for top in ROOT_TOPS if os.path.isdir(f"/{top}") and not os.path.islink(f"/{top}")]
 
 
-def fixed_args(root_dir: Path, runtime_dir: Path | None, tops: list[str]) -> list[str]:
+def fixed_args(
+    root_dir: Path, runtime_dir: Path | None, tops: list[str], image: ImageLayout | None = None
+) -> list[str]:
     """The options every sandbox shares: `root_dir` is the root built at start, `runtime_dir`
-    the runtime tree (if any), `tops` what `root_tops()` found."""
+    the runtime tree (if any), `tops` what `root_tops()` found; on an environment, `image`
+    (its root and binds) in place of all three."""
     args = [
         "--unshare-user",
         "--unshare-pid",
@@ -133,9 +136,18 @@ def fixed_args(root_dir: Path, runtime_dir: Path | None, tops: list[str]) -> lis
         # The root is a read-only bind of a directory built at start: /etc, the merged-usr
         # symlinks and the mount points, in one mount (each mount costs bwrap ~0.1-0.3 ms
         # per sandbox; a read-only root needs no remount).
-        "--ro-bind", str(root_dir), "/",
-        "--ro-bind", "/usr", "/usr",
     ]  # fmt: skip
+    if image is not None:  # (bwrap's binds are all nosuid and nodev)
+        args += ["--ro-bind", str(image.root_dir), "/"]
+        for source, inside in image.binds:
+            args += ["--ro-bind", source, inside]
+        # The host's /usr and the runtime, out of the way, for what runs on the host's Python
+        # in every environment: the egress relay, the kernels' pipe (image_root.py).
+        args += ["--ro-bind", "/usr", f"{HOST_DIR}/usr"]
+        if runtime_dir is not None:
+            args += ["--ro-bind", str(runtime_dir), RUNTIME]
+        return [*args, "--proc", "/proc"]
+    args += ["--ro-bind", str(root_dir), "/", "--ro-bind", "/usr", "/usr"]
     if runtime_dir is not None:
         args += ["--ro-bind", str(runtime_dir), RUNTIME]
     for top in tops:
@@ -151,10 +163,13 @@ def bwrap_args(
     dev_dir: Path | None,
     runtime_dir: Path | None,
     lease: EgressLease | None = None,
+    image: ImageLayout | None = None,
+    relay_python: list[str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """bubblewrap's options for `spec` and the command it runs: `fixed` (fixed_args) first,
     `dev_dir` the /dev built at start (None: bwrap builds one), through the egress relay when
-    `lease` is this sandbox's socket on the proxy."""
+    `lease` is this sandbox's socket on the proxy. On an environment (`image`, whose
+    `fixed` these are) the relay runs as `relay_python` (image_root.host_relay_argv)."""
     tmp_size = str(spec.limits.tmp_size_mb * MIB)
     args = fixed.copy()
     if dev_dir is not None and not spec.limits.pseudo_terminals:
@@ -188,8 +203,12 @@ def bwrap_args(
         args += ["--ro-bind", str(lease.host_dir), SOCKET_DIR, "--as-pid-1"]
         if lease.trust_bundle is not None:
             args += ["--ro-bind", str(lease.trust_bundle), TRUST_BUNDLE]
-    args += ["--chdir", spec.cwd, "--clearenv"]
-    for key, value in base_env(runtime_dir).items():
+    cwd = spec.cwd
+    if image is not None and cwd == WORKSPACE:
+        cwd = image.cwd
+    args += ["--chdir", cwd, "--clearenv"]
+    start_env = base_env(runtime_dir) if image is None else {**BASE_ENV, **dict(image.env)}
+    for key, value in start_env.items():
         args += ["--setenv", key, value]
     if lease is not None:
         for key, value in EGRESS_ENV.items():
@@ -212,7 +231,8 @@ def bwrap_args(
         args += ["--setenv", key, value]
     if lease is not None:
         socket_path = f"{SOCKET_DIR}/{SOCKET_NAME}"
-        command = [RELAY_PYTHON, "-I", "-S", "-B", RELAY_PATH, socket_path, str(RELAY_PORT),
+        python = [RELAY_PYTHON] if image is None else list(relay_python or [RELAY_PYTHON])
+        command = [*python, "-I", "-S", "-B", RELAY_PATH, socket_path, str(RELAY_PORT),
                    *command]  # fmt: skip
     args += ["--seccomp", str(SECCOMP_FD), "--json-status-fd", str(STATUS_FD)]
     return args, command

@@ -28,13 +28,8 @@ from sandbox_runtime.sandbox.ahead import StartedSandbox
 from sandbox_runtime.sandbox.argv import STUB_PROGRAM
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.egress_port import EgressGate, EgressLease
-from sandbox_runtime.sandbox.host import (
-    STUB_PERL,
-    build_root,
-    make_workspace,
-    relay_problem,
-    stub_problem,
-)
+from sandbox_runtime.sandbox.host import build_root, make_workspace, relay_problem, stub_problem
+from sandbox_runtime.sandbox.image_root import ImageRoot, ImageRoots
 from sandbox_runtime.sandbox.pipes import Streams, close_all, open_streams, sandbox_fds
 from sandbox_runtime.sandbox.process import SandboxProcess, close_streams, pidfd_of_child
 from sandbox_runtime.sandbox.reaping import children_of as _children  # noqa: F401 (bench/)
@@ -74,6 +69,7 @@ class BubblewrapBackend:
         # The egress proxy (set by the owner once started; None: no sandbox has network).
         self.egress: EgressGate[Any] | None = None
         self.relay_problem: str | None = None  # why sandboxes cannot have egress here
+        self.images: ImageRoots | None = None  # the roots of environments' sandboxes
 
     # -- setup -------------------------------------------------------------------------------
 
@@ -103,6 +99,7 @@ class BubblewrapBackend:
         )
         self._root_dir = self._private_dir / "root"
         build_root(self._root_dir)
+        self.images = ImageRoots(self._private_dir / "images", self.config.runtime_dir)
         self.relay_problem = relay_problem()
         self.stub_problem = stub_problem()
         self._dev_dir, self.dev_problem = prepare.prebuilt_dev(self._root_dir, self._private_dir)
@@ -155,9 +152,7 @@ class BubblewrapBackend:
         """The host uid sandboxes run as."""
         return self._uid
 
-    @property
-    def sandbox_gid(self) -> int:
-        return self._gid
+    sandbox_gid = property(lambda self: self._gid)
 
     def create_workspace(self, name: str) -> Path:
         """A workspace directory owned by the sandbox user (created if missing)."""
@@ -174,6 +169,8 @@ class BubblewrapBackend:
     ) -> tuple[list[str], list[str]]:
         """bubblewrap's options for `spec` and the command it runs (through the egress relay
         when `lease` is this sandbox's socket on the proxy)."""
+        if spec.image is not None and self.images is not None:  # (built by spawn)
+            return self.images.bwrap_args(spec, self._dev_dir, lease)
         if self._fixed is None:  # (the options every sandbox shares: computed once)
             assert self._root_dir is not None
             self._fixed = argv.fixed_args(self._root_dir, self.config.runtime_dir, argv.root_tops())
@@ -192,7 +189,8 @@ class BubblewrapBackend:
             raise SandboxUnavailableError(self.unavailable_reason or "sandbox backend not started")
         validate_command(spec.argv)
         spec.env = validate_env(spec.env)
-        assert self._seccomp_path is not None
+        assert self._seccomp_path is not None and self.images is not None
+        await self.images.ready(spec.image)  # (built once, then shared by its sandboxes)
         lease = await self._egress_lease(spec)
         try:
             proc = await self._spawn(spec, lease)
@@ -214,9 +212,12 @@ class BubblewrapBackend:
             and (spec.egress is None or not spec.egress.enabled)
             and spec.kernel_dir is None is spec.server_dir is spec.bridge_dir
             and not spec.loopback_inet
+            and (spec.image is None or bool(self.images and self.images.stub_perl))
         )
 
-    async def prestart(self, workspace: Path, limits: SandboxLimits) -> StartedSandbox:
+    async def prestart(
+        self, workspace: Path, limits: SandboxLimits, image: ImageRoot | None = None
+    ) -> StartedSandbox:
         """Start a sandbox for `workspace` under `limits` ahead of need: everything an
         execution's sandbox is but its command (`launch` gives it one).
 
@@ -226,12 +227,11 @@ class BubblewrapBackend:
             raise SandboxUnavailableError(self.unavailable_reason or "sandbox backend not started")
         if self.stub_problem is not None:
             raise SandboxUnavailableError(self.stub_problem)
-        template = SandboxSpec(
-            argv=[STUB_PERL, "-e", STUB_PROGRAM],
-            workspace=workspace,
-            limits=limits,
-            interactive=True,  # stdin is a pipe; the stub opens /dev/null for the others
-        )
+        assert self.images is not None
+        await self.images.ready(image)
+        stub = [*self.images.stub(image), "-e", STUB_PROGRAM]
+        # (stdin is a pipe; the stub opens /dev/null for the others)
+        template = SandboxSpec(stub, workspace, limits, interactive=True, image=image)
         try:
             command_r, command_w = os.pipe2(os.O_CLOEXEC)
         except OSError as exc:
@@ -243,12 +243,12 @@ class BubblewrapBackend:
             raise
         if proc.running:  # (one that ended already has been seen off by its exit)
             self._waiting.add(proc)
-        return StartedSandbox(proc, command_w, workspace, limits)
+        return StartedSandbox(proc, command_w, workspace, limits, image=image)
 
     def launch(self, started: StartedSandbox, spec: SandboxSpec) -> SandboxProcess:
-        """Hand `spec`'s command to a sandbox started ahead (for the same workspace and
-        limits); it serves this execution only. The wall-clock timeout, duration and CPU time
-        count from now.
+        """Hand `spec`'s command to a sandbox started ahead (for the same workspace, limits
+        and environment); it serves this execution only. The wall-clock timeout, duration and
+        CPU time count from now.
 
         Raises InvalidRequestError, SandboxSpawnError (it had ended, or is not for this call,
         or the command could not be handed over); the sandbox started ahead is ended then.
@@ -259,7 +259,7 @@ class BubblewrapBackend:
             spec.env = validate_env(spec.env)
             if "\0" in spec.cwd:
                 raise InvalidRequestError("working_directory must not contain NUL")
-            if spec.workspace != started.workspace or spec.limits != started.limits:
+            if (spec.workspace, spec.limits, spec.image) != started.shape:
                 raise SandboxSpawnError("the sandbox started ahead is for another workspace")
             if not self.can_prestart(spec):
                 raise SandboxSpawnError("this execution cannot run in a sandbox started ahead")
@@ -284,17 +284,16 @@ class BubblewrapBackend:
         await started.proc.aclose()
 
     async def _egress_lease(self, spec: SandboxSpec) -> EgressLease | None:
-        """This sandbox's socket on the egress proxy, if its policy allows anything.
-        Raises SandboxUnavailableError, SandboxSpawnError (fails closed: no sandbox starts
-        with a network it was to have but without the proxy between)."""
+        """This sandbox's socket on the egress proxy, if its policy allows anything. Raises
+        SandboxUnavailableError, SandboxSpawnError (fails closed: never a network unproxied)."""
         if spec.egress is None or not spec.egress.enabled:
             return None
-        if self.relay_problem is not None:
-            raise SandboxUnavailableError(f"egress unavailable: {self.relay_problem}")
+        problem = self.relay_problem or (spec.image and self.images and self.images.relay_problem)
+        if problem:
+            raise SandboxUnavailableError(f"egress unavailable: {problem}")
         if self.egress is None:
             raise SandboxUnavailableError("egress unavailable: the egress proxy is not running")
-        lease: EgressLease = await self.egress.open(spec.egress, spec.on_denied)
-        return lease
+        return await self.egress.open(spec.egress, spec.on_denied)
 
     async def _spawn(
         self, spec: SandboxSpec, lease: EgressLease | None, command_r: int | None = None

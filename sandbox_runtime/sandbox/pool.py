@@ -5,7 +5,8 @@ A call that finds one for its workspace pays only for handing over its command a
 workspace is bound when bwrap starts, so a sandbox started ahead belongs to one workspace (one
 session) and the first call of a session finds none.
 
-What a pooled sandbox is, is what the call's own sandbox would have been: the same uid,
+What a pooled sandbox is, is what the call's own sandbox would have been (on the same
+environment, the one the workspace's last call ran on): the same uid,
 namespaces, seccomp filter, rlimits and cgroup limits (the server's; a call that tightens
 them, or has egress, gets a sandbox of its own, as without the pool), the same workspace; its
 environment, directory and stdin are set by the stub from the call. It serves one execution
@@ -33,7 +34,7 @@ from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.ahead import StartedSandbox
 from sandbox_runtime.sandbox.backend import BubblewrapBackend
 from sandbox_runtime.sandbox.process import SandboxProcess
-from sandbox_runtime.sandbox.spec import SandboxSpec
+from sandbox_runtime.sandbox.spec import ImageRoot, SandboxSpec
 from sandbox_runtime.supervisor import Supervisor
 
 SWEEP_LOOP = "sandbox pool sweep"
@@ -86,6 +87,9 @@ class SandboxPool:
         # (no spare CPU, a full pool): their next call's miss says "busy".
         self._discarding: dict[Path, set[asyncio.Task[None]]] = {}
         self._skipped: set[Path] = set()
+        # The environment each workspace's session runs on (its last call's): what its next
+        # sandbox is started on.
+        self._images: dict[Path, ImageRoot | None] = {}
         self._sweeping = False
         self._closed = False
         self.hits = 0
@@ -127,11 +131,12 @@ class SandboxPool:
         if reason is not None:
             self._missed(reason)
             return await self.backend.spawn(spec)
+        self._images[spec.workspace] = spec.image
         starting = self._refills.get(spec.workspace)
         if spec.workspace not in self._ready and starting is not None:
             await asyncio.wait({starting})  # (partly started already: less to wait for)
         started = self._ready.pop(spec.workspace, None)
-        if started is not None and not started.usable:
+        if started is not None and (not started.usable or started.image != spec.image):
             self._discard_later(started)
             started, reason = None, MISS_ENDED
         if started is not None:
@@ -232,7 +237,8 @@ class SandboxPool:
             return
         began = time.perf_counter()
         try:
-            started = await self.backend.prestart(workspace, self.limits)
+            image = self._images.get(workspace)
+            started = await self.backend.prestart(workspace, self.limits, image)
         except (SandboxSpawnError, SandboxUnavailableError) as exc:
             logger.warning("could not start a sandbox ahead of need: {}", exc)
             return
@@ -251,6 +257,7 @@ class SandboxPool:
         before the workspace is unmounted, removed or replaced, nothing may hold it. (The
         caller holds the workspace's lock: no new one starts there meanwhile.)"""
         self._skipped.discard(workspace)
+        self._images.pop(workspace, None)
         while True:
             cancelled = [
                 task

@@ -20,6 +20,35 @@ MAX_ENV_VARS = 256
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")  # fullmatch: no trailing newline
 
 
+HOST_DIR = "/run/srt-host"  # the host's /usr appears at HOST_DIR/usr (environments, egress)
+
+
+@dataclass(frozen=True)
+class ImageRoot:
+    """An environment's root filesystem as the backend sees it (the environments package
+    turns an Environment into one): `root` a read-only directory tree bound, never copied,
+    into every sandbox on it; `env`, `workdir`, `user` its image configuration."""
+
+    name: str
+    digest: str
+    root: Path
+    env: tuple[tuple[str, str], ...] = ()
+    workdir: str = "/"
+    user: str = "root"
+
+
+@dataclass(frozen=True)
+class ImageLayout:
+    """What a sandbox on an environment is mounted from: `root_dir` (the root built here),
+    `binds` ((host path, path inside) bound read-only after it), the variables it starts
+    with and the directory it starts in when the caller names none."""
+
+    root_dir: Path
+    binds: tuple[tuple[str, str], ...]
+    env: tuple[tuple[str, str], ...]
+    cwd: str
+
+
 @dataclass
 class BackendConfig:
     """What the backend needs from the server's settings."""
@@ -62,6 +91,9 @@ class SandboxSpec:
     # and who hears of its denials.
     egress: EgressPolicy | None = None
     on_denied: DeniedHandler | None = None
+    # The environment's root the sandbox runs on; None: the default (the host's /usr and
+    # the runtime).
+    image: ImageRoot | None = None
 
 
 def shell_argv(command: str) -> list[str]:

@@ -29,6 +29,7 @@ from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
 from sandbox_runtime.e2b.app import E2BApp
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
+from sandbox_runtime.server.environment_tools import register_environment_tools
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.server.hosted import HostedServers
@@ -74,6 +75,7 @@ def build_mcp(settings: Settings, root: Root) -> FastMCP:
     register_server_tools(mcp, root)
     register_search_tool(mcp, root)
     register_snapshot_tools(mcp, root)
+    register_environment_tools(mcp, root)
     return mcp
 
 

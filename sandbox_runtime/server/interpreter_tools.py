@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field
 
 from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.server.replies import reply
-from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
+from sandbox_runtime.server.schemas import EnvironmentArg, ImageArg, SandboxConfigArg
 from sandbox_runtime.server.screens import run_code_screen, screen_args
 from sandbox_runtime.server.tools import (
     ExecutionResult,
@@ -166,6 +166,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
         servers: ServersArg = None,
+        image: ImageArg = None,
         response_format: FormatArg = "concise",
         max_chars: MaxCharsArg = None,
     ) -> ToolResult:
@@ -178,6 +179,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
             **({"servers": servers} if servers is not None else {}),
+            **({"image": image} if image is not None else {}),
             "wait": wait_for_completion,
         }
         return await _run_code(root.services, ctx, session, args, "run_code")
@@ -192,6 +194,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
         servers: ServersArg = None,
+        image: ImageArg = None,
     ) -> ToolResult:
         """Start code in the session's interpreter and return at once with its execution_id
         (poll it with get_execution_output; answer input() with send_stdin)."""
@@ -202,6 +205,7 @@ def register_interpreter_tools(mcp: FastMCP, root: Root) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
             **({"servers": servers} if servers is not None else {}),
+            **({"image": image} if image is not None else {}),
             "wait": False,
         }
         return await _run_code(root.services, ctx, session, args, "run_code_async")

@@ -207,3 +207,14 @@ def compact(schema: Any) -> Any:
             del out["anyOf"]
             out["type"] = [other["type"], "null"]
     return out
+
+
+# The environment (root filesystem) the session's sandboxes run on: `image`, since 0.2's
+# `environment` already means environment variables.
+ImageArg = Annotated[
+    str | None,
+    Field(
+        description="Environment the session runs on (list_environments); fixed by the "
+        "session's first call, default `default`."
+    ),
+]

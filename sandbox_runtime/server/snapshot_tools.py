@@ -47,6 +47,11 @@ class SnapshotInfo(BaseModel):
         default_factory=dict, description="Entries not kept: FIFOs, sockets, devices."
     )
     changed_while_read: int = Field(0, description="Files that changed while being read.")
+    environment: dict[str, str] | None = Field(
+        None,
+        description="The environment its session ran on ({name, digest}): a restore "
+        "puts the session back on it.",
+    )
 
 
 class SnapshotTaken(SnapshotInfo):

@@ -38,7 +38,7 @@ from sandbox_runtime.server.results import (
     status_of,
 )
 from sandbox_runtime.server.results import ExecutionResult as ExecutionResult
-from sandbox_runtime.server.schemas import EnvironmentArg, SandboxConfigArg
+from sandbox_runtime.server.schemas import EnvironmentArg, ImageArg, SandboxConfigArg
 from sandbox_runtime.server.screens import (
     cancel_screen,
     execution_screen,
@@ -124,6 +124,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         wait_for_completion: WaitArg = True,
         session: SessionArg = None,
         servers: ServersArg = None,
+        image: ImageArg = None,
         response_format: FormatArg = "concise",
         max_chars: MaxCharsArg = None,
     ) -> ToolResult:
@@ -137,6 +138,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
             **({"servers": servers} if servers is not None else {}),
+            **({"image": image} if image is not None else {}),
         }
         return await execute(
             root.services, ctx, session, request, wait_for_completion, "execute_code"
@@ -153,6 +155,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
         sandbox_config: SandboxConfigArg = None,
         session: SessionArg = None,
         servers: ServersArg = None,
+        image: ImageArg = None,
     ) -> ToolResult:
         """Start a long or interactive command and return its execution_id at once (then
         get_execution_output, send_stdin, cancel_execution)."""
@@ -164,6 +167,7 @@ def register_tools(mcp: FastMCP, root: Root) -> None:
             "environment": environment,
             "sandbox_config": sandbox_config,
             **({"servers": servers} if servers is not None else {}),
+            **({"image": image} if image is not None else {}),
         }
         return await execute(root.services, ctx, session, request, False, "execute_code_async")
 

@@ -53,6 +53,8 @@ class Entry:
     args: tuple[str, ...] = ()  # after the package's program, or the command
     # A command's host directory (its program and files), bound read-only at /opt/srt-server
     directory: str = ""
+    # The environment a command runs on (docs/environments.md; "": default)
+    image: str = ""
     # Entries naming the same state share their state directory (per principal, or session)
     state: str = ""
     url: str = ""  # a remote Streamable HTTP server
@@ -155,7 +157,7 @@ def parse_entry(name: str, table: Mapping[str, Any]) -> Entry:
 
 def _field(where: str, key: str, value: Any) -> Any:
     at = f"{where}.{key}"
-    if key in ("package", "url", "scope", "directory", "state"):
+    if key in ("package", "url", "scope", "directory", "state", "image"):
         return _text(at, value)
     if key in ("command", "args", "principals", "tools_allow", "tools_deny", "egress"):
         if isinstance(value, str) and key != "command" and key != "args":
@@ -218,6 +220,11 @@ def _check_entry(where: str, entry: Entry) -> None:
         raise CatalogError(f"{where}: give exactly one of package, command or url")
     if entry.command and not entry.command[0]:
         raise CatalogError(f"{where}.command: its first item, the program, is empty")
+    if entry.image and not entry.command:
+        raise CatalogError(
+            f"{where}.image: only a command runs on an environment (a package's install runs "
+            "on default's runtime)"
+        )
     if entry.package:
         prefix, _, spec = entry.package.partition(":")
         if prefix == "pypi":

@@ -34,6 +34,7 @@ from sandbox_runtime.errors import (
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.metrics import Metrics
 from sandbox_runtime.sandbox.spec import SandboxSpec
+from sandbox_runtime.servers import launch
 from sandbox_runtime.servers.catalog import Catalog, CatalogError, Entry
 from sandbox_runtime.servers.catalog_file import CatalogFile
 from sandbox_runtime.servers.instance import Instance, InstanceError, RemoteError
@@ -292,17 +293,11 @@ class ServerHost:
         workspace, _ = await self.manager.workspaces.ensure(
             workspace_name(owner), owner.principal or None
         )
-        process = await self.manager.backend.spawn(
-            SandboxSpec(
-                argv=argv,
-                workspace=workspace,
-                limits=limits,
-                env=env,
-                interactive=True,
-                egress=self.manager.egress_of(limits, owner),
-                server_dir=server_dir,
-            )
-        )
+        image = await launch.entry_image(self.manager.images, entry)
+        egress = self.manager.egress_of(limits, owner)
+        spec = SandboxSpec(argv, workspace, limits, env, interactive=True, egress=egress,
+                           server_dir=server_dir, image=image)  # fmt: skip
+        process = await self.manager.backend.spawn(spec)
         return Instance(
             entry.name,
             process,

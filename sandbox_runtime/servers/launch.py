@@ -1,8 +1,9 @@
 """What an instance of a stdio entry is started with: its program, its environment (with its
-secrets resolved, here and only here) and its sandbox's limits."""
+secrets resolved, here and only here), its sandbox's limits and the environment it runs on."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
@@ -10,7 +11,9 @@ from sandbox_runtime.config import cli_name
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.egress.supervisor import EgressProxy
 from sandbox_runtime.errors import PolicyViolationError
+from sandbox_runtime.execution.images import SessionImages, image_of
 from sandbox_runtime.sandbox.host import WORKSPACE
+from sandbox_runtime.sandbox.spec import ImageRoot
 from sandbox_runtime.servers.catalog import CatalogError, Entry, resolve_secret
 from sandbox_runtime.servers.installs import read_installed
 
@@ -88,3 +91,17 @@ def instance_limits(entry: Entry, ceiling: SandboxLimits) -> SandboxLimits:
         raise PolicyViolationError(
             f"server {entry.name}: {exc} (its egress must lie within SANDBOX_EGRESS_ALLOW)"
         ) from None
+
+
+async def entry_image(images: SessionImages | None, entry: Entry) -> ImageRoot | None:
+    """The environment `entry`'s command runs on (None: default). Raises CatalogError when
+    this replica has no such environment."""
+    if not entry.image or images is None:
+        return None
+    env = await asyncio.to_thread(images.store.get, entry.image)
+    if env is None:
+        raise CatalogError(
+            f"server {entry.name}: no environment {entry.image!r} here: build or import it "
+            f"(`{cli_name()} env list` shows what there is)"
+        )
+    return image_of(env)

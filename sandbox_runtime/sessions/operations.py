@@ -60,6 +60,7 @@ REQUEST_FIELDS = frozenset(
         "environment",
         "sandbox_config",
         "servers",
+        "image",
     )
 )
 
@@ -164,6 +165,7 @@ async def run_code(
         args.get("environment"),
         args.get("sandbox_config"),
         args.get("servers"),
+        args.get("image"),
     )
     extra: dict[str, Any] = {"language": execution.info.language}
     if reset is not None:

@@ -76,6 +76,7 @@ async def restore(
         finally:
             if workspaces.exists(temp):
                 await workspaces.remove(temp)
+        snapshots.adopt_environment(owner, meta.get("environment"))  # (and its environment)
     return {
         "restored_from": restored_from(meta),
         "files": applied.files,

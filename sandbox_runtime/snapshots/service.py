@@ -128,6 +128,11 @@ class Snapshots:
         # shared store's record and this replica's heartbeat). A replica back from a freeze
         # mid-upload must not move a session taken over meanwhile back to its stale snapshot.
         self.still_home: Callable[[Owner], Awaitable[bool]] = _home_here
+        # The session's environment ({name, digest}: execution/images.py): recorded in each
+        # snapshot, and adopted by the session a snapshot is restored into, so a session
+        # restored on another replica goes on on the same one (set by the composition root).
+        self.environment_of: Callable[[Owner], dict[str, str] | None] = lambda owner: None
+        self.adopt_environment: Callable[[Owner, Any], None] = lambda owner, record: None
 
     @property
     def enabled(self) -> bool:
@@ -227,6 +232,8 @@ class Snapshots:
                 raise ManifestError("the workspace's manifest is too large to keep")
             await store.put(f"{prefix}/manifests/{snapshot_id}.z", body)
             meta = meta_of(snapshot_id, owner.session_id, trigger, captured, len(body))
+            if (environment := self.environment_of(owner)) is not None:
+                meta["environment"] = environment
             await store.put(f"{prefix}/meta/{snapshot_id}.json", json.dumps(meta).encode())
             if await self.still_home(owner):
                 await self.point(store, owner, meta, used_at)
@@ -452,6 +459,8 @@ class Snapshots:
             )
         self._cache(workspace_name(owner), manifest)
         self._taken[workspace_name(owner)] = time.monotonic()
+        if name == workspace_name(owner):  # (the session goes on on the snapshot's environment)
+            self.adopt_environment(owner, meta.get("environment"))
         return applied
 
     def _owner_ids(self) -> tuple[int, int] | None:

@@ -1,0 +1,1 @@
+"""Environments: read-only root filesystems that sandboxes run on (DESIGN §21)."""

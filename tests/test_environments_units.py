@@ -1,0 +1,207 @@
+"""Environments without builds: the Dockerfile subset, the store, and OCI import with hostile
+images the tests assemble (real tars, real filesystem; no bwrap needed but for `runs`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from environments_images import (
+    IMAGE_CONFIG,
+    bomb_layer,
+    docker_save,
+    hostile_layers,
+    is_setuid,
+    oci_layout,
+    write_dir,
+    write_tar,
+)
+
+from sandbox_runtime.environments.dockerfile import DockerfileError, parse
+from sandbox_runtime.environments.extract import LayerTooLargeError
+from sandbox_runtime.environments.oci import ImageError, import_image
+from sandbox_runtime.environments.sharing import SharedFetcher, push
+from sandbox_runtime.environments.store import (
+    DEFAULT,
+    EnvironmentNotFoundError,
+    EnvironmentStore,
+)
+from sandbox_runtime.snapshots.stores import DirectoryStore
+
+MIB = 2**20
+
+
+def test_dockerfile_subset_parses_continuations_comments_and_forms() -> None:
+    steps = parse(
+        "# a comment\nFROM debian:bookworm\nRUN apt-get update \\\n  # inside\n && true\n"
+        'ENV A=1 B="two words"\nCOPY ["a b", "/x/"]\nWORKDIR /w\nUSER 1000\nLABEL k=v\n'
+    )
+    assert [s.keyword for s in steps] == ["FROM", "RUN", "ENV", "COPY", "WORKDIR", "USER", "LABEL"]
+    assert steps[1].args == "apt-get update && true"
+    assert steps[1].line == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("FROM debian:bookworm\nEXPOSE 80\n", "Dockerfile:2: EXPOSE is not supported"),
+        ('FROM debian:bookworm\nCMD ["sh"]\n', "Dockerfile:2: CMD is not supported"),
+        ("FROM debian:bookworm\n\nADD x /x\n", "Dockerfile:3: ADD is not supported"),
+        ("FROM debian:bookworm\nFROBNICATE\n", "Dockerfile:2: FROBNICATE is not an instruction"),
+        ("RUN true\n", "the first instruction must be FROM"),
+        ("FROM a\nFROM b\n", "Dockerfile:2: only one FROM"),
+    ],
+)
+def test_unsupported_dockerfile_is_an_error_naming_instruction_and_line(
+    text: str, expected: str
+) -> None:
+    with pytest.raises(DockerfileError) as caught:
+        parse(text)
+    assert expected in str(caught.value)
+
+
+def test_default_is_builtin_and_unknown_names_are_none(tmp_path: Path) -> None:
+    store = EnvironmentStore(tmp_path / "environments")
+    assert store.get("default") is DEFAULT and DEFAULT.root is None
+    assert store.get("nope") is None and store.get("../etc") is None
+    assert store.list() == [DEFAULT]
+    with pytest.raises(EnvironmentNotFoundError):
+        asyncio.run(store.ensure("sha256:" + "0" * 64))
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Iterator[Path]:
+    """A host path the hostile layers aim at (it must never appear)."""
+    path = tmp_path / "victim" / "pwned"
+    path.parent.mkdir()
+    yield path
+    assert not path.exists(), "a layer wrote outside the root"
+
+
+@pytest.mark.parametrize("form", ["oci-tar", "oci-dir", "docker-save"])
+def test_hostile_image_imports_and_none_of_its_entries_gives_anything(
+    tmp_path: Path, outside: Path, form: str
+) -> None:
+    layers = hostile_layers(outside)
+    if form == "docker-save":
+        image = write_tar(docker_save(layers, IMAGE_CONFIG), tmp_path / "saved.tar")
+    elif form == "oci-tar":
+        image = write_tar(oci_layout(layers, IMAGE_CONFIG), tmp_path / "oci.tar")
+    else:
+        (tmp_path / "layout").mkdir()
+        image = write_dir(oci_layout(layers, IMAGE_CONFIG), tmp_path / "layout")
+    store = EnvironmentStore(tmp_path / "environments")
+    log: list[str] = []
+    env = import_image(store, "hostile", image, 64 * MIB, log.append)
+    root = env.root
+    assert root is not None
+    assert (env.env["GREETING"], env.workdir, env.user) == ("hello", "/opt", "1000")
+    assert env.description == "an image the tests assembled"
+    # whiteouts
+    assert (root / "etc/keep").read_text() == "kept\n"
+    assert not (root / "etc/gone").exists()
+    assert sorted(os.listdir(root / "opt/data")) == ["new"]
+    # setuid/setgid cleared; devices and fifos never made
+    assert (root / "usr/bin/suid").is_file() and not is_setuid(root / "usr/bin/suid")
+    assert not (root / "dev/evil").exists() and not (root / "dev/disk").exists()
+    assert not (root / "tmp/fifo").exists()
+    assert not any(
+        stat.S_ISCHR(p.lstat().st_mode) or stat.S_ISBLK(p.lstat().st_mode) for p in root.rglob("*")
+    )
+    # links out: a symlink stays a symlink (resolved in the sandbox's root, never by us),
+    # hardlinks outside the tree are refused, writes through links are refused
+    assert os.readlink(root / "etc/shadowlink") == "/etc/shadow"
+    assert not (root / "etc/hardshadow").exists() and not (root / "etc/hardout").exists()
+    assert (root / "etc/hardkeep").read_text() == "kept\n"
+    assert (root / "escape").is_file() and not (root / "escape").is_symlink()
+    assert (root / "abs").is_file()
+    assert not any(p.name == outside.name for p in root.rglob("*"))
+    assert any("refused" in line and "escapes" in line for line in log)
+    assert any("through a symlink" in line for line in log)
+    assert any("device, fifo or socket" in line for line in log)
+    # it runs (as an unprivileged user in its own root): the link to /etc/shadow leads to
+    # the environment's own /etc, where there is none
+    done = subprocess.run(
+        ["bwrap", "--ro-bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
+         "--unshare-all", "--uid", "1000", "--gid", "1000", "/bin/sh", "-c",
+         "echo ran; /bin/busybox cat /etc/shadowlink || echo no-shadow; "
+         "/bin/busybox id -u"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.stdout.split() == ["ran", "no-shadow", "1000"], done
+
+
+def test_tar_bomb_stops_at_the_limit_and_keeps_the_previous(tmp_path: Path, outside: Path) -> None:
+    store = EnvironmentStore(tmp_path / "environments")
+    good = write_tar(oci_layout(hostile_layers(outside), IMAGE_CONFIG), tmp_path / "good.tar")
+    before = import_image(store, "img", good, 64 * MIB, lambda _: None)
+    bomb = write_tar(oci_layout([bomb_layer(512)], IMAGE_CONFIG), tmp_path / "bomb.tar")
+    assert bomb.stat().st_size < 4 * MIB
+    with pytest.raises(LayerTooLargeError, match="SANDBOX_ENVIRONMENT_MAX_MB"):
+        import_image(store, "img", bomb, 32 * MIB, lambda _: None)
+    after = store.get("img")
+    assert after is not None and after.digest == before.digest
+    assert list(store.tmp.iterdir()) == []
+
+
+def test_not_an_image_is_a_clear_error(tmp_path: Path) -> None:
+    store = EnvironmentStore(tmp_path / "environments")
+    junk = write_tar({"hello.txt": b"hi"}, tmp_path / "junk.tar")
+    with pytest.raises(ImageError, match=r"no index\.json"):
+        import_image(store, "junk", junk, 16 * MIB, lambda _: None)
+    with pytest.raises(ImageError, match="no such file"):
+        import_image(store, "junk", tmp_path / "missing.tar", 16 * MIB, lambda _: None)
+
+
+def test_push_then_ensure_on_another_worker_gives_the_same_digest(
+    tmp_path: Path, outside: Path
+) -> None:
+    here = EnvironmentStore(tmp_path / "a" / "environments")
+    image = write_tar(oci_layout(hostile_layers(outside), IMAGE_CONFIG), tmp_path / "oci.tar")
+    env = import_image(here, "img", image, 64 * MIB, lambda _: None)
+    shared = DirectoryStore(tmp_path / "shared", timeout=30)
+    asyncio.run(push(here, env, shared, lambda _: None))
+    there = EnvironmentStore(tmp_path / "b" / "environments")
+    assert there.by_digest(env.digest) is None
+    there.fetcher = SharedFetcher(shared, 64 * MIB, lambda _: None)
+    fetched = asyncio.run(there.ensure(env.digest))
+    assert fetched.digest == env.digest and fetched.root_digest == env.root_digest
+    assert fetched.root is not None and (fetched.root / "etc/keep").read_text() == "kept\n"
+    assert list(there.tmp.iterdir()) == []
+
+
+def test_cli_imports_lists_inspects_pushes_fetches_and_removes(
+    tmp_path: Path, outside: Path
+) -> None:
+    from environments_harness import run_env_cli
+
+    image = write_tar(docker_save(hostile_layers(outside), IMAGE_CONFIG), tmp_path / "img.tar")
+    base, state = tmp_path / "environments", tmp_path / "state"
+    shared = {"SANDBOX_SNAPSHOT_STORE": str(tmp_path / "shared")}
+    done = run_env_cli(["import", "img", str(image)], base, state, timeout=120)
+    assert done.returncode == 0, done.stderr
+    digest = done.stdout.strip()
+    assert "refused" in done.stderr and f"imported img {digest}" in done.stderr
+    listed = json.loads(run_env_cli(["list", "--json"], base, state, timeout=60).stdout)
+    assert [(e["name"], e["digest"]) for e in listed] == [("default", "default"), ("img", digest)]
+    inspected = json.loads(run_env_cli(["inspect", "img"], base, state, timeout=60).stdout)
+    assert inspected["env"]["GREETING"] == "hello" and inspected["root"].startswith(str(base))
+    pushed = run_env_cli(["push", "img"], base, state, timeout=120, **shared)
+    assert pushed.returncode == 0, pushed.stderr
+    other = tmp_path / "other"
+    fetched = run_env_cli(["fetch", digest, "--name", "img2"], other, state, timeout=120, **shared)
+    assert fetched.returncode == 0, fetched.stderr
+    assert EnvironmentStore(other).get("img2").digest == digest  # type: ignore[union-attr]
+    removed = run_env_cli(["rm", "img"], base, state, timeout=60)
+    assert removed.returncode == 0 and "1 unused root(s) deleted" in removed.stderr
+    assert list((base / "roots").iterdir()) == []
+    missing = run_env_cli(["inspect", "img"], base, state, timeout=60)
+    assert missing.returncode == 1 and "env list" in missing.stderr
+    unknown = run_env_cli(["frobnicate"], base, state, timeout=60)
+    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
