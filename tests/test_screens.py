@@ -252,9 +252,10 @@ async def test_texts_of_characters_that_cost_more_on_the_wire_fit_an_sse_event(
 # stdout and stderr taking turns: the text marks each turn ([stderr], [stdout]), which the log
 # and the events do not hold. The hints' offset and cursor counted the marks as output: the
 # read_file hint skipped 9 bytes of output per turn shown, the cursor events shown only in part.
-TURNS = (  # (slowly: each line an event of its own, never one cut inside a line)
-    "import sys, time\nfor i in range(300):\n    print(f'out {i}', flush=True)\n"
-    "    print(f'err {i}', file=sys.stderr, flush=True)\n    time.sleep(0.002)"
+TURNS = (  # (slowly, each line one write: print() writes a line's end apart, and a read
+    # between the two would end an event inside a line, which this test does not parse)
+    "import os, time\nfor i in range(300):\n    os.write(1, f'out {i}\\n'.encode())\n"
+    "    os.write(2, f'err {i}\\n'.encode())\n    time.sleep(0.002)"
 )
 
 
