@@ -4,10 +4,12 @@ images the tests assemble (real tars, real filesystem; no bwrap needed but for `
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import stat
 import subprocess
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from environments_images import (
 )
 
 from sandbox_runtime.environments.dockerfile import DockerfileError, parse
-from sandbox_runtime.environments.extract import LayerTooLargeError
+from sandbox_runtime.environments.extract import LayerTooLargeError, extract_layer
 from sandbox_runtime.environments.oci import ImageError, import_image
 from sandbox_runtime.environments.sharing import SharedFetcher, push
 from sandbox_runtime.environments.store import (
@@ -205,3 +207,26 @@ def test_cli_imports_lists_inspects_pushes_fetches_and_removes(
     assert missing.returncode == 1 and "env list" in missing.stderr
     unknown = run_env_cli(["frobnicate"], base, state, timeout=60)
     assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
+
+
+def test_whiteouts_naming_dot_or_dotdot_remove_nothing_outside_their_directory(
+    tmp_path: Path,
+) -> None:
+    # `.wh...` whites out `..`: at the top of a layer that is the directory holding the tree
+    # (an import's work directory; a fetch's), one level down the tree itself.
+    work = tmp_path / "work"
+    tree = work / "root"
+    tree.mkdir(parents=True)
+    (work / "sibling").write_text("mine\n")
+    layer = io.BytesIO()
+    with tarfile.open(fileobj=layer, mode="w") as tar:
+        for name in ("keep/", "keep/file", "keep/.wh...", "keep/.wh..", "keep/.wh.", ".wh..."):
+            info = tarfile.TarInfo(name.rstrip("/"))
+            info.type = tarfile.DIRTYPE if name.endswith("/") else tarfile.REGTYPE
+            info.size = 0 if info.type == tarfile.DIRTYPE else 5
+            tar.addfile(info, io.BytesIO(b"kept\n") if info.size else None)
+    layer.seek(0)
+    refused = extract_layer(layer, tree, MIB)
+    assert (work / "sibling").read_text() == "mine\n"
+    assert (tree / "keep" / "file").read_text() == "kept\n"
+    assert refused["path escapes"] == 4

@@ -110,7 +110,13 @@ def _apply(
             _remove(parent / child)
         return
     if whiteouts and base.startswith(WHITEOUT):
-        _remove(parent / base[len(WHITEOUT) :])
+        # (`.wh...` names `..`: the parent's parent, outside the tree at the top; `.wh.`
+        # and `.wh..` name the parent itself)
+        gone = base[len(WHITEOUT) :]
+        if gone in ("", ".", ".."):
+            refused["path escapes"] += 1
+            return
+        _remove(parent / gone)
         return
     target = parent / base
     if member.isdir():
