@@ -8,6 +8,7 @@ import io
 import json
 import os
 import stat
+import struct
 import subprocess
 import tarfile
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from environments_images import (
+    BUSYBOX,
     IMAGE_CONFIG,
     bomb_layer,
     docker_save,
@@ -25,6 +27,7 @@ from environments_images import (
     write_tar,
 )
 
+from sandbox_runtime.environments.build import finish_root
 from sandbox_runtime.environments.dockerfile import DockerfileError, parse
 from sandbox_runtime.environments.extract import LayerTooLargeError, extract_layer
 from sandbox_runtime.environments.oci import ImageError, import_image
@@ -230,3 +233,21 @@ def test_whiteouts_naming_dot_or_dotdot_remove_nothing_outside_their_directory(
     assert (work / "sibling").read_text() == "mine\n"
     assert (tree / "keep" / "file").read_text() == "kept\n"
     assert refused["path escapes"] == 4
+
+
+def test_a_stored_root_keeps_no_file_capability(tmp_path: Path) -> None:
+    # A RUN step is root of a user namespace whose root is the host's: a capability its
+    # `setcap` writes is one the host honours (rootid 0). The store must not keep it.
+    store = EnvironmentStore(tmp_path / "environments")
+    tree = tmp_path / "tree"
+    (tree / "usr" / "bin").mkdir(parents=True)
+    tool = tree / "usr" / "bin" / "tool"
+    tool.write_bytes(BUSYBOX.read_bytes())
+    tool.chmod(0o755)
+    # vfs_cap_data revision 2, effective: cap_setuid permitted
+    os.setxattr(tool, "security.capability", struct.pack("<5I", 0x02000001, 1 << 7, 0, 0, 0))
+    log: list[str] = []
+    digest = finish_root(store, tree, {"env": {}}, 64 * MIB, log.append)
+    root = store.root_path(json.loads(store.image_path(digest).read_text())["root_digest"])
+    assert "security.capability" not in os.listxattr(root / "usr" / "bin" / "tool")
+    assert any("file capabilities removed: 1" in line for line in log)

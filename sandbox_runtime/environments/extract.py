@@ -14,6 +14,7 @@ extracting: a tar bomb stops at the limit, it is never written whole.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import shutil
@@ -31,6 +32,7 @@ CHUNK = 1024 * 1024
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
 MAX_ID = 65535
+CAPABILITY = "security.capability"
 
 
 class LayerTooLargeError(EnvironmentsError):
@@ -196,8 +198,14 @@ def _own(path: Path, member: tarfile.TarInfo) -> None:
 
 
 def neutralize(tree: Path) -> Counter[str]:
-    """Make a built tree hold only what an environment may: setuid/setgid bits cleared,
-    device nodes, fifos and sockets removed. Returns counts of what changed."""
+    """Make a built tree hold only what an environment may: setuid/setgid bits and file
+    capabilities cleared, device nodes, fifos and sockets removed. Returns counts of what
+    changed.
+
+    File capabilities matter as setuid does: a RUN step is root of a user namespace whose
+    root is the host's, so the `setcap` it runs (or a package's postinst) writes a capability
+    the host honours. Sandboxes mount roots nosuid, which ignores both; a root left on the
+    host's disk with one is a privilege any host user reaching the store could exec."""
     changed: Counter[str] = Counter()
     for parent, dirs, files in os.walk(tree):
         for name in dirs + files:
@@ -209,7 +217,20 @@ def neutralize(tree: Path) -> Counter[str]:
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 os.unlink(path)
                 changed["device, fifo or socket removed"] += 1
-            elif mode & (stat.S_ISUID | stat.S_ISGID):
-                os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
-                changed["setuid/setgid cleared"] += 1
+            else:
+                if mode & (stat.S_ISUID | stat.S_ISGID):
+                    os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                    changed["setuid/setgid cleared"] += 1
+                if stat.S_ISREG(mode) and _drop_capability(path):
+                    changed["file capabilities removed"] += 1
     return changed
+
+
+def _drop_capability(path: str) -> bool:
+    try:
+        os.removexattr(path, CAPABILITY, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            return False
+        raise
+    return True
