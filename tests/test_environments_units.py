@@ -251,3 +251,19 @@ def test_a_stored_root_keeps_no_file_capability(tmp_path: Path) -> None:
     root = store.root_path(json.loads(store.image_path(digest).read_text())["root_digest"])
     assert "security.capability" not in os.listxattr(root / "usr" / "bin" / "tool")
     assert any("file capabilities removed: 1" in line for line in log)
+
+
+def test_a_tree_under_way_is_reachable_by_root_alone(tmp_path: Path, outside: Path) -> None:
+    # Until it is stored (neutralized) a tree may hold setuid-root files or capabilities (a
+    # RUN step is the host's root in its namespace): no other host user may reach it.
+    store = EnvironmentStore(tmp_path / "environments")
+    image = write_tar(oci_layout(hostile_layers(outside), IMAGE_CONFIG), tmp_path / "oci.tar")
+    modes: list[int] = []
+
+    def log(line: str) -> None:
+        if line.startswith("layer "):
+            (work,) = list(store.tmp.iterdir())
+            modes.extend(stat.S_IMODE(p.stat().st_mode) for p in (store.tmp, work))
+
+    import_image(store, "img", image, 64 * MIB, log)
+    assert modes and set(modes) == {0o700}, [oct(m) for m in modes]

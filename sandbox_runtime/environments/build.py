@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import posixpath
-import secrets
 import shlex
 import shutil
 import time
@@ -177,10 +176,8 @@ class Builder:
     async def _make(
         self, ins: Instruction, state: State, config: dict[str, Any], context: Path
     ) -> State:
-        tmp = self.store.tmp / f"build-{secrets.token_hex(6)}"
-        self.store.tmp.mkdir(parents=True, exist_ok=True)
+        tmp = await asyncio.to_thread(self.store.work_dir, "build")
         tree = tmp / "root"
-        tmp.mkdir()
         try:
             if ins.keyword == "FROM":
                 config = await self._from(ins, tree)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import secrets
 import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -160,8 +159,7 @@ def import_image(
 
     check_name(name)
     source = _Source(path)
-    work = store.tmp / f"import-{secrets.token_hex(6)}"
-    work.mkdir(parents=True)
+    work = store.work_dir("import")
     tree = work / "root"
     tree.mkdir()
     try:

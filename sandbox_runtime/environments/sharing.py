@@ -97,8 +97,7 @@ class SharedFetcher:
             raise EnvironmentsError(f"the shared store's {digest} does not match its digest")
         root_digest = config["root_digest"]
         if not store.root_path(root_digest).is_dir():
-            work = store.tmp / f"fetch-{secrets.token_hex(6)}"
-            work.mkdir(parents=True)
+            work = await asyncio.to_thread(store.work_dir, "fetch")
             try:
                 self.log(f"fetching {digest} from the shared store")
                 archive = await self.shared.local(root_key(root_digest), work, self.max_bytes)
