@@ -4,6 +4,7 @@ images the tests assemble (real tars, real filesystem; no bwrap needed but for `
 from __future__ import annotations
 
 import asyncio
+import gzip
 import io
 import json
 import os
@@ -29,7 +30,7 @@ from environments_images import (
 
 from sandbox_runtime.environments.build import finish_root
 from sandbox_runtime.environments.dockerfile import DockerfileError, parse
-from sandbox_runtime.environments.extract import LayerTooLargeError, extract_layer
+from sandbox_runtime.environments.extract import LayerError, LayerTooLargeError, extract_layer
 from sandbox_runtime.environments.oci import ImageError, import_image
 from sandbox_runtime.environments.sharing import SharedFetcher, push
 from sandbox_runtime.environments.store import (
@@ -267,3 +268,21 @@ def test_a_tree_under_way_is_reachable_by_root_alone(tmp_path: Path, outside: Pa
 
     import_image(store, "img", image, 64 * MIB, log)
     assert modes and set(modes) == {0o700}, [oct(m) for m in modes]
+
+
+@pytest.mark.parametrize("kind", ["pax", "gnu"])
+def test_a_huge_tar_header_is_refused_before_it_is_read(tmp_path: Path, kind: str) -> None:
+    # tarfile reads a pax or GNU long-name header whole into memory; the size budget counts
+    # files only: 8 MiB of header (a few KiB gzipped; GiBs the same way) must stop the layer.
+    layer = io.BytesIO()
+    with gzip.GzipFile(fileobj=layer, mode="wb") as gz:
+        fmt = tarfile.PAX_FORMAT if kind == "pax" else tarfile.GNU_FORMAT
+        with tarfile.open(fileobj=gz, mode="w", format=fmt) as tar:
+            info = tarfile.TarInfo("a" * (8 * MIB) if kind == "gnu" else "file")
+            if kind == "pax":
+                info.pax_headers = {"comment": "x" * (8 * MIB)}
+            tar.addfile(info, io.BytesIO(b""))
+    assert layer.tell() < MIB
+    layer.seek(0)
+    with pytest.raises(LayerError, match="MiB header"):
+        extract_layer(layer, tmp_path, 64 * MIB)

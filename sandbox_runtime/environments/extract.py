@@ -33,6 +33,10 @@ OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
 MAX_ID = 65535
 CAPABILITY = "security.capability"
+LONG_HEADERS = (
+    tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK,
+)  # fmt: skip
 
 
 class LayerTooLargeError(EnvironmentsError):
@@ -41,6 +45,23 @@ class LayerTooLargeError(EnvironmentsError):
 
 class LayerError(EnvironmentsError):
     """A layer is not a tar we can read."""
+
+
+MAX_HEADER = 1024 * 1024  # a pax or GNU long-name header: tarfile reads one whole
+
+
+class BoundedInfo(tarfile.TarInfo):
+    """tarfile's member, refusing a pax or GNU long-name header past MAX_HEADER before
+    tarfile reads it whole into memory (a gzip of a few MiB holds a header of GiBs, and the
+    size budget counts files, not headers)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in LONG_HEADERS and self.size > MAX_HEADER:
+            raise LayerError(
+                f"a layer has a {self.size // 2**20} MiB header (at most {MAX_HEADER // 2**20} "
+                "MiB): not an image this server imports"
+            )
+        return super()._proc_member(tar)  # type: ignore[misc]
 
 
 class Budget:
@@ -74,9 +95,9 @@ def extract_layer(
     refused: Counter[str] = Counter()
     try:
         if isinstance(source, Path):
-            tar = tarfile.open(source, mode="r|*")
+            tar = tarfile.open(source, mode="r|*", tarinfo=BoundedInfo)
         else:
-            tar = tarfile.open(fileobj=source, mode="r|*")
+            tar = tarfile.open(fileobj=source, mode="r|*", tarinfo=BoundedInfo)
     except (tarfile.TarError, OSError) as exc:
         raise LayerError(f"a layer is not a tar (plain or gzip): {exc}") from None
     with tar:

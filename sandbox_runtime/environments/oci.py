@@ -19,7 +19,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from sandbox_runtime.environments.extract import Budget, LayerError, extract_layer
+from sandbox_runtime.environments.extract import (
+    BoundedInfo,
+    Budget,
+    LayerError,
+    extract_layer,
+)
 from sandbox_runtime.environments.store import (
     Environment,
     EnvironmentsError,
@@ -46,7 +51,7 @@ class _Source:
         self.tar: tarfile.TarFile | None = None
         if path.is_file():
             try:
-                self.tar = tarfile.open(path, mode="r:*")
+                self.tar = tarfile.open(path, mode="r:*", tarinfo=BoundedInfo)
             except (tarfile.TarError, OSError) as exc:
                 raise ImageError(f"{path} is not a tar: {exc}") from None
         elif not path.is_dir():
