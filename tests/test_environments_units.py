@@ -28,6 +28,7 @@ from environments_images import (
     write_tar,
 )
 
+from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.environments.build import finish_root
 from sandbox_runtime.environments.dockerfile import DockerfileError, parse
 from sandbox_runtime.environments.extract import LayerError, LayerTooLargeError, extract_layer
@@ -38,6 +39,8 @@ from sandbox_runtime.environments.store import (
     EnvironmentNotFoundError,
     EnvironmentStore,
 )
+from sandbox_runtime.errors import InvalidRequestError
+from sandbox_runtime.execution.images import SessionImages
 from sandbox_runtime.snapshots.stores import DirectoryStore
 
 MIB = 2**20
@@ -286,3 +289,23 @@ def test_a_huge_tar_header_is_refused_before_it_is_read(tmp_path: Path, kind: st
     layer.seek(0)
     with pytest.raises(LayerError, match="MiB header"):
         extract_layer(layer, tmp_path, 64 * MIB)
+
+
+def test_a_session_on_an_environment_taken_away_from_its_principal_stops(
+    tmp_path: Path, outside: Path
+) -> None:
+    # ALLOW is checked when a session chooses; a session recorded before the operator took
+    # the environment away (a restart with a narrower ALLOW, or a snapshot of then restored)
+    # must not go on on it.
+    store = EnvironmentStore(tmp_path / "environments")
+    image = write_tar(oci_layout(hostile_layers(outside), IMAGE_CONFIG), tmp_path / "oci.tar")
+    import_image(store, "img", image, 64 * MIB, lambda _: None)
+    owner = Owner("alice", "s:one")
+    records = tmp_path / "records"
+    before = SessionImages(store, {"alice": {"img"}}, records)
+    chosen = asyncio.run(before.for_call(owner, "img"))
+    assert chosen is not None and chosen.name == "img"
+    after = SessionImages(store, {"alice": {"default"}}, records)
+    with pytest.raises(InvalidRequestError, match=r"no longer use.*start a new session"):
+        asyncio.run(after.for_call(owner, None))
+    assert asyncio.run(after.for_call(Owner("alice", "s:two"), None)) is None  # (default)
