@@ -41,6 +41,8 @@ from sandbox_runtime.environments.store import (
 )
 from sandbox_runtime.errors import InvalidRequestError
 from sandbox_runtime.execution.images import SessionImages
+from sandbox_runtime.sandbox.image_root import build_image_root
+from sandbox_runtime.sandbox.spec import ImageRoot
 from sandbox_runtime.snapshots.stores import DirectoryStore
 
 MIB = 2**20
@@ -309,3 +311,22 @@ def test_a_session_on_an_environment_taken_away_from_its_principal_stops(
     with pytest.raises(InvalidRequestError, match=r"no longer use.*start a new session"):
         asyncio.run(after.for_call(owner, None))
     assert asyncio.run(after.for_call(Owner("alice", "s:two"), None)) is None  # (default)
+
+
+@pytest.mark.parametrize("link", ["ssl", "ssl/certs"])
+def test_an_environments_etc_links_lead_nothing_of_its_root_onto_the_host(
+    tmp_path: Path, link: str
+) -> None:
+    # The sandbox's /etc is a copy of the environment's, links kept as links; the trust
+    # bundle's mount point is then made in it, on the host: never through one of them.
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    tree = tmp_path / "tree"
+    (tree / "usr").mkdir(parents=True)
+    (tree / "etc" / link).parent.mkdir(parents=True, exist_ok=True)
+    (tree / "etc" / link).symlink_to(victim)
+    image = ImageRoot("hostile", "sha256:" + "0" * 64, tree)
+    build_image_root(tmp_path / "dest", image)
+    assert list(victim.iterdir()) == []
+    bundle = tmp_path / "dest" / "etc" / "ssl" / "certs" / "ca-certificates.crt"
+    assert bundle.is_file() and not (tmp_path / "dest" / "etc" / link).is_symlink()
