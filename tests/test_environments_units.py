@@ -33,6 +33,7 @@ from sandbox_runtime.environments.build import finish_root
 from sandbox_runtime.environments.dockerfile import DockerfileError, parse
 from sandbox_runtime.environments.extract import LayerError, LayerTooLargeError, extract_layer
 from sandbox_runtime.environments.oci import ImageError, import_image
+from sandbox_runtime.environments.run import RunStepError, user_ids
 from sandbox_runtime.environments.sharing import SharedFetcher, push
 from sandbox_runtime.environments.store import (
     DEFAULT,
@@ -330,3 +331,25 @@ def test_an_environments_etc_links_lead_nothing_of_its_root_onto_the_host(
     assert list(victim.iterdir()) == []
     bundle = tmp_path / "dest" / "etc" / "ssl" / "certs" / "ca-certificates.crt"
     assert bundle.is_file() and not (tmp_path / "dest" / "etc" / link).is_symlink()
+
+
+@pytest.mark.parametrize("link", ["etc/passwd", "etc"])
+def test_a_build_reads_users_from_its_tree_never_through_a_link(tmp_path: Path, link: str) -> None:
+    # USER NAME is looked up in the tree's /etc/passwd by the build, on the host: a link an
+    # earlier step made must not lead there to a host file (nor a fifo, nor /dev/zero).
+    host = tmp_path / "host" / "etc"
+    host.mkdir(parents=True)
+    (host / "passwd").write_text("intruder:x:4242:4242::/:/bin/sh\n")
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    target = tree / link
+    if target.is_dir():
+        target.rmdir()
+    target.symlink_to(host / "passwd" if link == "etc/passwd" else host)
+    with pytest.raises(RunStepError, match="no such user"):
+        user_ids(tree, "intruder")
+    target.unlink()
+    (tree / "etc").mkdir(exist_ok=True)
+    os.mkfifo(tree / "etc" / "passwd")
+    with pytest.raises(RunStepError, match="no such user"):
+        user_ids(tree, "intruder")  # (returns: a fifo is never opened for reading)

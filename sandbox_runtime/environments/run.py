@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,7 @@ CA_ENV = {
 }
 COPY_AT = "/run/srt-copy"  # COPY's staged sources, read-only
 SIZE_CHECK_SECONDS = 3.0
+MAX_PASSWD = 4 * 1024 * 1024
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _PROXY = f"http://127.0.0.1:{RELAY_PORT}"
 PROXY_ENV = {
@@ -85,16 +87,29 @@ def user_ids(tree: Path, user: str) -> tuple[int, int]:
     name, _, group = user.partition(":")
     if name.isdigit():
         return int(name), int(group) if group.isdigit() else int(name)
-    try:
-        lines = (tree / "etc" / "passwd").read_text().splitlines()
-    except OSError:
-        lines = []
+    lines = _tree_passwd(tree).splitlines()
     for line in lines:
         fields = line.split(":")
         if len(fields) >= 4 and fields[0] == name:
             return int(fields[2]), int(fields[3])
     raise RunStepError(f"USER {user}: no such user in the environment's /etc/passwd (add it "
                        "with RUN useradd first, or give a numeric uid)")  # fmt: skip
+
+
+def _tree_passwd(tree: Path) -> str:
+    """The tree's /etc/passwd, read here on the host: never through a link (an earlier step
+    may have made it one to a host file, a fifo or /dev/zero), at most MAX_PASSWD bytes."""
+    etc = tree / "etc"
+    try:
+        if not stat.S_ISDIR(os.lstat(etc).st_mode):
+            return ""
+        fd = os.open(etc / "passwd", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return f.read(MAX_PASSWD).decode("utf-8", "replace")
 
 
 async def run_step(
