@@ -4,6 +4,7 @@ images the tests assemble (real tars, real filesystem; no bwrap needed but for `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import io
 import json
@@ -33,7 +34,7 @@ from sandbox_runtime.environments.build import finish_root
 from sandbox_runtime.environments.dockerfile import DockerfileError, parse
 from sandbox_runtime.environments.extract import LayerError, LayerTooLargeError, extract_layer
 from sandbox_runtime.environments.oci import ImageError, import_image
-from sandbox_runtime.environments.run import RunStepError, user_ids
+from sandbox_runtime.environments.run import RunStepError, run_step, user_ids
 from sandbox_runtime.environments.sharing import SharedFetcher, push
 from sandbox_runtime.environments.store import (
     DEFAULT,
@@ -353,3 +354,26 @@ def test_a_build_reads_users_from_its_tree_never_through_a_link(tmp_path: Path, 
     os.mkfifo(tree / "etc" / "passwd")
     with pytest.raises(RunStepError, match="no such user"):
         user_ids(tree, "intruder")  # (returns: a fifo is never opened for reading)
+
+
+def test_a_run_step_makes_and_cleans_nothing_through_the_trees_links(tmp_path: Path) -> None:
+    # The step's WORKDIR is made, and bwrap's mount points under /run removed, by the build
+    # on the host: links an earlier step left in the tree must not lead them onto it.
+    victim = tmp_path / "victim"
+    (victim / "srt-copy").mkdir(parents=True)
+    tree = tmp_path / "tree"
+    (tree / "bin").mkdir(parents=True)
+    (tree / "bin" / "sh").write_bytes(BUSYBOX.read_bytes())
+    (tree / "bin" / "sh").chmod(0o755)
+    (tree / "w").symlink_to(victim)
+    (tree / "run").symlink_to(victim)
+
+    async def step() -> None:
+        await run_step(
+            tree, ["/bin/sh", "-c", "exit 0"], env={}, workdir="/w/made", user="root",
+            egress=None, allow="", step_seconds=60, max_bytes=64 * MIB, log=lambda _: None,
+        )  # fmt: skip
+
+    with contextlib.suppress(RunStepError):  # (/w/made: missing inside the sandbox too)
+        asyncio.run(step())
+    assert sorted(p.name for p in victim.iterdir()) == ["srt-copy"]

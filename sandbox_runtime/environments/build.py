@@ -33,7 +33,13 @@ from sandbox_runtime.environments.dockerfile import (
     parse,
 )
 from sandbox_runtime.environments.extract import neutralize
-from sandbox_runtime.environments.run import COPY_AT, TooLargeError, _too_large, run_step
+from sandbox_runtime.environments.run import (
+    COPY_AT,
+    TooLargeError,
+    _too_large,
+    make_dirs,
+    run_step,
+)
 from sandbox_runtime.environments.store import (
     DEFAULT_NAME,
     Environment,
@@ -191,7 +197,7 @@ class Builder:
                 elif ins.keyword == "COPY":
                     await self._copy(ins, tree, context, config)
                 elif ins.keyword == "WORKDIR":
-                    (tree / config["workdir"].lstrip("/")).mkdir(parents=True, exist_ok=True)
+                    make_dirs(tree, config["workdir"])
             return await asyncio.to_thread(self._finish, tree, config)
         finally:
             await asyncio.to_thread(remove_tree, tmp)

@@ -129,7 +129,7 @@ async def run_step(
 ) -> None:
     """Run `command` in a sandbox rooted at `tree` (`copy_from`: bound read-only at COPY_AT).
     Raises RunStepError, TooLargeError."""
-    (tree / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    make_dirs(tree, workdir)
     uid, gid = (0, 0) if user in ("", "root", "0", "0:0") else user_ids(tree, user)
     if uid or gid:
         command = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *command]
@@ -178,8 +178,28 @@ async def run_step(
         clean_leftovers(tree)
 
 
+def make_dirs(tree: Path, inside: str) -> None:
+    """Make the directory `inside` (a path in the tree) on the host, as far as it goes
+    through real directories: a link is the tree's (an earlier step's), resolved inside the
+    sandbox, never here, where it would lead onto the host."""
+    path = tree
+    for part in [p for p in inside.split("/") if p not in ("", ".", "..")]:
+        path = path / part
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            path.mkdir(mode=0o755)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            return
+
+
 def clean_leftovers(tree: Path) -> None:
-    """Remove the mount points bwrap made for a step (empty directories and files)."""
+    """Remove the mount points bwrap made for a step (empty directories and files), in the
+    tree's own /run only (a step may have made it a link onto the host)."""
+    with contextlib.suppress(OSError):
+        if not stat.S_ISDIR(os.lstat(tree / "run").st_mode):
+            return
     for rel in MOUNT_LEFTOVERS:
         path = tree / rel
         if path.is_dir() and not path.is_symlink():
