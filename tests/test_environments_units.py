@@ -377,3 +377,25 @@ def test_a_run_step_makes_and_cleans_nothing_through_the_trees_links(tmp_path: P
     with contextlib.suppress(RunStepError):  # (/w/made: missing inside the sandbox too)
         asyncio.run(step())
     assert sorted(p.name for p in victim.iterdir()) == ["srt-copy"]
+
+
+def test_a_fetch_takes_from_the_shared_store_only_what_the_digest_covers(
+    tmp_path: Path, outside: Path
+) -> None:
+    # The digest pins the root, env, workdir, user and labels; an environment's kernelspecs
+    # and size come from the root itself, never from the store's JSON (which anyone who may
+    # write the store chooses: a kernel's argv, or a shape that breaks every lookup).
+    here = EnvironmentStore(tmp_path / "a" / "environments")
+    image = write_tar(oci_layout(hostile_layers(outside), IMAGE_CONFIG), tmp_path / "oci.tar")
+    env = import_image(here, "img", image, 64 * MIB, lambda _: None)
+    shared = DirectoryStore(tmp_path / "shared", timeout=30)
+    asyncio.run(push(here, env, shared, lambda _: None))
+    (key,) = (tmp_path / "shared" / "environments" / "images").iterdir()
+    config = json.loads(key.read_text())
+    config["kernelspecs"] = {"python": {"argv": ["/evil"]}, "r": {}}
+    key.write_text(json.dumps(config))
+    there = EnvironmentStore(tmp_path / "b" / "environments")
+    there.fetcher = SharedFetcher(shared, 64 * MIB, lambda _: None)
+    fetched = asyncio.run(there.ensure(env.digest))
+    assert fetched.kernelspecs == env.kernelspecs == {}
+    assert [e.name for e in there.list()] == ["default"]  # (a lookup still works)
