@@ -399,3 +399,22 @@ def test_a_fetch_takes_from_the_shared_store_only_what_the_digest_covers(
     fetched = asyncio.run(there.ensure(env.digest))
     assert fetched.kernelspecs == env.kernelspecs == {}
     assert [e.name for e in there.list()] == ["default"]  # (a lookup still works)
+
+
+@pytest.mark.parametrize("place", ["/tmp", "/dev/shm"])
+def test_a_run_steps_memory_filesystems_are_bounded_as_its_tree(tmp_path: Path, place: str) -> None:
+    # /tmp and /dev/shm of a step are tmpfs (host memory) outside the tree's size checks.
+    tree = tmp_path / "tree"
+    (tree / "bin").mkdir(parents=True)
+    (tree / "bin" / "busybox").write_bytes(BUSYBOX.read_bytes())
+    (tree / "bin" / "busybox").chmod(0o755)
+
+    async def step() -> None:
+        await run_step(
+            tree, ["/bin/busybox", "dd", "if=/dev/zero", f"of={place}/big", "bs=1M", "count=24"],
+            env={}, workdir="/", user="root", egress=None, allow="", step_seconds=60,
+            max_bytes=8 * MIB, log=lambda _: None,
+        )  # fmt: skip
+
+    with pytest.raises(RunStepError, match="No space left"):
+        asyncio.run(step())

@@ -135,7 +135,9 @@ async def run_step(
         command = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *command]
     args = [
         "--bind", str(tree), "/", "--dev", "/dev", "--proc", "/proc",
-        "--perms", "1777", "--tmpfs", "/tmp",
+        # (the step's /tmp and /dev/shm are memory: bounded as the tree is, not half the host's)
+        "--size", str(max_bytes), "--tmpfs", "/dev/shm",
+        "--perms", "1777", "--size", str(max_bytes), "--tmpfs", "/tmp",
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "build",
         "--chdir", workdir, "--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", "/root",
