@@ -418,3 +418,12 @@ def test_a_run_steps_memory_filesystems_are_bounded_as_its_tree(tmp_path: Path, 
 
     with pytest.raises(RunStepError, match="No space left"):
         asyncio.run(step())
+
+
+def test_removing_a_name_with_path_characters_removes_nothing(tmp_path: Path) -> None:
+    store = EnvironmentStore(tmp_path / "environments")
+    store.names.mkdir(parents=True)
+    victim = tmp_path / "victim.json"
+    victim.write_text("{}")
+    assert store.remove("../../victim") is False
+    assert victim.exists()

@@ -272,6 +272,8 @@ class EnvironmentStore:
 
     def remove(self, name: str) -> bool:
         """Drop the name; the root and image stay until `collect` finds them unused."""
+        if not NAME.match(name):  # (`../../x` would be a file outside names/)
+            return False
         try:
             (self.names / f"{name}.json").unlink()
         except FileNotFoundError:
