@@ -149,6 +149,9 @@ def test_documented_examples(sdk: str, server: ServerProcess, tmp_path: Path) ->
     assert r["resumed_read"] == "survives" and r["resumed_state"] == "running"
     assert r["running_after_timeout"] is False and r["listed_after_timeout"] is False
     assert r["kill"] is True and r["kill_again"] is False
+    # Every sandbox it made is killed or expired: nothing of their sessions stays behind
+    # (each records the environment it chose; an ended session forgets it).
+    assert list((server.state_dir / "session-environments").glob("*.json")) == []
 
 
 def test_fifty_megabytes_each_way(server: ServerProcess, tmp_path: Path) -> None:

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import posixpath
-import secrets
 import shlex
 import shutil
 import time
@@ -34,7 +33,13 @@ from sandbox_runtime.environments.dockerfile import (
     parse,
 )
 from sandbox_runtime.environments.extract import neutralize
-from sandbox_runtime.environments.run import COPY_AT, TooLargeError, _too_large, run_step
+from sandbox_runtime.environments.run import (
+    COPY_AT,
+    TooLargeError,
+    _too_large,
+    make_dirs,
+    run_step,
+)
 from sandbox_runtime.environments.store import (
     DEFAULT_NAME,
     Environment,
@@ -177,10 +182,8 @@ class Builder:
     async def _make(
         self, ins: Instruction, state: State, config: dict[str, Any], context: Path
     ) -> State:
-        tmp = self.store.tmp / f"build-{secrets.token_hex(6)}"
-        self.store.tmp.mkdir(parents=True, exist_ok=True)
+        tmp = await asyncio.to_thread(self.store.work_dir, "build")
         tree = tmp / "root"
-        tmp.mkdir()
         try:
             if ins.keyword == "FROM":
                 config = await self._from(ins, tree)
@@ -194,7 +197,7 @@ class Builder:
                 elif ins.keyword == "COPY":
                     await self._copy(ins, tree, context, config)
                 elif ins.keyword == "WORKDIR":
-                    (tree / config["workdir"].lstrip("/")).mkdir(parents=True, exist_ok=True)
+                    make_dirs(tree, config["workdir"])
             return await asyncio.to_thread(self._finish, tree, config)
         finally:
             await asyncio.to_thread(remove_tree, tmp)

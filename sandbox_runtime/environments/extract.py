@@ -14,6 +14,7 @@ extracting: a tar bomb stops at the limit, it is never written whole.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import shutil
@@ -31,6 +32,11 @@ CHUNK = 1024 * 1024
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
 MAX_ID = 65535
+CAPABILITY = "security.capability"
+LONG_HEADERS = (
+    tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK,
+)  # fmt: skip
 
 
 class LayerTooLargeError(EnvironmentsError):
@@ -39,6 +45,23 @@ class LayerTooLargeError(EnvironmentsError):
 
 class LayerError(EnvironmentsError):
     """A layer is not a tar we can read."""
+
+
+MAX_HEADER = 1024 * 1024  # a pax or GNU long-name header: tarfile reads one whole
+
+
+class BoundedInfo(tarfile.TarInfo):
+    """tarfile's member, refusing a pax or GNU long-name header past MAX_HEADER before
+    tarfile reads it whole into memory (a gzip of a few MiB holds a header of GiBs, and the
+    size budget counts files, not headers)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in LONG_HEADERS and self.size > MAX_HEADER:
+            raise LayerError(
+                f"a layer has a {self.size // 2**20} MiB header (at most {MAX_HEADER // 2**20} "
+                "MiB): not an image this server imports"
+            )
+        return super()._proc_member(tar)  # type: ignore[misc]
 
 
 class Budget:
@@ -72,9 +95,9 @@ def extract_layer(
     refused: Counter[str] = Counter()
     try:
         if isinstance(source, Path):
-            tar = tarfile.open(source, mode="r|*")
+            tar = tarfile.open(source, mode="r|*", tarinfo=BoundedInfo)
         else:
-            tar = tarfile.open(fileobj=source, mode="r|*")
+            tar = tarfile.open(fileobj=source, mode="r|*", tarinfo=BoundedInfo)
     except (tarfile.TarError, OSError) as exc:
         raise LayerError(f"a layer is not a tar (plain or gzip): {exc}") from None
     with tar:
@@ -110,7 +133,13 @@ def _apply(
             _remove(parent / child)
         return
     if whiteouts and base.startswith(WHITEOUT):
-        _remove(parent / base[len(WHITEOUT) :])
+        # (`.wh...` names `..`: the parent's parent, outside the tree at the top; `.wh.`
+        # and `.wh..` name the parent itself)
+        gone = base[len(WHITEOUT) :]
+        if gone in ("", ".", ".."):
+            refused["path escapes"] += 1
+            return
+        _remove(parent / gone)
         return
     target = parent / base
     if member.isdir():
@@ -190,8 +219,14 @@ def _own(path: Path, member: tarfile.TarInfo) -> None:
 
 
 def neutralize(tree: Path) -> Counter[str]:
-    """Make a built tree hold only what an environment may: setuid/setgid bits cleared,
-    device nodes, fifos and sockets removed. Returns counts of what changed."""
+    """Make a built tree hold only what an environment may: setuid/setgid bits and file
+    capabilities cleared, device nodes, fifos and sockets removed. Returns counts of what
+    changed.
+
+    File capabilities matter as setuid does: a RUN step is root of a user namespace whose
+    root is the host's, so the `setcap` it runs (or a package's postinst) writes a capability
+    the host honours. Sandboxes mount roots nosuid, which ignores both; a root left on the
+    host's disk with one is a privilege any host user reaching the store could exec."""
     changed: Counter[str] = Counter()
     for parent, dirs, files in os.walk(tree):
         for name in dirs + files:
@@ -203,7 +238,20 @@ def neutralize(tree: Path) -> Counter[str]:
             if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
                 os.unlink(path)
                 changed["device, fifo or socket removed"] += 1
-            elif mode & (stat.S_ISUID | stat.S_ISGID):
-                os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
-                changed["setuid/setgid cleared"] += 1
+            else:
+                if mode & (stat.S_ISUID | stat.S_ISGID):
+                    os.chmod(path, stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID))
+                    changed["setuid/setgid cleared"] += 1
+                if stat.S_ISREG(mode) and _drop_capability(path):
+                    changed["file capabilities removed"] += 1
     return changed
+
+
+def _drop_capability(path: str) -> bool:
+    try:
+        os.removexattr(path, CAPABILITY, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            return False
+        raise
+    return True

@@ -13,14 +13,18 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import secrets
 import tarfile
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-from sandbox_runtime.environments.extract import Budget, LayerError, extract_layer
+from sandbox_runtime.environments.extract import (
+    BoundedInfo,
+    Budget,
+    LayerError,
+    extract_layer,
+)
 from sandbox_runtime.environments.store import (
     Environment,
     EnvironmentsError,
@@ -47,7 +51,7 @@ class _Source:
         self.tar: tarfile.TarFile | None = None
         if path.is_file():
             try:
-                self.tar = tarfile.open(path, mode="r:*")
+                self.tar = tarfile.open(path, mode="r:*", tarinfo=BoundedInfo)
             except (tarfile.TarError, OSError) as exc:
                 raise ImageError(f"{path} is not a tar: {exc}") from None
         elif not path.is_dir():
@@ -160,8 +164,7 @@ def import_image(
 
     check_name(name)
     source = _Source(path)
-    work = store.tmp / f"import-{secrets.token_hex(6)}"
-    work.mkdir(parents=True)
+    work = store.work_dir("import")
     tree = work / "root"
     tree.mkdir()
     try:

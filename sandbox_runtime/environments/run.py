@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,7 @@ CA_ENV = {
 }
 COPY_AT = "/run/srt-copy"  # COPY's staged sources, read-only
 SIZE_CHECK_SECONDS = 3.0
+MAX_PASSWD = 4 * 1024 * 1024
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 _PROXY = f"http://127.0.0.1:{RELAY_PORT}"
 PROXY_ENV = {
@@ -85,16 +87,29 @@ def user_ids(tree: Path, user: str) -> tuple[int, int]:
     name, _, group = user.partition(":")
     if name.isdigit():
         return int(name), int(group) if group.isdigit() else int(name)
-    try:
-        lines = (tree / "etc" / "passwd").read_text().splitlines()
-    except OSError:
-        lines = []
+    lines = _tree_passwd(tree).splitlines()
     for line in lines:
         fields = line.split(":")
         if len(fields) >= 4 and fields[0] == name:
             return int(fields[2]), int(fields[3])
     raise RunStepError(f"USER {user}: no such user in the environment's /etc/passwd (add it "
                        "with RUN useradd first, or give a numeric uid)")  # fmt: skip
+
+
+def _tree_passwd(tree: Path) -> str:
+    """The tree's /etc/passwd, read here on the host: never through a link (an earlier step
+    may have made it one to a host file, a fifo or /dev/zero), at most MAX_PASSWD bytes."""
+    etc = tree / "etc"
+    try:
+        if not stat.S_ISDIR(os.lstat(etc).st_mode):
+            return ""
+        fd = os.open(etc / "passwd", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return ""
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        return f.read(MAX_PASSWD).decode("utf-8", "replace")
 
 
 async def run_step(
@@ -114,13 +129,15 @@ async def run_step(
 ) -> None:
     """Run `command` in a sandbox rooted at `tree` (`copy_from`: bound read-only at COPY_AT).
     Raises RunStepError, TooLargeError."""
-    (tree / workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    make_dirs(tree, workdir)
     uid, gid = (0, 0) if user in ("", "root", "0", "0:0") else user_ids(tree, user)
     if uid or gid:
         command = ["setpriv", f"--reuid={uid}", f"--regid={gid}", "--clear-groups", *command]
     args = [
         "--bind", str(tree), "/", "--dev", "/dev", "--proc", "/proc",
-        "--perms", "1777", "--tmpfs", "/tmp",
+        # (the step's /tmp and /dev/shm are memory: bounded as the tree is, not half the host's)
+        "--size", str(max_bytes), "--tmpfs", "/dev/shm",
+        "--perms", "1777", "--size", str(max_bytes), "--tmpfs", "/tmp",
         "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--hostname", "build",
         "--chdir", workdir, "--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", "/root",
@@ -163,8 +180,28 @@ async def run_step(
         clean_leftovers(tree)
 
 
+def make_dirs(tree: Path, inside: str) -> None:
+    """Make the directory `inside` (a path in the tree) on the host, as far as it goes
+    through real directories: a link is the tree's (an earlier step's), resolved inside the
+    sandbox, never here, where it would lead onto the host."""
+    path = tree
+    for part in [p for p in inside.split("/") if p not in ("", ".", "..")]:
+        path = path / part
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            path.mkdir(mode=0o755)
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            return
+
+
 def clean_leftovers(tree: Path) -> None:
-    """Remove the mount points bwrap made for a step (empty directories and files)."""
+    """Remove the mount points bwrap made for a step (empty directories and files), in the
+    tree's own /run only (a step may have made it a link onto the host)."""
+    with contextlib.suppress(OSError):
+        if not stat.S_ISDIR(os.lstat(tree / "run").st_mode):
+            return
     for rel in MOUNT_LEFTOVERS:
         path = tree / rel
         if path.is_dir() and not path.is_symlink():

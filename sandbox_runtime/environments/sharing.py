@@ -15,11 +15,12 @@ import asyncio
 import json
 import secrets
 import tarfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from sandbox_runtime.environments.digest import summarize
+from sandbox_runtime.environments.digest import kernelspecs, summarize, tree_size
 from sandbox_runtime.environments.store import (
     DIGEST,
     Environment,
@@ -82,7 +83,7 @@ class SharedFetcher:
         self.log = log
 
     async def fetch(self, digest: str, store: EnvironmentStore) -> bool:
-        from sandbox_runtime.environments.build import image_digest
+        from sandbox_runtime.environments.build import CONFIG_KEYS, image_digest
         from sandbox_runtime.environments.oci import extract_layer
 
         if not DIGEST.match(digest):
@@ -93,12 +94,13 @@ class SharedFetcher:
             )
         except Exception:  # (a missing object or an unreadable store: not here)
             return False
+        if not isinstance(config, dict):
+            raise EnvironmentsError(f"the shared store's {digest} is not an environment")
         if image_digest(config) != digest or not DIGEST.match(str(config.get("root_digest"))):
             raise EnvironmentsError(f"the shared store's {digest} does not match its digest")
         root_digest = config["root_digest"]
         if not store.root_path(root_digest).is_dir():
-            work = store.tmp / f"fetch-{secrets.token_hex(6)}"
-            work.mkdir(parents=True)
+            work = await asyncio.to_thread(store.work_dir, "fetch")
             try:
                 self.log(f"fetching {digest} from the shared store")
                 archive = await self.shared.local(root_key(root_digest), work, self.max_bytes)
@@ -113,5 +115,13 @@ class SharedFetcher:
                 store.add_root(tree, root_digest)
             finally:
                 await asyncio.to_thread(remove_tree, work)
-        store.add_image(digest, config)
+        # Only what the digest covers is taken from the store; the rest is this root's own
+        # (the digest pins none of it: a store that could be written to would choose a
+        # kernel's argv, or break every lookup here with a kernelspec of the wrong shape).
+        root = store.root_path(root_digest)
+        trusted = {key: config.get(key) for key in CONFIG_KEYS}
+        trusted["kernelspecs"] = await asyncio.to_thread(kernelspecs, root)
+        trusted["size_bytes"] = await asyncio.to_thread(tree_size, root)
+        trusted["created"] = time.time()
+        store.add_image(digest, trusted)
         return True

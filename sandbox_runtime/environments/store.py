@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -166,6 +167,17 @@ class EnvironmentStore:
     def tmp(self) -> Path:
         return self.base / "tmp"
 
+    def work_dir(self, kind: str) -> Path:
+        """A new directory under tmp/ for a build, import or fetch under way: root's alone
+        (0700, tmp/ too). A RUN step is the host's root in its user namespace: until the
+        tree is stored (neutralized) it may hold setuid-root files or file capabilities
+        that no other host user may reach."""
+        self.tmp.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self.tmp, 0o700)
+        work = self.tmp / f"{kind}-{secrets.token_hex(6)}"
+        work.mkdir(mode=0o700)
+        return work
+
     def root_path(self, root_digest: str) -> Path:
         return self.roots / root_digest.removeprefix("sha256:")
 
@@ -260,6 +272,8 @@ class EnvironmentStore:
 
     def remove(self, name: str) -> bool:
         """Drop the name; the root and image stay until `collect` finds them unused."""
+        if not NAME.match(name):  # (`../../x` would be a file outside names/)
+            return False
         try:
             (self.names / f"{name}.json").unlink()
         except FileNotFoundError:

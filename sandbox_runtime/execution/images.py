@@ -125,6 +125,13 @@ class SessionImages:
         environment is neither here nor in the shared store)."""
         record = self.recorded(owner)
         if record is not None:
+            if not self.allowed(owner.principal, record["name"]):
+                # (the operator took it away since; or a snapshot of then was restored)
+                raise InvalidRequestError(
+                    f"this session runs on environment {record['name']!r}, which you may no "
+                    "longer use (SANDBOX_ENVIRONMENTS_ALLOW): start a new session (another "
+                    "session name) on one list_environments shows"
+                )
             if name is not None and name != record["name"]:
                 raise InvalidRequestError(
                     f"this session runs on environment {record['name']!r}, fixed when its first "

@@ -171,9 +171,14 @@ def _copy_etc(source: Path, etc: Path, user: str) -> None:
     for gone in ("shadow", "gshadow"):  # (never world-readable anyway; nothing to find)
         with contextlib.suppress(FileNotFoundError, IsADirectoryError):
             (etc / gone).unlink()
-    # The point the egress proxy's trust bundle is bound on: a file.
+    # The point the egress proxy's trust bundle is bound on: a file, in real directories.
+    # The environment's /etc/ssl or /etc/ssl/certs may be a link (copied as one): made here
+    # through it, the file would land wherever the link points on the host.
     bundle = etc / "ssl" / "certs" / "ca-certificates.crt"
-    bundle.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+    for directory in (etc / "ssl", bundle.parent):
+        if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+            directory.unlink()
+        directory.mkdir(exist_ok=True, mode=0o755)
     if bundle.is_symlink() or not bundle.is_file():
         bundle.unlink(missing_ok=True)
         bundle.write_bytes(b"")

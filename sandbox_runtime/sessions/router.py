@@ -301,6 +301,8 @@ class Router:
         if workspaces.exists(workspace_name(owner)):
             with contextlib.suppress(OSError, SandboxRuntimeError):
                 await workspaces.remove(workspace_name(owner))
+        if self.manager.images is not None:  # (and its environment then: a snapshot
+            self.manager.images.forget(owner)  # restored now brings the one it has)
         await self._ensure_workspace(owner)
         self.metrics.sessions.labels(reason).inc()
         logger.warning(

@@ -37,6 +37,8 @@ async def end_session(
     if workspaces.exists(name) and name not in workspaces.in_use():
         await workspaces.remove(name)
         removed = True
+    if manager.images is not None:  # (a session of this name again chooses its environment)
+        await asyncio.to_thread(manager.images.forget, owner)
     return {"cancelled": cancelled, "interpreters_stopped": stopped, "workspace_removed": removed}
 
 
