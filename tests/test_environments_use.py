@@ -269,6 +269,10 @@ async def test_sessions_run_on_the_environment_they_chose(env_server: ServerProc
         assert names == ["default", "other", "tiny"]
         text = listed.content[0].text  # type: ignore[union-attr]
         assert "tiny (shell only, 3 MB) - busybox only" in text
+        one = await conn.call("list_environments", name="tiny")
+        assert [e["name"] for e in (one.structured_content or {})["environments"]] == ["tiny"]
+        none = await conn.call("list_environments", name="tinny")
+        assert "No environment 'tinny'" in none.content[0].text  # type: ignore[union-attr]
         a, b = await asyncio.gather(
             conn.ok("execute_code", session="a", image="tiny",
                     command="cat /etc/os-release; whoami; echo $TINY_HOME"),

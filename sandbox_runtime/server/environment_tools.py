@@ -3,7 +3,7 @@ on execute_code and run_code (execution/images.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 from fastmcp import Context, FastMCP
@@ -42,9 +42,16 @@ def register_environment_tools(mcp: FastMCP, root: Root) -> None:
     schema = EnvironmentList.model_json_schema()
 
     @mcp.tool(output_schema=schema)
-    async def list_environments(ctx: Context) -> ToolResult:
+    async def list_environments(
+        ctx: Context,
+        name: Annotated[
+            str | None, Field(description="Only this environment; omitted: all of them.")
+        ] = None,
+    ) -> ToolResult:
         """The environments a session may run on (image= on its first call): their
         languages for run_code and what they hold."""
+        # (An argument also gives the schema a named property: OpenAI's strict mode refuses
+        # an object that names none.)
         s = root.services
         principal = owner_of(ctx, None).principal
         images = s.manager.images
@@ -53,5 +60,10 @@ def register_environment_tools(mcp: FastMCP, root: Root) -> None:
         items: list[dict[str, Any]] = []
         if images is not None:
             items = await anyio.to_thread.run_sync(images.describe, principal, languages)
+        if name is not None:
+            items = [item for item in items if item["name"] == name]
         structured = EnvironmentList.model_validate({"environments": items}).model_dump()
+        if name is not None and not items:
+            screen = f"No environment {name!r} that you may use: list_environments() lists them."
+            return reply(structured, screen=screen)
         return reply(structured, screen=environments_screen(items))
