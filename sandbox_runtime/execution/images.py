@@ -111,12 +111,22 @@ class SessionImages:
         (self.records / f"{key}.json").unlink(missing_ok=True)
 
     def _write(self, owner: Owner, record: dict[str, str]) -> None:
+        """Record the session's environment: in memory, and on disk unless it is the default
+        (a session without a record is on the default, so a new session on it writes nothing).
+        A record that cannot be written (a full state filesystem) is kept in memory: the call
+        goes on, and only a restart of this replica forgets it."""
         key = workspace_name(owner)
-        self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temp = self.records / f".{key}.{os.getpid()}"
-        temp.write_text(json.dumps(record))
-        os.replace(temp, self.records / f"{key}.json")
         self._known[key] = record
+        if record["name"] == DEFAULT_NAME:
+            return
+        temp = self.records / f".{key}.{os.getpid()}"
+        try:
+            self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
+            temp.write_text(json.dumps(record))
+            os.replace(temp, self.records / f"{key}.json")
+        except OSError as exc:
+            temp.unlink(missing_ok=True)
+            logger.warning("session environment not recorded on disk session={}: {}", key, exc)
 
     async def for_call(self, owner: Owner, name: str | None) -> ImageRoot | None:
         """The root `owner`'s next sandbox runs on: the session's recorded environment, or
