@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.secrets import MAX_VALUE
 from sandbox_runtime.egress import ca
 from sandbox_runtime.egress.secrets import load_rules
 from sandbox_runtime.egress.secrets_store import SecretsStore, load_key, make_key
@@ -51,6 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+READ_LIMIT = MAX_VALUE + 2  # characters read of a value: enough to tell one is too long
+
+
 def _value(args: argparse.Namespace) -> str:
     if args.from_env:
         value = os.environ.get(args.from_env)
@@ -59,13 +63,14 @@ def _value(args: argparse.Namespace) -> str:
         return value
     if args.from_file is not None:
         try:
-            text = args.from_file.read_text()
+            with args.from_file.open(encoding="utf-8", errors="surrogateescape") as file:
+                text = file.read(READ_LIMIT)  # (past MAX_VALUE: check_value refuses it)
         except OSError as exc:
             raise InvalidRequestError(f"{args.from_file}: {exc.strerror}") from None
     else:
         if sys.stdin.isatty():
             print("value (then Enter):", file=sys.stderr)
-        text = sys.stdin.readline() if sys.stdin.isatty() else sys.stdin.read()
+        text = sys.stdin.readline(READ_LIMIT) if sys.stdin.isatty() else sys.stdin.read(READ_LIMIT)
     return text[:-1] if text.endswith("\n") else text
 
 
