@@ -10,6 +10,9 @@ from typing import Any, Literal
 # The key under which a verifier puts the Identity in its AccessToken's claims.
 IDENTITY_CLAIM = "srt_identity"
 
+# The token id of a call with no credential, or of one whose verifier named none.
+UNNAMED = "-"
+
 Kind = Literal["static", "jwt", "introspected", "anonymous"]
 
 
@@ -34,7 +37,7 @@ class Identity:
         return self.scopes is None or scope in self.scopes
 
 
-ANONYMOUS = Identity(principal="anonymous", token_id="-", kind="anonymous")
+ANONYMOUS = Identity(principal="anonymous", token_id=UNNAMED, kind="anonymous")
 
 
 def token_id(token: str, prefix: str = "st") -> str:
@@ -51,4 +54,4 @@ def identity_of(claims: dict[str, Any] | None, principal: str | None) -> Identit
         return found
     if principal is None:
         return ANONYMOUS
-    return Identity(principal=principal, token_id="-", kind="static")
+    return Identity(principal=principal, token_id=UNNAMED, kind="static")
