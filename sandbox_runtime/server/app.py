@@ -28,6 +28,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
 from sandbox_runtime.e2b.app import E2BApp
+from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
 from sandbox_runtime.server.environment_tools import register_environment_tools
 from sandbox_runtime.server.file_tools import register_file_tools
@@ -67,7 +68,10 @@ def build_mcp(settings: Settings, root: Root) -> FastMCP:
         # every schema each time cost ~60% of the CPU of a call. make_portable inlines them
         # once, at startup.
         dereference_schemas=False,
-        middleware=[ErrorResults(settings.result_text, settings.result_max_chars)],
+        middleware=[
+            *([AuditedCalls(root)] if settings.audit_log else []),  # (outermost: sees all)
+            ErrorResults(settings.result_text, settings.result_max_chars),
+        ],
     )
     register_tools(mcp, root)
     register_interpreter_tools(mcp, root)
@@ -297,7 +301,8 @@ def create_app(
         lifespan=lifespan,
     )
     # Signed file URLs carry their own authority: they bypass the MCP app's auth and Host checks.
-    edges: dict[str, ASGIApp] = {PUBLIC_PREFIX: files}
+    audited = AuditedFiles(files, lambda: root.services.audit if root.running else None)
+    edges: dict[str, ASGIApp] = {PUBLIC_PREFIX: audited}
     if e2b is not None:  # (its own keys and access tokens: not the MCP app's auth)
         edges[E2B_PREFIX + "/"] = e2b
     served = PrefixDispatch(public, edges)

@@ -11,6 +11,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from sandbox_runtime.domain.identity import IDENTITY_CLAIM, Identity, token_id
+
 
 class PrincipalTokenVerifier(TokenVerifier):
     """Accepts the configured bearer tokens; the principal becomes the token's client_id."""
@@ -18,17 +20,24 @@ class PrincipalTokenVerifier(TokenVerifier):
     def __init__(self, tokens: dict[str, str]) -> None:
         super().__init__()
         # Compare digests so the time taken says nothing about a token's length or prefix.
-        self._digests = [(_digest(token), principal) for token, principal in tokens.items()]
+        self._digests = [
+            (_digest(token), Identity(principal, token_id(token), "static"))
+            for token, principal in tokens.items()
+        ]
 
     async def verify_token(self, token: str) -> AccessToken | None:
         offered = _digest(token)
-        match: str | None = None
-        for digest, principal in self._digests:
+        match: Identity | None = None
+        for digest, identity in self._digests:
             if hmac.compare_digest(digest, offered):
-                match = principal
+                match = identity
         if match is None:
             return None
-        return AccessToken(token=token, client_id=match, scopes=[], subject=match)
+        principal = match.principal  # (the Identity: its token id, for the audit log)
+        claims = {IDENTITY_CLAIM: match}
+        return AccessToken(
+            token=token, client_id=principal, scopes=[], subject=principal, claims=claims
+        )
 
 
 def _digest(token: str) -> bytes:

@@ -37,8 +37,10 @@ from starlette.types import Receive, Scope, Send
 
 from sandbox_runtime.app.services import Root, Services
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.identity import identity_of
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.server.audit_calls import IDENTITY_KEY, AuditedHostedCalls
 from sandbox_runtime.server.auth import PrincipalTokenVerifier
 from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.plain_replies import answer_plainly
@@ -126,6 +128,7 @@ class HostedServers:
         app = await self._app(entry)
         scope = dict(scope, path="/mcp", raw_path=b"/mcp")
         scope[PRINCIPAL_KEY] = principal
+        scope[IDENTITY_KEY] = identity_of(getattr(token, "claims", None), principal)
         if not isinstance(token, str):  # (the session manager binds a session to its user)
             scope["user"] = AuthenticatedUser(token)
         await app(scope, receive, send)
@@ -173,7 +176,9 @@ class HostedServers:
             on_get_prompt=_unused,
         )
         # (Only the relay: the library's default tracing middleware costs every call.)
-        server.middleware[:] = [Relay(self.root, entry)]
+        audit = self.root.services.audit
+        audited = [AuditedHostedCalls(audit, entry.name)] if audit.enabled else []
+        server.middleware[:] = [*audited, Relay(self.root, entry)]
         return server
 
     async def aclose(self) -> None:
