@@ -601,6 +601,13 @@ class Settings(BaseSettings):
         le=10_000,
         description="Rotated audit log files kept beside it (FILE.1 newest … FILE.N oldest).",
     )
+    audit_log_queue_mb: float = Field(
+        4.0,
+        gt=0,
+        le=1024,
+        description="Audit lines waiting for a slow disk, at most (MiB): past it a call's line "
+        "is dropped (counted in srt_audit_dropped_lines_total, said in the log), never waited for.",
+    )
 
     @field_validator("environments_allow")
     @classmethod
