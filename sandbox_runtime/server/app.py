@@ -34,6 +34,7 @@ from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.server.hosted import HostedServers
 from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
+from sandbox_runtime.server.oauth_edge import metadata_routes, resource_metadata
 from sandbox_runtime.server.plain_replies import answer_plainly_where_possible
 from sandbox_runtime.server.replies import ErrorResults
 from sandbox_runtime.server.schemas import make_portable
@@ -285,6 +286,7 @@ def create_app(
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/register", no_registration, methods=["GET", "POST"]),
+            *metadata_routes(resource_metadata(settings)),
             *console,
             Route("/servers/{name}/mcp", hosted, methods=["GET", "POST", "DELETE"]),
             Mount("/", app=mcp_app),
