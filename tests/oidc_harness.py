@@ -29,7 +29,7 @@ from mcp_harness import ROOT, free_port
 
 PROVIDER_SCRIPT = ROOT / "tests/clients/oauth/provider.mjs"
 INTROSPECTOR_ID = "srt-introspect"
-INTROSPECTOR_SECRET = "introspect-secret-0123456789"  # noqa: S105 (the test provider's)
+INTROSPECTOR_SECRET = "introspect-secret-0123456789"
 # Client-credentials clients: `srt-machine` gets JWTs, `srt-opaque` opaque tokens (checked by
 # introspection); both in group "engineers".
 MACHINE = "srt-machine"

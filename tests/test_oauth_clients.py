@@ -11,12 +11,14 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
+import re
 import subprocess
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx2
 import pytest
@@ -25,8 +27,16 @@ from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
-from mcp_harness import ROOT, MODERN_PROTOCOL, Conn, ServerProcess, Servers, free_port
-from oidc_harness import Provider, code_of, linked_beside, node22, oauth_clients, running_provider
+from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, free_port
+from oidc_harness import (
+    Provider,
+    code_of,
+    linked_beside,
+    missing,
+    node22,
+    oauth_clients,
+    running_provider,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -208,3 +218,119 @@ async def test_two_users_see_only_their_own_sessions(
         assert "not found" in refused.lower(), refused
         again = await alice.ok("list_executions", session="team")
         assert [i["id"] for i in again["result"]] == [mine["execution_id"]], again
+
+
+# --- the official TypeScript SDK -------------------------------------------------------------
+
+
+def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
+    server: ServerProcess, provider: Provider, tmp_path: Path
+) -> None:
+    modules = Path(os.environ.get("SRT_CLIENTS_NODE") or ROOT / ".clients/node") / "node_modules"
+    if not (modules / "@modelcontextprotocol/sdk").is_dir():
+        missing(f"no TypeScript SDK in {modules}")
+    driver = linked_beside(modules, ROOT / "tests/clients/oauth_ts_driver.mjs", tmp_path)
+    proc = subprocess.Popen(
+        [str(node22()), str(driver), "--url", server.url],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        first = json.loads(proc.stdout.readline() or "{}")  # (a crash report ends it too)
+        assert "authorize" in first, f"no authorization URL: {first} {proc.stderr}"
+        asked = code_of(first["authorize"])
+        assert asked["resource"] == server.url and asked["code_challenge_method"] == "S256"
+        proc.stdin.write(provider.login(first["authorize"], "carol") + "\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert "crash" not in report, f"{report}\n{err[-3000:]}"
+    assert report["registered"], "the SDK registered itself (RFC 7591)"
+    assert report["is_error"] is False, report
+    assert "from typescript" in json.dumps(report["structured"]), report
+
+
+# --- MCP Inspector's CLI ---------------------------------------------------------------------
+
+AUTHORIZE_AT = re.compile(r"(http://127\.0\.0\.1:\d+/auth\?\S+)")
+
+
+def test_inspector_cli_discovers_signs_in_and_calls_a_tool(
+    server: ServerProcess, provider: Provider, tmp_path: Path
+) -> None:
+    """Inspector's CLI without a browser: with MCP_AUTO_OPEN_ENABLED it runs its OAuth flow
+    without a terminal, prints the authorization URL and waits on its loopback callback;
+    the test signs alice in there and delivers the redirect to that callback."""
+    launcher = oauth_clients() / "@modelcontextprotocol/inspector/clients/launcher/build/index.js"
+    callback = f"http://127.0.0.1:{free_port()}/oauth/callback"
+    env = {
+        **os.environ,
+        "HOME": str(tmp_path),  # (its catalog and state: nothing of the user's)
+        "MCP_STORAGE_DIR": str(tmp_path / "storage"),
+        "MCP_INSPECTOR_SECRET_STORE": "memory",
+        "MCP_AUTO_OPEN_ENABLED": "true",
+        "BROWSER": "/bin/true",  # (the "browser" it opens does nothing: the test signs in)
+    }
+    argv = [
+        str(node22()),
+        str(launcher),
+        "--cli",
+        "--transport",
+        "http",
+        "--server-url",
+        server.url,
+        "--callback-url",
+        callback,
+        "--method",
+        "tools/call",
+        "--tool-name",
+        "execute_code",
+        "--tool-arg",
+        "command=echo from inspector",
+        "session=inspector",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    said: list[str] = []
+    assert proc.stderr is not None
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        found = None
+        while found is None and time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(queue.Empty):
+                said.append(lines.get(timeout=0.5))
+                found = AUTHORIZE_AT.search(said[-1])
+        assert found, f"no authorization URL from the Inspector:\n{''.join(said)[-3000:]}"
+        asked = code_of(found.group(1))
+        assert asked["resource"] == server.url and asked["redirect_uri"] == callback, asked
+        landed = provider.login(found.group(1), "alice")
+        assert landed.startswith(callback + "?code="), landed
+        assert httpx2.get(landed, timeout=30).status_code == 200  # (its callback page)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {out[-2000:]}\n{''.join(said)[-3000:]}"
+    result = json.loads(out)
+    assert result["isError"] is False, result
+    assert "from inspector" in json.dumps(result["structuredContent"]), result
+    assert result["structuredContent"]["session"] == "inspector", result
