@@ -87,7 +87,7 @@ def test_a_bad_file_is_refused_naming_the_line_or_key(text: str, words: str) -> 
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
-    with pytest.raises(PolicyError, match="policy.toml: cannot be read"):
+    with pytest.raises(PolicyError, match=r"policy\.toml: cannot be read"):
         load_policy(tmp_path / "policy.toml")
 
 

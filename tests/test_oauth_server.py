@@ -92,8 +92,13 @@ def initialize(server: ServerProcess, token: str) -> str:
     return str(sid)
 
 
-def test_the_metadata_names_the_issuer_and_the_scopes(server: ServerProcess, issuer: Issuer) -> None:
-    for path in ("/.well-known/oauth-protected-resource/mcp", "/.well-known/oauth-protected-resource"):
+def test_the_metadata_names_the_issuer_and_the_scopes(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    for path in (
+        "/.well-known/oauth-protected-resource/mcp",
+        "/.well-known/oauth-protected-resource",
+    ):
         response = httpx2.get(server.base_url + path, timeout=10)
         assert response.status_code == 200, response.text
         assert response.json() == {
@@ -108,7 +113,9 @@ def test_the_metadata_names_the_issuer_and_the_scopes(server: ServerProcess, iss
     ).json()
     assert hosted["resource"] == server.base_url + "/servers/time/mcp"
     assert hosted["scopes_supported"] == ["servers:time"]
-    missing = httpx2.get(server.base_url + "/.well-known/oauth-protected-resource/other", timeout=10)
+    missing = httpx2.get(
+        server.base_url + "/.well-known/oauth-protected-resource/other", timeout=10
+    )
     assert missing.status_code == 404
 
 
