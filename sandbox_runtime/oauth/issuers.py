@@ -157,7 +157,9 @@ class Issuers:
                     continue  # (a shared secret is never a way to verify a token here)
                 alg = item.get("alg") if isinstance(item.get("alg"), str) else None
                 crv = item.get("crv") if isinstance(item.get("crv"), str) else None
-                keys[str(item.get("kid") or f"#{n}")] = Key(parsed.key, str(parsed.key_type), crv, alg)
+                keys[str(item.get("kid") or f"#{n}")] = Key(
+                    parsed.key, str(parsed.key_type), crv, alg
+                )
         issuer.metadata, issuer.keys, issuer.fetched_at = metadata, keys, time.monotonic()
 
     async def _get_json(self, url: str) -> dict[str, Any]:

@@ -104,7 +104,8 @@ class ScopeGuard:
             return
         body, whole = await _peek(receive)
         replay = _replay(body, whole, receive)
-        needed, request_id = _needed(body) if whole else (None, None)
+        readable = whole and len(body) <= MAX_PEEK
+        needed, request_id = _needed(body) if readable else (None, None)
         if needed is None or identity.allows(needed):
             await self.app(scope, replay, send)
             return
