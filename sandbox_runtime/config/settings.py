@@ -46,6 +46,55 @@ class Settings(BaseSettings):
         False,
         description="Allow serving without any token on a non-loopback address (not advised).",
     )
+    oauth_issuer: str | None = Field(
+        None,
+        description="OAuth sign-in: the authorization server(s) whose access tokens this server "
+        "accepts (issuer URLs, comma-separated); their metadata is read from "
+        "`<issuer>/.well-known/openid-configuration` (else `oauth-authorization-server`). "
+        "Static tokens keep working alongside. Needs SANDBOX_OAUTH_RESOURCE.",
+    )
+    oauth_resource: str | None = Field(
+        None,
+        description="This server's resource URI as clients reach it (e.g. "
+        "`https://sandbox.example.com/mcp`): named in the protected resource metadata and "
+        "required as the tokens' audience.",
+    )
+    oauth_audience: str | None = Field(
+        None,
+        description="More audiences accepted besides SANDBOX_OAUTH_RESOURCE (comma-separated), "
+        "for identity providers that set their own (Entra: `api://<application id>`).",
+    )
+    oauth_principal_claim: str = Field(
+        "sub", description="The token claim that names the principal (`sub`, `email`, ...)."
+    )
+    oauth_groups_claim: str = Field(
+        "groups", description="The token claim listing the caller's groups or roles."
+    )
+    oauth_introspection_client_id: str | None = Field(
+        None,
+        description="Client id for token introspection (RFC 7662), for identity providers that "
+        "issue opaque access tokens; the endpoint is the issuer's `introspection_endpoint`.",
+    )
+    oauth_introspection_client_secret: SecretStr | None = Field(
+        None, description="Client secret for token introspection."
+    )
+    oauth_jwks_cache_seconds: int = Field(
+        300,
+        ge=10,
+        le=86_400,
+        description="How long an issuer's signing keys (JWKS) are kept; a token signed by an "
+        "unknown key refreshes them at once (at most every 10 s).",
+    )
+    oauth_console_client_id: str | None = Field(
+        None,
+        description="The OAuth client (public, with PKCE) the web console signs in with when "
+        "OAuth is configured.",
+    )
+    policy_file: Path | None = Field(
+        None,
+        description="Who may do what (TOML): the scopes each group, principal and every "
+        "signed-in caller gets. None: every principal may use every tool.",
+    )
     allowed_hosts: str = Field(
         "auto",
         description="DNS-rebinding protection. `auto`: Host and Origin must be local when the "
@@ -662,6 +711,7 @@ class Settings(BaseSettings):
                 f"SANDBOX_TIMEOUT ({self.timeout}) exceeds SANDBOX_MAX_TIMEOUT ({self.max_timeout})"
             )
         self.tokens()  # parse now so a bad SANDBOX_AUTH_TOKENS fails at start
+        parsing.oauth(self.oauth_issuers(), self.oauth_resource)
         try:
             warm = self.warm_interpreters()
         except ValueError:
@@ -694,6 +744,15 @@ class Settings(BaseSettings):
             self.auth_token.get_secret_value() if self.auth_token is not None else "",
             self.auth_tokens.get_secret_value() if self.auth_tokens is not None else "",
         )
+
+    def oauth_issuers(self) -> list[str]:
+        """The accepted issuers (empty: OAuth off)."""
+        return parsing.comma_list(self.oauth_issuer)
+
+    def oauth_audiences(self) -> list[str]:
+        """Every accepted audience: the resource first, then SANDBOX_OAUTH_AUDIENCE's."""
+        first = [self.oauth_resource] if self.oauth_resource else []
+        return first + parsing.comma_list(self.oauth_audience)
 
     def workspace_inode_count(self) -> int:
         """Inodes per workspace image: the setting (or one per 16 KiB), at most one per KiB."""

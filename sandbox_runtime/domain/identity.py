@@ -34,7 +34,10 @@ class Identity:
     scopes: frozenset[str] | None = None
 
     def allows(self, scope: str) -> bool:
-        return self.scopes is None or scope in self.scopes
+        """Whether the caller may use what `scope` guards (`servers:*` covers every server)."""
+        if self.scopes is None or not scope or scope in self.scopes:
+            return True
+        return scope.startswith("servers:") and "servers:*" in self.scopes
 
 
 ANONYMOUS = Identity(principal="anonymous", token_id=UNNAMED, kind="anonymous")

@@ -29,12 +29,19 @@ from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
 from sandbox_runtime.e2b.app import E2BApp
 from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles
-from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
+from sandbox_runtime.server.auth import CallerVerifier, PlainAuthErrors, no_registration
+from sandbox_runtime.server.calls import ScopeCheck
 from sandbox_runtime.server.environment_tools import register_environment_tools
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
 from sandbox_runtime.server.hosted import HostedServers
 from sandbox_runtime.server.interpreter_tools import register_interpreter_tools
+from sandbox_runtime.server.oauth_edge import (
+    guard_scopes,
+    make_verifier,
+    metadata_routes,
+    resource_metadata,
+)
 from sandbox_runtime.server.plain_replies import answer_plainly_where_possible
 from sandbox_runtime.server.replies import ErrorResults
 from sandbox_runtime.server.schemas import make_portable
@@ -55,9 +62,8 @@ INSTRUCTIONS = (
 )
 
 
-def build_mcp(settings: Settings, root: Root) -> FastMCP:
-    tokens = settings.tokens()
-    auth = PrincipalTokenVerifier(tokens) if tokens else None
+def build_mcp(settings: Settings, root: Root, auth: CallerVerifier | None = None) -> FastMCP:
+    auth = auth or make_verifier(settings)
     mcp = FastMCP(
         "sandbox_runtime",
         instructions=INSTRUCTIONS,
@@ -71,6 +77,7 @@ def build_mcp(settings: Settings, root: Root) -> FastMCP:
         middleware=[
             *([AuditedCalls(root)] if settings.audit_log else []),  # (outermost: sees all)
             ErrorResults(settings.result_text, settings.result_max_chars),
+            ScopeCheck(root),
         ],
     )
     register_tools(mcp, root)
@@ -128,7 +135,9 @@ def create_app(
     the replica-to-replica calls, and requests on any other port never do.
     """
     root = root or Root()
-    mcp = build_mcp(settings, root)
+    verifier = make_verifier(settings)
+    metadata = resource_metadata(settings)
+    mcp = build_mcp(settings, root, verifier)
     files = FilesApp(lambda: root.services.router, lambda: root.services.signer)
     allowed = [h.strip() for h in settings.allowed_hosts.split(",") if h.strip()]
     protection: bool | Literal["auto"]
@@ -139,7 +148,8 @@ def create_app(
     else:
         protection, hosts = True, allowed
     e2b = E2BApp(settings, root, files) if settings.e2b else None
-    hosted = HostedServers(settings, root, _transport_security(settings, protection, hosts))
+    security = _transport_security(settings, protection, hosts)
+    hosted = HostedServers(settings, root, security, verifier, metadata)
     mcp_app = mcp.http_app(
         path="/mcp",
         # An api replica keeps no transport sessions: behind a balancer with no affinity,
@@ -151,6 +161,7 @@ def create_app(
         event_store=_event_store(settings),
         retry_interval=1000 if settings.redis_url else None,
     )
+    guard_scopes(mcp_app.routes, metadata, verifier)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -163,6 +174,8 @@ def create_app(
             await _cache_input_schemas(mcp)
             await _cache_tool_list(mcp)
             stack.push_async_callback(hosted.aclose)
+            if verifier is not None:
+                stack.push_async_callback(verifier.aclose)
             if e2b is not None:
                 e2b.start(services)
             async with mcp_app.lifespan(app):
@@ -288,13 +301,18 @@ def create_app(
             Route("/health", health, methods=["GET"]),
             Route("/ready", ready, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            Route("/register", no_registration, methods=["GET", "POST"]),
+            *(
+                [Route("/register", no_registration, methods=["GET", "POST"])]
+                if not metadata
+                else []
+            ),
+            *metadata_routes(metadata),
             *console,
             Route("/servers/{name}/mcp", hosted, methods=["GET", "POST", "DELETE"]),
             Mount("/", app=mcp_app),
         ],
         middleware=[
-            Middleware(PlainAuthErrors),
+            Middleware(PlainAuthErrors, metadata=metadata),
             Middleware(SessionTagMiddleware, replica_id=settings.replica_id),
             Middleware(SessionPathMiddleware),
         ],

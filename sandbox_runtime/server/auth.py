@@ -1,7 +1,10 @@
-"""Bearer tokens: each maps to a principal; compared in constant time, never logged."""
+"""Bearer tokens: static ones (each maps to a principal; compared in constant time, never
+logged) and, with OAuth configured, the authorization servers' access tokens; either way the
+policy file's groups and scopes are attached (an Identity in the token's claims)."""
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import hmac
 import json
@@ -11,7 +14,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sandbox_runtime.domain.identity import IDENTITY_CLAIM, Identity, token_id
+from sandbox_runtime.domain.identity import IDENTITY_CLAIM, Identity, Kind, token_id
+from sandbox_runtime.oauth.metadata import ResourceMetadata
+from sandbox_runtime.oauth.policy import Policy
+from sandbox_runtime.oauth.scopes import known_scope, supported
+from sandbox_runtime.oauth.verifier import OAuthVerifier, TokenRefusedError, Verified
 
 
 class PrincipalTokenVerifier(TokenVerifier):
@@ -20,24 +27,111 @@ class PrincipalTokenVerifier(TokenVerifier):
     def __init__(self, tokens: dict[str, str]) -> None:
         super().__init__()
         # Compare digests so the time taken says nothing about a token's length or prefix.
-        self._digests = [
-            (_digest(token), Identity(principal, token_id(token), "static"))
-            for token, principal in tokens.items()
-        ]
+        self._digests = [(_digest(token), principal) for token, principal in tokens.items()]
 
     async def verify_token(self, token: str) -> AccessToken | None:
         offered = _digest(token)
-        match: Identity | None = None
-        for digest, identity in self._digests:
+        match: str | None = None
+        for digest, principal in self._digests:
             if hmac.compare_digest(digest, offered):
-                match = identity
+                match = principal
         if match is None:
             return None
-        principal = match.principal  # (the Identity: its token id, for the audit log)
-        claims = {IDENTITY_CLAIM: match}
-        return AccessToken(
-            token=token, client_id=principal, scopes=[], subject=principal, claims=claims
+        return AccessToken(token=token, client_id=match, scopes=[], subject=match)
+
+
+# Why this request's token was refused, for its 401 (a list per request, set by
+# PlainAuthErrors: the verifier runs further in, and appends to the same list).
+_refusals: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "srt_refusals", default=None
+)
+
+
+class CallerVerifier(TokenVerifier):
+    """Static tokens, then (if configured) OAuth access tokens. The AccessToken's client_id is
+    the principal; its claims hold the Identity with the policy's groups and scopes."""
+
+    def __init__(
+        self,
+        tokens: dict[str, str],
+        oauth: OAuthVerifier | None = None,
+        policy: Policy | None = None,
+    ) -> None:
+        super().__init__()
+        self.static = PrincipalTokenVerifier(tokens)
+        self.static_principals = frozenset(tokens.values())
+        self.oauth = oauth
+        self.policy = policy
+
+    async def aclose(self) -> None:
+        if self.oauth is not None:
+            await self.oauth.aclose()
+
+    async def verify_token(self, token: str) -> AccessToken | None:
+        found = await self.static.verify_token(token)
+        if found is not None:
+            groups = self.policy.groups_of(found.client_id) if self.policy else ()
+            identity = Identity(found.client_id, token_id(token), "static", None, groups)
+            return self._token(token, identity, None, ())
+        if self.oauth is None:
+            return None
+        try:
+            verified = await self.oauth.verify(token)
+        except TokenRefusedError as exc:
+            _note(str(exc))
+            return None
+        if verified.principal in self.static_principals:
+            # (a signed-in user must never reach a static token's sessions by its name)
+            _note(f"the token's principal {verified.principal!r} is a static token's principal")
+            return None
+        return self._token(
+            token, self._identity(verified), verified.expires_at, verified.token_scopes
         )
+
+    def _identity(self, verified: Verified) -> Identity:
+        groups = verified.groups
+        if self.policy is not None:
+            groups = self.policy.groups_of(verified.principal, groups)
+        kind: Kind = "jwt" if verified.kind == "jwt" else "introspected"
+        return Identity(verified.principal, verified.token_id, kind, verified.client_id, groups)
+
+    def _token(
+        self, token: str, identity: Identity, expires_at: int | None, token_scopes: tuple[str, ...]
+    ) -> AccessToken:
+        scopes = self.policy.scopes_of(identity.principal, identity.groups) if self.policy else None
+        asked = [s for s in token_scopes if known_scope(s)]
+        if asked:  # (a token issued for some of our scopes is held to them: the client asked)
+            scopes = frozenset(
+                s for s in asked if Identity("-", "-", "static", scopes=scopes).allows(s)
+            )
+        identity = Identity(
+            identity.principal,
+            identity.token_id,
+            identity.kind,
+            identity.client_id,
+            identity.groups,
+            scopes,
+        )
+        return AccessToken(
+            token=token,
+            client_id=identity.principal,
+            scopes=sorted(scopes) if scopes is not None else [],
+            # (the transport drops a token past this: the verifier's leeway counts)
+            expires_at=expires_at + 60 if expires_at is not None else None,
+            subject=identity.principal,
+            claims={IDENTITY_CLAIM: identity},
+        )
+
+
+def _note(reason: str) -> None:
+    refusals = _refusals.get()
+    if refusals is not None:
+        refusals.append(reason)
+
+
+def challenge_text(text: str) -> str:
+    """`text` as an RFC 6750 quoted-string's content (no quote, backslash or control)."""
+    return "".join(c if c.isprintable() and c not in '"\\' else " " for c in text)[:500]
 
 
 def _digest(token: str) -> bytes:
@@ -65,19 +159,24 @@ def refusal_body(text: str) -> bytes:
 
 class PlainAuthErrors:
     """A refused token answered in plain words: `invalid token` (or `missing token`) and how
-    to fix it, in the 401's body (see refusal_body) and WWW-Authenticate, and no OAuth hints
-    (this server has no OAuth: the library's text tells clients to re-register, which sends
-    mcp-remote and the SDKs into a client-registration attempt that hides the real problem).
-    The token sent is never echoed."""
+    to fix it, in the 401's body (see refusal_body) and WWW-Authenticate. Without OAuth, no
+    OAuth hints (the library's text tells clients to re-register, which sends mcp-remote and
+    the SDKs into a client-registration attempt that hides the real problem). With OAuth
+    (`metadata`), the MCP authorization spec's challenge: `resource_metadata` naming where to
+    sign in, the scopes to ask for, and the verifier's reason as error_description. The token
+    sent is never echoed."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, metadata: ResourceMetadata | None = None) -> None:
         self.app = app
+        self.metadata = metadata
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         refused = False
+        refusals: list[str] = []
+        held = _refusals.set(refusals)
 
         async def answer(message: Message) -> None:
             nonlocal refused
@@ -87,11 +186,8 @@ class PlainAuthErrors:
                     k.lower() == b"authorization" and v[:7].lower() == b"bearer "
                     for k, v in scope.get("headers", [])
                 )
-                text = INVALID if offered else MISSING
+                text, challenge = self._challenge(scope["path"], offered, refusals)
                 body = refusal_body(text)
-                challenge = 'Bearer realm="sandbox_runtime"'
-                if offered:  # RFC 6750 3.1: no error code when no credentials came
-                    challenge += f', error="invalid_token", error_description="{text}"'
                 await send(
                     {
                         "type": "http.response.start",
@@ -108,7 +204,35 @@ class PlainAuthErrors:
             if not refused:
                 await send(message)
 
-        await self.app(scope, receive, answer)
+        try:
+            await self.app(scope, receive, answer)
+        finally:
+            _refusals.reset(held)
+
+    def _challenge(self, path: str, offered: bool, refusals: list[str]) -> tuple[str, str]:
+        """(the body's text, the WWW-Authenticate value) of a 401 for `path`."""
+        if self.metadata is None:
+            text = INVALID if offered else MISSING
+            challenge = 'Bearer realm="sandbox_runtime"'
+            if offered:  # RFC 6750 3.1: no error code when no credentials came
+                challenge += f', error="invalid_token", error_description="{text}"'
+            return text, challenge
+        endpoint = self.metadata.endpoint_path(path)
+        url = self.metadata.metadata_url(endpoint)
+        hosted = path.split("/")[2] if path.startswith("/servers/") else None
+        scopes = f"servers:{hosted}" if hosted else " ".join(supported())
+        challenge = f'Bearer resource_metadata="{url}", scope="{challenge_text(scopes)}"'
+        if not offered:
+            text = (
+                f"missing token: sign in with the authorization server named at {url} (MCP "
+                "clients do this by themselves), or send a static token as Authorization: "
+                "Bearer <token>"
+            )
+            return text, challenge
+        reason = refusals[0] if refusals else "the token is not one this server accepts"
+        text = f"invalid token: {reason}; sign in again (see {url}) or send a valid token"
+        challenge += f', error="invalid_token", error_description="{challenge_text(reason)}"'
+        return text, challenge
 
 
 NO_OAUTH = (

@@ -9,19 +9,23 @@ import contextlib
 import contextvars
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastmcp import Context
 from fastmcp.exceptions import FastMCPError
 from fastmcp.server.dependencies import get_access_token, get_context, get_http_request
+from fastmcp.server.middleware import Middleware, MiddlewareContext
 from loguru import logger
 from mcp.shared.exceptions import MCPError
 from pydantic import Field
 
-from sandbox_runtime.app.services import Services
+from sandbox_runtime.app.services import Root, Services
+from sandbox_runtime.domain.identity import identity_of
 from sandbox_runtime.domain.owner import DEFAULT_SESSION, SESSION_RE, Owner
 from sandbox_runtime.domain.owner import session_name as public_name
 from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.oauth.policy import refusal_text
+from sandbox_runtime.oauth.scopes import FILES, server_scope, tool_scope
 from sandbox_runtime.server.audit_calls import note
 from sandbox_runtime.server.replies import ToolFailure
 from sandbox_runtime.server.session_path import SCOPE_KEY
@@ -72,6 +76,50 @@ def owner_of(ctx: Context, session: str | None) -> Owner:
     _owner.set(owner)
     note(session=session_name(owner))
     return owner
+
+
+class ScopeCheck(Middleware):
+    """Every tools/call and resources/read checked against the caller's scopes (the scope
+    table, oauth/scopes.py), code mode's `servers=[...]` included: a refusal is a tool error
+    naming the scope. (The HTTP edge answers most refusals first with the spec's 403; this
+    catches what it cannot read: a body past its limit.)"""
+
+    def __init__(self, root: Root) -> None:
+        self.root = root
+
+    async def on_call_tool(self, context: MiddlewareContext[Any], call_next: Any) -> Any:
+        name = context.message.name
+        args = context.message.arguments or {}
+        self._require(tool_scope(name))
+        servers = args.get("servers")
+        if isinstance(servers, list) and servers:
+            self._require_servers([s for s in servers if isinstance(s, str)])
+        return await call_next(context)
+
+    async def on_read_resource(self, context: MiddlewareContext[Any], call_next: Any) -> Any:
+        self._require(FILES)
+        return await call_next(context)
+
+    def _require(self, needed: str) -> None:
+        token = get_access_token()
+        if token is None or not needed:
+            return
+        identity = identity_of(token.claims, token.client_id)
+        if not identity.allows(needed):
+            raise ToolFailure(refusal_text(needed, identity.principal, None), "scope")
+
+    def _require_servers(self, names: list[str]) -> None:
+        """Code mode: each named server's scope; `*` only with every server's (servers:*)."""
+        token = get_access_token()
+        if token is None or identity_of(token.claims, token.client_id).scopes is None:
+            return
+        if "*" in names:
+            self._require(server_scope("*"))
+            return
+        catalog = self.root.services.servers.catalog() if self.root.running else None
+        for name in names:
+            entry = catalog.get(name) if catalog is not None else None
+            self._require(server_scope(name, entry.required_scope if entry else None))
 
 
 ERROR_KINDS = {

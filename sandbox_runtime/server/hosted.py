@@ -40,9 +40,13 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.identity import identity_of
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import SandboxRuntimeError
+from sandbox_runtime.oauth.metadata import ResourceMetadata
+from sandbox_runtime.oauth.policy import refusal_text
+from sandbox_runtime.oauth.scopes import server_scope
 from sandbox_runtime.server.audit_calls import IDENTITY_KEY, AuditedHostedCalls
-from sandbox_runtime.server.auth import PrincipalTokenVerifier
+from sandbox_runtime.server.auth import CallerVerifier
 from sandbox_runtime.server.calls import ANONYMOUS
+from sandbox_runtime.server.oauth_edge import insufficient_scope
 from sandbox_runtime.server.plain_replies import answer_plainly
 from sandbox_runtime.server.session_path import SCOPE_KEY as SESSION_KEY
 from sandbox_runtime.servers.catalog import Entry
@@ -79,12 +83,14 @@ class HostedServers:
         settings: Settings,
         root: Root,
         security: TransportSecuritySettings | None,
+        verifier: CallerVerifier | None = None,
+        metadata: ResourceMetadata | None = None,
     ) -> None:
         self.settings = settings
         self.root = root
         self.security = security
-        tokens = settings.tokens()
-        self._verifier = PrincipalTokenVerifier(tokens) if tokens else None
+        self._verifier = verifier  # (/mcp's: static tokens, OAuth, the policy's scopes)
+        self.metadata = metadata
         self._apps: dict[str, tuple[Entry, StreamableHTTPASGIApp, asyncio.Event]] = {}
         self._lock = asyncio.Lock()
 
@@ -125,6 +131,14 @@ class HostedServers:
                 names = []
             await _no_such_server(scope, receive, send, unknown_server(name, names))
             return
+        if not isinstance(token, str):
+            identity = identity_of(token.claims, token.client_id)
+            needed = server_scope(name, entry.required_scope)
+            if not identity.allows(needed):
+                policy = self._verifier.policy if self._verifier is not None else None
+                text = refusal_text(needed, identity.principal, policy)
+                await insufficient_scope(send, needed, text, self.metadata, scope["path"])
+                return
         app = await self._app(entry)
         scope = dict(scope, path="/mcp", raw_path=b"/mcp")
         scope[PRINCIPAL_KEY] = principal

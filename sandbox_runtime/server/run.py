@@ -132,7 +132,11 @@ async def serve(settings: Settings) -> int:
         "vscode, windsurf, codex, gemini, zed, cline, claude-desktop; `{} clients` lists them)",
         settings.replica_id,
         base,
-        f"bearer token, principals: {', '.join(principals)}" if principals else "none",
+        ", ".join(
+            ([f"bearer token, principals: {', '.join(principals)}"] if principals else [])
+            + [f"OAuth from {i}" for i in settings.oauth_issuers()]
+        )
+        or "none",
         base,
         base,
         connect_hint(settings),

@@ -73,6 +73,8 @@ class Entry:
     max_message_kb: int = 4096  # the largest JSON-RPC message it may send
     idle_timeout: float = 600.0  # seconds without a call before an instance stops
     warm: int = 0  # shared scope: instances kept started (0 or 1)
+    # The OAuth scope a caller needs to use it (policy file); "": servers:<name>
+    required_scope: str = ""
 
     @property
     def kind(self) -> Literal["pypi", "npm", "command", "remote"]:
@@ -157,7 +159,7 @@ def parse_entry(name: str, table: Mapping[str, Any]) -> Entry:
 
 def _field(where: str, key: str, value: Any) -> Any:
     at = f"{where}.{key}"
-    if key in ("package", "url", "scope", "directory", "state", "image"):
+    if key in ("package", "url", "scope", "directory", "state", "image", "required_scope"):
         return _text(at, value)
     if key in ("command", "args", "principals", "tools_allow", "tools_deny", "egress"):
         if isinstance(value, str) and key != "command" and key != "args":

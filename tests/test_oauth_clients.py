@@ -1,0 +1,336 @@
+"""OAuth the MCP way, end to end (issue 48): a real OpenID provider (oidc-provider, see
+tests/oidc_harness.py), the real server as its protected resource, and real clients that find
+where to sign in from the server's 401 and protected resource metadata, register themselves,
+sign a user in (authorization code + PKCE; the test plays the person at the browser) and call
+tools: the official Python SDK, the official TypeScript SDK and MCP Inspector's CLI. Each user
+sees only their own sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import queue
+import re
+import subprocess
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
+from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, free_port
+from oidc_harness import (
+    Provider,
+    code_of,
+    linked_beside,
+    missing,
+    node22,
+    oauth_clients,
+    running_provider,
+)
+
+pytestmark = pytest.mark.e2e
+
+POLICY = """
+[groups.engineers]
+scopes = ["sandbox:execute", "sandbox:files", "snapshots"]
+
+[groups.viewers]
+scopes = ["sandbox:files"]
+"""
+
+
+@pytest.fixture(scope="module")
+def provider(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Provider]:
+    with running_provider(tmp_path_factory.mktemp("oidc")) as running:
+        yield running
+
+
+def oauth_server(
+    serve: Servers, workdir: Path, provider: Provider, **settings: str
+) -> ServerProcess:
+    """A server whose resource is its own /mcp URL, trusting `provider`, with POLICY."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    policy = workdir / "policy.toml"
+    policy.write_text(POLICY)
+    server = ServerProcess(workdir)
+    server.settings.update(
+        SANDBOX_OAUTH_ISSUER=provider.issuer,
+        SANDBOX_OAUTH_RESOURCE=server.url,
+        SANDBOX_POLICY_FILE=str(policy),
+        **settings,
+    )
+    return serve.add(server)
+
+
+@pytest.fixture(scope="module")
+def server(
+    serve: Servers, provider: Provider, tmp_path_factory: pytest.TempPathFactory
+) -> ServerProcess:
+    return oauth_server(serve, tmp_path_factory.mktemp("oauth-server"), provider)
+
+
+class Memory:
+    """The SDK's TokenStorage, in memory: one client registration and its tokens."""
+
+    def __init__(self) -> None:
+        self.tokens: OAuthToken | None = None
+        self.client: OAuthClientInformationFull | None = None
+
+    async def get_tokens(self) -> OAuthToken | None:
+        return self.tokens
+
+    async def set_tokens(self, tokens: OAuthToken) -> None:
+        self.tokens = tokens
+
+    async def get_client_info(self) -> OAuthClientInformationFull | None:
+        return self.client
+
+    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
+        self.client = client_info
+
+
+@contextlib.asynccontextmanager
+async def signed_in(
+    server: ServerProcess, provider: Provider, user: str, mode: str = "auto"
+) -> AsyncIterator[tuple[Conn, Memory, list[str]]]:
+    """The official Python client with the SDK's OAuthClientProvider, `user` signing in when
+    the server asks: the open connection, its storage (client registration, tokens) and the
+    authorization URLs the SDK sent the "browser" to."""
+    storage = Memory()
+    sent_to: list[str] = []
+    landed: dict[str, str] = {}
+
+    async def redirect_handler(url: str) -> None:
+        sent_to.append(url)
+        landed.update(code_of(await asyncio.to_thread(provider.login, url, user)))
+
+    async def callback_handler() -> AuthorizationCodeResult:
+        assert "code" in landed, f"the provider sent no code back: {landed}"
+        return AuthorizationCodeResult(
+            code=landed["code"], state=landed.get("state"), iss=landed.get("iss")
+        )
+
+    auth = OAuthClientProvider(
+        server.url,
+        OAuthClientMetadata(
+            client_name="srt-tests (Python SDK)",
+            redirect_uris=["http://127.0.0.1:3030/callback"],  # (never reached: see login)
+            grant_types=["authorization_code", "refresh_token"],
+            token_endpoint_auth_method="none",
+        ),
+        storage,
+        redirect_handler=redirect_handler,
+        callback_handler=callback_handler,
+    )
+    async with create_mcp_http_client(auth=auth) as http:
+        transport = streamable_http_client(server.url, http_client=http)
+        async with Client(transport, mode=mode) as client:  # type: ignore[arg-type]
+            await client.list_tools()
+            yield Conn(client, mode, {}), storage, sent_to  # type: ignore[arg-type]
+
+
+def claims_of(token: str) -> dict[str, Any]:
+    import base64
+
+    payload = token.split(".")[1]
+    decoded: dict[str, Any] = json.loads(
+        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+    )
+    return decoded
+
+
+def stdout_of(result: dict[str, Any]) -> str:
+    return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
+
+
+# --- the official Python SDK -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["auto", "legacy"])
+async def test_python_sdk_signs_in_with_pkce_and_calls_tools(
+    server: ServerProcess, provider: Provider, mode: str
+) -> None:
+    async with signed_in(server, provider, "alice", mode) as (conn, storage, sent_to):
+        if mode == "auto":
+            assert conn.client.protocol_version == MODERN_PROTOCOL
+        result = await conn.ok("execute_code", command="echo signed in", session="py-sdk")
+        assert stdout_of(result) == "signed in\n", result
+    # It found the provider through the server's metadata, registered itself, and asked for
+    # a token for this server (RFC 8707) with PKCE.
+    assert len(sent_to) == 1, sent_to
+    asked = code_of(sent_to[0])
+    assert sent_to[0].startswith(provider.issuer + "/auth?"), sent_to
+    assert asked["resource"] == server.url, asked
+    assert asked["code_challenge_method"] == "S256" and asked["code_challenge"], asked
+    assert storage.client is not None and storage.client.client_id, "no dynamic registration"
+    assert storage.tokens is not None
+    claims = claims_of(storage.tokens.access_token)
+    assert claims["aud"] == server.url and claims["sub"] == "alice", claims
+    assert claims["groups"] == ["engineers"], claims
+
+
+async def test_discovery_the_clients_rely_on(server: ServerProcess, provider: Provider) -> None:
+    """What every client reads before signing in: the 401's challenge names the resource
+    metadata, and that names the provider and this server as the resource."""
+    body = {"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {}}
+    headers = {"accept": "application/json, text/event-stream"}
+    resp = httpx2.post(server.url, json=body, headers=headers, timeout=10)
+    assert resp.status_code == 401, resp.text
+    challenge = resp.headers["www-authenticate"]
+    expected = f"{server.base_url}/.well-known/oauth-protected-resource/mcp"
+    assert challenge.startswith("Bearer ") and f'resource_metadata="{expected}"' in challenge
+    assert "error=" not in challenge, "no error code when no token came (RFC 6750 3.1)"
+    metadata = httpx2.get(expected, timeout=10).json()
+    assert metadata["resource"] == server.url, metadata
+    assert metadata["authorization_servers"] == [provider.issuer], metadata
+    assert "sandbox:execute" in metadata["scopes_supported"], metadata
+
+
+# --- each user their own sessions ------------------------------------------------------------
+
+
+async def test_two_users_see_only_their_own_sessions(
+    server: ServerProcess, provider: Provider
+) -> None:
+    async with (
+        signed_in(server, provider, "alice") as (alice, _, _),
+        signed_in(server, provider, "carol") as (carol, _, _),
+    ):
+        mine = await alice.ok("execute_code", command="echo alice > who", session="team")
+        theirs = await carol.ok("execute_code", command="cat who || echo none", session="team")
+        assert stdout_of(theirs) == "none\n", "carol's session 'team' is not alice's"
+        listed = await carol.ok("list_executions", session="team")
+        ids = {item["id"] for item in listed["result"]}
+        assert mine["execution_id"] not in ids and theirs["execution_id"] in ids, listed
+        refused = await carol.error(
+            "get_execution_status", execution_id=mine["execution_id"], session="team"
+        )
+        assert "not found" in refused.lower(), refused
+        again = await alice.ok("list_executions", session="team")
+        assert [i["id"] for i in again["result"]] == [mine["execution_id"]], again
+
+
+# --- the official TypeScript SDK -------------------------------------------------------------
+
+
+def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
+    server: ServerProcess, provider: Provider, tmp_path: Path
+) -> None:
+    modules = Path(os.environ.get("SRT_CLIENTS_NODE") or ROOT / ".clients/node") / "node_modules"
+    if not (modules / "@modelcontextprotocol/sdk").is_dir():
+        missing(f"no TypeScript SDK in {modules}")
+    driver = linked_beside(modules, ROOT / "tests/clients/oauth_ts_driver.mjs", tmp_path)
+    proc = subprocess.Popen(
+        [str(node22()), str(driver), "--url", server.url],
+        cwd=tmp_path,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        first = json.loads(proc.stdout.readline() or "{}")  # (a crash report ends it too)
+        assert "authorize" in first, f"no authorization URL: {first} {proc.stderr}"
+        asked = code_of(first["authorize"])
+        assert asked["resource"] == server.url and asked["code_challenge_method"] == "S256"
+        proc.stdin.write(provider.login(first["authorize"], "carol") + "\n")
+        proc.stdin.flush()
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert "crash" not in report, f"{report}\n{err[-3000:]}"
+    assert report["registered"], "the SDK registered itself (RFC 7591)"
+    assert report["is_error"] is False, report
+    assert "from typescript" in json.dumps(report["structured"]), report
+
+
+# --- MCP Inspector's CLI ---------------------------------------------------------------------
+
+AUTHORIZE_AT = re.compile(r"(http://127\.0\.0\.1:\d+/auth\?\S+)")
+
+
+def test_inspector_cli_discovers_signs_in_and_calls_a_tool(
+    server: ServerProcess, provider: Provider, tmp_path: Path
+) -> None:
+    """Inspector's CLI without a browser: with MCP_AUTO_OPEN_ENABLED it runs its OAuth flow
+    without a terminal, prints the authorization URL and waits on its loopback callback;
+    the test signs alice in there and delivers the redirect to that callback."""
+    launcher = oauth_clients() / "@modelcontextprotocol/inspector/clients/launcher/build/index.js"
+    callback = f"http://127.0.0.1:{free_port()}/oauth/callback"
+    env = {
+        **os.environ,
+        "HOME": str(tmp_path),  # (its catalog and state: nothing of the user's)
+        "MCP_STORAGE_DIR": str(tmp_path / "storage"),
+        "MCP_INSPECTOR_SECRET_STORE": "memory",
+        "MCP_AUTO_OPEN_ENABLED": "true",
+        "BROWSER": "/bin/true",  # (the "browser" it opens does nothing: the test signs in)
+    }
+    argv = [
+        str(node22()),
+        str(launcher),
+        "--cli",
+        "--transport",
+        "http",
+        "--server-url",
+        server.url,
+        "--callback-url",
+        callback,
+        "--method",
+        "tools/call",
+        "--tool-name",
+        "execute_code",
+        "--tool-arg",
+        "command=echo from inspector",
+        "session=inspector",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    said: list[str] = []
+    assert proc.stderr is not None
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        found = None
+        while found is None and time.monotonic() < deadline and proc.poll() is None:
+            with contextlib.suppress(queue.Empty):
+                said.append(lines.get(timeout=0.5))
+                found = AUTHORIZE_AT.search(said[-1])
+        assert found, f"no authorization URL from the Inspector:\n{''.join(said)[-3000:]}"
+        asked = code_of(found.group(1))
+        assert asked["resource"] == server.url and asked["redirect_uri"] == callback, asked
+        landed = provider.login(found.group(1), "alice")
+        assert landed.startswith(callback + "?code="), landed
+        assert httpx2.get(landed, timeout=30).status_code == 200  # (its callback page)
+        out, _ = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {out[-2000:]}\n{''.join(said)[-3000:]}"
+    result = json.loads(out)
+    assert result["isError"] is False, result
+    assert "from inspector" in json.dumps(result["structuredContent"]), result
+    assert result["structuredContent"]["session"] == "inspector", result

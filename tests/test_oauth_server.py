@@ -1,0 +1,222 @@
+"""The resource server on a real server process: protected resource metadata, the spec's 401
+challenge for missing and bad tokens, OAuth tokens from an issuer served by the test and
+static tokens accepted at once, the policy's scopes enforced per tool (403 insufficient_scope
+at the edge; a tool error for what the edge cannot read), and two signed-in users apart.
+(The real OpenID provider and the SDKs' sign-in flows are tests/test_oauth_e2e*.py's.)"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx2
+import pytest
+from issuer_harness import Issuer, serve_issuer
+from mcp.shared.exceptions import MCPError
+from mcp_harness import ServerProcess, Servers, free_port, open_client
+
+pytestmark = pytest.mark.e2e
+
+STATIC = "static-token-for-ci"
+LEGACY = "2025-11-25"
+BOTH = "application/json, text/event-stream"
+POLICY = """
+[default]
+scopes = ["snapshots"]
+
+[groups.devs]
+scopes = ["sandbox:execute", "sandbox:files", "servers:*"]
+
+[principals.ci]
+scopes = ["sandbox:execute"]
+"""
+
+
+@pytest.fixture(scope="module")
+def issuer() -> Iterator[Issuer]:
+    with serve_issuer() as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def server(issuer: Issuer, serve: Servers) -> ServerProcess:
+    port = free_port()
+    workdir = serve.workdirs("oauth")
+    (workdir / "policy.toml").parent.mkdir(parents=True, exist_ok=True)
+    (workdir / "policy.toml").write_text(POLICY)
+    settings = {
+        "SANDBOX_OAUTH_ISSUER": issuer.url,
+        "SANDBOX_OAUTH_RESOURCE": f"http://127.0.0.1:{port}/mcp",
+        "SANDBOX_AUTH_TOKENS": f"ci:{STATIC}",
+        "SANDBOX_POLICY_FILE": str(workdir / "policy.toml"),
+    }
+    return serve.add(ServerProcess(workdir, settings, port=port))
+
+
+def post(server: ServerProcess, body: dict[str, Any], token: str | None, **headers: str) -> Any:
+    sent = {"content-type": "application/json", "accept": BOTH, **headers}
+    if token is not None:
+        sent["authorization"] = f"Bearer {token}"
+    return httpx2.post(server.url, json=body, headers=sent, timeout=30)
+
+
+def challenge(response: Any) -> dict[str, str]:
+    """The WWW-Authenticate parameters of a Bearer challenge."""
+    value = response.headers["www-authenticate"]
+    assert value.startswith("Bearer ")
+    params = {}
+    for part in value[len("Bearer ") :].split('", '):
+        key, _, quoted = part.partition("=")
+        params[key.strip()] = quoted.strip('"')
+    return params
+
+
+def initialize(server: ServerProcess, token: str) -> str:
+    """A legacy MCP session opened with `token`: its Mcp-Session-Id."""
+    body = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": LEGACY,
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    response = post(server, body, token)
+    assert response.status_code == 200, response.text
+    sid = response.headers["mcp-session-id"]
+    done = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+    post(server, done, token, **{"mcp-session-id": sid, "mcp-protocol-version": LEGACY})
+    return str(sid)
+
+
+def test_the_metadata_names_the_issuer_and_the_scopes(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    for path in (
+        "/.well-known/oauth-protected-resource/mcp",
+        "/.well-known/oauth-protected-resource",
+    ):
+        response = httpx2.get(server.base_url + path, timeout=10)
+        assert response.status_code == 200, response.text
+        assert response.json() == {
+            "resource": server.url,
+            "authorization_servers": [issuer.url],
+            "scopes_supported": ["sandbox:execute", "sandbox:files", "snapshots"],
+            "bearer_methods_supported": ["header"],
+            "resource_name": "sandbox_runtime",
+        }
+    hosted = httpx2.get(
+        server.base_url + "/.well-known/oauth-protected-resource/servers/time/mcp", timeout=10
+    ).json()
+    assert hosted["resource"] == server.base_url + "/servers/time/mcp"
+    assert hosted["scopes_supported"] == ["servers:time"]
+    missing = httpx2.get(
+        server.base_url + "/.well-known/oauth-protected-resource/other", timeout=10
+    )
+    assert missing.status_code == 404
+
+
+def test_a_request_without_a_token_gets_the_resource_metadata(server: ServerProcess) -> None:
+    response = post(server, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, None)
+    assert response.status_code == 401
+    params = challenge(response)
+    assert params["resource_metadata"] == (
+        server.base_url + "/.well-known/oauth-protected-resource/mcp"
+    )
+    assert params["scope"] == "sandbox:execute sandbox:files snapshots"
+    assert "error" not in params  # (RFC 6750 3.1: no error code when no credentials came)
+    hosted = httpx2.post(server.base_url + "/servers/time/mcp", json={}, timeout=10)
+    assert hosted.status_code == 401
+    assert challenge(hosted)["resource_metadata"].endswith(
+        "/.well-known/oauth-protected-resource/servers/time/mcp"
+    )
+
+
+@pytest.mark.parametrize(
+    ("claims", "reason"),
+    [
+        ({"audience": "https://elsewhere.example.com/mcp"}, "audience is not this server"),
+        ({"lifetime": -300}, "the token has expired"),
+        ({"nbf": 4102444800}, "not valid yet"),
+    ],
+)
+def test_bad_tokens_are_refused_with_the_reason(
+    server: ServerProcess, issuer: Issuer, claims: dict[str, Any], reason: str
+) -> None:
+    claims = {"audience": server.url, **claims}
+    token = issuer.token(**claims)
+    response = post(server, {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, token)
+    assert response.status_code == 401
+    params = challenge(response)
+    assert params["error"] == "invalid_token"
+    assert reason in params["error_description"]
+    assert params["resource_metadata"].endswith("/.well-known/oauth-protected-resource/mcp")
+    assert reason in response.json()["error"]["message"]
+    assert token not in response.text
+
+
+async def test_signed_in_users_and_static_tokens_work_at_once_each_apart(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    ann = issuer.token(audience=server.url, sub="ann", groups=["devs"])
+    ben = issuer.token(audience=server.url, sub="ben", groups=["devs"])
+    async with open_client(server.url, ann, mode="auto") as conn:
+        done = await conn.ok("execute_code", command="echo from-ann > mine.txt; cat mine.txt")
+        assert "from-ann" in json.dumps(done)
+    async with open_client(server.url, ben, mode="legacy") as conn:
+        listed = await conn.ok("execute_code", command="ls")
+        assert "mine.txt" not in json.dumps(listed)  # (ben's workspace is his own)
+    async with open_client(server.url, STATIC, mode="auto") as conn:
+        assert "ok-ci" in json.dumps(await conn.ok("execute_code", command="echo ok-ci"))
+
+
+def test_a_call_without_its_scope_is_refused_with_the_scope_named(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    """cy is signed in but in no group: the default's snapshots only."""
+    token = issuer.token(audience=server.url, sub="cy")
+    sid = initialize(server, token)
+    call = {
+        "jsonrpc": "2.0",
+        "id": 7,
+        "method": "tools/call",
+        "params": {"name": "execute_code", "arguments": {"command": "echo no"}},
+    }
+    headers = {"mcp-session-id": sid, "mcp-protocol-version": LEGACY}
+    response = post(server, call, token, **headers)
+    assert response.status_code == 403, response.text
+    params = challenge(response)
+    assert params["error"] == "insufficient_scope"
+    assert params["scope"] == "sandbox:execute"
+    assert params["resource_metadata"].endswith("/.well-known/oauth-protected-resource/mcp")
+    error = response.json()
+    assert error["id"] == 7 and error["error"]["data"] == {"scope": "sandbox:execute"}
+    assert "groups devs" in error["error"]["message"]
+    # What the scope allows goes through.
+    allowed = {**call, "params": {"name": "list_snapshots", "arguments": {}}}
+    assert post(server, allowed, token, **headers).status_code == 200
+
+
+async def test_a_body_too_large_to_read_at_the_edge_is_refused_by_the_tool_layer(
+    server: ServerProcess,
+) -> None:
+    """ci (a static token) has sandbox:execute only: a big write_file passes the edge's
+    peek unread and is refused as a tool error naming the scope."""
+    async with open_client(server.url, STATIC, mode="auto") as conn:
+        text = await conn.error("write_file", path="big.txt", content="x" * 300_000)
+        assert "insufficient scope" in text and "'sandbox:files'" in text
+        with pytest.raises(MCPError, match="'sandbox:files'"):  # (the edge's 403, as shown)
+            await conn.call("write_file", path="small.txt", content="x")
+
+
+async def test_code_mode_needs_the_scope_of_each_server_it_names(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    async with open_client(server.url, STATIC, mode="auto") as conn:
+        text = await conn.error("execute_code", command="true", servers=["time"])
+        assert "'servers:time'" in text
+        text = await conn.error("execute_code", command="true", servers=["*"])
+        assert "'servers:*'" in text
