@@ -28,7 +28,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
 from sandbox_runtime.e2b.app import E2BApp
-from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles
+from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles, refused_call
 from sandbox_runtime.server.auth import CallerVerifier, PlainAuthErrors, no_registration
 from sandbox_runtime.server.calls import ScopeCheck
 from sandbox_runtime.server.environment_tools import register_environment_tools
@@ -161,7 +161,8 @@ def create_app(
         event_store=_event_store(settings),
         retry_interval=1000 if settings.redis_url else None,
     )
-    guard_scopes(mcp_app.routes, metadata, verifier)
+    audit_refusal = refused_call(lambda: root.services.audit if root.running else None)
+    guard_scopes(mcp_app.routes, metadata, verifier, audit_refusal)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
