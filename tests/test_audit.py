@@ -17,7 +17,14 @@ from typing import Any
 
 import httpx2
 import pytest
-from mcp_harness import ServerProcess, Servers, eventually, memory_of, open_client
+from mcp_harness import (
+    ServerProcess,
+    Servers,
+    eventually,
+    memory_of,
+    open_client,
+    run_server_once,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -237,3 +244,11 @@ def _drain_until_closed(fd: int) -> None:
                 time.sleep(0.05)
     finally:
         os.close(fd)
+
+
+def test_a_second_server_on_the_same_audit_file_refuses_to_start(
+    server: ServerProcess, audit_dir: Path, tmp_path: Path
+) -> None:
+    code, stderr = run_server_once(tmp_path, SANDBOX_AUDIT_LOG=str(audit_dir / "audit.log"))
+    assert code != 0
+    assert "is written by another process: give each replica its own file" in stderr, stderr
