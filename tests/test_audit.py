@@ -61,6 +61,7 @@ def server(serve: Servers, audit_dir: Path) -> ServerProcess:
         "audited",
         SANDBOX_AUTH_TOKENS=f"alice:{ALICE},bob:{BOB}",
         SANDBOX_AUDIT_LOG=str(audit_dir / "audit.log"),
+        SANDBOX_E2B="true",
     )
 
 
@@ -252,3 +253,21 @@ def test_a_second_server_on_the_same_audit_file_refuses_to_start(
     code, stderr = run_server_once(tmp_path, SANDBOX_AUDIT_LOG=str(audit_dir / "audit.log"))
     assert code != 0
     assert "is written by another process: give each replica its own file" in stderr, stderr
+
+
+async def test_e2b_api_calls_have_their_lines(server: ServerProcess, audit_dir: Path) -> None:
+    log = audit_dir / "audit.log"
+    before = len(lines_of(log))
+    async with httpx2.AsyncClient(trust_env=False, timeout=30) as http:
+        listed = await http.get(f"{server.base_url}/e2b/sandboxes", headers={"X-API-KEY": BOB})
+        assert listed.status_code == 200, listed.text
+        wrong = await http.get(f"{server.base_url}/e2b/sandboxes", headers={"X-API-KEY": MARKER})
+        assert wrong.status_code == 401
+    await eventually(lambda: len(lines_of(log)) >= before + 2, 10, "the E2B calls' lines")
+    lines = lines_of(log)[before:]
+    assert [(x["event"], x["principal"], x["tool"], x["outcome"]) for x in lines] == [
+        ("e2b_call", "bob", "GET /sandboxes", "ok"),
+        ("e2b_call", None, "GET /sandboxes", "http_401"),
+    ]
+    assert lines[0]["token_id"].startswith("e2b-")
+    assert BOB not in log.read_text() and MARKER not in log.read_text()
