@@ -1,5 +1,5 @@
-"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, `env …`, or
-`connect|disconnect|clients|token` (sandbox_runtime/connect)."""
+"""`srt-mcp-server`: serve (the default), `doctor`, `runtime install`, `servers …`, `env …`,
+`audit`, or `connect|disconnect|clients|token` (sandbox_runtime/connect)."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         "runtime (Python data stack, Deno, kernels) into SANDBOX_RUNTIME_DIR; servers "
         "add|list|remove|install|logs|import: the hosted MCP servers (servers --help); "
         "connect CLIENT…|disconnect|clients: wire MCP clients (Claude Code, Cursor, VS Code, "
-        "…) to this server (connect --help); token new: make a bearer token; secrets "
+        "…) to this server (connect --help); audit: the audit log, filtered (audit --help); "
+        "token new: make a bearer token; secrets "
         "set|list|rm|keygen|rekey: keys the egress proxy adds to requests (secrets --help); env "
         "build|import|list|inspect|rm|prune|push|fetch: environments (env --help)",
     )
@@ -184,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_runtime.environments.cli import main as env_main
 
         return env_main(argv[1:], shared=_shared_store)
+    if argv[:1] == ["audit"]:  # the audit log, filtered (`audit --help`)
+        from sandbox_runtime.audit.cli import main as audit_main
+
+        return audit_main(argv[1:])
     if argv[:1] and argv[0] in ("connect", "disconnect", "clients", "token"):
         from sandbox_runtime.connect.cli import main as connect_main
 

@@ -7,6 +7,7 @@ Read top to bottom, `build` says how the program is put together:
       ├─ Supervisor            every background loop and task of every part below, named,
       │                        under one policy; closed last
       ├─ Metrics               the Prometheus registry every part counts into
+      ├─ AuditLog              one line per call (audit/), its writer thread; closed last
       ├─ Cluster               alone (LocalCluster) or with Redis (RedisCluster: the mirror,
       │                        the heartbeat, the clock watch): the sessions' records and
       │                        the per-principal running limit
@@ -44,12 +45,13 @@ from typing import Any
 from loguru import logger
 
 from sandbox_runtime.app.roles import API_ROLE, placement_queue, serve_placements
+from sandbox_runtime.app.root import Root as Root  # (where the edge finds these parts)
 from sandbox_runtime.app.state_lock import holding, needs_lock
+from sandbox_runtime.audit.log import AuditLog
 from sandbox_runtime.config import Settings
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.egress.secrets import broker_from_settings
 from sandbox_runtime.egress.supervisor import EgressProxy
-from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.execution.images import session_images
 from sandbox_runtime.execution.manager import ExecutionManager
 from sandbox_runtime.files.urls import FileUrlSigner, url_key
@@ -117,6 +119,7 @@ class Services:
     snapshots: Snapshots
     triggers: Triggers
     closing: Closing
+    audit: AuditLog
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self) -> None:
@@ -168,6 +171,9 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         closing = Closing(supervisor)  # (the parts below, in reverse; see Services.stop)
         stack.push_async_callback(closing.run)
         metrics = Metrics()
+        audit = AuditLog.of(settings, metrics.registry)
+        audit.start()  # (closed after every other part: their last calls are said)
+        stack.push_async_callback(audit.aclose)
         cluster = _cluster(settings, metrics, supervisor, cluster_address)
         # After the executions have stopped: the mirror's final flush records their ends.
         closing.add(cluster.aclose)
@@ -291,6 +297,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             snapshots,
             triggers,
             closing,
+            audit,
         )
         await cluster.start(manager)
         await manager.start()
@@ -423,28 +430,3 @@ def _link(
 def _installed_runtime(path: Path) -> Path | None:
     """The runtime directory if a runtime is installed there (bound into every sandbox)."""
     return path if (path / MANIFEST).is_file() else None
-
-
-class Root:
-    """Where the HTTP edge finds the running parts: set for the life of the ASGI app."""
-
-    def __init__(self) -> None:
-        self._services: Services | None = None
-
-    @property
-    def services(self) -> Services:
-        if self._services is None:
-            raise SandboxRuntimeError("the server is starting or stopping")
-        return self._services
-
-    @property
-    def running(self) -> bool:
-        return self._services is not None
-
-    @contextlib.asynccontextmanager
-    async def serving(self, services: Services) -> AsyncIterator[Services]:
-        self._services = services
-        try:
-            yield services
-        finally:
-            self._services = None

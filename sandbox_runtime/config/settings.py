@@ -634,6 +634,29 @@ class Settings(BaseSettings):
         None,
         description="Bearer token for GET /metrics; default: any client token is accepted.",
     )
+    audit_log: str = Field(
+        "",
+        description="The audit log: one JSON line per tool call, signed file URL use and hosted "
+        "server call (time, principal, token id, tool, session, outcome, duration, argument "
+        "sizes; never a token or contents). A file path (one per replica), `-` for stdout, "
+        "empty: off. Read it with `srt-mcp-server audit`.",
+    )
+    audit_log_max_mb: int = Field(
+        100, ge=1, le=1_000_000, description="Rotate the audit log file at this size (MiB)."
+    )
+    audit_log_backups: int = Field(
+        10,
+        ge=0,
+        le=10_000,
+        description="Rotated audit log files kept beside it (FILE.1 newest … FILE.N oldest).",
+    )
+    audit_log_queue_mb: float = Field(
+        4.0,
+        gt=0,
+        le=1024,
+        description="Audit lines waiting for a slow disk, at most (MiB): past it a call's line "
+        "is dropped (counted in srt_audit_dropped_lines_total, said in the log), never waited for.",
+    )
 
     @field_validator("environments_allow")
     @classmethod

@@ -28,6 +28,7 @@ from sandbox_runtime.config import Settings
 from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
 from sandbox_runtime.e2b.app import E2BApp
+from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles
 from sandbox_runtime.server.auth import CallerVerifier, PlainAuthErrors, no_registration
 from sandbox_runtime.server.calls import ScopeCheck
 from sandbox_runtime.server.environment_tools import register_environment_tools
@@ -74,6 +75,7 @@ def build_mcp(settings: Settings, root: Root, auth: CallerVerifier | None = None
         # once, at startup.
         dereference_schemas=False,
         middleware=[
+            *([AuditedCalls(root)] if settings.audit_log else []),  # (outermost: sees all)
             ErrorResults(settings.result_text, settings.result_max_chars),
             ScopeCheck(root),
         ],
@@ -317,7 +319,8 @@ def create_app(
         lifespan=lifespan,
     )
     # Signed file URLs carry their own authority: they bypass the MCP app's auth and Host checks.
-    edges: dict[str, ASGIApp] = {PUBLIC_PREFIX: files}
+    audited = AuditedFiles(files, lambda: root.services.audit if root.running else None)
+    edges: dict[str, ASGIApp] = {PUBLIC_PREFIX: audited}
     if e2b is not None:  # (its own keys and access tokens: not the MCP app's auth)
         edges[E2B_PREFIX + "/"] = e2b
     served = PrefixDispatch(public, edges)

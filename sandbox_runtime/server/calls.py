@@ -26,6 +26,7 @@ from sandbox_runtime.domain.owner import session_name as public_name
 from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.oauth.policy import refusal_text
 from sandbox_runtime.oauth.scopes import FILES, server_scope, tool_scope
+from sandbox_runtime.server.audit_calls import note
 from sandbox_runtime.server.replies import ToolFailure
 from sandbox_runtime.server.session_path import SCOPE_KEY
 from sandbox_runtime.supervisor import scoped
@@ -73,6 +74,7 @@ def owner_of(ctx: Context, session: str | None) -> Owner:
     """The caller's owner key (see _owner_of); remembered for this call's log context."""
     owner = _owner_of(ctx, session)
     _owner.set(owner)
+    note(session=session_name(owner))
     return owner
 
 

@@ -50,6 +50,7 @@ from sandbox_runtime.supervisor import scoped
 from sandbox_runtime.workspaces.fsops import CHUNK, Upload
 
 PUBLIC_PREFIX = "/files/"
+GRANT_KEY = "srt.file_grant"  # (read by server/audit_calls.py)
 CLUSTER_PREFIX = FILES_PREFIX  # on the cluster listener: transfers forwarded by a replica
 METHODS = ("GET", "HEAD", "PUT")
 HOME_CHECK_SECONDS = 5.0  # asking the store, after an upload, whether this is still the home
@@ -108,6 +109,7 @@ class FilesApp:
         except (UrlRefusedError, SandboxRuntimeError) as exc:
             await _text(send, 403, f"{exc}\n")
             return
+        scope[GRANT_KEY] = grant  # (for its audit line: server/audit_calls.py)
         if name != grant.path.rsplit("/", 1)[-1]:  # (the ASGI path is already decoded)
             await _text(send, 404, "this URL names another file\n")
             return

@@ -43,6 +43,7 @@ from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.oauth.metadata import ResourceMetadata
 from sandbox_runtime.oauth.policy import refusal_text
 from sandbox_runtime.oauth.scopes import server_scope
+from sandbox_runtime.server.audit_calls import IDENTITY_KEY, AuditedHostedCalls
 from sandbox_runtime.server.auth import CallerVerifier
 from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.oauth_edge import insufficient_scope
@@ -141,6 +142,7 @@ class HostedServers:
         app = await self._app(entry)
         scope = dict(scope, path="/mcp", raw_path=b"/mcp")
         scope[PRINCIPAL_KEY] = principal
+        scope[IDENTITY_KEY] = identity_of(getattr(token, "claims", None), principal)
         if not isinstance(token, str):  # (the session manager binds a session to its user)
             scope["user"] = AuthenticatedUser(token)
         await app(scope, receive, send)
@@ -188,7 +190,9 @@ class HostedServers:
             on_get_prompt=_unused,
         )
         # (Only the relay: the library's default tracing middleware costs every call.)
-        server.middleware[:] = [Relay(self.root, entry)]
+        audit = self.root.services.audit
+        audited = [AuditedHostedCalls(audit, entry.name)] if audit.enabled else []
+        server.middleware[:] = [*audited, Relay(self.root, entry)]
         return server
 
     async def aclose(self) -> None:
