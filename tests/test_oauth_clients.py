@@ -27,7 +27,7 @@ from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
-from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, free_port
+from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, eventually, free_port
 from oidc_harness import (
     Provider,
     code_of,
@@ -76,7 +76,8 @@ def oauth_server(
 def server(
     serve: Servers, provider: Provider, tmp_path_factory: pytest.TempPathFactory
 ) -> ServerProcess:
-    return oauth_server(serve, tmp_path_factory.mktemp("oauth-server"), provider)
+    workdir = tmp_path_factory.mktemp("oauth-server")
+    return oauth_server(serve, workdir, provider, SANDBOX_AUDIT_LOG=str(workdir / "audit.log"))
 
 
 class Memory:
@@ -334,3 +335,44 @@ def test_inspector_cli_discovers_signs_in_and_calls_a_tool(
     assert result["isError"] is False, result
     assert "from inspector" in json.dumps(result["structuredContent"]), result
     assert result["structuredContent"]["session"] == "inspector", result
+
+
+# --- the audit log ---------------------------------------------------------------------------
+
+
+async def test_the_audit_log_has_one_line_per_call_and_no_token(
+    server: ServerProcess, provider: Provider
+) -> None:
+    log = server.workdir / "audit.log"
+    async with signed_in(server, provider, "alice") as (alice, storage, _):
+        assert storage.tokens is not None and storage.client is not None
+        token_id = claims_of(storage.tokens.access_token)["jti"]
+        await alice.ok("execute_code", command="echo audited", session="audit")
+        await alice.ok("write_file", path="a.txt", content="x" * 1000, session="audit")
+        await alice.ok("list_executions", session="audit")
+        await alice.error("get_execution_status", execution_id="nope", session="audit")
+
+    def mine() -> list[dict[str, Any]]:
+        lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+        return [line for line in lines if line.get("token_id") == token_id]
+
+    # (one writer, in order: once the last call's line is there, so is every earlier one)
+    await eventually(
+        lambda: any(x["tool"] == "get_execution_status" for x in mine()), 10, "the audit lines"
+    )
+    lines = mine()
+    assert [(x["event"], x["tool"], x["outcome"]) for x in lines] == [
+        ("tool_call", "execute_code", "ok"),
+        ("tool_call", "write_file", "ok"),
+        ("tool_call", "list_executions", "ok"),
+        ("tool_call", "get_execution_status", "not_found"),
+    ], lines
+    for line in lines:
+        assert line["principal"] == "alice" and line["session"] == "audit", line
+        assert line["client_id"] == storage.client.client_id, line
+    assert lines[1]["argument_bytes"]["content"] == 1000, lines[1]
+    text = log.read_text()
+    assert storage.tokens.access_token not in text
+    assert storage.tokens.access_token.split(".")[2] not in text, "not even its signature"
+    if storage.tokens.refresh_token:
+        assert storage.tokens.refresh_token not in text
