@@ -154,6 +154,16 @@ def stdout_of(result: dict[str, Any]) -> str:
     return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
 
 
+def assert_discovered(server: ServerProcess, offset: int) -> None:
+    """The server's access log since `offset`: a 401 on /mcp, then the client read the
+    protected resource metadata it named."""
+    log = server.log_since(offset, max_lines=2000)
+    refused = log.find('"POST /mcp HTTP/1.1" 401')
+    assert refused >= 0, f"no 401 on /mcp:\n{log[-3000:]}"
+    read = log.find('"GET /.well-known/oauth-protected-resource/mcp HTTP/1.1" 200', refused)
+    assert read > refused, f"the metadata was not read after the 401:\n{log[-3000:]}"
+
+
 # --- the official Python SDK -----------------------------------------------------------------
 
 
@@ -231,6 +241,7 @@ def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
     if not (modules / "@modelcontextprotocol/sdk").is_dir():
         missing(f"no TypeScript SDK in {modules}")
     driver = linked_beside(modules, ROOT / "tests/clients/oauth_ts_driver.mjs", tmp_path)
+    offset = server.log_size()
     proc = subprocess.Popen(
         [str(node22()), str(driver), "--url", server.url],
         cwd=tmp_path,
@@ -242,7 +253,9 @@ def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
     try:
         assert proc.stdout is not None and proc.stdin is not None
         first = json.loads(proc.stdout.readline() or "{}")  # (a crash report ends it too)
-        assert "authorize" in first, f"no authorization URL: {first} {proc.stderr}"
+        if "authorize" not in first:
+            rest, err = proc.communicate(timeout=30)
+            raise AssertionError(f"no authorization URL: {first} {rest}\n{err[-3000:]}")
         asked = code_of(first["authorize"])
         assert asked["resource"] == server.url and asked["code_challenge_method"] == "S256"
         proc.stdin.write(provider.login(first["authorize"], "carol") + "\n")
@@ -254,6 +267,7 @@ def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
             proc.wait(10)
     report = json.loads(out.strip().splitlines()[-1])
     assert "crash" not in report, f"{report}\n{err[-3000:]}"
+    assert_discovered(server, offset)
     assert report["registered"], "the SDK registered itself (RFC 7591)"
     assert report["is_error"] is False, report
     assert "from typescript" in json.dumps(report["structured"]), report
@@ -298,6 +312,7 @@ def test_inspector_cli_discovers_signs_in_and_calls_a_tool(
         "command=echo from inspector",
         "session=inspector",
     ]
+    offset = server.log_size()
     proc = subprocess.Popen(
         argv,
         cwd=tmp_path,
@@ -331,6 +346,7 @@ def test_inspector_cli_discovers_signs_in_and_calls_a_tool(
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, f"exit {proc.returncode}: {out[-2000:]}\n{''.join(said)[-3000:]}"
+    assert_discovered(server, offset)
     result = json.loads(out)
     assert result["isError"] is False, result
     assert "from inspector" in json.dumps(result["structuredContent"]), result
