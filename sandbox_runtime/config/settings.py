@@ -90,6 +90,12 @@ class Settings(BaseSettings):
         description="The OAuth client (public, with PKCE) the web console signs in with when "
         "OAuth is configured.",
     )
+    oauth_console_scope: str | None = Field(
+        None,
+        description="The scopes the console asks for (space-separated); default: `openid` and "
+        "this server's scopes (sandbox:execute sandbox:files snapshots). Entra: "
+        "`openid api://<application id>/.default`.",
+    )
     policy_file: Path | None = Field(
         None,
         description="Who may do what (TOML): the scopes each group, principal and every "

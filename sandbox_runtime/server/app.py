@@ -25,12 +25,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sandbox_runtime import __version__, fds
 from sandbox_runtime.app.services import Root, build
 from sandbox_runtime.config import Settings
-from sandbox_runtime.console import console_file, console_page
+from sandbox_runtime.console import Console
 from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
 from sandbox_runtime.e2b.app import E2BApp
-from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles
+from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles, refused_call
 from sandbox_runtime.server.auth import CallerVerifier, PlainAuthErrors, no_registration
 from sandbox_runtime.server.calls import ScopeCheck
+from sandbox_runtime.server.console_oauth import console_oauth
 from sandbox_runtime.server.environment_tools import register_environment_tools
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
@@ -161,7 +162,8 @@ def create_app(
         event_store=_event_store(settings),
         retry_interval=1000 if settings.redis_url else None,
     )
-    guard_scopes(mcp_app.routes, metadata, verifier)
+    audit_refusal = refused_call(lambda: root.services.audit if root.running else None)
+    guard_scopes(mcp_app.routes, metadata, verifier, audit_refusal)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -292,9 +294,10 @@ def create_app(
         if protection is not False:  # the same DNS-rebinding guard as /mcp's
             mode: Literal["auto", "strict"] = "strict" if protection is True else "auto"
             guard.append(Middleware(HostOriginGuardMiddleware, allowed_hosts=hosts, mode=mode))
+        pages = Console(console_oauth(settings))
         console = [
-            Route("/", console_page, methods=["GET", "HEAD"], middleware=guard),
-            Route("/console/{name}", console_file, methods=["GET", "HEAD"], middleware=guard),
+            Route("/", pages.page, methods=["GET", "HEAD"], middleware=guard),
+            Route("/console/{name}", pages.file, methods=["GET", "HEAD"], middleware=guard),
         ]
     public = Starlette(
         routes=[

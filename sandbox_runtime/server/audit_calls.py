@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fastmcp.server.dependencies import get_access_token
@@ -111,6 +112,41 @@ class AuditedCalls(Middleware):
             _record.reset(mark)
             record["duration_ms"] = _ms(started)
             audit.write(record)
+
+
+def refused_call(
+    audit: Callable[[], AuditLog | None],
+) -> Callable[[Scope, Identity, bytes], None]:
+    """The line of a tools/call refused at the HTTP edge (403 insufficient_scope: it never
+    reaches the tools), read from the request's body (JSON-RPC, at most the edge's peek)."""
+
+    def refused(scope: Scope, identity: Identity, body: bytes) -> None:
+        log = audit()
+        if log is None or not log.enabled:
+            return
+        try:
+            params = json.loads(body).get("params") or {}
+            name, args = params.get("name"), params.get("arguments") or {}
+        except (ValueError, AttributeError):
+            params, name, args = {}, None, {}
+        if not isinstance(args, Mapping):
+            args = {}
+        session = scope.get(SESSION_KEY) or args.get("session")
+        log.write(
+            {
+                "time": now(),
+                "event": "tool_call",
+                **who(identity),
+                "tool": clip(name) if isinstance(name, str) else UNKNOWN_TOOL,
+                "session": session if isinstance(session, str) else "default",
+                "execution_id": None,
+                "outcome": "scope",
+                "duration_ms": 0.0,
+                "argument_bytes": argument_sizes(args),
+            }
+        )
+
+    return refused
 
 
 class AuditedFiles:

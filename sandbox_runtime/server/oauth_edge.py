@@ -5,6 +5,7 @@ a tools/call the caller's scopes do not cover (the MCP spec's step-up)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -93,6 +94,7 @@ class ScopeGuard:
         self.app = app
         self.metadata = metadata
         self.policy = policy
+        self.on_refused: list[Callable[[Scope, Identity, bytes], None]] = []  # (the audit log)
 
     def __getattr__(self, name: str) -> Any:  # (the session manager, looked up through here)
         return getattr(self.app, name)
@@ -110,6 +112,8 @@ class ScopeGuard:
             await self.app(scope, replay, send)
             return
         text = refusal_text(needed, identity.principal, self.policy)
+        for refused in self.on_refused:
+            refused(scope, identity, body)
         await insufficient_scope(send, needed, text, self.metadata, scope["path"], request_id)
 
 
@@ -200,7 +204,10 @@ def _needed(body: bytes) -> tuple[str | None, Any]:
 
 
 def guard_scopes(
-    routes: list[Any], metadata: ResourceMetadata | None, verifier: CallerVerifier | None
+    routes: list[Any],
+    metadata: ResourceMetadata | None,
+    verifier: CallerVerifier | None,
+    on_refused: Callable[[Scope, Identity, bytes], None] | None = None,
 ) -> None:
     """Put the ScopeGuard behind the auth of the MCP app's endpoint (these are its routes)."""
     if verifier is None:
@@ -208,6 +215,8 @@ def guard_scopes(
     for route in routes:
         endpoint = getattr(route, "endpoint", None)
         if getattr(route, "path", None) == "/mcp" and hasattr(endpoint, "required_scopes"):
-            endpoint.app = ScopeGuard(endpoint.app, metadata, verifier.policy)  # type: ignore[union-attr]
+            guard = ScopeGuard(endpoint.app, metadata, verifier.policy)  # type: ignore[union-attr]
+            guard.on_refused.extend([on_refused] if on_refused is not None else [])
+            endpoint.app = guard  # type: ignore[union-attr]
             return
     raise RuntimeError("the MCP app has no authenticated /mcp route to guard")

@@ -2,10 +2,16 @@
 // reopen past executions, move workspace files. Everything goes through /mcp (mcp.js) with
 // the user's token; nothing is loaded from another origin and nothing runs inline.
 import { AuthError, McpClient } from "./mcp.js";
+import { finishSignIn, isCallback, oauthConfig, startSignIn } from "./oauth.js";
 
 const $ = (id) => document.getElementById(id);
 const STORE_TOKEN = "srt-console-token";
 const STORE_SESSION = "srt-console-session";
+const STORE_KIND = "srt-console-kind"; // "oauth": signed in with the identity provider
+const STORE_SINCE = "srt-console-since"; // when that token was given (ms)
+// A token refused this soon after the provider gave it is not an expired one: no new
+// sign-in then (it would loop), the error is shown instead.
+const FRESH_MS = 15000;
 const FINISHED = new Set(["completed", "failed", "timeout", "cancelled", "lost"]);
 const ANSI = /\x1b\[[0-9;?]*[A-Za-z]/g;
 
@@ -15,14 +21,17 @@ let current = null; // {id, cursor, awaitingInput}
 let followSerial = 0;
 let statusTimer = null;
 let listTimer = null;
+let config = { oauth: null, callback: "/console/callback" };
 
 // -- sign in ------------------------------------------------------------------------------
 
-async function signIn(token, name) {
+async function signIn(token, name, kind = "token") {
   const candidate = new McpClient(token);
-  await candidate.listTools(); // AuthError for a token the server refuses
+  await candidate.listTools(); // AuthError for a token the server refuses (shown)
+  if (kind === "oauth") candidate.onUnauthorized = expired; // later: sign in again
   client = candidate;
   session = name;
+  sessionStorage.setItem(STORE_KIND, kind);
   sessionStorage.setItem(STORE_TOKEN, token);
   sessionStorage.setItem(STORE_SESSION, name);
   $("signin").hidden = true;
@@ -36,8 +45,24 @@ async function signIn(token, name) {
   $("code").focus();
 }
 
+// The identity provider's token was refused (it expired or was revoked): sign in again there
+// (its own session usually makes that a round trip with no typing).
+function expired() {
+  const since = Number(sessionStorage.getItem(STORE_SINCE) || 0);
+  const name = sessionStorage.getItem(STORE_SESSION) || session;
+  signOut();
+  if (!config.oauth || Date.now() - since < FRESH_MS) {
+    showSigninError("Sign in again: the server refused the identity provider's token.");
+    return;
+  }
+  startSignIn(config.oauth, config.callback, name).catch((error) =>
+    showSigninError(`Could not reach the identity provider: ${error.message}`),
+  );
+}
+
 function signOut() {
   sessionStorage.removeItem(STORE_TOKEN);
+  sessionStorage.removeItem(STORE_KIND);
   clearInterval(statusTimer);
   clearInterval(listTimer);
   client = null;
@@ -71,6 +96,15 @@ $("signin").addEventListener("submit", async (event) => {
   }
 });
 $("signout").addEventListener("click", signOut);
+$("signin-oauth").addEventListener("click", async () => {
+  $("signin-error").hidden = true;
+  const name = $("session").value.trim() || "console";
+  try {
+    await startSignIn(config.oauth, config.callback, name);
+  } catch (error) {
+    showSigninError(`Could not reach the identity provider: ${error.message}`);
+  }
+});
 
 // -- status strip -------------------------------------------------------------------------
 
@@ -442,13 +476,41 @@ zone.addEventListener("drop", (event) => {
 
 // -- start --------------------------------------------------------------------------------
 
-const saved = sessionStorage.getItem(STORE_TOKEN);
-$("session").value = sessionStorage.getItem(STORE_SESSION) || "console";
-if (saved) {
-  signIn(saved, $("session").value).catch(() => {
-    sessionStorage.removeItem(STORE_TOKEN);
-    showSigninError("Sign in again: the saved token no longer works.");
-  });
-} else {
-  $("token").focus();
+async function start() {
+  config = await oauthConfig().catch(() => config);
+  if (config.oauth) {
+    const provider = new URL(config.oauth.issuer).host;
+    $("signin-oauth").textContent = `Sign in with ${provider}`;
+    $("signin-oauth").hidden = false;
+  }
+  $("session").value = sessionStorage.getItem(STORE_SESSION) || "console";
+  if (config.oauth && isCallback(config.callback)) {
+    try {
+      const signed = await finishSignIn(config.oauth);
+      sessionStorage.setItem(STORE_SINCE, String(Date.now()));
+      $("session").value = signed.session || $("session").value;
+      await signIn(signed.token, $("session").value, "oauth");
+    } catch (error) {
+      showSigninError(
+        error instanceof AuthError
+          ? "The server refused the identity provider's token."
+          : `Sign-in failed: ${error.message}`,
+      );
+    }
+    return;
+  }
+  if (window.location.pathname !== "/") window.history.replaceState(null, "", "/");
+  const saved = sessionStorage.getItem(STORE_TOKEN);
+  if (saved) {
+    const kind = sessionStorage.getItem(STORE_KIND) || "token";
+    signIn(saved, $("session").value, kind).catch((error) => {
+      if (kind === "oauth" && error instanceof AuthError) return expired();
+      sessionStorage.removeItem(STORE_TOKEN);
+      showSigninError("Sign in again: the saved token no longer works.");
+    });
+  } else {
+    $("token").focus();
+  }
 }
+
+start();

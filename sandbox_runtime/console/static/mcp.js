@@ -16,9 +16,12 @@ export class McpClient {
   #token;
   #id = 0;
 
-  constructor(token) {
+  // onUnauthorized: called when the server refuses the token (401) after it worked once
+  // (an OAuth token that expired: the console signs in again).
+  constructor(token, onUnauthorized = null) {
     this.url = new URL("/mcp", window.location.origin).href;
     this.#token = token; // sent in the Authorization header only, never in a URL
+    this.onUnauthorized = onUnauthorized;
   }
 
   async request(method, params = {}, name = null) {
@@ -39,8 +42,14 @@ export class McpClient {
       cache: "no-store",
       referrerPolicy: "no-referrer",
     });
-    if (response.status === 401 || response.status === 403) {
+    if (response.status === 401) {
+      if (this.onUnauthorized) this.onUnauthorized();
       throw new AuthError("The server refused this token.");
+    }
+    if (response.status === 403) {
+      // insufficient_scope: the JSON-RPC error says which scope and who grants it
+      const refusal = await response.json().catch(() => null);
+      throw new ToolError(refusal?.error?.message || "The server refused this call (HTTP 403).");
     }
     if (!response.ok) {
       const text = (await response.text()).slice(0, 300);
