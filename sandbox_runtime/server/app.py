@@ -418,6 +418,6 @@ def _metrics_token_digests(settings: Settings) -> list[bytes] | None:
         tokens = [settings.metrics_token.get_secret_value()]
     else:
         tokens = list(settings.tokens())
-    if not tokens:
-        return None
+    if not tokens:  # (signed-in users' tokens are not for scrapers: set SANDBOX_METRICS_TOKEN)
+        return [] if settings.oauth_issuers() else None
     return [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in tokens]
