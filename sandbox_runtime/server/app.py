@@ -75,7 +75,8 @@ def build_mcp(settings: Settings, root: Root, auth: CallerVerifier | None = None
         dereference_schemas=False,
         middleware=[
             ErrorResults(settings.result_text, settings.result_max_chars),
-            ScopeCheck(root),
+            # (scopes can be short of every scope only with a policy file or OAuth)
+            *([ScopeCheck(root)] if auth and (auth.policy or auth.oauth) else []),
         ],
     )
     register_tools(mcp, root)
