@@ -13,6 +13,7 @@ from typing import Any
 import httpx2
 import pytest
 from issuer_harness import Issuer, serve_issuer
+from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.shared.exceptions import MCPError
 from mcp_harness import ServerProcess, Servers, free_port, open_client
 
@@ -113,6 +114,7 @@ def test_the_metadata_names_the_issuer_and_the_scopes(
             "bearer_methods_supported": ["header"],
             "resource_name": "sandbox_runtime",
         }
+        ProtectedResourceMetadata.model_validate(response.json())  # (as the SDK reads it)
     hosted = httpx2.get(
         server.base_url + "/.well-known/oauth-protected-resource/servers/time/mcp", timeout=10
     ).json()
