@@ -264,3 +264,14 @@ def test_a_hosted_server_needs_its_scope(server: ServerProcess, issuer: Issuer) 
     assert hosted("time", ann).status_code not in (401, 403)
     github = hosted("github", ann)
     assert github.status_code == 403 and challenge(github)["scope"] == "github:write"
+
+
+async def test_list_servers_shows_only_the_servers_the_caller_may_use(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    ann = issuer.token(audience=server.url, sub="ann", groups=["devs"])
+    async with open_client(server.url, ann, mode="auto") as conn:
+        listed = await conn.ok("list_servers")
+        assert [s["name"] for s in listed["servers"]] == ["time"]  # (github: github:write)
+    async with open_client(server.url, STATIC, mode="auto") as conn:
+        assert (await conn.ok("list_servers"))["servers"] == []  # (ci: no servers scope)

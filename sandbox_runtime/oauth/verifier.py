@@ -125,7 +125,7 @@ class OAuthVerifier:
                 token,
                 key=key.public,
                 algorithms=[alg],
-                issuer=issuer.issuer,
+                issuer=unverified["iss"],  # (trusted: find() matched it, a trailing / aside)
                 leeway=LEEWAY,
                 options={"require": ["exp", "iss"], "verify_aud": False},
             )
