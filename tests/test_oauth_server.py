@@ -13,6 +13,7 @@ from typing import Any
 import httpx2
 import pytest
 from issuer_harness import Issuer, serve_issuer
+from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.shared.exceptions import MCPError
 from mcp_harness import ServerProcess, Servers, free_port, open_client
 
@@ -113,6 +114,7 @@ def test_the_metadata_names_the_issuer_and_the_scopes(
             "bearer_methods_supported": ["header"],
             "resource_name": "sandbox_runtime",
         }
+        ProtectedResourceMetadata.model_validate(response.json())  # (as the SDK reads it)
     hosted = httpx2.get(
         server.base_url + "/.well-known/oauth-protected-resource/servers/time/mcp", timeout=10
     ).json()
@@ -262,3 +264,14 @@ def test_a_hosted_server_needs_its_scope(server: ServerProcess, issuer: Issuer) 
     assert hosted("time", ann).status_code not in (401, 403)
     github = hosted("github", ann)
     assert github.status_code == 403 and challenge(github)["scope"] == "github:write"
+
+
+async def test_list_servers_shows_only_the_servers_the_caller_may_use(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    ann = issuer.token(audience=server.url, sub="ann", groups=["devs"])
+    async with open_client(server.url, ann, mode="auto") as conn:
+        listed = await conn.ok("list_servers")
+        assert [s["name"] for s in listed["servers"]] == ["time"]  # (github: github:write)
+    async with open_client(server.url, STATIC, mode="auto") as conn:
+        assert (await conn.ok("list_servers"))["servers"] == []  # (ci: no servers scope)
