@@ -27,7 +27,7 @@ from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
-from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, free_port
+from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, eventually, free_port
 from oidc_harness import (
     Provider,
     code_of,
@@ -76,7 +76,8 @@ def oauth_server(
 def server(
     serve: Servers, provider: Provider, tmp_path_factory: pytest.TempPathFactory
 ) -> ServerProcess:
-    return oauth_server(serve, tmp_path_factory.mktemp("oauth-server"), provider)
+    workdir = tmp_path_factory.mktemp("oauth-server")
+    return oauth_server(serve, workdir, provider, SANDBOX_AUDIT_LOG=str(workdir / "audit.log"))
 
 
 class Memory:
@@ -151,6 +152,16 @@ def claims_of(token: str) -> dict[str, Any]:
 
 def stdout_of(result: dict[str, Any]) -> str:
     return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
+
+
+def assert_discovered(server: ServerProcess, offset: int) -> None:
+    """The server's access log since `offset`: a 401 on /mcp, then the client read the
+    protected resource metadata it named."""
+    log = server.log_since(offset, max_lines=2000)
+    refused = log.find('"POST /mcp HTTP/1.1" 401')
+    assert refused >= 0, f"no 401 on /mcp:\n{log[-3000:]}"
+    read = log.find('"GET /.well-known/oauth-protected-resource/mcp HTTP/1.1" 200', refused)
+    assert read > refused, f"the metadata was not read after the 401:\n{log[-3000:]}"
 
 
 # --- the official Python SDK -----------------------------------------------------------------
@@ -230,6 +241,7 @@ def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
     if not (modules / "@modelcontextprotocol/sdk").is_dir():
         missing(f"no TypeScript SDK in {modules}")
     driver = linked_beside(modules, ROOT / "tests/clients/oauth_ts_driver.mjs", tmp_path)
+    offset = server.log_size()
     proc = subprocess.Popen(
         [str(node22()), str(driver), "--url", server.url],
         cwd=tmp_path,
@@ -241,7 +253,9 @@ def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
     try:
         assert proc.stdout is not None and proc.stdin is not None
         first = json.loads(proc.stdout.readline() or "{}")  # (a crash report ends it too)
-        assert "authorize" in first, f"no authorization URL: {first} {proc.stderr}"
+        if "authorize" not in first:
+            rest, err = proc.communicate(timeout=30)
+            raise AssertionError(f"no authorization URL: {first} {rest}\n{err[-3000:]}")
         asked = code_of(first["authorize"])
         assert asked["resource"] == server.url and asked["code_challenge_method"] == "S256"
         proc.stdin.write(provider.login(first["authorize"], "carol") + "\n")
@@ -253,6 +267,7 @@ def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
             proc.wait(10)
     report = json.loads(out.strip().splitlines()[-1])
     assert "crash" not in report, f"{report}\n{err[-3000:]}"
+    assert_discovered(server, offset)
     assert report["registered"], "the SDK registered itself (RFC 7591)"
     assert report["is_error"] is False, report
     assert "from typescript" in json.dumps(report["structured"]), report
@@ -297,6 +312,7 @@ def test_inspector_cli_discovers_signs_in_and_calls_a_tool(
         "command=echo from inspector",
         "session=inspector",
     ]
+    offset = server.log_size()
     proc = subprocess.Popen(
         argv,
         cwd=tmp_path,
@@ -330,7 +346,49 @@ def test_inspector_cli_discovers_signs_in_and_calls_a_tool(
             proc.kill()
             proc.wait(10)
     assert proc.returncode == 0, f"exit {proc.returncode}: {out[-2000:]}\n{''.join(said)[-3000:]}"
+    assert_discovered(server, offset)
     result = json.loads(out)
     assert result["isError"] is False, result
     assert "from inspector" in json.dumps(result["structuredContent"]), result
     assert result["structuredContent"]["session"] == "inspector", result
+
+
+# --- the audit log ---------------------------------------------------------------------------
+
+
+async def test_the_audit_log_has_one_line_per_call_and_no_token(
+    server: ServerProcess, provider: Provider
+) -> None:
+    log = server.workdir / "audit.log"
+    async with signed_in(server, provider, "alice") as (alice, storage, _):
+        assert storage.tokens is not None and storage.client is not None
+        token_id = claims_of(storage.tokens.access_token)["jti"]
+        await alice.ok("execute_code", command="echo audited", session="audit")
+        await alice.ok("write_file", path="a.txt", content="x" * 1000, session="audit")
+        await alice.ok("list_executions", session="audit")
+        await alice.error("get_execution_status", execution_id="nope", session="audit")
+
+    def mine() -> list[dict[str, Any]]:
+        lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+        return [line for line in lines if line.get("token_id") == token_id]
+
+    # (one writer, in order: once the last call's line is there, so is every earlier one)
+    await eventually(
+        lambda: any(x["tool"] == "get_execution_status" for x in mine()), 10, "the audit lines"
+    )
+    lines = mine()
+    assert [(x["event"], x["tool"], x["outcome"]) for x in lines] == [
+        ("tool_call", "execute_code", "ok"),
+        ("tool_call", "write_file", "ok"),
+        ("tool_call", "list_executions", "ok"),
+        ("tool_call", "get_execution_status", "not_found"),
+    ], lines
+    for line in lines:
+        assert line["principal"] == "alice" and line["session"] == "audit", line
+        assert line["client_id"] == storage.client.client_id, line
+    assert lines[1]["argument_bytes"]["content"] == 1000, lines[1]
+    text = log.read_text()
+    assert storage.tokens.access_token not in text
+    assert storage.tokens.access_token.split(".")[2] not in text, "not even its signature"
+    if storage.tokens.refresh_token:
+        assert storage.tokens.refresh_token not in text

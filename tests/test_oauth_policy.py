@@ -119,3 +119,11 @@ async def test_every_tool_of_the_server_has_a_scope_in_the_table() -> None:
     assert names - set(TOOL_SCOPES) == set(), "add them to oauth/scopes.py's TOOL_SCOPES"
     assert set(TOOL_SCOPES) - names == set(), "a tool the table names is gone"
     assert tool_scope("a-new-tool") == EXECUTE  # (never open by accident)
+
+
+def test_metrics_are_closed_when_only_oauth_authenticates() -> None:
+    from sandbox_runtime.server.app import _metrics_token_digests
+
+    oauth = {"oauth_issuer": "https://idp.example.com", "oauth_resource": "https://s.example/mcp"}
+    assert _metrics_token_digests(Settings(_env_file=None, **oauth)) == []  # type: ignore[call-arg]
+    assert _metrics_token_digests(Settings(_env_file=None)) is None  # type: ignore[call-arg]

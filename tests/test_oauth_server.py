@@ -13,6 +13,7 @@ from typing import Any
 import httpx2
 import pytest
 from issuer_harness import Issuer, serve_issuer
+from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.shared.exceptions import MCPError
 from mcp_harness import ServerProcess, Servers, free_port, open_client
 
@@ -45,11 +46,16 @@ def server(issuer: Issuer, serve: Servers) -> ServerProcess:
     workdir = serve.workdirs("oauth")
     (workdir / "policy.toml").parent.mkdir(parents=True, exist_ok=True)
     (workdir / "policy.toml").write_text(POLICY)
+    (workdir / "servers.toml").write_text(
+        '[servers.time]\nurl = "http://127.0.0.1:9/mcp"\n\n'
+        '[servers.github]\nurl = "http://127.0.0.1:9/mcp"\nrequired_scope = "github:write"\n'
+    )
     settings = {
         "SANDBOX_OAUTH_ISSUER": issuer.url,
         "SANDBOX_OAUTH_RESOURCE": f"http://127.0.0.1:{port}/mcp",
         "SANDBOX_AUTH_TOKENS": f"ci:{STATIC}",
         "SANDBOX_POLICY_FILE": str(workdir / "policy.toml"),
+        "SANDBOX_SERVERS_FILE": str(workdir / "servers.toml"),
     }
     return serve.add(ServerProcess(workdir, settings, port=port))
 
@@ -108,6 +114,7 @@ def test_the_metadata_names_the_issuer_and_the_scopes(
             "bearer_methods_supported": ["header"],
             "resource_name": "sandbox_runtime",
         }
+        ProtectedResourceMetadata.model_validate(response.json())  # (as the SDK reads it)
     hosted = httpx2.get(
         server.base_url + "/.well-known/oauth-protected-resource/servers/time/mcp", timeout=10
     ).json()
@@ -220,3 +227,51 @@ async def test_code_mode_needs_the_scope_of_each_server_it_names(
         assert "'servers:time'" in text
         text = await conn.error("execute_code", command="true", servers=["*"])
         assert "'servers:*'" in text
+
+
+def test_a_hosted_server_needs_its_scope(server: ServerProcess, issuer: Issuer) -> None:
+    """servers:<name> (devs have servers:*), or the entry's own required_scope."""
+    initialize_body = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": LEGACY,
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    headers = {"content-type": "application/json", "accept": BOTH}
+
+    def hosted(name: str, token: str) -> Any:
+        return httpx2.post(
+            f"{server.base_url}/servers/{name}/mcp",
+            json=initialize_body,
+            headers={**headers, "authorization": f"Bearer {token}"},
+            timeout=30,
+        )
+
+    cy = issuer.token(audience=server.url, sub="cy")
+    refused = hosted("time", cy)
+    assert refused.status_code == 403
+    params = challenge(refused)
+    assert (params["error"], params["scope"]) == ("insufficient_scope", "servers:time")
+    assert params["resource_metadata"].endswith("/oauth-protected-resource/servers/time/mcp")
+    assert "groups devs" in refused.json()["error"]["message"]
+
+    # A token minted for the hosted endpoint itself is this server's too.
+    ann = issuer.token(audience=f"{server.base_url}/servers/time/mcp", sub="ann", groups=["devs"])
+    assert hosted("time", ann).status_code not in (401, 403)
+    github = hosted("github", ann)
+    assert github.status_code == 403 and challenge(github)["scope"] == "github:write"
+
+
+async def test_list_servers_shows_only_the_servers_the_caller_may_use(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    ann = issuer.token(audience=server.url, sub="ann", groups=["devs"])
+    async with open_client(server.url, ann, mode="auto") as conn:
+        listed = await conn.ok("list_servers")
+        assert [s["name"] for s in listed["servers"]] == ["time"]  # (github: github:write)
+    async with open_client(server.url, STATIC, mode="auto") as conn:
+        assert (await conn.ok("list_servers"))["servers"] == []  # (ci: no servers scope)

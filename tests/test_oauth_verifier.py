@@ -332,3 +332,24 @@ async def test_without_a_policy_every_caller_has_every_scope(
     found = await caller.verify_token(issuer.token(audience=RESOURCE))
     assert found is not None and found.claims[IDENTITY_CLAIM].scopes is None
     assert jwt.get_unverified_header(issuer.token())["kid"] == issuer.keys[0].kid
+
+
+async def test_known_keys_outlive_an_issuer_that_went_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    with serve_issuer() as issuer:
+        verifier = OAuthVerifier(
+            Issuers([issuer.url], cache_seconds=10), ResourceMetadata(RESOURCE, [issuer.url], [])
+        )
+        token = issuer.token(audience=RESOURCE)
+        await verifier.verify(token)
+    try:
+        # (the cache ran out, as if ten seconds had passed)
+        found = verifier.issuers.find(issuer.url)
+        assert found is not None
+        found.fetched_at -= 60
+        fresh = issuer.token(audience=RESOURCE, sub="ann")  # (not one verified before)
+        assert (await verifier.verify(fresh)).principal == "ann"
+        found.forced_at -= 60  # (and the last forced refresh is long past)
+        stranger = issuer.token(key=new_key("RS256"), audience=RESOURCE)
+        assert "cannot be fetched" in await refused(verifier, stranger)
+    finally:
+        await verifier.aclose()

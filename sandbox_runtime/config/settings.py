@@ -638,7 +638,8 @@ class Settings(BaseSettings):
     access_log: bool = Field(True, description="Log each HTTP request (method, path, status).")
     metrics_token: SecretStr | None = Field(
         None,
-        description="Bearer token for GET /metrics; default: any client token is accepted.",
+        description="Bearer token for GET /metrics; default: any static client token is "
+        "accepted (none configured: open, or closed when OAuth is on).",
     )
     audit_log: str = Field(
         "",

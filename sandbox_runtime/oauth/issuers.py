@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 import httpx2
 import jwt
+from loguru import logger
 
 # The asymmetric algorithms accepted (never `none`, never HS*: a public key is no secret).
 ALGORITHMS = frozenset(
@@ -94,19 +95,25 @@ class Issuers:
     async def metadata(self, issuer: Issuer) -> dict[str, Any]:
         """The issuer's metadata (fetched once, again after cache_seconds). Raises
         IssuerUnavailableError."""
-        if (
-            issuer.metadata is not None
-            and time.monotonic() - issuer.fetched_at < self.cache_seconds
-        ):
+        if not self._stale(issuer):
+            assert issuer.metadata is not None
             return issuer.metadata
         async with issuer.lock:
-            if (
-                issuer.metadata is None
-                or time.monotonic() - issuer.fetched_at >= self.cache_seconds
-            ):
-                await self._refresh(issuer)
+            if self._stale(issuer):
+                try:
+                    await self._refresh(issuer)
+                except IssuerUnavailableError as exc:
+                    if issuer.metadata is None:
+                        raise
+                    # An issuer that is down for a while does not sign anyone out: the keys
+                    # known are kept, and asked for again in REFRESH_EVERY seconds.
+                    logger.warning("issuer {}: keeping its known keys: {}", issuer.issuer, exc)
+                    issuer.fetched_at = time.monotonic() - self.cache_seconds + REFRESH_EVERY
         assert issuer.metadata is not None
         return issuer.metadata
+
+    def _stale(self, issuer: Issuer) -> bool:
+        return issuer.metadata is None or time.monotonic() - issuer.fetched_at >= self.cache_seconds
 
     async def key(self, issuer: Issuer, kid: str | None, alg: str) -> Key | None:
         """The issuer's key named `kid` for `alg` (None: the issuer publishes no such key, even

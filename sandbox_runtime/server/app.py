@@ -78,7 +78,8 @@ def build_mcp(settings: Settings, root: Root, auth: CallerVerifier | None = None
         middleware=[
             *([AuditedCalls(root)] if settings.audit_log else []),  # (outermost: sees all)
             ErrorResults(settings.result_text, settings.result_max_chars),
-            ScopeCheck(root),
+            # (scopes can be short of every scope only with a policy file or OAuth)
+            *([ScopeCheck(root)] if auth and (auth.policy or auth.oauth) else []),
         ],
     )
     register_tools(mcp, root)
@@ -424,6 +425,6 @@ def _metrics_token_digests(settings: Settings) -> list[bytes] | None:
         tokens = [settings.metrics_token.get_secret_value()]
     else:
         tokens = list(settings.tokens())
-    if not tokens:
-        return None
+    if not tokens:  # (signed-in users' tokens are not for scrapers: set SANDBOX_METRICS_TOKEN)
+        return [] if settings.oauth_issuers() else None
     return [hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest() for t in tokens]

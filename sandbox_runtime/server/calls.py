@@ -122,6 +122,15 @@ class ScopeCheck(Middleware):
             self._require(server_scope(name, entry.required_scope if entry else None))
 
 
+def may_use_server(name: str, required_scope: str = "") -> bool:
+    """Whether the caller's scopes cover the hosted server `name` (list_servers and
+    search_tools show only those)."""
+    token = get_access_token()
+    if token is None:
+        return True
+    return identity_of(token.claims, token.client_id).allows(server_scope(name, required_scope))
+
+
 ERROR_KINDS = {
     "ExecutionNotFoundError": "not_found",
     "ExecutionFinishedError": "finished",

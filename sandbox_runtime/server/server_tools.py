@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from sandbox_runtime.app.services import Root
 from sandbox_runtime.config import cli_name
 from sandbox_runtime.errors import SandboxRuntimeError
-from sandbox_runtime.server.calls import owner_of
+from sandbox_runtime.server.calls import may_use_server, owner_of
 from sandbox_runtime.server.hosted import call_instance
 from sandbox_runtime.servers.bridge import describe_tool, matches, query_words
 from sandbox_runtime.servers.catalog import missing_secret, shown_url
@@ -62,6 +62,8 @@ def register_server_tools(mcp: FastMCP, root: Root) -> None:
         listed = []
         for entry in host.catalog().for_principal(principal):
             if server is not None and entry.name != server:
+                continue
+            if not may_use_server(entry.name, entry.required_scope):
                 continue
             problem: str | None = None
             version: str | None = None
@@ -147,6 +149,8 @@ def register_search_tool(mcp: FastMCP, root: Root) -> None:
         problems: list[str] = []
         for entry in host.catalog().for_principal(principal):
             if server is not None and entry.name != server:
+                continue
+            if not may_use_server(entry.name, entry.required_scope):
                 continue
             # (What the principal's own instance listed, or the shared one: never another's.)
             owner = instance_owner(entry, principal, "default")
