@@ -11,7 +11,9 @@ from sandbox_runtime.oauth.scopes import server_scope, supported
 
 WELL_KNOWN = "/.well-known/oauth-protected-resource"
 # The endpoints below the resource's base that are MCP endpoints of this same server.
-_SUB_RESOURCE = re.compile(r"/(?:servers/[A-Za-z0-9_.-]{1,64}|s/[A-Za-z0-9._:@-]{1,128})/mcp")
+_SUB_RESOURCE = re.compile(
+    r"(?:/s/[A-Za-z0-9._:@-]{1,128})?(?:/servers/(?P<server>[A-Za-z0-9_.-]{1,64}))?/mcp"
+)
 
 
 class ResourceMetadata:
@@ -55,8 +57,9 @@ class ResourceMetadata:
         """The scopes a client of the endpoint at request `path` is told to ask for."""
         if self.advertised is not None:
             return self.advertised
-        if path.startswith("/servers/"):
-            return [server_scope(path.split("/")[2])]
+        match = _SUB_RESOURCE.fullmatch(path)
+        if match is not None and match["server"]:
+            return [server_scope(match["server"])]
         return supported()
 
     def document(self, suffix: str) -> dict[str, Any] | None:
