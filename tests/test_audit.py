@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx2
 import pytest
+from mcp.shared.exceptions import MCPError
 from mcp_harness import (
     ServerProcess,
     Servers,
@@ -271,3 +272,28 @@ async def test_e2b_api_calls_have_their_lines(server: ServerProcess, audit_dir: 
     ]
     assert lines[0]["token_id"].startswith("e2b-")
     assert BOB not in log.read_text() and MARKER not in log.read_text()
+
+
+async def test_hosted_server_tool_calls_have_their_lines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from hosted_harness import catalog_server, script_entry
+
+    workdir = tmp_path_factory.mktemp("hosted-audit")
+    log = workdir / "audit.log"
+    catalog = {"echoes": script_entry("echoenv.py")}
+    with catalog_server(workdir, catalog, f"alice:{ALICE}", SANDBOX_AUDIT_LOG=str(log)) as server:
+        async with open_client(f"{server.base_url}/servers/echoes/mcp", ALICE) as conn:
+            echoed = await conn.call("echo", text=MARKER)
+            assert MARKER in str(echoed.content)
+            with pytest.raises(MCPError, match="no_such_tool"):
+                await conn.call("no_such_tool")
+        await eventually(lambda: len(lines_of(log)) >= 2, 20, "the hosted calls' lines")
+        lines = lines_of(log)
+    assert [(x["event"], x["principal"], x["server"], x["tool"]) for x in lines] == [
+        ("hosted_call", "alice", "echoes", "echo"),
+        ("hosted_call", "alice", "echoes", "no_such_tool"),
+    ]
+    assert lines[0]["outcome"] == "ok" and lines[0]["argument_bytes"] == {"text": len(MARKER)}
+    assert lines[1]["outcome"] != "ok"
+    assert MARKER not in log.read_text() and ALICE not in log.read_text()
