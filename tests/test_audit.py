@@ -264,14 +264,43 @@ async def test_e2b_api_calls_have_their_lines(server: ServerProcess, audit_dir: 
         assert listed.status_code == 200, listed.text
         wrong = await http.get(f"{server.base_url}/e2b/sandboxes", headers={"X-API-KEY": MARKER})
         assert wrong.status_code == 401
-    await eventually(lambda: len(lines_of(log)) >= before + 2, 10, "the E2B calls' lines")
+        made = await http.post(
+            f"{server.base_url}/e2b/v2/sandboxes",
+            json={"templateID": "base"},
+            headers={"X-API-KEY": BOB},
+        )
+        assert made.status_code == 201, made.text
+        sandbox = made.json()
+        envd = {
+            "E2b-Sandbox-Id": sandbox["sandboxID"],
+            "E2b-Sandbox-Port": "49983",
+            "X-Access-Token": sandbox["envdAccessToken"],
+        }
+        path = f"/home/user/{MARKER}.txt"  # (a query: never in the line)
+        put = await http.post(
+            f"{server.base_url}/e2b/files",
+            params={"path": path},
+            files={"file": (f"{MARKER}.txt", MARKER.encode())},
+            headers=envd,
+        )
+        assert put.status_code < 300, put.text
+        got = await http.get(f"{server.base_url}/e2b/files", params={"path": path}, headers=envd)
+        assert got.status_code == 200 and got.text == MARKER
+    await eventually(lambda: len(lines_of(log)) >= before + 5, 10, "the E2B calls' lines")
     lines = lines_of(log)[before:]
     assert [(x["event"], x["principal"], x["tool"], x["outcome"]) for x in lines] == [
         ("e2b_call", "bob", "GET /sandboxes", "ok"),
         ("e2b_call", None, "GET /sandboxes", "http_401"),
+        ("e2b_call", "bob", "POST /v2/sandboxes", "ok"),
+        ("e2b_call", "bob", "POST /files", "ok"),
+        ("e2b_call", "bob", "GET /files", "ok"),
     ]
     assert lines[0]["token_id"].startswith("e2b-")
-    assert BOB not in log.read_text() and MARKER not in log.read_text()
+    assert lines[4]["sandbox_id"] == sandbox["sandboxID"]
+    assert lines[4]["token_id"] != lines[0]["token_id"]  # (the sandbox's token, not the key)
+    text = log.read_text()
+    for secret in (BOB, MARKER, sandbox["envdAccessToken"]):
+        assert secret not in text
 
 
 async def test_hosted_server_tool_calls_have_their_lines(

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandbox_runtime.audit.log import now
 from sandbox_runtime.audit.records import clip
@@ -68,12 +68,20 @@ class E2BApp:
         path = scope["path"][len(PREFIX) :] or "/"
         scope = dict(scope, path=path, root_path=scope.get("root_path", "") + PREFIX)
         request = Request(scope, receive)
+        if not self.root.running or not self.root.services.audit.enabled:
+            await (await self._answer(request, path))(scope, receive, send)
+            return
         started = time.perf_counter()
         status = 0
+
+        async def sending(message: Message) -> None:  # (the status, whatever answers)
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
         try:
-            response = await self._answer(request, path)
-            await response(scope, receive, send)
-            status = response.status_code
+            await (await self._answer(request, path))(scope, receive, sending)
         finally:
             self._audit(request, path, status, started)
 
@@ -81,8 +89,6 @@ class E2BApp:
         """One audit line per E2B API call: who (the API key's principal, or the sandbox's
         owner for envd and the interpreter), the key's or the sandbox token's id (never the
         key), the method and path (no query: it may name files), the status."""
-        if not self.root.running or not self.root.services.audit.enabled:
-            return
         principal, credential, sandbox_id = getattr(request.state, "caller", (None, "", None))
         self.root.services.audit.write(
             {
