@@ -115,6 +115,7 @@ def test_the_metadata_names_the_issuer_and_the_scopes(
             "resource_name": "sandbox_runtime",
         }
         ProtectedResourceMetadata.model_validate(response.json())  # (as the SDK reads it)
+        assert response.headers["access-control-allow-origin"] == "*"
     hosted = httpx2.get(
         server.base_url + "/.well-known/oauth-protected-resource/servers/time/mcp", timeout=10
     ).json()
