@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -15,7 +16,7 @@ import pytest
 from issuer_harness import Issuer, serve_issuer
 from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.shared.exceptions import MCPError
-from mcp_harness import ServerProcess, Servers, free_port, open_client
+from mcp_harness import ServerProcess, Servers, free_port, open_client, run_server_once
 
 pytestmark = pytest.mark.e2e
 
@@ -276,3 +277,17 @@ async def test_list_servers_shows_only_the_servers_the_caller_may_use(
         assert [s["name"] for s in listed["servers"]] == ["time"]  # (github: github:write)
     async with open_client(server.url, STATIC, mode="auto") as conn:
         assert (await conn.ok("list_servers"))["servers"] == []  # (ci: no servers scope)
+
+
+def test_a_bad_policy_file_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[groups.devs]\nscopes = ["sandbox:exec"]\n')
+    code, stderr = run_server_once(
+        tmp_path, SANDBOX_POLICY_FILE=str(policy), SANDBOX_AUTH_TOKEN=STATIC
+    )
+    assert code == 2, stderr
+    assert stderr.strip() == (
+        f"{policy}: groups.devs.scopes[0] = 'sandbox:exec' is not a scope of this server "
+        "(known: sandbox:execute, sandbox:files, snapshots, servers:<name>, servers:*, *) "
+        "(SANDBOX_POLICY_FILE)"
+    )
