@@ -165,6 +165,15 @@ def test_bad_tokens_are_refused_with_the_reason(
     assert params["resource_metadata"].endswith("/.well-known/oauth-protected-resource/mcp")
     assert reason in response.json()["error"]["message"]
     assert token not in response.text
+    hosted = httpx2.post(
+        server.base_url + "/servers/time/mcp",
+        json={},
+        headers={"authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    assert hosted.status_code == 401
+    assert reason in challenge(hosted)["error_description"]
+    assert challenge(hosted)["scope"] == "servers:time"
 
 
 async def test_signed_in_users_and_static_tokens_work_at_once_each_apart(
