@@ -209,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "runtime":
         return _runtime(settings, args)
     from sandbox_runtime.egress.secrets import settings_problem
+    from sandbox_runtime.oauth.policy import policy_problem
 
-    problem = state_dir_problem(settings.state_dir) or settings_problem(settings)
+    problem = (
+        state_dir_problem(settings.state_dir)
+        or settings_problem(settings)
+        or policy_problem(settings.policy_file)
+    )
     if problem:
         print(problem, file=sys.stderr)
         return 2

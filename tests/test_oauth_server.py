@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx2
@@ -15,7 +16,7 @@ import pytest
 from issuer_harness import Issuer, serve_issuer
 from mcp.shared.auth import ProtectedResourceMetadata
 from mcp.shared.exceptions import MCPError
-from mcp_harness import ServerProcess, Servers, free_port, open_client
+from mcp_harness import ServerProcess, Servers, free_port, open_client, run_server_once
 
 pytestmark = pytest.mark.e2e
 
@@ -115,6 +116,7 @@ def test_the_metadata_names_the_issuer_and_the_scopes(
             "resource_name": "sandbox_runtime",
         }
         ProtectedResourceMetadata.model_validate(response.json())  # (as the SDK reads it)
+        assert response.headers["access-control-allow-origin"] == "*"
     hosted = httpx2.get(
         server.base_url + "/.well-known/oauth-protected-resource/servers/time/mcp", timeout=10
     ).json()
@@ -163,6 +165,15 @@ def test_bad_tokens_are_refused_with_the_reason(
     assert params["resource_metadata"].endswith("/.well-known/oauth-protected-resource/mcp")
     assert reason in response.json()["error"]["message"]
     assert token not in response.text
+    hosted = httpx2.post(
+        server.base_url + "/servers/time/mcp",
+        json={},
+        headers={"authorization": f"Bearer {token}"},
+        timeout=10,
+    )
+    assert hosted.status_code == 401
+    assert reason in challenge(hosted)["error_description"]
+    assert challenge(hosted)["scope"] == "servers:time"
 
 
 async def test_signed_in_users_and_static_tokens_work_at_once_each_apart(
@@ -275,3 +286,17 @@ async def test_list_servers_shows_only_the_servers_the_caller_may_use(
         assert [s["name"] for s in listed["servers"]] == ["time"]  # (github: github:write)
     async with open_client(server.url, STATIC, mode="auto") as conn:
         assert (await conn.ok("list_servers"))["servers"] == []  # (ci: no servers scope)
+
+
+def test_a_bad_policy_file_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[groups.devs]\nscopes = ["sandbox:exec"]\n')
+    code, stderr = run_server_once(
+        tmp_path, SANDBOX_POLICY_FILE=str(policy), SANDBOX_AUTH_TOKEN=STATIC
+    )
+    assert code == 2, stderr
+    assert stderr.strip() == (
+        f"{policy}: groups.devs.scopes[0] = 'sandbox:exec' is not a scope of this server "
+        "(known: sandbox:execute, sandbox:files, snapshots, servers:<name>, servers:*, *) "
+        "(SANDBOX_POLICY_FILE)"
+    )

@@ -80,6 +80,17 @@ def refusal_text(needed: str, principal: str, policy: Policy | None) -> str:
     )
 
 
+def policy_problem(path: Path | None) -> str | None:
+    """Why the policy file at `path` cannot be used (None: it can, or there is none)."""
+    if path is None:
+        return None
+    try:
+        load_policy(path)
+    except PolicyError as exc:
+        return f"{exc} (SANDBOX_POLICY_FILE)"
+    return None
+
+
 def load_policy(path: Path) -> Policy:
     """The policy in `path`. Raises PolicyError naming the file and the line or key."""
     try:

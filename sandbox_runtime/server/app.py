@@ -79,7 +79,7 @@ def build_mcp(settings: Settings, root: Root, auth: CallerVerifier | None = None
             *([AuditedCalls(root)] if settings.audit_log else []),  # (outermost: sees all)
             ErrorResults(settings.result_text, settings.result_max_chars),
             # (scopes can be short of every scope only with a policy file or OAuth)
-            *([ScopeCheck(root)] if auth and (auth.policy or auth.oauth) else []),
+            *([ScopeCheck(root, auth.policy)] if auth and (auth.policy or auth.oauth) else []),
         ],
     )
     register_tools(mcp, root)

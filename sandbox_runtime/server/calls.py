@@ -24,7 +24,7 @@ from sandbox_runtime.domain.identity import identity_of
 from sandbox_runtime.domain.owner import DEFAULT_SESSION, SESSION_RE, Owner
 from sandbox_runtime.domain.owner import session_name as public_name
 from sandbox_runtime.errors import SandboxRuntimeError
-from sandbox_runtime.oauth.policy import refusal_text
+from sandbox_runtime.oauth.policy import Policy, refusal_text
 from sandbox_runtime.oauth.scopes import FILES, server_scope, tool_scope
 from sandbox_runtime.server.audit_calls import note
 from sandbox_runtime.server.replies import ToolFailure
@@ -84,8 +84,9 @@ class ScopeCheck(Middleware):
     naming the scope. (The HTTP edge answers most refusals first with the spec's 403; this
     catches what it cannot read: a body past its limit.)"""
 
-    def __init__(self, root: Root) -> None:
+    def __init__(self, root: Root, policy: Policy | None = None) -> None:
         self.root = root
+        self.policy = policy  # (for the refusal: which groups would give the scope)
 
     async def on_call_tool(self, context: MiddlewareContext[Any], call_next: Any) -> Any:
         name = context.message.name
@@ -106,7 +107,7 @@ class ScopeCheck(Middleware):
             return
         identity = identity_of(token.claims, token.client_id)
         if not identity.allows(needed):
-            raise ToolFailure(refusal_text(needed, identity.principal, None), "scope")
+            raise ToolFailure(refusal_text(needed, identity.principal, self.policy), "scope")
 
     def _require_servers(self, names: list[str]) -> None:
         """Code mode: each named server's scope; `*` only with every server's (servers:*)."""

@@ -50,7 +50,9 @@ def metadata_routes(metadata: ResourceMetadata | None) -> list[Route]:
                 {"error": "not_found", "error_description": f"no protected resource at {suffix}"},
                 status_code=404,
             )
-        return JSONResponse(body, headers={"Cache-Control": "public, max-age=300"})
+        # (a public document: browser-based clients of another origin may read it)
+        headers = {"Cache-Control": "public, max-age=300", "Access-Control-Allow-Origin": "*"}
+        return JSONResponse(body, headers=headers)
 
     return [
         Route(WELL_KNOWN, document, methods=["GET"]),
