@@ -234,16 +234,20 @@ async def test_two_users_see_only_their_own_sessions(
 # --- the official TypeScript SDK -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sdk", ["v1", "v2"])
 def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
-    server: ServerProcess, provider: Provider, tmp_path: Path
+    server: ServerProcess, provider: Provider, tmp_path: Path, sdk: str
 ) -> None:
     modules = Path(os.environ.get("SRT_CLIENTS_NODE") or ROOT / ".clients/node") / "node_modules"
-    if not (modules / "@modelcontextprotocol/sdk").is_dir():
+    if (
+        not (modules / "@modelcontextprotocol/sdk").is_dir()
+        or not (modules / "@modelcontextprotocol/client").is_dir()
+    ):
         missing(f"no TypeScript SDK in {modules}")
     driver = linked_beside(modules, ROOT / "tests/clients/oauth_ts_driver.mjs", tmp_path)
     offset = server.log_size()
     proc = subprocess.Popen(
-        [str(node22()), str(driver), "--url", server.url],
+        [str(node22()), str(driver), "--url", server.url, "--sdk", sdk],
         cwd=tmp_path,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
