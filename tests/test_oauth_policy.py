@@ -127,3 +127,32 @@ def test_metrics_are_closed_when_only_oauth_authenticates() -> None:
     oauth = {"oauth_issuer": "https://idp.example.com", "oauth_resource": "https://s.example/mcp"}
     assert _metrics_token_digests(Settings(_env_file=None, **oauth)) == []  # type: ignore[call-arg]
     assert _metrics_token_digests(Settings(_env_file=None)) is None  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("setting", "advertised"),
+    [
+        (None, ["sandbox:execute", "sandbox:files", "snapshots"]),
+        ("api://sandbox/.default", ["api://sandbox/.default"]),
+        ("openid, sandbox:execute", ["openid", "sandbox:execute"]),
+        ("none", None),
+    ],
+)
+def test_the_advertised_scopes_follow_the_setting(
+    setting: str | None, advertised: list[str] | None
+) -> None:
+    from sandbox_runtime.server.oauth_edge import resource_metadata
+
+    settings = Settings(
+        _env_file=None,  # type: ignore[call-arg]
+        oauth_issuer="https://idp.example.com",
+        oauth_resource="https://s.example.com/mcp",
+        oauth_scopes=setting,
+    )
+    metadata = resource_metadata(settings)
+    assert metadata is not None
+    document = metadata.document("/mcp")
+    assert document is not None and document.get("scopes_supported") == advertised
+    hosted = metadata.document("/servers/time/mcp")
+    assert hosted is not None
+    assert hosted.get("scopes_supported") == (["servers:time"] if setting is None else advertised)

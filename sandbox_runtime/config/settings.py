@@ -64,6 +64,13 @@ class Settings(BaseSettings):
         description="More audiences accepted besides SANDBOX_OAUTH_RESOURCE (comma-separated), "
         "for identity providers that set their own (Entra: `api://<application id>`).",
     )
+    oauth_scopes: str | None = Field(
+        None,
+        description="The scopes clients are told to ask the identity provider for (the "
+        "metadata's scopes_supported and the 401's `scope`), space- or comma-separated; "
+        "default: this server's own (`sandbox:execute sandbox:files snapshots`); `none`: none, "
+        "for providers that refuse scopes they do not define (Entra: `api://<id>/.default`).",
+    )
     oauth_principal_claim: str = Field(
         "sub", description="The token claim that names the principal (`sub`, `email`, ...)."
     )
@@ -755,6 +762,14 @@ class Settings(BaseSettings):
     def oauth_issuers(self) -> list[str]:
         """The accepted issuers (empty: OAuth off)."""
         return parsing.comma_list(self.oauth_issuer)
+
+    def oauth_advertised_scopes(self) -> list[str] | None:
+        """SANDBOX_OAUTH_SCOPES as a list (None: this server's own; empty: none)."""
+        if self.oauth_scopes is None or not self.oauth_scopes.strip():
+            return None
+        if self.oauth_scopes.strip().lower() == "none":
+            return []
+        return parsing.comma_list(self.oauth_scopes.replace(" ", ","))
 
     def oauth_audiences(self) -> list[str]:
         """Every accepted audience: the resource first, then SANDBOX_OAUTH_AUDIENCE's."""

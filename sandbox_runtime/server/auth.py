@@ -17,7 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sandbox_runtime.domain.identity import IDENTITY_CLAIM, Identity, Kind, token_id
 from sandbox_runtime.oauth.metadata import ResourceMetadata
 from sandbox_runtime.oauth.policy import Policy
-from sandbox_runtime.oauth.scopes import known_scope, supported
+from sandbox_runtime.oauth.scopes import known_scope
 from sandbox_runtime.oauth.verifier import OAuthVerifier, TokenRefusedError, Verified
 
 
@@ -219,9 +219,9 @@ class PlainAuthErrors:
             return text, challenge
         endpoint = self.metadata.endpoint_path(path)
         url = self.metadata.metadata_url(endpoint)
-        hosted = path.split("/")[2] if path.startswith("/servers/") else None
-        scopes = f"servers:{hosted}" if hosted else " ".join(supported())
-        challenge = f'Bearer resource_metadata="{url}", scope="{challenge_text(scopes)}"'
+        challenge = f'Bearer resource_metadata="{url}"'
+        if scopes := " ".join(self.metadata.scopes_for(path)):
+            challenge += f', scope="{challenge_text(scopes)}"'
         if not offered:
             text = (
                 f"missing token: sign in with the authorization server named at {url} (MCP "

@@ -28,7 +28,12 @@ def resource_metadata(settings: Settings) -> ResourceMetadata | None:
     issuers = settings.oauth_issuers()
     if not issuers or not settings.oauth_resource:
         return None
-    return ResourceMetadata(settings.oauth_resource, issuers, settings.oauth_audiences()[1:])
+    return ResourceMetadata(
+        settings.oauth_resource,
+        issuers,
+        settings.oauth_audiences()[1:],
+        settings.oauth_advertised_scopes(),
+    )
 
 
 def metadata_routes(metadata: ResourceMetadata | None) -> list[Route]:
