@@ -17,7 +17,15 @@ from typing import Any
 
 import httpx2
 import pytest
-from mcp_harness import ServerProcess, Servers, eventually, memory_of, open_client
+from mcp.shared.exceptions import MCPError
+from mcp_harness import (
+    ServerProcess,
+    Servers,
+    eventually,
+    memory_of,
+    open_client,
+    run_server_once,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -54,6 +62,7 @@ def server(serve: Servers, audit_dir: Path) -> ServerProcess:
         "audited",
         SANDBOX_AUTH_TOKENS=f"alice:{ALICE},bob:{BOB}",
         SANDBOX_AUDIT_LOG=str(audit_dir / "audit.log"),
+        SANDBOX_E2B="true",
     )
 
 
@@ -237,3 +246,54 @@ def _drain_until_closed(fd: int) -> None:
                 time.sleep(0.05)
     finally:
         os.close(fd)
+
+
+def test_a_second_server_on_the_same_audit_file_refuses_to_start(
+    server: ServerProcess, audit_dir: Path, tmp_path: Path
+) -> None:
+    code, stderr = run_server_once(tmp_path, SANDBOX_AUDIT_LOG=str(audit_dir / "audit.log"))
+    assert code != 0
+    assert "is written by another process: give each replica its own file" in stderr, stderr
+
+
+async def test_e2b_api_calls_have_their_lines(server: ServerProcess, audit_dir: Path) -> None:
+    log = audit_dir / "audit.log"
+    before = len(lines_of(log))
+    async with httpx2.AsyncClient(trust_env=False, timeout=30) as http:
+        listed = await http.get(f"{server.base_url}/e2b/sandboxes", headers={"X-API-KEY": BOB})
+        assert listed.status_code == 200, listed.text
+        wrong = await http.get(f"{server.base_url}/e2b/sandboxes", headers={"X-API-KEY": MARKER})
+        assert wrong.status_code == 401
+    await eventually(lambda: len(lines_of(log)) >= before + 2, 10, "the E2B calls' lines")
+    lines = lines_of(log)[before:]
+    assert [(x["event"], x["principal"], x["tool"], x["outcome"]) for x in lines] == [
+        ("e2b_call", "bob", "GET /sandboxes", "ok"),
+        ("e2b_call", None, "GET /sandboxes", "http_401"),
+    ]
+    assert lines[0]["token_id"].startswith("e2b-")
+    assert BOB not in log.read_text() and MARKER not in log.read_text()
+
+
+async def test_hosted_server_tool_calls_have_their_lines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from hosted_harness import catalog_server, script_entry
+
+    workdir = tmp_path_factory.mktemp("hosted-audit")
+    log = workdir / "audit.log"
+    catalog = {"echoes": script_entry("echoenv.py")}
+    with catalog_server(workdir, catalog, f"alice:{ALICE}", SANDBOX_AUDIT_LOG=str(log)) as server:
+        async with open_client(f"{server.base_url}/servers/echoes/mcp", ALICE) as conn:
+            echoed = await conn.call("echo", text=MARKER)
+            assert MARKER in str(echoed.content)
+            with pytest.raises(MCPError, match="no_such_tool"):
+                await conn.call("no_such_tool")
+        await eventually(lambda: len(lines_of(log)) >= 2, 20, "the hosted calls' lines")
+        lines = lines_of(log)
+    assert [(x["event"], x["principal"], x["server"], x["tool"]) for x in lines] == [
+        ("hosted_call", "alice", "echoes", "echo"),
+        ("hosted_call", "alice", "echoes", "no_such_tool"),
+    ]
+    assert lines[0]["outcome"] == "ok" and lines[0]["argument_bytes"] == {"text": len(MARKER)}
+    assert lines[1]["outcome"] != "ok"
+    assert MARKER not in log.read_text() and ALICE not in log.read_text()

@@ -100,8 +100,7 @@ class Settings(BaseSettings):
     oauth_console_scope: str | None = Field(
         None,
         description="The scopes the console asks for (space-separated); default: `openid` and "
-        "this server's scopes (sandbox:execute sandbox:files snapshots). Entra: "
-        "`openid api://<application id>/.default`.",
+        "SANDBOX_OAUTH_SCOPES (this server's own unless set).",
     )
     policy_file: Path | None = Field(
         None,

@@ -14,13 +14,17 @@ that does not match gets the same answer as a sandbox that does not exist.
 from __future__ import annotations
 
 import shutil
+import time
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from sandbox_runtime.audit.log import now
+from sandbox_runtime.audit.records import clip
 from sandbox_runtime.config import Settings
+from sandbox_runtime.domain.identity import UNNAMED, token_id
 from sandbox_runtime.e2b import wire
 from sandbox_runtime.e2b.control import ControlPlane, principal_of
 from sandbox_runtime.e2b.envd import Envd
@@ -64,8 +68,37 @@ class E2BApp:
         path = scope["path"][len(PREFIX) :] or "/"
         scope = dict(scope, path=path, root_path=scope.get("root_path", "") + PREFIX)
         request = Request(scope, receive)
-        response = await self._answer(request, path)
-        await response(scope, receive, send)
+        started = time.perf_counter()
+        status = 0
+        try:
+            response = await self._answer(request, path)
+            await response(scope, receive, send)
+            status = response.status_code
+        finally:
+            self._audit(request, path, status, started)
+
+    def _audit(self, request: Request, path: str, status: int, started: float) -> None:
+        """One audit line per E2B API call: who (the API key's principal, or the sandbox's
+        owner for envd and the interpreter), the key's or the sandbox token's id (never the
+        key), the method and path (no query: it may name files), the status."""
+        if not self.root.running or not self.root.services.audit.enabled:
+            return
+        principal, credential, sandbox_id = getattr(request.state, "caller", (None, "", None))
+        self.root.services.audit.write(
+            {
+                "time": now(),
+                "event": "e2b_call",
+                "principal": principal,
+                "token_id": token_id(credential, "e2b") if credential else UNNAMED,
+                "client_id": None,
+                "tool": clip(f"{request.method} {path}"),
+                "session": None,
+                "sandbox_id": sandbox_id,
+                "outcome": "ok" if 0 < status < 400 else f"http_{status}",
+                "status": status,
+                "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+            }
+        )
 
     async def _answer(self, request: Request, path: str) -> Any:
         if not self.root.running or self.sandboxes is None or self.control is None:
@@ -81,6 +114,8 @@ class E2BApp:
                     "invalid API key: send one of this server's tokens as X-API-KEY "
                     "(E2B_API_KEY; `srt-mcp-server token new --e2b` makes one)",
                 )
+            bearer = request.headers.get("authorization", "").partition(" ")[2].strip()
+            request.state.caller = (principal, request.headers.get("x-api-key") or bearer, None)
             return await self.control(request, path, principal)
         port = request.headers.get("e2b-sandbox-port", str(wire.ENVD_PORT))
         token = request.headers.get("x-access-token", "")
@@ -99,6 +134,7 @@ class E2BApp:
         sandbox = await self.sandboxes.by_token(sandbox_id, token, traffic)
         if sandbox is None:  # (the same answer whether it exists or not)
             return _gone(sandbox_id, f"The sandbox {sandbox_id} was not found")
+        request.state.caller = (sandbox.principal, token or traffic, sandbox_id)
         if sandbox.state != "running":
             return _gone(sandbox_id, f"The sandbox {sandbox_id} is paused (resume it with connect)")
         if port == str(wire.INTERPRETER_PORT):

@@ -204,6 +204,12 @@ def _session(session_id: str | None) -> str | None:
     return None if session_id is None else session_name(session_id)
 
 
+def hosted_refused(audit: AuditLog, identity: Identity, server: str) -> None:
+    """The line of a request to a hosted server refused for want of its scope (403)."""
+    record = {"time": now(), "event": "hosted_call", **who(identity), "server": server}
+    audit.write(record | {"tool": None, "session": None, "outcome": "scope", "duration_ms": 0.0})
+
+
 class AuditedHostedCalls:
     """One audit line per tools/call to a hosted server (before the relay, which passes it
     on): the server, its tool, the argument sizes, the outcome (`ok`, `tool_error` for a

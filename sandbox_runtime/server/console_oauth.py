@@ -16,7 +16,9 @@ def console_oauth(settings: Settings) -> dict[str, Any] | None:
     client_id = settings.oauth_console_client_id
     if not issuers or not settings.oauth_resource or not client_id:
         return None
-    scope = settings.oauth_console_scope or " ".join(["openid", *supported()])
+    advertised = settings.oauth_advertised_scopes()  # (SANDBOX_OAUTH_SCOPES)
+    asked = supported() if advertised is None else advertised
+    scope = settings.oauth_console_scope or " ".join(["openid", *asked])
     return {
         "issuer": issuers[0],
         "client_id": client_id,

@@ -43,7 +43,7 @@ from sandbox_runtime.errors import SandboxRuntimeError
 from sandbox_runtime.oauth.metadata import ResourceMetadata
 from sandbox_runtime.oauth.policy import refusal_text
 from sandbox_runtime.oauth.scopes import server_scope
-from sandbox_runtime.server.audit_calls import IDENTITY_KEY, AuditedHostedCalls
+from sandbox_runtime.server.audit_calls import IDENTITY_KEY, AuditedHostedCalls, hosted_refused
 from sandbox_runtime.server.auth import CallerVerifier
 from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.oauth_edge import insufficient_scope
@@ -137,6 +137,7 @@ class HostedServers:
             if not identity.allows(needed):
                 policy = self._verifier.policy if self._verifier is not None else None
                 text = refusal_text(needed, identity.principal, policy)
+                hosted_refused(self.root.services.audit, identity, name)
                 await insufficient_scope(send, needed, text, self.metadata, scope["path"])
                 return
         app = await self._app(entry)
