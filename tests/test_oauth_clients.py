@@ -27,6 +27,7 @@ from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
+from mcp.shared.exceptions import MCPError
 from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, eventually, free_port
 from oidc_harness import (
     Provider,
@@ -234,16 +235,20 @@ async def test_two_users_see_only_their_own_sessions(
 # --- the official TypeScript SDK -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("sdk", ["v1", "v2"])
 def test_typescript_sdk_signs_in_with_pkce_and_calls_tools(
-    server: ServerProcess, provider: Provider, tmp_path: Path
+    server: ServerProcess, provider: Provider, tmp_path: Path, sdk: str
 ) -> None:
     modules = Path(os.environ.get("SRT_CLIENTS_NODE") or ROOT / ".clients/node") / "node_modules"
-    if not (modules / "@modelcontextprotocol/sdk").is_dir():
+    if (
+        not (modules / "@modelcontextprotocol/sdk").is_dir()
+        or not (modules / "@modelcontextprotocol/client").is_dir()
+    ):
         missing(f"no TypeScript SDK in {modules}")
     driver = linked_beside(modules, ROOT / "tests/clients/oauth_ts_driver.mjs", tmp_path)
     offset = server.log_size()
     proc = subprocess.Popen(
-        [str(node22()), str(driver), "--url", server.url],
+        [str(node22()), str(driver), "--url", server.url, "--sdk", sdk],
         cwd=tmp_path,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -392,3 +397,23 @@ async def test_the_audit_log_has_one_line_per_call_and_no_token(
     assert storage.tokens.access_token.split(".")[2] not in text, "not even its signature"
     if storage.tokens.refresh_token:
         assert storage.tokens.refresh_token not in text
+
+
+async def test_a_viewer_signed_in_by_the_sdk_is_refused_execute_with_the_scope_named(
+    server: ServerProcess, provider: Provider
+) -> None:
+    """bob (viewers: sandbox:files only) through the official client: the 403 names
+    sandbox:execute; the SDK's step-up signs him in once more asking for it, the provider
+    gives it, the policy still does not: the call fails with the scope in its words, and
+    nothing ran. What the viewer may do works."""
+    offset = server.log_size()
+    async with signed_in(server, provider, "bob") as (bob, _, sent_to):
+        written = await bob.ok("write_file", path="b.txt", content="viewer", session="bob")
+        assert written, written
+        with pytest.raises(MCPError) as refused:
+            await bob.call("execute_code", command="echo no", session="bob")
+    text = str(refused.value)
+    assert "sandbox:execute" in text and "insufficient scope" in text, text
+    step_up = code_of(sent_to[-1])
+    assert len(sent_to) == 2 and "sandbox:execute" in step_up["scope"].split(), sent_to
+    assert "execution started principal=bob" not in server.log_since(offset, max_lines=5000)

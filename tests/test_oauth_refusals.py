@@ -143,18 +143,21 @@ def test_a_tampered_token_is_refused(server: ServerProcess, provider: Provider) 
 
 
 async def test_a_rotated_key_is_accepted_after_the_jwks_refresh(
-    serve: Servers, provider: Provider, tmp_path_factory: pytest.TempPathFactory
+    serve: Servers, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    # (a server of its own: an unknown key id refreshes the keys at most every 10 s, and
-    # the other tests' unknown key may just have)
-    server = oauth_server(serve, tmp_path_factory.mktemp("oauth-rotation"), provider)
-    before = provider.mint(aud=server.url)
-    await accepted(server, before)  # (the server now holds the provider's keys)
-    kid = provider.rotate()
-    after = provider.client_credentials(MACHINE, server.url)
-    assert f'"kid":"{kid}"' in _header(after), "the provider signs with the new key"
-    await accepted(server, after)
-    await accepted(server, before)  # (the old key is still published: still good)
+    # (a provider and a server of their own: an unknown key id refreshes the keys at most
+    # every 10 s, and the other tests' unknown key may just have; and the module's provider
+    # keeps its one key for the other tests' tokens)
+    with running_provider(tmp_path_factory.mktemp("oidc-rotation")) as provider:
+        server = oauth_server(serve, tmp_path_factory.mktemp("oauth-rotation"), provider)
+        before = provider.mint(aud=server.url)
+        await accepted(server, before)  # (the server now holds the provider's keys)
+        kid = provider.rotate()
+        after = provider.client_credentials(MACHINE, server.url)
+        assert f'"kid":"{kid}"' in _header(after), "the provider signs with the new key"
+        await accepted(server, after)
+        await accepted(server, before)  # (the old key is still published: still good)
+        server.close()  # (before its provider goes)
 
 
 def _header(token: str) -> str:

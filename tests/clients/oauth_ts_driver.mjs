@@ -1,5 +1,6 @@
-// The official TypeScript MCP SDK (@modelcontextprotocol/sdk 1.x) signing in by OAuth as a
-// Node app does: an OAuthClientProvider on the Streamable HTTP transport. The server's 401
+// The official TypeScript MCP SDK signing in by OAuth as a Node app does: an OAuthClientProvider
+// on the Streamable HTTP transport. `--sdk v1` is @modelcontextprotocol/sdk 1.x, `--sdk v2` the
+// 2.x client package (versionNegotiation "auto": the 2026-07-28 era when offered). The server's 401
 // sends it through discovery, dynamic registration and authorization code + PKCE; the
 // "browser" is the test: this driver prints {"authorize": URL} on stdout and reads back, on
 // stdin, the URL the provider redirected to (with the code). Then it calls execute_code.
@@ -10,11 +11,36 @@
 import { createInterface } from "node:readline";
 import { parseArgs } from "node:util";
 
-import { Client } from "@modelcontextprotocol/sdk/client/index.js";
-import { UnauthorizedError } from "@modelcontextprotocol/sdk/client/auth.js";
-import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
+const { values: args } = parseArgs({
+  options: { url: { type: "string" }, sdk: { type: "string", default: "v1" } },
+});
 
-const { values: args } = parseArgs({ options: { url: { type: "string" } } });
+async function loadSdk(which) {
+  if (which === "v1") {
+    const { Client } = await import("@modelcontextprotocol/sdk/client/index.js");
+    const { UnauthorizedError } = await import("@modelcontextprotocol/sdk/client/auth.js");
+    const { StreamableHTTPClientTransport } = await import(
+      "@modelcontextprotocol/sdk/client/streamableHttp.js"
+    );
+    return {
+      newClient: () => new Client({ name: "srt-oauth-ts", version: "0.0.0" }),
+      UnauthorizedError,
+      Transport: StreamableHTTPClientTransport,
+      finish: (transport, landed) => transport.finishAuth(landed.searchParams.get("code")),
+    };
+  }
+  const { Client, StreamableHTTPClientTransport, UnauthorizedError } = await import(
+    "@modelcontextprotocol/client"
+  );
+  return {
+    newClient: () =>
+      new Client({ name: "srt-oauth-ts", version: "0.0.0" }, { versionNegotiation: { mode: "auto" } }),
+    UnauthorizedError,
+    Transport: StreamableHTTPClientTransport,
+    // (the callback's parameters: the SDK checks `iss` (RFC 9207) before it reads the code)
+    finish: (transport, landed) => transport.finishAuth(landed.searchParams),
+  };
+}
 const lines = createInterface({ input: process.stdin })[Symbol.asyncIterator]();
 const report = { authorize: [], registered: null, tokens: null };
 
@@ -60,26 +86,26 @@ class TestAuth {
   }
 }
 
-async function connect(auth) {
-  const client = new Client({ name: "srt-oauth-ts", version: "0.0.0" });
-  const transport = new StreamableHTTPClientTransport(new URL(args.url), { authProvider: auth });
+async function connect(sdk, auth) {
+  const client = sdk.newClient();
+  const transport = new sdk.Transport(new URL(args.url), { authProvider: auth });
   await client.connect(transport);
   return { client, transport };
 }
 
 try {
+  const sdk = await loadSdk(args.sdk);
   const auth = new TestAuth();
   let connected;
   try {
-    connected = await connect(auth);
+    connected = await connect(sdk, auth);
   } catch (err) {
-    if (!(err instanceof UnauthorizedError)) throw err;
+    if (!(err instanceof sdk.UnauthorizedError)) throw err;
     // The redirect the test's sign-in ended with: hand its code to the transport.
     const landed = new URL((await lines.next()).value);
-    report.state_matches = landed.searchParams.get("state") === null ? null : true;
-    const transport = new StreamableHTTPClientTransport(new URL(args.url), { authProvider: auth });
-    await transport.finishAuth(landed.searchParams.get("code"));
-    connected = await connect(auth);
+    const transport = new sdk.Transport(new URL(args.url), { authProvider: auth });
+    await sdk.finish(transport, landed);
+    connected = await connect(sdk, auth);
   }
   const result = await connected.client.callTool({
     name: "execute_code",
