@@ -206,6 +206,10 @@ async def test_a_flood_against_a_log_that_cannot_keep_up_stays_bounded(
         seconds = await flood(2000)
         rss_after = memory_of(server.pid)["VmRSS"]
         dropped = server.metric(ALICE, "srt_audit_dropped_lines_total") - dropped_before
+        print(
+            f"\nflood: 2000 calls in {seconds:.1f} s, {dropped:.0f} lines dropped, RSS "
+            f"{rss_before / 2**20:.1f} -> {rss_after / 2**20:.1f} MiB"
+        )
         assert dropped == 2000, dropped  # (the queue was full all along)
         assert rss_after - rss_before < 20 * 2**20, (rss_before, rss_after)
         assert seconds < 100, seconds  # the calls did not wait for the log
