@@ -74,11 +74,12 @@ if ($pid == 0) {
     print STDERR "bwrap: execvp $f[0]: $!\n";
     exit 1;
 }
-for my $sig (@forwarded) { $SIG{$sig} = sub { kill $sig, $pid } }  # (the server signals it too)
-# The command's streams end when the command's processes close them.
-open(STDIN, "<", "/dev/null");
+# The command's streams end when the command's processes close them (first thing: a caller
+# waits for their end).
 open(STDOUT, ">", "/dev/null");
 open(STDERR, ">", "/dev/null");
+open(STDIN, "<", "/dev/null");
+for my $sig (@forwarded) { $SIG{$sig} = sub { kill $sig, $pid } }  # (the server signals it too)
 # Readable once the command has ended (no lost wake-up between a check and select).
 my $pidfd;
 my $pfd = syscall(PIDFD_OPEN, $pid, 0);

@@ -61,8 +61,9 @@ MISS_FAILED = "failed"  # its command could not be handed over
 
 
 def _sandbox_part(limits: SandboxLimits) -> SandboxLimits:
-    """The limits that shape a sandbox (the output cap is the server's business)."""
-    return replace(limits, output_bytes=0)
+    """The limits that shape a sandbox (the output cap is the server's business; the network
+    ones shape its egress policy, which is compared on its own: `egress_shape`)."""
+    return replace(limits, output_bytes=0, network=False, network_allow=None, secrets=None)
 
 
 class SandboxPool:
