@@ -31,7 +31,8 @@ pytestmark = pytest.mark.integration
 # Asks the relay's port for a name outside every policy here: the proxy answers 403.
 PROBE = (
     "import socket; s = socket.create_connection(('127.0.0.1', 3128), timeout=10); "
-    "s.sendall(b'CONNECT refused.invalid:443 HTTP/1.1\\r\\nHost: refused.invalid:443\\r\\n\\r\\n'); "
+    "s.sendall(b'CONNECT refused.invalid:443 HTTP/1.1\\r\\n"
+    "Host: refused.invalid:443\\r\\n\\r\\n'); "
     "print(s.recv(200).split(b'\\r\\n')[0].decode())"
 )
 Denials = list[tuple[str, str]]  # (whose handler, host)
@@ -106,7 +107,7 @@ async def test_a_pooled_sandbox_with_egress_serves_the_next_call_and_reports_to_
 ) -> None:
     workspace = backend.create_workspace("ws")
     denials: Denials = []
-    probe = f"python3 -c \"{PROBE}\""
+    probe = f'python3 -c "{PROBE}"'
     first = spec(backend, workspace, probe, policy("alice"), denials, "first")
     assert await call(pool, first) == ("HTTP/1.1 403 Forbidden\n", False)
     await wait_until(lambda: pool.ready_count == 1, what="a sandbox with egress started ahead")
@@ -153,7 +154,7 @@ async def test_a_proxy_death_since_the_start_means_a_sandbox_of_its_own(
 ) -> None:
     workspace = backend.create_workspace("ws")
     denials: Denials = []
-    probe = f"python3 -c \"{PROBE}\""
+    probe = f'python3 -c "{PROBE}"'
     await call(pool, spec(backend, workspace, "true", policy("alice")))
     await wait_until(lambda: pool.ready_count == 1, what="a sandbox with egress started ahead")
     old = proxy(backend).pid

@@ -280,7 +280,7 @@ class EgressProxy:
             return False
         try:
             bindings = self.secrets.bindings(grant) if self.secrets is not None else []
-        except Exception:  # noqa: BLE001  # (its own spawn raises it for the call)
+        except Exception:  # (its own spawn raises it for the call)
             return False
         if _digest(bindings) != lease.bindings:
             return False

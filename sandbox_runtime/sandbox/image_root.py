@@ -13,9 +13,9 @@ would follow it on the host), never bound.
 The egress relay (and the stub of sandboxes started ahead) are Perl programs, the kernels'
 pipe a Python one: an environment may have neither, or ones too old for them. The host's /usr
 is bound read-only at HOST_DIR/usr (and the runtime at /opt/srt-runtime) and they run on the
-host's Perl and Python through the host's own dynamic loader (the environment's loader and libc may differ from the ones the host's Python was built
-for). That is what the default root shows every sandbox anyway, out of the way here: nothing
-on the environment's PATH.
+host's Perl and Python through the host's own dynamic loader (the environment's loader and
+libc may differ from the ones the host's programs were built for). That is what the default
+root shows every sandbox anyway, out of the way here: nothing on the environment's PATH.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from loguru import logger
 
-from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.domain.egress import EgressPolicy
+from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import PolicyViolationError, SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.sandbox.ahead import StartedSandbox, egress_shape
 from sandbox_runtime.sandbox.backend import BubblewrapBackend
