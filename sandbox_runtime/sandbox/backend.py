@@ -243,7 +243,7 @@ class BubblewrapBackend:
             try:
                 command_r, command_w = os.pipe2(os.O_CLOEXEC)
             except OSError as exc:
-                raise SandboxSpawnError(spawn_failure("could not make the stub's pipe", exc)) from exc
+                raise SandboxSpawnError(spawn_failure("could not make a pipe", exc)) from exc
             try:
                 proc = await self.spawn_with(template, None, command_r)
             except BaseException:
