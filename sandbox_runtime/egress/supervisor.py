@@ -2,7 +2,7 @@
 sandbox's socket, hears denials, restarts it when it dies.
 
 A sandbox with egress gets a directory of its own holding one socket, bound read-only into
-the sandbox at SOCKET_DIR; its relay (relay.py) carries the sandbox's connections there. A
+the sandbox at SOCKET_DIR; its relay (relay.pl) carries the sandbox's connections there. A
 proxy that dies takes every sandbox's socket with it and a new one never reopens them: those
 sandboxes stay without network (fail closed), later ones get the new proxy.
 
