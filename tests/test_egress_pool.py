@@ -211,14 +211,14 @@ async def test_nothing_of_the_pooled_sandboxes_with_egress_outlives_the_pool(
     )
 
 
-async def test_the_relay_is_init_undumpable_and_passes_on_the_commands_status(
+async def test_the_relay_is_init_undumpable_keeps_its_fds_and_passes_on_the_status(
     backend: BubblewrapBackend, pool: SandboxPool
 ) -> None:
     workspace = backend.create_workspace("ws")
     check = (
         "cat /proc/1/cmdline | tr '\\0' ' '; echo; "
         "cat /proc/1/environ >/dev/null 2>&1 && echo readable || echo unreadable; "
-        "kill -KILL 1; echo alive; kill -TERM $$"
+        "kill -KILL 1; echo alive; echo $(ls /proc/self/fd); kill -TERM $$"
     )
     for _ in range(2):  # (started for its call, then started ahead)
         s = spec(backend, workspace, check, policy("alice"))
@@ -227,7 +227,8 @@ async def test_the_relay_is_init_undumpable_and_passes_on_the_commands_status(
         done = await collect(await pool.spawn(s))
         lines = done.stdout.splitlines()
         assert lines[0].startswith("/usr/bin/perl /run/srt-relay.pl "), done.stdout
-        assert lines[1:] == ["unreadable", "alive"], done.stdout + done.stderr
+        # (and none of the relay's descriptors, its listeners or sockets, is the command's)
+        assert lines[1:] == ["unreadable", "alive", "0 1 2 3"], done.stdout + done.stderr
         assert done.outcome.exit_code == 128 + signal.SIGTERM
         await wait_until(lambda: pool.ready_count == 1, what="a sandbox started ahead")
     assert pool.hits == hits + 1
