@@ -77,7 +77,7 @@ class StartedAheadBackend(BubblewrapBackend):
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         if not self.can_prestart(spec):
             return await super().spawn(spec)
-        started = await self.prestart(spec.workspace, spec.limits, spec.image)
+        started = await self.prestart(spec.workspace, spec.limits, spec.image, spec.egress)
         try:
             proc = self.launch(started, spec)
         except BaseException:

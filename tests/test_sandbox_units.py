@@ -4,7 +4,6 @@ of what a caller asks for, the cgroup limit arithmetic and the parsing of what /
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 from dataclasses import replace
@@ -37,7 +36,13 @@ from sandbox_runtime.sandbox.cgroup_limits import (
 from sandbox_runtime.sandbox.cgroups import CgroupLayout
 from sandbox_runtime.sandbox.egress_port import RELAY_PORT, SOCKET_DIR, SOCKET_NAME
 from sandbox_runtime.sandbox.execution_cgroup import ExecutionCgroup
-from sandbox_runtime.sandbox.host import KERNEL_DIR, RELAY_PATH, RELAY_PYTHON, RUNTIME, WORKSPACE
+from sandbox_runtime.sandbox.host import (
+    KERNEL_DIR,
+    PRCTL_SYSCALL,
+    RELAY_PATH,
+    RUNTIME,
+    WORKSPACE,
+)
 from sandbox_runtime.sandbox.pipes import sandbox_fds, write_at_once
 from sandbox_runtime.sandbox.reaping import is_zombie_bwrap
 from sandbox_runtime.sandbox.spec import (
@@ -170,21 +175,32 @@ def test_an_interpreters_kernel_dir_is_bound_read_write() -> None:
     assert ("/run/k1", KERNEL_DIR) in pairs(options, "--bind")
 
 
-def test_with_egress_the_relay_is_init_and_holds_the_callers_variables() -> None:
+def test_with_egress_the_relay_is_init_and_the_command_goes_to_it_on_its_fd() -> None:
     lease = Lease(Path("/private/egress/s1"))
-    options, command = build(spec(env={"LD_PRELOAD": "/x.so"}), lease=lease)
+    s = spec(env={"LD_PRELOAD": "/x.so"})
+    options, command = build(s, lease=lease)
     assert ("/private/egress/s1", SOCKET_DIR) in pairs(options, "--ro-bind")
     assert options[options.index(SOCKET_DIR) + 1] == "--as-pid-1"
     env = env_of(options)
     assert "LD_PRELOAD" not in env  # (never loaded into the relay)
-    assert json.loads(env[argv.RELAY_ENV]) == {"LD_PRELOAD": "/x.so"}
     for key, value in argv.EGRESS_ENV.items():
         assert env[key] == value
     assert env["HTTPS_PROXY"] == f"http://127.0.0.1:{RELAY_PORT}"
-    assert command == [RELAY_PYTHON, "-I", "-S", "-B", RELAY_PATH, f"{SOCKET_DIR}/{SOCKET_NAME}",
-                       str(RELAY_PORT), "/usr/bin/python3", "-c", "print(1)"]  # fmt: skip
-    assert argv.RELAY_ENV not in env_of(build(spec(), lease=lease)[0])  # (no variables: none)
+    assert command == ["/usr/bin/perl", RELAY_PATH, f"{SOCKET_DIR}/{SOCKET_NAME}",
+                       str(RELAY_PORT), str(PRCTL_SYSCALL)]  # fmt: skip
+    # The command and the caller's variables reach only the command, through the relay's fd.
+    fields = argv.stub_command(s, relay=True).split(b"\0")
+    assert fields[:4] == [WORKSPACE.encode(), b"n", b"1", b"3"]
+    assert fields[4:6] == [b"LD_PRELOAD", b"/x.so"]
+    assert fields[6:9] == [b"/usr/bin/python3", b"-c", b"print(1)"]
     assert "SSL_CERT_FILE" not in env  # (no secret rules: the host's trust store as it is)
+
+
+def test_with_egress_perls_variables_of_an_environment_go_to_the_command_only() -> None:
+    """PERL5OPT of an environment's would load a module into the relay (Perl): the command
+    gets it with the caller's variables instead."""
+    held = argv.relay_held({"PATH": "/bin", "PERL5OPT": "-Mx", "PERL5LIB": "/l"})
+    assert held == {"PERL5OPT": "-Mx", "PERL5LIB": "/l"}
 
 
 def test_with_secret_rules_the_trust_bundle_is_the_system_store() -> None:

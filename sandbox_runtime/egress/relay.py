@@ -1,4 +1,6 @@
-"""The relay inside a sandbox with egress: its init (pid 1), the proxy's port on loopback.
+"""The relay inside an environment build's RUN step with egress (environments/run.py): its init
+(pid 1), the proxy's port on loopback. Executions' sandboxes run relay.pl, the same in Perl
+(its start is ~2 ms where this one's is ~12: a sandbox with egress pays it on every start).
 
 Run by bubblewrap (`--as-pid-1`) as `python3 -I -S relay.py SOCKET PORT COMMAND...`, standard
 library only, inside the sandbox. It binds PORT on 127.0.0.1 and ::1 before the command

@@ -2,7 +2,7 @@
 sandbox's socket, hears denials, restarts it when it dies.
 
 A sandbox with egress gets a directory of its own holding one socket, bound read-only into
-the sandbox at SOCKET_DIR; its relay (relay.py) carries the sandbox's connections there. A
+the sandbox at SOCKET_DIR; its relay (relay.pl) carries the sandbox's connections there. A
 proxy that dies takes every sandbox's socket with it and a new one never reopens them: those
 sandboxes stay without network (fail closed), later ones get the new proxy.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -52,6 +53,11 @@ class Lease:
     # the proxy may terminate TLS for it; and whose sandbox it is (secrets' audit lines).
     trust_bundle: Path | None = None
     grant: Any = None
+    # What it was opened with: the policy's rules and a digest of the secret bindings (a
+    # socket opened ahead of need serves only a call with exactly these, `assign`).
+    rules: tuple[str, ...] = ()
+    bindings: str = ""
+    deaths: int = 0  # the proxy's deaths when it was opened (a death since took it along)
 
 
 class EgressProxy:
@@ -225,20 +231,23 @@ class EgressProxy:
         if os.geteuid() == 0:
             os.chown(host_dir, self.uid, self.gid)
         bundle = self.secrets.bundle if self.secrets is not None else None
-        lease = Lease(sid, host_dir, on_denied, trust_bundle=bundle, grant=grant)
+        rules = _rules(policy)
+        lease = Lease(sid, host_dir, on_denied, trust_bundle=bundle, grant=grant, rules=rules,
+                      bindings=_digest(bindings), deaths=self.deaths)  # fmt: skip
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending[sid] = future
         self._leases[sid] = lease
+        allow, deny, cidrs, *exact = rules
         writer.write(
             json.dumps(
                 {
                     "op": "open",
                     "id": sid,
                     "path": str(host_dir / SOCKET_NAME),
-                    "allow": ",".join(map(str, policy.allow_rules)),
-                    "deny": ",".join(map(str, policy.deny_rules)),
-                    "cidrs": ",".join(map(str, policy.allow_cidrs)),
-                    "exact": sorted(map(str, policy.exact)),
+                    "allow": allow,
+                    "deny": deny,
+                    "cidrs": cidrs,
+                    "exact": exact,
                     "max_bytes": self.settings.max_bytes,
                     "max_connections": self.settings.max_connections,
                     "secrets": bindings,
@@ -253,6 +262,30 @@ class EgressProxy:
             await self.close_lease(lease)
             raise
         return lease
+
+    def assign(self, lease: Lease, policy: EgressPolicy, on_denied: DeniedHandler | None) -> bool:
+        """Give a socket opened ahead of need (a pooled sandbox's) to a call under `policy`:
+        only when it is open on the running proxy and was opened with exactly that policy's
+        rules, for the same principal, with the same secret bindings (rendered now: a secret
+        set or rule changed since is a mismatch). Then its denials and secret uses are the
+        call's. False: the caller gets a sandbox (and socket) of its own."""
+        if self._leases.get(lease.id) is not lease or lease.closed is not None:
+            return False
+        if lease.deaths != self.deaths:
+            return False
+        if self._writer is None or _rules(policy) != lease.rules:
+            return False
+        grant = getattr(policy, "grant", None)
+        if getattr(grant, "principal", None) != getattr(lease.grant, "principal", None):
+            return False
+        try:
+            bindings = self.secrets.bindings(grant) if self.secrets is not None else []
+        except Exception:  # (its own spawn raises it for the call)
+            return False
+        if _digest(bindings) != lease.bindings:
+            return False
+        lease.on_denied, lease.grant = on_denied, grant
+        return True
 
     async def close_lease(self, lease: Lease) -> None:
         """Stop one sandbox's socket and cut its connections (its counters are then final)."""
@@ -292,6 +325,21 @@ class EgressProxy:
             proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(5)
+
+
+def _rules(policy: EgressPolicy) -> tuple[str, ...]:
+    """A policy as the proxy gets it: allow, deny, CIDRs, then the exact addresses."""
+    return (
+        ",".join(map(str, policy.allow_rules)),
+        ",".join(map(str, policy.deny_rules)),
+        ",".join(map(str, policy.allow_cidrs)),
+        *sorted(map(str, policy.exact)),
+    )
+
+
+def _digest(bindings: list[dict[str, Any]]) -> str:
+    """The secret bindings a socket got, as a digest (their values are not kept)."""
+    return hashlib.sha256(json.dumps(bindings, sort_keys=True).encode()).hexdigest()
 
 
 def _package_root() -> str:

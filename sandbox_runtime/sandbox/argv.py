@@ -5,7 +5,6 @@ handed to a sandbox started ahead of need. Nothing here starts, opens or changes
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 from pathlib import Path
@@ -21,12 +20,13 @@ from sandbox_runtime.sandbox.egress_port import (
 from sandbox_runtime.sandbox.host import (
     BRIDGE_DIR,
     KERNEL_DIR,
+    PRCTL_SYSCALL,
     RELAY_PATH,
-    RELAY_PYTHON,
     ROOT_TOPS,
     RUNTIME,
     SANDBOX_UID,
     SERVER_DIR,
+    STUB_PERL,
     WORKSPACE,
 )
 from sandbox_runtime.sandbox.spec import HOST_DIR, ImageLayout, SandboxSpec
@@ -65,7 +65,6 @@ STUB_PROGRAM = (
     ' exec { $f[0] } @f; print STDERR "bwrap: execvp $f[0]: $!\\n"; exit 1;'
 )
 
-RELAY_ENV = "__srt_env"  # (validate_env refuses caller names starting with __srt)
 _PROXY_URL = f"http://127.0.0.1:{RELAY_PORT}"
 # What programs read to find a proxy: curl, wget, pip, git, requests, Deno, npm, Node (24+).
 EGRESS_ENV = {
@@ -164,12 +163,14 @@ def bwrap_args(
     runtime_dir: Path | None,
     lease: EgressLease | None = None,
     image: ImageLayout | None = None,
-    relay_python: list[str] | None = None,
+    relay_perl: list[str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """bubblewrap's options for `spec` and the command it runs: `fixed` (fixed_args) first,
     `dev_dir` the /dev built at start (None: bwrap builds one), through the egress relay when
-    `lease` is this sandbox's socket on the proxy. On an environment (`image`, whose
-    `fixed` these are) the relay runs as `relay_python` (image_root.host_relay_argv)."""
+    `lease` is this sandbox's socket on the proxy: then the command is the relay's, and
+    `spec`'s own (its argv, the caller's variables) goes to it on fd COMMAND_FD
+    (`relay_command`). On an environment (`image`, whose `fixed` these are) the relay runs as
+    `relay_perl` (the host's Perl through the host's loader, ImageRoots.stub_perl)."""
     tmp_size = str(spec.limits.tmp_size_mb * MIB)
     args = fixed.copy()
     if dev_dir is not None and not spec.limits.pseudo_terminals:
@@ -208,8 +209,10 @@ def bwrap_args(
         cwd = image.cwd
     args += ["--chdir", cwd, "--clearenv"]
     start_env = base_env(runtime_dir) if image is None else {**BASE_ENV, **dict(image.env)}
+    held = relay_held(start_env) if lease is not None else {}
     for key, value in start_env.items():
-        args += ["--setenv", key, value]
+        if key not in held:
+            args += ["--setenv", key, value]
     if lease is not None:
         for key, value in EGRESS_ENV.items():
             args += ["--setenv", key, value]
@@ -218,22 +221,18 @@ def bwrap_args(
                 args += ["--setenv", key, value]
     # The caller's variables act on the command only: bwrap execs nothing else, and the
     # rlimits are in place before the command starts. With egress, bwrap execs the relay:
-    # the variables go to it as one JSON value it sets only in the command's process (an
+    # the command, with the caller's variables, is handed to it on fd COMMAND_FD (an
     # LD_PRELOAD of the caller's must not load into the relay).
     if lease is not None:
-        if spec.env:
-            args += ["--setenv", RELAY_ENV, json.dumps(spec.env)]
+        socket_path = f"{SOCKET_DIR}/{SOCKET_NAME}"
+        perl = [STUB_PERL] if image is None else list(relay_perl or [STUB_PERL])
+        command = [*perl, RELAY_PATH, socket_path, str(RELAY_PORT), str(PRCTL_SYSCALL or 0)]
     else:
         for key, value in spec.env.items():
             args += ["--setenv", key, value]
-    command, extra = command_of(spec.argv)
-    for key, value in extra.items():
-        args += ["--setenv", key, value]
-    if lease is not None:
-        socket_path = f"{SOCKET_DIR}/{SOCKET_NAME}"
-        python = [RELAY_PYTHON] if image is None else list(relay_python or [RELAY_PYTHON])
-        command = [*python, "-I", "-S", "-B", RELAY_PATH, socket_path, str(RELAY_PORT),
-                   *command]  # fmt: skip
+        command, extra = command_of(spec.argv)
+        for key, value in extra.items():
+            args += ["--setenv", key, value]
     args += ["--seccomp", str(SECCOMP_FD), "--json-status-fd", str(STATUS_FD)]
     return args, command
 
@@ -255,11 +254,20 @@ def nul_terminated(items: list[str]) -> bytes:
     return b"".join(item.encode("utf-8", "surrogatepass") + b"\0" for item in items)
 
 
-def stub_command(spec: SandboxSpec) -> bytes:
+def relay_held(start_env: dict[str, str]) -> dict[str, str]:
+    """The variables of a sandbox's start environment (an environment's own) the relay must
+    not start with: Perl's (PERL5OPT would load a module into it). The command gets them with
+    the caller's (`stub_command`)."""
+    return {key: value for key, value in start_env.items() if key.startswith("PERL")}
+
+
+def stub_command(spec: SandboxSpec, relay: bool = False) -> bytes:
     """What a sandbox started ahead is handed on fd COMMAND_FD to run `spec`'s command (the
-    fields STUB_PROGRAM reads)."""
+    fields STUB_PROGRAM reads), and what the egress relay (`relay`) is handed, with the
+    variables it did not start with."""
     command, extra = command_of(spec.argv)
-    env = {**spec.env, **extra}
+    held = relay_held(dict(spec.image.env)) if relay and spec.image is not None else {}
+    env = {**held, **spec.env, **extra}
     fields = [spec.cwd, "i" if spec.interactive else "n", str(len(env)), str(len(command))]
     for key, value in env.items():
         fields += [key, value]

@@ -20,11 +20,12 @@ from typing import Any
 
 from loguru import logger
 
+from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import InvalidRequestError, SandboxSpawnError, SandboxUnavailableError
 from sandbox_runtime.fds import is_exhaustion
-from sandbox_runtime.sandbox import argv, prepare
-from sandbox_runtime.sandbox.ahead import StartedSandbox
+from sandbox_runtime.sandbox import argv, prepare, relayed
+from sandbox_runtime.sandbox.ahead import StartedSandbox, command_payload
 from sandbox_runtime.sandbox.argv import STUB_PROGRAM
 from sandbox_runtime.sandbox.cgroups import CgroupLayout, ExecutionCgroup
 from sandbox_runtime.sandbox.egress_port import EgressGate, EgressLease
@@ -191,37 +192,39 @@ class BubblewrapBackend:
         spec.env = validate_env(spec.env)
         assert self._seccomp_path is not None and self.images is not None
         await self.images.ready(spec.image)  # (built once, then shared by its sandboxes)
-        lease = await self._egress_lease(spec)
-        try:
-            proc = await self._spawn(spec, lease)
-        except BaseException:
-            if lease is not None and self.egress is not None:
-                self._track("egress lease close", self.egress.close_lease(lease))
-            raise
-        if lease is not None:
-            egress = self.egress
-            assert egress is not None
-            proc.add_closer(lambda: egress.close_lease(lease))
+        lease = await relayed.egress_lease(self, spec)
+        if lease is None:
+            return await self.spawn_with(spec, None)
+        # The relay is the sandbox's init and reads the command on its fd, as it does when
+        # started ahead (there, when a call takes it).
+        proc, _ = await relayed.spawn_relayed(self, spec, lease, command_payload(spec, True))
         return proc
 
     def can_prestart(self, spec: SandboxSpec) -> bool:
         """Whether a sandbox like `spec`'s can be started ahead of need: plain executions
-        without egress (a relay is pid 1 of those), kernel sockets, inet sockets or installs."""
+        (with egress when the relay can run: it waits for the command as the stub does)
+        without kernel sockets, inet sockets or installs."""
+        egress = spec.egress is not None and spec.egress.enabled
         return (
             self.stub_problem is None
-            and (spec.egress is None or not spec.egress.enabled)
+            and (not egress or (self.egress is not None and self.relay_problem is None))
             and spec.kernel_dir is None is spec.server_dir is spec.bridge_dir
             and not spec.loopback_inet
             and (spec.image is None or bool(self.images and self.images.stub_perl))
         )
 
     async def prestart(
-        self, workspace: Path, limits: SandboxLimits, image: ImageRoot | None = None
+        self,
+        workspace: Path,
+        limits: SandboxLimits,
+        image: ImageRoot | None = None,
+        egress: EgressPolicy | None = None,
     ) -> StartedSandbox:
         """Start a sandbox for `workspace` under `limits` ahead of need: everything an
-        execution's sandbox is but its command (`launch` gives it one).
+        execution's sandbox is but its command (`launch` gives it one); with `egress`, its
+        socket on the proxy under that policy and the relay, for a call with the same policy.
 
-        Raises SandboxUnavailableError, SandboxSpawnError.
+        Raises SandboxUnavailableError, SandboxSpawnError, PolicyViolationError.
         """
         if self.unavailable_reason is not None or self._spawner is None:
             raise SandboxUnavailableError(self.unavailable_reason or "sandbox backend not started")
@@ -232,18 +235,25 @@ class BubblewrapBackend:
         stub = [*self.images.stub(image), "-e", STUB_PROGRAM]
         # (stdin is a pipe; the stub opens /dev/null for the others)
         template = SandboxSpec(stub, workspace, limits, interactive=True, image=image)
-        try:
-            command_r, command_w = os.pipe2(os.O_CLOEXEC)
-        except OSError as exc:
-            raise SandboxSpawnError(spawn_failure("could not make the command pipe", exc)) from exc
-        try:
-            proc = await self._spawn(template, None, command_r)
-        except BaseException:
-            os.close(command_w)
-            raise
+        template.egress = egress
+        lease = await relayed.egress_lease(self, template)  # (None: no network)
+        if lease is not None:
+            proc, command_w = await relayed.spawn_relayed(self, template, lease, None)
+        else:
+            try:
+                command_r, command_w = os.pipe2(os.O_CLOEXEC)
+            except OSError as exc:
+                raise SandboxSpawnError(spawn_failure("could not make a pipe", exc)) from exc
+            try:
+                proc = await self.spawn_with(template, None, command_r)
+            except BaseException:
+                os.close(command_w)
+                raise
         if proc.running:  # (one that ended already has been seen off by its exit)
             self._waiting.add(proc)
-        return StartedSandbox(proc, command_w, workspace, limits, image=image)
+        egress = egress if lease is not None else None
+        return StartedSandbox(proc, command_w, workspace, limits, image=image, lease=lease,
+                              egress=egress)  # fmt: skip
 
     def launch(self, started: StartedSandbox, spec: SandboxSpec) -> SandboxProcess:
         """Hand `spec`'s command to a sandbox started ahead (for the same workspace, limits
@@ -263,11 +273,13 @@ class BubblewrapBackend:
                 raise SandboxSpawnError("the sandbox started ahead is for another workspace")
             if not self.can_prestart(spec):
                 raise SandboxSpawnError("this execution cannot run in a sandbox started ahead")
+            if not relayed.egress_fits(self, started, spec):
+                raise SandboxSpawnError("the sandbox started ahead has another network policy")
             started.hand_over(spec)
         except BaseException:
             proc.kill("cancelled")  # first: a command cut short must never get to run
             started.close_command()
-            self._track(f"sandbox {proc.pid} close", proc.aclose())
+            self.track(f"sandbox {proc.pid} close", proc.aclose())
             raise
         started.close_command()
         self._waiting.discard(proc)
@@ -283,19 +295,7 @@ class BubblewrapBackend:
         started.proc.kill("cancelled")
         await started.proc.aclose()
 
-    async def _egress_lease(self, spec: SandboxSpec) -> EgressLease | None:
-        """This sandbox's socket on the egress proxy, if its policy allows anything. Raises
-        SandboxUnavailableError, SandboxSpawnError (fails closed: never a network unproxied)."""
-        if spec.egress is None or not spec.egress.enabled:
-            return None
-        problem = self.relay_problem or (spec.image and self.images and self.images.relay_problem)
-        if problem:
-            raise SandboxUnavailableError(f"egress unavailable: {problem}")
-        if self.egress is None:
-            raise SandboxUnavailableError("egress unavailable: the egress proxy is not running")
-        return await self.egress.open(spec.egress, spec.on_denied)
-
-    async def _spawn(
+    async def spawn_with(
         self, spec: SandboxSpec, lease: EgressLease | None, command_r: int | None = None
     ) -> SandboxProcess:
         """Start `spec` (with `command_r` as its fd COMMAND_FD, consumed, when it is the stub
@@ -390,7 +390,7 @@ class BubblewrapBackend:
                 if streams is not None:  # (open_streams closes the fds itself when it fails)
                     close_streams(*streams)
                 os.close(status_r)
-                self._track(
+                self.track(
                     "abandoned sandbox start", self._abandon_start(spawner, spawning, cgroup)
                 )
             if isinstance(exc, OSError):
@@ -427,7 +427,7 @@ class BubblewrapBackend:
     def _on_exit(self, proc: SandboxProcess) -> None:
         self._running.discard(proc)
         self._waiting.discard(proc)
-        self._track(f"sandbox {proc.pid} end", self._after_exit(proc))
+        self.track(f"sandbox {proc.pid} end", self._after_exit(proc))
 
     async def _after_exit(self, proc: SandboxProcess) -> None:
         await proc.wait()  # reads the cgroup's counters before the cgroup goes
@@ -435,9 +435,9 @@ class BubblewrapBackend:
             await self.cgroups.release_when_empty(proc._cgroup, f"sandbox {proc.pid}")
 
     def _release_later(self, cgroup: ExecutionCgroup, what: str) -> None:
-        self._track(f"cgroup release of {what}", self.cgroups.release_when_empty(cgroup, what))
+        self.track(f"cgroup release of {what}", self.cgroups.release_when_empty(cgroup, what))
 
-    def _track(self, name: str, cleanup: Coroutine[object, object, None]) -> None:
+    def track(self, name: str, cleanup: Coroutine[object, object, None]) -> None:
         """Run `cleanup` in the background under the supervisor; close() waits for it."""
         task = self.supervisor.spawn(name, cleanup)
         self._cleanups.add(task)

@@ -4,7 +4,8 @@ The proxy (egress/supervisor.py, a layer above) is handed to the backend by its 
 sandbox layer never imports it. It needs of it only this: where a sandbox's socket appears
 inside (SOCKET_DIR/SOCKET_NAME, bound read-only from the lease's `host_dir`), the port the
 relay listens on in the sandbox, and a proxy that opens and closes one socket per sandbox
-(`EgressGate`, which `EgressProxy` satisfies structurally).
+and gives one opened ahead of need to the call it fits (`EgressGate`, which `EgressProxy`
+satisfies structurally).
 """
 
 from __future__ import annotations
@@ -53,6 +54,12 @@ class EgressGate(Protocol[LeaseT]):
 
     async def open(self, policy: EgressPolicy, on_denied: DeniedHandler | None) -> LeaseT:
         """A socket for one sandbox under `policy`. Raises SandboxSpawnError."""
+        ...
+
+    def assign(self, lease: LeaseT, policy: EgressPolicy, on_denied: DeniedHandler | None) -> bool:
+        """Give a socket opened ahead of need (a sandbox started ahead's) to a call under
+        `policy`, if it was opened with exactly that policy for the same principal; False:
+        it cannot serve that call."""
         ...
 
     async def close_lease(self, lease: LeaseT) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import platform
 import pwd
 import re
 import shutil
@@ -37,11 +38,15 @@ RUNTIME = "/opt/srt-runtime"
 KERNEL_DIR = "/run/srt-kernel"
 SERVER_DIR = "/opt/srt-server"  # a hosted MCP server's install, read-only
 BRIDGE_DIR = "/run/srt-bridge"  # code mode's socket and library, read-only
-# A sandbox with egress: its init is the relay (egress/relay.py, copied here into the root at
-# start) run by the host's Python, which /usr brings into every sandbox.
-RELAY_PROGRAM = Path(__file__).parents[1] / "egress" / "relay.py"
-RELAY_PATH = "/run/srt-relay.py"
-RELAY_PYTHON = "/usr/bin/python3"
+# A sandbox with egress: its init is the relay (egress/relay.pl, copied here into the root at
+# start) run by the host's Perl (STUB_PERL), which /usr brings into every sandbox; it makes
+# itself undumpable with prctl, whose syscall number is the architecture's (None: egress
+# is refused here, fail closed).
+RELAY_PROGRAM = Path(__file__).parents[1] / "egress" / "relay.pl"
+RELAY_PATH = "/run/srt-relay.pl"
+PRCTL_SYSCALL = {"x86_64": 157, "aarch64": 167, "riscv64": 167, "ppc64le": 171, "s390x": 172}.get(
+    platform.machine()
+)
 # Deno finds this config from any directory without one of its own (it looks up to /): its
 # import map gives code mode's package its bare name, as Node finds it in /node_modules.
 # No lockfile: Deno would write one beside the config, in the read-only root.
@@ -108,9 +113,11 @@ def ensure_system_user(name: str) -> str:
 
 
 def relay_problem() -> str | None:
-    """Why the relay cannot run in sandboxes here, if it cannot: it needs the host's Python 3
-    under /usr (which every sandbox sees)."""
-    return _host_program_problem(RELAY_PYTHON, "the egress relay's interpreter", "python3")
+    """Why the relay cannot run in sandboxes here, if it cannot: it needs the host's Perl
+    under /usr (which every sandbox sees), on an architecture whose prctl number it knows."""
+    if PRCTL_SYSCALL is None:
+        return f"the egress relay does not know this architecture ({platform.machine()})"
+    return _host_program_problem(STUB_PERL, "the egress relay's interpreter", "perl-base")
 
 
 def stub_problem() -> str | None:

@@ -10,12 +10,12 @@ nosuid and nodev, so a setuid file or a device node in an environment gives noth
 resolve inside the sandbox, never on the host: a top-level link is recreated as a link (bwrap
 would follow it on the host), never bound.
 
-The egress relay and the kernels' pipe are Python programs: an environment may have no
-Python, or one too old for them. The host's /usr is bound read-only at HOST_DIR/usr (and the
-runtime at /opt/srt-runtime) and they run on the host's Python through the host's own dynamic
-loader (the environment's loader and libc may differ from the ones the host's Python was built
-for). That is what the default root shows every sandbox anyway, out of the way here: nothing
-on the environment's PATH.
+The egress relay (and the stub of sandboxes started ahead) are Perl programs, the kernels'
+pipe a Python one: an environment may have neither, or ones too old for them. The host's /usr
+is bound read-only at HOST_DIR/usr (and the runtime at /opt/srt-runtime) and they run on the
+host's Perl and Python through the host's own dynamic loader (the environment's loader and
+libc may differ from the ones the host's programs were built for). That is what the default
+root shows every sandbox anyway, out of the way here: nothing on the environment's PATH.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from sandbox_runtime.sandbox.host import (
     KERNEL_DIR,
     RELAY_PATH,
     RELAY_PROGRAM,
-    RELAY_PYTHON,
     RUNTIME,
     SANDBOX_UID,
     SERVER_DIR,
@@ -48,6 +47,8 @@ from sandbox_runtime.sandbox.host import (
     WORKSPACE,
 )
 from sandbox_runtime.sandbox.spec import HOST_DIR, ImageLayout, ImageRoot, SandboxSpec
+
+RELAY_PYTHON = "/usr/bin/python3"  # the host's, for the kernels' pipe on an environment
 
 # The environment's top-level directories bound into the sandbox (those it has as real
 # directories; its links among them are recreated). /opt is bound entry by entry, beside our
@@ -203,17 +204,25 @@ def _copy_entry(src: Path, dst: Path) -> int:
     return 1
 
 
-def host_relay_argv() -> tuple[list[str], str | None]:
-    """How the relay's interpreter is started in a sandbox on an environment (the host's
-    Python through the host's loader, both under HOST_DIR), or why it cannot be."""
-    python = os.path.realpath(RELAY_PYTHON)
+def host_loader_argv() -> list[str]:
+    """The host's dynamic loader as a sandbox on an environment runs it (under HOST_DIR, with
+    the host's libraries), to start a host program there; [] when the host has none."""
     loaders = sorted(glob.glob("/usr/lib/*-linux-gnu*/ld-linux*.so.*"))
-    if not python.startswith("/usr/") or not loaders:
-        return [], f"{RELAY_PYTHON} or the host's dynamic loader is missing from /usr"
+    if not loaders:
+        return []
     loader = os.path.realpath(loaders[0])
     libs = os.path.dirname(loader)
-    inside = f"{HOST_DIR}{loader}"
-    return [inside, "--library-path", f"{HOST_DIR}{libs}", f"{HOST_DIR}{python}"], None
+    return [f"{HOST_DIR}{loader}", "--library-path", f"{HOST_DIR}{libs}"]
+
+
+def host_relay_argv() -> tuple[list[str], str | None]:
+    """How the host's Python is started in a sandbox on an environment (the kernels' pipe:
+    through the host's loader, both under HOST_DIR), or why it cannot be."""
+    python = os.path.realpath(RELAY_PYTHON)
+    loader = host_loader_argv()
+    if not python.startswith("/usr/") or not loader:
+        return [], f"{RELAY_PYTHON} or the host's dynamic loader is missing from /usr"
+    return [*loader, f"{HOST_DIR}{python}"], None
 
 
 class ImageRoots:
@@ -224,12 +233,15 @@ class ImageRoots:
         self.directory = directory
         self.runtime_dir = runtime_dir
         self._built: dict[str, tuple[ImageLayout, list[str]]] = {}
+        # The kernels' pipe's interpreter (interpreters/env_kernels.py).
         self.relay_python, self.relay_problem = host_relay_argv()
-        # The stub of sandboxes started ahead (argv.STUB_PROGRAM) on an environment: the
-        # host's Perl through the host's loader, as the relay ([] when the host has none).
+        # The stub of sandboxes started ahead (argv.STUB_PROGRAM) and the egress relay
+        # (egress/relay.pl) on an environment: the host's Perl through the host's loader
+        # ([] when the host has none).
         perl = os.path.realpath(STUB_PERL)
-        usable = not self.relay_problem and perl.startswith("/usr/") and os.access(perl, os.X_OK)
-        self.stub_perl = [*self.relay_python[:3], f"{HOST_DIR}{perl}"] if usable else []
+        loader = host_loader_argv()
+        usable = bool(loader) and perl.startswith("/usr/") and os.access(perl, os.X_OK)
+        self.stub_perl = [*loader, f"{HOST_DIR}{perl}"] if usable else []
 
     async def ready(self, image: ImageRoot | None) -> None:
         """Build `image`'s root off the event loop, if not yet (None: the default root).
@@ -265,4 +277,4 @@ class ImageRoots:
         """argv.bwrap_args for a sandbox on an environment (its root built by `build`)."""
         assert spec.image is not None
         layout, fixed = self._built[spec.image.digest]
-        return argv.bwrap_args(spec, fixed, dev_dir, None, lease, layout, self.relay_python)
+        return argv.bwrap_args(spec, fixed, dev_dir, None, lease, layout, self.stub_perl)

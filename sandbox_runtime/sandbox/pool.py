@@ -8,8 +8,10 @@ session) and the first call of a session finds none.
 What a pooled sandbox is, is what the call's own sandbox would have been (on the same
 environment, the one the workspace's last call ran on): the same uid,
 namespaces, seccomp filter, rlimits and cgroup limits (the server's; a call that tightens
-them, or has egress, gets a sandbox of its own, as without the pool), the same workspace; its
-environment, directory and stdin are set by the stub from the call. It serves one execution
+them gets a sandbox of its own, as without the pool), the same workspace, the same network
+(the last call's egress policy: its own socket on the proxy and the relay as its init; a call
+with another policy, principal or secrets gets a sandbox of its own); its environment,
+directory and stdin are set by the stub (or the relay) from the call. It serves one execution
 and ends with it.
 
 Bounded: at most `size` sandboxes waiting or starting per replica; one waiting unused for
@@ -29,9 +31,10 @@ from pathlib import Path
 
 from loguru import logger
 
+from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.domain.limits import SandboxLimits
-from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
-from sandbox_runtime.sandbox.ahead import StartedSandbox
+from sandbox_runtime.errors import PolicyViolationError, SandboxSpawnError, SandboxUnavailableError
+from sandbox_runtime.sandbox.ahead import StartedSandbox, egress_shape
 from sandbox_runtime.sandbox.backend import BubblewrapBackend
 from sandbox_runtime.sandbox.process import SandboxProcess
 from sandbox_runtime.sandbox.spec import ImageRoot, SandboxSpec
@@ -51,14 +54,16 @@ MISS_DISABLED = "disabled"  # no pool on this server
 MISS_EMPTY = "empty"  # none waiting for this workspace (its first call)
 MISS_BUSY = "busy"  # its next one was not started: no spare CPU, or the pool was full
 MISS_LIMITS = "limits"  # the call tightened the limits
-MISS_UNPOOLABLE = "unpoolable"  # egress (its relay is the sandbox's init)
+MISS_UNPOOLABLE = "unpoolable"  # kernel or bridge sockets, installs; egress with no relay
+MISS_NETWORK = "network"  # the waiting sandbox's network policy is not the call's
 MISS_ENDED = "ended"  # the waiting sandbox had ended
 MISS_FAILED = "failed"  # its command could not be handed over
 
 
 def _sandbox_part(limits: SandboxLimits) -> SandboxLimits:
-    """The limits that shape a sandbox (the output cap is the server's business)."""
-    return replace(limits, output_bytes=0)
+    """The limits that shape a sandbox (the output cap is the server's business; the network
+    ones shape its egress policy, which is compared on its own: `egress_shape`)."""
+    return replace(limits, output_bytes=0, network=False, network_allow=None, secrets=None)
 
 
 class SandboxPool:
@@ -90,6 +95,10 @@ class SandboxPool:
         # The environment each workspace's session runs on (its last call's): what its next
         # sandbox is started on.
         self._images: dict[Path, ImageRoot | None] = {}
+        # And its network (its last call's egress policy, None: none): a sandbox started
+        # ahead with egress has its socket on the proxy under that policy, for a call with
+        # the same (the same principal and secrets: EgressGate.assign).
+        self._egress: dict[Path, EgressPolicy | None] = {}
         self._sweeping = False
         self._closed = False
         self.hits = 0
@@ -132,6 +141,8 @@ class SandboxPool:
             self._missed(reason)
             return await self.backend.spawn(spec)
         self._images[spec.workspace] = spec.image
+        network = egress_shape(spec.egress)
+        self._egress[spec.workspace] = spec.egress if network is not None else None
         starting = self._refills.get(spec.workspace)
         if spec.workspace not in self._ready and starting is not None:
             await asyncio.wait({starting})  # (partly started already: less to wait for)
@@ -139,6 +150,9 @@ class SandboxPool:
         if started is not None and (not started.usable or started.image != spec.image):
             self._discard_later(started)
             started, reason = None, MISS_ENDED
+        elif started is not None and egress_shape(started.egress) != network:
+            self._discard_later(started)
+            started, reason = None, MISS_NETWORK
         if started is not None:
             try:
                 proc = self.backend.launch(started, replace(spec, limits=started.limits))
@@ -238,8 +252,9 @@ class SandboxPool:
         began = time.perf_counter()
         try:
             image = self._images.get(workspace)
-            started = await self.backend.prestart(workspace, self.limits, image)
-        except (SandboxSpawnError, SandboxUnavailableError) as exc:
+            egress = self._egress.get(workspace)
+            started = await self.backend.prestart(workspace, self.limits, image, egress)
+        except (SandboxSpawnError, SandboxUnavailableError, PolicyViolationError) as exc:
             logger.warning("could not start a sandbox ahead of need: {}", exc)
             return
         if self._closed or not self.workspace_ready(workspace):  # (being released meanwhile)
@@ -258,6 +273,7 @@ class SandboxPool:
         caller holds the workspace's lock: no new one starts there meanwhile.)"""
         self._skipped.discard(workspace)
         self._images.pop(workspace, None)
+        self._egress.pop(workspace, None)
         while True:
             cancelled = [
                 task
