@@ -1,7 +1,8 @@
-"""`warm = 1` (shared entries): the instance is started ahead of the first call, kept while
-idle, started again after it crashed (after its backoff, bounded: a server that cannot start
-is not retried in a loop), and nothing of it outlives the server, even when the server stops
-while the start ahead is still in flight."""
+"""`warm = 1`: a shared entry's instance is started ahead of the first call, kept while idle,
+started again after it crashed (after its backoff, bounded: a server that cannot start is not
+retried in a loop), and nothing of it outlives the server, even when the server stops while
+the start ahead is still in flight; another scope's instance starts as its client initializes
+(before any call reaches it)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx2
 import pytest
 from hosted_harness import catalog_server, message_of, script_entry, text_of
 from mcp_harness import ServerProcess, eventually, open_client, processes_with
@@ -20,10 +22,12 @@ pytestmark = pytest.mark.e2e
 TOKEN = "hosted-warm-token-0123456789"
 MARK = f"--warm-mark-{uuid.uuid4().hex[:12]}"  # (in each instance's command line, on the host)
 COLD_MARK = f"--cold-mark-{uuid.uuid4().hex[:12]}"
+MINE_MARK = f"--mine-mark-{uuid.uuid4().hex[:12]}"
 
 CATALOG = {
     "warm": script_entry("crash.py", MARK, scope="shared", warm=1, idle_timeout=1),
     "cold": script_entry("crash.py", COLD_MARK, scope="shared"),
+    "mine": script_entry("crash.py", MINE_MARK, warm=1),  # (per principal: at initialize)
     # It exits at once: every start ahead fails, each one backs the next off.
     "broken": {"command": ["/bin/false"], "scope": "shared", "warm": 1},
 }
@@ -92,6 +96,36 @@ async def test_a_warm_server_that_cannot_start_is_retried_with_backoff(
     # in 8 s (a loop would have made hundreds).
     assert 1 <= tries <= 3, tries
     assert running(server, "broken") == 0
+
+
+async def test_a_warm_entry_per_principal_starts_as_its_client_initializes(
+    server: ServerProcess,
+) -> None:
+    assert running(server, "mine") == 0 and not processes_with(MINE_MARK)
+    initialize = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-11-25",
+            "capabilities": {},
+            "clientInfo": {"name": "test", "version": "1"},
+        },
+    }
+    headers = {
+        "Authorization": f"Bearer {TOKEN}",
+        "Accept": "application/json, text/event-stream",
+    }
+    async with httpx2.AsyncClient(timeout=30) as http:  # (the handshake only: no call)
+        reply = await http.post(
+            f"{server.base_url}/servers/mine/mcp", json=initialize, headers=headers
+        )
+        assert reply.status_code == 200, reply.text
+    await eventually(lambda: running(server, "mine") == 1, 30, "the instance started ahead")
+    assert processes_with(MINE_MARK)
+    async with open_client(f"{server.base_url}/servers/mine/mcp", TOKEN) as conn:
+        assert text_of(await conn.client.call_tool("ok", {})) == "fine"
+    assert starts(server, "mine") == 1, "its calls use the instance started at initialize"
 
 
 def instance_processes(workdir: Path, mark: str, stop_at_once: bool) -> list[tuple[int, str]]:
