@@ -105,8 +105,8 @@ def test_fields_are_type_checked() -> None:
         parse_entry("srv", {"package": "pypi:x", "args": "--flag"})
     with pytest.raises(CatalogError, match="not valid Unicode"):
         parse_entry("srv", {"package": "pypi:x", "args": ["\ud800"]})
-    with pytest.raises(CatalogError, match="only a shared server"):
-        parse_entry("srv", {"package": "pypi:x", "warm": 1})
+    with pytest.raises(CatalogError, match="warm: 0 or 1"):
+        parse_entry("srv", {"package": "pypi:x", "warm": 2})
     with pytest.raises(CatalogError, match="a remote server runs elsewhere; it has no env"):
         parse_entry("srv", {"url": "https://example.com/mcp", "env": {"A": "b"}})
     with pytest.raises(CatalogError, match="only a remote"):

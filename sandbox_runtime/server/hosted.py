@@ -219,6 +219,8 @@ class Relay:
     async def __call__(
         self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
     ) -> HandlerResult:
+        if ctx.method == "initialize":
+            self._start_ahead(ctx)
         if ctx.method not in PASSED_ON:
             return await call_next(ctx)
         request = ctx.request
@@ -268,6 +270,28 @@ class Relay:
                 f"{exc.error_count()} problem(s), first: {exc.errors()[0]['msg']} at "
                 f"{'.'.join(map(str, exc.errors()[0]['loc']))}",
             ) from None
+
+    def _start_ahead(self, ctx: ServerRequestContext[Any, Any]) -> None:
+        """A `warm` entry that is not shared: the caller's instance starts as its client
+        initializes, in the background (the handshake never waits), so its first call finds
+        it started or starting. Bounded as that call's own start: the same instance, caps."""
+        scope: Mapping[str, Any] = getattr(ctx.request, "scope", None) or {}
+        principal, services = scope.get(PRINCIPAL_KEY), self.root.services
+        if not isinstance(principal, str):
+            return
+        try:
+            entry = services.servers.entry_for(self.name, principal)
+        except SandboxRuntimeError:
+            return
+        if entry.warm and entry.scope != "shared" and not services.supervisor.closed:
+            owner = owner_of(entry, principal, str(scope.get(SESSION_KEY) or "default"))
+            start = _ping(services, owner, entry)
+            services.supervisor.spawn(f"hosted server {entry.name} start ahead", start)
+
+
+async def _ping(services: Services, owner: Owner, entry: Entry) -> None:
+    with contextlib.suppress(SandboxRuntimeError):  # (its first call is told why)
+        await call_instance(services, owner, entry, "ping", {}, None)
 
 
 async def call_instance(

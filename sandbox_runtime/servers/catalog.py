@@ -72,7 +72,7 @@ class Entry:
     call_timeout: float = 60.0  # seconds one request may take
     max_message_kb: int = 4096  # the largest JSON-RPC message it may send
     idle_timeout: float = 600.0  # seconds without a call before an instance stops
-    warm: int = 0  # shared scope: instances kept started (0 or 1)
+    warm: int = 0  # 1: started ahead (shared: with the server; else at a client's initialize)
     # The OAuth scope a caller needs to use it (policy file); "": servers:<name>
     required_scope: str = ""
 
@@ -260,10 +260,8 @@ def _check_entry(where: str, entry: Entry) -> None:
         raise CatalogError(f"{where}.directory: an absolute host path, for a command entry only")
     if entry.scope not in SCOPES:
         raise CatalogError(f"{where}.scope must be one of {', '.join(SCOPES)}")
-    if entry.warm and entry.scope != "shared":
-        raise CatalogError(f"{where}.warm: only a shared server's instance can be started ahead")
     if entry.warm > 1:
-        raise CatalogError(f"{where}.warm: a shared server has one instance (0 or 1)")
+        raise CatalogError(f"{where}.warm: 0 or 1 (an owner has one instance)")
     for var, ref in entry.secrets.items():
         if (
             not (ref.startswith("env:") and ENV_NAME.fullmatch(ref[4:]))

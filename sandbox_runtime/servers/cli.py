@@ -176,7 +176,7 @@ def _build_add(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pids", type=int)
     p.add_argument("--call-timeout", type=float, metavar="S")
     p.add_argument("--idle-timeout", type=float, metavar="S")
-    p.add_argument("--warm", type=int, metavar="N", help="shared scope: start it ahead (0/1)")
+    p.add_argument("--warm", type=int, metavar="N", help="1: start it ahead of calls")
     p.add_argument("--replace", action="store_true", help="replace a server of this name")
 
 

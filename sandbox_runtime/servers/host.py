@@ -14,7 +14,6 @@ one repository). What its instances said (tool lists, crashes, errors) is kept b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -39,13 +38,13 @@ from sandbox_runtime.servers.catalog import Catalog, CatalogError, Entry
 from sandbox_runtime.servers.catalog_file import CatalogFile
 from sandbox_runtime.servers.instance import Instance, InstanceError, RemoteError
 from sandbox_runtime.servers.launch import environment, instance_limits, program, stored_secrets
-from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, owner_of, sees
+from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, sees
 from sandbox_runtime.servers.log_sink import LogSink
 from sandbox_runtime.servers.remote import RemoteInstance
+from sandbox_runtime.servers.warm import WarmStarts
 from sandbox_runtime.supervisor import Supervisor
 
 SWEEP_SECONDS = 5.0
-BACKOFF_MAX = 30.0
 BACKOFF_WAIT = 5.0  # a call waits out a backoff this short; a longer one refuses it
 MAX_TOOL_LABELS = 64  # distinct tool labels per server in the metrics (then "other")
 
@@ -85,6 +84,7 @@ class ServerHost:
         self.learned = Learned()  # tool lists, crashes and errors, by instance
         self._starting: set[Key] = set()  # starts in flight: counted against the caps
         self._closed = False
+        self.warm = WarmStarts(supervisor, self._instance, self._wants_warm, self._backoff_left)
 
     # -- the catalog -------------------------------------------------------------------------
 
@@ -207,20 +207,20 @@ class ServerHost:
         owner's alone: another principal's crashes never hold this one back (a shared
         instance's are everyone's)."""
         history = self.learned.peek(key)
-        now = time.monotonic()
-        crashes = history.recent(now) if history is not None else []
-        if history is None or not crashes:
-            return
-        wait = min(BACKOFF_MAX, 2.0 ** (len(crashes) - 1)) - (now - crashes[-1])
-        if wait <= 0:
+        wait = self._backoff_left(key)
+        if history is None or wait <= 0:
             return
         if wait <= BACKOFF_WAIT:
             await asyncio.sleep(wait)
             return
         raise InstanceError(
-            f"server {key[1]} crashed {len(crashes)} times in the last "
+            f"server {key[1]} crashed {len(history.crashes)} times in the last "
             f"{CRASH_WINDOW:.0f} s ({history.last_error}); it may start again in {wait:.0f} s"
         )
+
+    def _backoff_left(self, key: Key) -> float:
+        history = self.learned.peek(key)
+        return history.backoff(time.monotonic()) if history is not None else 0.0
 
     async def _start(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         if self._closed:
@@ -242,6 +242,8 @@ class ServerHost:
             instance = await self._spawn(entry, owner)
             try:
                 await instance.initialize()
+                if self._closed:  # (it stopped every instance meanwhile: not this one)
+                    raise InstanceError("the server is shutting down")
             except BaseException:
                 # Off this (perhaps cancelled) call's path: the process must end regardless.
                 self.supervisor.spawn(f"server {entry.name} stop", instance.aclose(grace=0.2))
@@ -275,16 +277,12 @@ class ServerHost:
         logger.info("hosted server {} started for {} in {:.0f} ms", entry.name, who, took)
         return instance
 
-    def _log(self, name: str) -> LogSink:
-        logs = self.servers_dir / "logs"
-        with contextlib.suppress(OSError):
-            logs.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return LogSink(logs / f"{name}.log")
-
     async def _spawn(self, entry: Entry, owner: Owner) -> Instance | RemoteInstance:
         if entry.kind == "remote":
             try:
-                return RemoteInstance(entry, self._log(entry.name), self.supervisor)
+                return RemoteInstance(
+                    entry, LogSink.of_server(self.servers_dir, entry.name), self.supervisor
+                )
             except CatalogError as exc:
                 raise CatalogError(f"server {entry.name}: {exc}") from None
         argv, server_dir = program(entry, self.servers_dir)
@@ -303,7 +301,7 @@ class ServerHost:
             process,
             max_message=entry.max_message_kb * 1024,
             call_timeout=entry.call_timeout,
-            log=self._log(entry.name),
+            log=LogSink.of_server(self.servers_dir, entry.name),
             supervisor=self.supervisor,
             logs_to_callers=entry.scope != "shared",
         )
@@ -320,6 +318,8 @@ class ServerHost:
                 self._failed(key, f"crashed: {why}")
                 instance.log.note(f"crashed: {why}")
             await instance.aclose(grace=0.1)
+            if (entry := self.catalog().get(key[1])) is not None:
+                self.warm.fill([entry])  # (a warm one: again, once its backoff has passed)
 
     def _failed(self, key: Key, text: str) -> None:
         history = self.learned.history(key)
@@ -387,12 +387,12 @@ class ServerHost:
     # -- background: idle stop, warm starts ----------------------------------------------------
 
     def start(self) -> None:
-        self.catalog()
+        self.warm.fill(self.catalog().entries.values())  # (at once: not at the first sweep)
         self.supervisor.every("hosted servers", SWEEP_SECONDS, self.sweep)
 
     async def sweep(self) -> None:
-        """Stop instances idle past their entry's idle timeout, and those whose entry changed
-        or was removed; start the shared ones kept warm."""
+        """Stop instances idle past their idle timeout (not warm ones), and those whose entry
+        changed or went; start warm ones (servers/warm.py)."""
         catalog = self.catalog()
         now = time.monotonic()
         for key, instance in list(self._instances.items()):
@@ -400,12 +400,16 @@ class ServerHost:
             if entry is None or entry != self._entries.get(key):
                 await self._stop(key, "its catalog entry changed")
             elif instance.busy == 0 and now - instance.last_used > entry.idle_timeout:
-                await self._stop(key, f"idle for {entry.idle_timeout:g} s")
-        for entry in catalog.entries.values():
-            owner = owner_of(entry, SHARED, "")
-            if entry.warm and (owner, entry.name) not in self._instances:
-                with contextlib.suppress(SandboxRuntimeError):
-                    await self._instance(entry, owner)
+                if not (entry.warm and key[0].principal == SHARED):
+                    await self._stop(key, f"idle for {entry.idle_timeout:g} s")
+        self.warm.fill(catalog.entries.values())
+
+    def _wants_warm(self, key: Key, entry: Entry) -> bool:
+        """Not running, and room below the replica's cap (it never stops another for room)."""
+        running = self._instances.get(key)
+        if running is not None and running.alive and self._entries.get(key) == entry:
+            return False
+        return not self._closed and len(self._instances) + len(self._starting) < self.max_instances
 
     def workspaces_in_use(self) -> set[str]:
         return {workspace_name(owner) for owner, _ in self._instances}
@@ -435,6 +439,7 @@ class ServerHost:
 
     async def aclose(self) -> None:
         self._closed = True
+        await self.warm.aclose()
         await asyncio.gather(
             *(self._stop(key, "server stopping") for key in list(self._instances)),
             return_exceptions=True,

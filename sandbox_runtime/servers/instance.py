@@ -404,10 +404,13 @@ class Instance:
         self._end(self.ended)
 
 
+_COMPACT = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # (made once, not per call)
+
+
 def _encode(message: dict[str, Any]) -> bytes:
     """One line of JSON. Raises InstanceError (what cannot be sent as JSON)."""
     try:
-        text = json.dumps(message, separators=(",", ":"), ensure_ascii=False)
+        text = _COMPACT.encode(message)
         try:
             return text.encode() + b"\n"
         except UnicodeEncodeError:  # (a lone surrogate, valid in JSON text: sent escaped)

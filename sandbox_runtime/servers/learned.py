@@ -20,6 +20,7 @@ from sandbox_runtime.servers.catalog import Entry
 
 SHARED = ""  # the principal of a shared instance's owner
 CRASH_WINDOW = 300.0  # crashes this recent count toward the backoff
+BACKOFF_MAX = 30.0
 MAX_HISTORIES = 4096  # instances whose crashes and last error are kept
 MAX_TOOL_LISTS = 512  # instances whose last tool list is kept
 MAX_TOOL_LIST_BYTES = 16 << 20  # those lists' JSON, in all (several times that as objects)
@@ -49,6 +50,14 @@ class History:
     def recent(self, now: float) -> list[float]:
         self.crashes = [t for t in self.crashes if now - t < CRASH_WINDOW]
         return self.crashes
+
+    def backoff(self, now: float) -> float:
+        """Seconds before the next start may go (0: now): 1 s after the first recent crash,
+        doubling to BACKOFF_MAX, counted from the last."""
+        crashes = self.recent(now)
+        if not crashes:
+            return 0.0
+        return max(0.0, min(BACKOFF_MAX, 2.0 ** (len(crashes) - 1)) - (now - crashes[-1]))
 
 
 def sees(principal: str, key: Key) -> bool:

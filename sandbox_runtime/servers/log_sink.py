@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -16,6 +17,13 @@ class LogSink:
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
+
+    @classmethod
+    def of_server(cls, servers_dir: Path, name: str) -> LogSink:
+        logs = servers_dir / "logs"
+        with contextlib.suppress(OSError):
+            logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return cls(logs / f"{name}.log")
 
     def write(self, data: bytes) -> None:
         if self.path is None:

@@ -24,14 +24,14 @@ Notify = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class Outbox:
-    """One caller's notifications: `put` never waits; a task of its own delivers them in
-    order until `close`."""
+    """One caller's notifications: `put` never waits; a task of its own (started by the
+    first: most calls have none, and pay for no task) delivers them in order until `close`."""
 
     def __init__(self, listener: Notify) -> None:
         self.listener = listener
         self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue(MAX_QUEUED_NOTIFICATIONS)
         self.dropped = 0
-        self._task = scoped(self._deliver_all())
+        self._task: asyncio.Future[None] | None = None
 
     def put(self, message: dict[str, Any]) -> None:
         if self.queue.full():
@@ -39,15 +39,20 @@ class Outbox:
             self.queue.task_done()
             self.dropped += 1
         self.queue.put_nowait(message)
+        if self._task is None:
+            self._task = scoped(self._deliver_all())
 
     async def flush(self, within: float) -> None:
         """Until what waits has been delivered, at most `within` seconds."""
+        if self._task is None:
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(within):
                 await self.queue.join()
 
     def close(self, server: str) -> None:
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()
         if self.dropped:
             logger.info(
                 "hosted server {}: {} notifications dropped for a caller that did not take them",
