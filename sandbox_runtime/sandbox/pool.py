@@ -15,6 +15,11 @@ and ends with it.
 Bounded: at most `size` sandboxes waiting or starting per replica; one waiting unused for
 `idle_seconds` is ended (its workspace may then be unmounted); a full pool takes a new
 workspace only in place of one idle for a while. Nothing outlives `close()`.
+
+A new session's first call finds one too when it takes a blank workspace (made ahead of need:
+workspaces/blanks.py): `start_ahead` starts a sandbox in each blank as it is made, and `move`
+hands it to the session that takes the blank. Those are bounded by the blanks' own count, not
+by `size`, and are not ended for waiting (a blank waits for its session as long as it must).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from loguru import logger
 
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import SandboxSpawnError, SandboxUnavailableError
-from sandbox_runtime.sandbox.ahead import StartedSandbox
+from sandbox_runtime.sandbox.ahead import StartedSandbox, command_waits
 from sandbox_runtime.sandbox.backend import BubblewrapBackend
 from sandbox_runtime.sandbox.process import SandboxProcess
 from sandbox_runtime.sandbox.spec import ImageRoot, SandboxSpec
@@ -45,6 +50,11 @@ REFILL_AFTER_SECONDS = 0.05
 # A full pool replaces a waiting sandbox with one for another workspace only when the first
 # has waited this long (else two busy sessions would keep evicting each other's).
 EVICT_AFTER_SECONDS = 10.0
+# How long a sandbox started in a blank workspace may take to bind it and wait for a command
+# (the blank is handed out only then: handing it out unmounts the path bwrap binds), and how
+# often that is looked at meanwhile.
+SETTLE_SECONDS = 10.0
+SETTLE_STEP_SECONDS = 0.005
 
 # Why a call did not get a pooled sandbox (the label of the misses counter).
 MISS_DISABLED = "disabled"  # no pool on this server
@@ -90,6 +100,7 @@ class SandboxPool:
         # The environment each workspace's session runs on (its last call's): what its next
         # sandbox is started on.
         self._images: dict[Path, ImageRoot | None] = {}
+        self._blanks: set[Path] = set()  # workspaces made ahead of need, a sandbox in them
         self._sweeping = False
         self._closed = False
         self.hits = 0
@@ -107,6 +118,11 @@ class SandboxPool:
     @property
     def ready_count(self) -> int:
         return sum(1 for s in self._ready.values() if s.usable)
+
+    @property
+    def session_count(self) -> int:
+        """Sandboxes waiting or starting for sessions' workspaces (what `size` bounds)."""
+        return len(set(self._ready) - self._blanks) + len(set(self._refills) - self._blanks)
 
     @property
     def starting_count(self) -> int:
@@ -197,7 +213,7 @@ class SandboxPool:
         if not self.workspace_ready(workspace) or not self._spare_cpu(starting=0):
             self._skipped.add(workspace)
             return
-        if len(self._ready) + len(self._refills) >= self.size and not self._evict_one():
+        if self.session_count >= self.size and not self._evict_one():
             self._skipped.add(workspace)
             return
         self._skipped.discard(workspace)
@@ -224,15 +240,17 @@ class SandboxPool:
         longest if it has waited long."""
         victim = next((w for w, s in self._ready.items() if not s.usable), None)
         if victim is None:
-            oldest = next(iter(self._ready.items()), None)
+            oldest = next((i for i in self._ready.items() if i[0] not in self._blanks), None)
             if oldest is None or time.monotonic() - oldest[1].started_at < EVICT_AFTER_SECONDS:
                 return False
             victim = oldest[0]
         self._discard_later(self._ready.pop(victim))
         return True
 
-    async def _refill(self, workspace: Path) -> None:
-        if not self.workspace_ready(workspace) or not self._spare_cpu(starting=1):
+    async def _refill(self, workspace: Path, ahead: bool = False) -> None:
+        """Start a sandbox for `workspace`; `ahead`: in a blank, whatever the CPU (its maker
+        starts one at a time: workspaces/blanks.py)."""
+        if not self.workspace_ready(workspace) or not (ahead or self._spare_cpu(starting=1)):
             self._skipped.add(workspace)
             return
         began = time.perf_counter()
@@ -250,6 +268,46 @@ class SandboxPool:
             hook(elapsed)
         self._ready[workspace] = started
 
+    # -- blanks: workspaces made ahead of need ------------------------------------------------
+
+    async def start_ahead(self, workspace: Path) -> bool:
+        """Start a sandbox in the blank `workspace` and wait until it has bound the workspace
+        and waits for a command; whether one waits there now (no: the pool is off, or the
+        start failed or took too long: the blank is then handed out without one)."""
+        if not self.enabled or self._closed or workspace in self._ready:
+            return workspace in self._ready
+        self._blanks.add(workspace)
+        task = self.supervisor.spawn(
+            f"sandbox pool blank {workspace.name}", self._refill(workspace, ahead=True)
+        )
+        self._refills[workspace] = task
+        task.add_done_callback(lambda done: self._forget(self._refills, workspace, done))
+        await asyncio.wait({task})
+        started = self._ready.get(workspace)
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while started is not None and started.usable and time.monotonic() < deadline:
+            if command_waits(started):
+                return True
+            await asyncio.sleep(SETTLE_STEP_SECONDS)
+        if self._ready.get(workspace) is started and started is not None:
+            self._discard_later(self._ready.pop(workspace))
+        self._blanks.discard(workspace)
+        return False
+
+    def move(self, old: Path, new: Path) -> None:
+        """The blank workspace `old` is the session's workspace `new` now (renamed, its
+        filesystem the same): the sandbox waiting there serves that session's first call."""
+        self._blanks.discard(old)
+        self._images.pop(old, None)
+        started = self._ready.pop(old, None)
+        if started is None:
+            return
+        if new in self._ready or new in self._refills or self._closed:
+            self._discard_later(started)
+            return
+        started.workspace = new
+        self._ready[new] = started
+
     # -- ending ------------------------------------------------------------------------------
 
     async def discard_workspace(self, workspace: Path) -> None:
@@ -258,6 +316,7 @@ class SandboxPool:
         caller holds the workspace's lock: no new one starts there meanwhile.)"""
         self._skipped.discard(workspace)
         self._images.pop(workspace, None)
+        self._blanks.discard(workspace)
         while True:
             cancelled = [
                 task
@@ -295,7 +354,7 @@ class SandboxPool:
         stale = [
             w
             for w, s in self._ready.items()
-            if not s.usable or now - s.started_at >= self.idle_seconds
+            if not s.usable or (now - s.started_at >= self.idle_seconds and w not in self._blanks)
         ]
         for workspace in stale:
             self._discard_later(self._ready.pop(workspace))
