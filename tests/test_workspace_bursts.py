@@ -57,7 +57,6 @@ async def test_a_burst_grows_the_pool_within_its_bound_and_gives_it_all_back(
         SANDBOX_WORKSPACE_POOL=str(FLOOR),
         SANDBOX_WORKSPACE_POOL_MAX=str(BOUND),
         SANDBOX_MAX_CONCURRENT="64",
-        SANDBOX_INTERPRETER_WARM="python=0",  # (a warm interpreter's slot takes a blank too)
     )
     wait_for(lambda: len(blanks(server)) == FLOOR)
     names = [f"burst-{i}-{uuid.uuid4().hex[:6]}" for i in range(3 * BOUND)]

@@ -101,6 +101,7 @@ class SandboxPool:
         # sandbox is started on.
         self._images: dict[Path, ImageRoot | None] = {}
         self._blanks: set[Path] = set()  # workspaces made ahead of need, a sandbox in them
+        self._fresh: set[Path] = set()  # sessions' workspaces whose sandbox came with the blank
         self._sweeping = False
         self._closed = False
         self.hits = 0
@@ -129,8 +130,11 @@ class SandboxPool:
         return len(self._refills)
 
     def workspaces(self) -> set[str]:
-        """Names of the workspaces a sandbox waits in or is being started in."""
-        return {p.name for p in self._ready} | {p.name for p in self._refills}
+        """Names of the workspaces a sandbox waits in or is being started in (not a session's
+        that has run nothing yet: its sandbox came with its blank, and a warm interpreter's
+        workspace may still replace it, workspaces/store.py `adopt`)."""
+        waiting = (set(self._ready) | set(self._refills)) - self._fresh
+        return {p.name for p in waiting}
 
     def start(self) -> None:
         if self.enabled and not self._sweeping:
@@ -143,6 +147,7 @@ class SandboxPool:
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         """A sandbox running `spec`: the waiting one of its workspace when it fits, else one
         started now. Raises what `BubblewrapBackend.spawn` raises."""
+        self._fresh.discard(spec.workspace)
         reason = self._unpoolable(spec)
         if reason is not None:
             self._missed(reason)
@@ -307,6 +312,7 @@ class SandboxPool:
             return
         started.workspace = new
         self._ready[new] = started
+        self._fresh.add(new)
 
     # -- ending ------------------------------------------------------------------------------
 
@@ -317,6 +323,7 @@ class SandboxPool:
         self._skipped.discard(workspace)
         self._images.pop(workspace, None)
         self._blanks.discard(workspace)
+        self._fresh.discard(workspace)
         while True:
             cancelled = [
                 task
@@ -358,6 +365,7 @@ class SandboxPool:
         ]
         for workspace in stale:
             self._discard_later(self._ready.pop(workspace))
+        self._fresh &= set(self._ready)
         return len(stale)
 
     async def aclose(self) -> None:

@@ -142,8 +142,10 @@ class Blanks(MountCaps):
 
     async def _take_blank(self, name: str, principal: str | None) -> bool:
         """Make a ready blank into the new workspace `name` (its lock held); whether one was
-        there to take. A refill starts either way."""
-        self._arrivals.append(time.monotonic())
+        there to take. A refill starts either way. A session's counts as demand (a warm
+        interpreter's slot, principal None, takes one as it starts: not a new session)."""
+        if principal is not None:
+            self._arrivals.append(time.monotonic())
         blank = None
         while self._blanks and blank is None:
             candidate = self._blanks.pop()
