@@ -25,6 +25,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from loguru import logger
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
 DEMAND_WINDOW = 0.25  # seconds: new sessions this close together count as one burst
 DEMAND_MEMORY = 300.0  # seconds a burst keeps the pool at its size
 FILL_WORKERS = 4  # blanks made at once
+TAKER_THREADS = 4  # blanks taken at once
 TEND_SECONDS = 5.0  # how often the number is looked at without a take (services.py)
 
 
@@ -137,6 +139,15 @@ class Blanks(MountCaps):
                 self._blanks.remove(name)
                 await self.remove(name)
 
+    def _takers(self) -> ThreadPoolExecutor:
+        """Threads of their own for taking blanks (a bind, an unmount, a rename: ~0.2 ms, up
+        to tens when the kernel waits for a grace period): in a burst, the shared ones are
+        busy making images (mkfs, mount: 100+ ms each), and a take must not wait behind
+        them. Shut down by the store's aclose."""
+        if self._taker_threads is None:
+            self._taker_threads = ThreadPoolExecutor(TAKER_THREADS, "blank-take")
+        return self._taker_threads
+
     def _blank_ready(self, name: str) -> bool:
         return name in self._mounted and self.is_ready(name)
 
@@ -161,7 +172,9 @@ class Blanks(MountCaps):
             raise
         async with self._lock(blank):
             try:
-                taken = await asyncio.to_thread(self._adopt_sync, blank, name, principal)
+                taken = await asyncio.get_running_loop().run_in_executor(
+                    self._takers(), self._adopt_sync, blank, name, principal
+                )
             except OSError as exc:
                 logger.warning("blank workspace {} not taken: {}", blank, exc)
                 for hook in self.before_release:  # (its sandbox ends first)

@@ -142,6 +142,9 @@ class WorkspaceStore(Blanks, MountCaps, DamageCourse, QuotaMode):
             if not self._filling:
                 break
             await asyncio.sleep(0.05)
+        if self._taker_threads is not None:  # (no take runs now: nothing runs here)
+            await asyncio.to_thread(self._taker_threads.shutdown)
+            self._taker_threads = None
         blanks, self._blanks = self._blanks, []
         for name in blanks:
             with contextlib.suppress(OSError):

@@ -20,6 +20,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,7 @@ class StoreState:
         self._making: set[str] = set()
         self._arrivals: deque[float] = deque(maxlen=MAX_ARRIVALS)
         self._filling = self._fill_again = False
+        self._taker_threads: ThreadPoolExecutor | None = None
         self._closing = False  # (aclose has begun: no more blanks)
         self.spawn: Callable[[str, Coroutine[Any, Any, None]], object] | None = None
         self.start_ahead: Callable[[Path], Awaitable[bool]] | None = None
