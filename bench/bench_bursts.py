@@ -4,16 +4,21 @@ against a real server this bench starts, the clients in a process of their own.
 
 - sequential: --sessions new sessions one after another;
 - bursts of W (--bursts 10,50): --sessions new sessions in rounds of W at once (W clients,
-  each its own connection), --gap seconds between rounds;
-- later: calls in sessions that have had their first (one session at a time, and, per burst
-  width, the burst's sessions' second calls, W at once) — the ratio's denominator.
+  each its own connection), --gap seconds between rounds; `burstW_last`: the last round alone
+  (the server has seen the rounds before it: its blank-workspace pool has grown to them);
+- later: calls in a session that has had its first, one after another, and per burst width
+  the burst's sessions' second calls, W at once — the ratios' denominators.
+Per phase also the server's mean sandbox start (srt_sandbox_spawn_seconds: the workspace made
+ready and the sandbox started or handed its command), and CPU seconds of server and clients.
 
 p50/p95/p99 of each, first/later ratios, against the targets (first <= 1.2x later, also in
 bursts of 10; burst-of-50 p99 <= 300 ms). The server runs with its defaults but for the caps a
 burst of 50 would hit (SANDBOX_MAX_CONCURRENT, the per-principal mount cap), and logs at WARNING.
 
     .venv/bin/python bench/bench_bursts.py [--sessions 100] [--bursts 10,50] [--gap 1.0]
-        [--mode auto|legacy] [--set SANDBOX_X=value ...] [--json]
+        [--mode auto|legacy] [--set SANDBOX_X=value ...] [--json] [--profile FILE]
+
+(--profile: py-spy, from PyPI, on PATH, samples the server's stacks into FILE.)
 
 `run(...) -> dict` is what bench_perf.py calls.
 """
@@ -126,7 +131,8 @@ async def measure(url: str, plan: dict[str, Any]) -> dict[str, Any]:
         for _ in range(WARM_CALLS):  # (imports, schema compiles, the first sandboxes)
             await _echo(first, "warm")
             await _echo(first, new())
-        await asyncio.gather(*(_echo(c, new()) for c in conns))
+        for conn in conns:  # (one after another, in one session: not a burst of new ones)
+            await _echo(conn, "warm")
         await asyncio.sleep(plan["gap"])
         spawn: dict[str, list[float]] = {}
 
@@ -160,6 +166,7 @@ async def measure(url: str, plan: dict[str, Any]) -> dict[str, Any]:
                     f"burst{width}_later", asyncio.gather(*(_echo(c, s) for c, s in calls))
                 )
             out[f"burst{width}"] = firsts
+            out[f"burst{width}_last"] = firsts[-width:]  # (the pool grown by those before)
             out[f"burst{width}_later"] = later
     out["spawn_ms"] = {k: round(v[0] / v[1] * 1000, 1) if v[1] else None for k, v in spawn.items()}
     return out
@@ -254,6 +261,7 @@ def run(
     }
     for width in bursts:
         report[f"burst{width}"] = percentiles(samples[f"burst{width}"])
+        report[f"burst{width}_last"] = percentiles(samples[f"burst{width}_last"])
         report[f"burst{width}_later"] = percentiles(samples[f"burst{width}_later"])
     seq_ratio = report["sequential"]["p50_ms"] / later["p50_ms"]
     targets = {"sequential first/later p50": (round(seq_ratio, 2), TARGET_RATIO)}

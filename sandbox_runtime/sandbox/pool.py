@@ -230,8 +230,11 @@ class SandboxPool:
 
     def _spare_cpu(self, starting: int) -> bool:
         """Whether a core is free for one more start: a sandbox started ahead on a busy
-        replica would take CPU from the running ones (and cost its stub's start on top)."""
-        return self.backend.running_count + len(self._refills) - starting < self.cpus
+        replica would take CPU from the running ones (and cost its stub's start on top).
+        Starts in blanks are not counted: they are few at once (workspaces/blanks.py), and a
+        session's next call must not wait for a burst's blanks to be made."""
+        starts = len(set(self._refills) - self._blanks)
+        return self.backend.running_count + starts - starting < self.cpus
 
     @staticmethod
     def _forget(
