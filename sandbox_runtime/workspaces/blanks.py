@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from loguru import logger
 
 from sandbox_runtime.errors import DiskFullError, SandboxRuntimeError
+from sandbox_runtime.workspaces.images import umount
 from sandbox_runtime.workspaces.mountcaps import MountCaps
 from sandbox_runtime.workspaces.store_state import BLANK_PREFIX
 
@@ -64,7 +65,9 @@ class Blanks(MountCaps):
             self, name: str, principal: str | None = None, *, ahead: bool = False
         ) -> tuple[Path, bool]: ...
 
-        def _adopt_sync(self, slot: str, name: str, principal: str | None) -> bool: ...
+        def _adopt_sync(
+            self, slot: str, name: str, principal: str | None, leave_source: bool = False
+        ) -> bool: ...
 
     @property
     def blanks_on(self) -> bool:
@@ -148,6 +151,21 @@ class Blanks(MountCaps):
             self._taker_threads = ThreadPoolExecutor(TAKER_THREADS, "blank-take")
         return self._taker_threads
 
+    async def _let_go(self, blank: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._takers(), self._let_go_sync, blank)
+
+    def _let_go_sync(self, blank: str) -> None:
+        """Unmount a taken blank's old path (the filesystem lives on at its session's) and
+        remove the mount point."""
+        if blank not in self._leaving:
+            return
+        self._leaving.discard(blank)
+        try:
+            umount(self.path(blank))
+            self.path(blank).rmdir()
+        except OSError as exc:
+            logger.warning("the taken blank {}'s old mount point stays: {}", blank, exc)
+
     def _blank_ready(self, name: str) -> bool:
         return name in self._mounted and self.is_ready(name)
 
@@ -173,7 +191,7 @@ class Blanks(MountCaps):
         async with self._lock(blank):
             try:
                 taken = await asyncio.get_running_loop().run_in_executor(
-                    self._takers(), self._adopt_sync, blank, name, principal
+                    self._takers(), self._adopt_sync, blank, name, principal, True
                 )
             except OSError as exc:
                 logger.warning("blank workspace {} not taken: {}", blank, exc)
@@ -185,6 +203,12 @@ class Blanks(MountCaps):
         if not taken:  # (`name` had files after all: the blank stays one)
             self._blanks.append(blank)
             return False
+        self._leaving.add(blank)  # (its old path: unmounted after the call has its workspace)
+        if self.spawn is None or self._closing:
+            await asyncio.to_thread(self._let_go_sync, blank)
+        else:
+            with contextlib.suppress(RuntimeError):  # (closed: aclose lets it go)
+                self.spawn(f"blank {blank} let go", self._let_go(blank))
         for moved in self.blank_taken:
             moved(self.path(blank), self.path(name))
         return True

@@ -145,6 +145,8 @@ class WorkspaceStore(Blanks, MountCaps, DamageCourse, QuotaMode):
         if self._taker_threads is not None:  # (no take runs now: nothing runs here)
             await asyncio.to_thread(self._taker_threads.shutdown)
             self._taker_threads = None
+        for name in list(self._leaving):  # (taken blanks' old paths not let go yet)
+            await asyncio.to_thread(self._let_go_sync, name)
         blanks, self._blanks = self._blanks, []
         for name in blanks:
             with contextlib.suppress(OSError):
@@ -330,7 +332,12 @@ class WorkspaceStore(Blanks, MountCaps, DamageCourse, QuotaMode):
                 if not adopted and reserved and name not in self._mounted:
                     self._principals.pop(name, None)
 
-    def _adopt_sync(self, slot: str, name: str, principal: str | None) -> bool:
+    def _adopt_sync(
+        self, slot: str, name: str, principal: str | None, leave_source: bool = False
+    ) -> bool:
+        """`adopt`'s swap (its lock held). `leave_source`: a mounted `slot` stays mounted
+        at its old path too, for the caller to unmount later (blanks.py: an unmount waits
+        for the kernel's grace period, 4 ms or more, which a new session need not wait for)."""
         target = self.path(name)
         if self.exists(name):
             if name in self._mounted or not self.image(name).exists():
@@ -358,10 +365,12 @@ class WorkspaceStore(Blanks, MountCaps, DamageCourse, QuotaMode):
         except OSError:
             target.rmdir()
             raise
-        umount(source)
+        if not leave_source:
+            umount(source)
         os.rename(self.image(slot), self.image(name))
         with contextlib.suppress(OSError):
-            source.rmdir()
+            if not leave_source:
+                source.rmdir()
         self._mounted.discard(slot)
         self._principals.pop(slot, None)
         self._ready.pop(slot, None)

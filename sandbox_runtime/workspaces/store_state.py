@@ -154,6 +154,7 @@ class StoreState:
         self._arrivals: deque[float] = deque(maxlen=MAX_ARRIVALS)
         self._filling = self._fill_again = False
         self._taker_threads: ThreadPoolExecutor | None = None
+        self._leaving: set[str] = set()  # taken blanks whose old path is still mounted
         self._closing = False  # (aclose has begun: no more blanks)
         self.spawn: Callable[[str, Coroutine[Any, Any, None]], object] | None = None
         self.start_ahead: Callable[[Path], Awaitable[bool]] | None = None
