@@ -37,7 +37,13 @@ def wait_for(check, timeout: float = 20.0) -> None:  # type: ignore[no-untyped-d
 
 @pytest.fixture(scope="module")
 def server(serve: Servers) -> ServerProcess:
-    started = serve("blanks", SANDBOX_AUTH_TOKEN=TOKEN, SANDBOX_WORKSPACE_MB="64")
+    # (A pool that does not grow with demand: test_workspace_bursts.py has the growing one.)
+    started = serve(
+        "blanks",
+        SANDBOX_AUTH_TOKEN=TOKEN,
+        SANDBOX_WORKSPACE_MB="64",
+        SANDBOX_WORKSPACE_POOL_MAX="2",
+    )
     wait_for(lambda: len(blanks(started)) == 2)
     return started
 

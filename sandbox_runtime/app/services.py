@@ -70,6 +70,7 @@ from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.snapshots.stores import open_store
 from sandbox_runtime.snapshots.triggers import Triggers
 from sandbox_runtime.supervisor import Supervisor
+from sandbox_runtime.workspaces.blanks import TEND_SECONDS
 from sandbox_runtime.workspaces.store import WorkspaceStore, loop_devices_under
 
 # Asking the shared store whether this replica is still a session's home before its snapshot
@@ -203,6 +204,7 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             min_free_mb=settings.min_free_disk_mb,
             headroom_mb=settings.workspace_headroom_mb,
             blanks=settings.workspace_pool,
+            blanks_max=settings.workspace_pool_max,
             idle_budget_mb=settings.idle_workspaces_mb,
             idle_budget_mb_per_principal=settings.idle_workspaces_mb_per_principal,
             idle_after_seconds=settings.idle_workspace_seconds,
@@ -239,7 +241,6 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
         )
         _link(workspaces, pool, manager, metrics)
         manager.images = images = session_images(settings)  # (sessions' environments)
-        workspaces.refill = lambda: _spawn_fill(supervisor, workspaces)
 
         interpreters = InterpreterManager(settings, manager)
         signer = FileUrlSigner(url_key(settings))
@@ -311,7 +312,8 @@ async def build(settings: Settings, cluster_address: str = "") -> AsyncIterator[
             serve_placements(settings, supervisor, queue, router, services)
         if snapshots.enabled and settings.snapshot_idle_seconds > 0:
             supervisor.every("idle snapshots", triggers.interval, triggers.idle_pass)
-        _spawn_fill(supervisor, workspaces)
+        if workspaces.blanks_on:  # (and after every take: workspaces/blanks.py)
+            supervisor.every("blank workspaces", TEND_SECONDS, workspaces.refill, at_once=True)
         if workspaces.mode == "image":
             guard = workspaces.guard
             supervisor.every("workspace disk guard", guard.interval, guard.step)
@@ -399,11 +401,6 @@ def _bridges(settings: Settings, servers: ServerHost, router: Router) -> BridgeM
     return maker
 
 
-def _spawn_fill(supervisor: Supervisor, workspaces: WorkspaceStore) -> None:
-    if workspaces.blanks_wanted and not supervisor.closed:
-        supervisor.spawn("blank workspaces", workspaces.fill())
-
-
 def _link(
     workspaces: WorkspaceStore, pool: SandboxPool, manager: ExecutionManager, metrics: Metrics
 ) -> None:
@@ -413,6 +410,8 @@ def _link(
     workspaces.busy.append(manager.workspaces_in_use)
     workspaces.standby.append(pool.workspaces)
     workspaces.before_release.append(lambda name: pool.discard_workspace(workspaces.path(name)))
+    workspaces.spawn, workspaces.start_ahead = pool.supervisor.spawn, pool.start_ahead
+    workspaces.blank_taken.append(pool.move)
     workspaces.on_refused.append(lambda cap: metrics.rejections.labels(cap).inc())
     workspaces.on_damage.append(lambda event: metrics.damage.labels(event).inc())
     workspaces.on_removed.append(lambda reason: metrics.workspaces_removed.labels(reason).inc())

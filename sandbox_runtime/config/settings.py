@@ -216,6 +216,16 @@ class Settings(BaseSettings):
         "against SANDBOX_MAX_MOUNTED_WORKSPACES and takes ~60 KiB of disk (thin; with "
         "SANDBOX_WORKSPACE_RESERVE=allocate, SANDBOX_WORKSPACE_MB) (0: none).",
     )
+    workspace_pool_max: int = Field(
+        64,
+        ge=0,
+        le=1024,
+        description="Most empty workspaces made ahead of need when new sessions come in bursts: "
+        "SANDBOX_WORKSPACE_POOL plus the most new sessions seen within a quarter second in the "
+        "last 5 minutes, up to this; back to SANDBOX_WORKSPACE_POOL after. Each also holds a "
+        "sandbox started ahead (with SANDBOX_POOL_SIZE > 0) (at most SANDBOX_WORKSPACE_POOL: "
+        "no growth).",
+    )
     pool_idle_seconds: float = Field(
         60, gt=0, le=240, description="A sandbox started ahead and unused this long is ended."
     )

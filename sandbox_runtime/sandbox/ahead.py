@@ -89,3 +89,22 @@ def egress_shape(policy: EgressPolicy | None) -> tuple[object, ...] | None:
         getattr(grant, "principal", None),
         getattr(grant, "names", None),
     )
+
+
+def command_waits(started: StartedSandbox) -> bool:
+    """Whether the sandbox is set up (its mounts made, the workspace bound) and its stub runs:
+    bwrap's pid 1 in the sandbox (no --as-pid-1 in one started ahead) forks the command only
+    after the set-up, and the command is the stub once it is no longer bwrap."""
+    child = started.proc.child_pid
+    if child is None:
+        return False
+    try:
+        with open(f"/proc/{child}/task/{child}/children") as f:
+            pids = f.read().split()
+        for pid in [str(child), *pids]:  # (pid 1 itself: were there no init)
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().strip() != "bwrap":
+                    return True
+    except OSError:
+        return False
+    return False

@@ -17,6 +17,11 @@ and ends with it.
 Bounded: at most `size` sandboxes waiting or starting per replica; one waiting unused for
 `idle_seconds` is ended (its workspace may then be unmounted); a full pool takes a new
 workspace only in place of one idle for a while. Nothing outlives `close()`.
+
+A new session's first call finds one too when it takes a blank workspace (made ahead of need:
+workspaces/blanks.py): `start_ahead` starts a sandbox in each blank as it is made, and `move`
+hands it to the session that takes the blank. Those are bounded by the blanks' own count, not
+by `size`, and are not ended for waiting (a blank waits for its session as long as it must).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from loguru import logger
 from sandbox_runtime.domain.egress import EgressPolicy
 from sandbox_runtime.domain.limits import SandboxLimits
 from sandbox_runtime.errors import PolicyViolationError, SandboxSpawnError, SandboxUnavailableError
-from sandbox_runtime.sandbox.ahead import StartedSandbox, egress_shape
+from sandbox_runtime.sandbox.ahead import StartedSandbox, command_waits, egress_shape
 from sandbox_runtime.sandbox.backend import BubblewrapBackend
 from sandbox_runtime.sandbox.process import SandboxProcess
 from sandbox_runtime.sandbox.spec import ImageRoot, SandboxSpec
@@ -48,6 +53,11 @@ REFILL_AFTER_SECONDS = 0.05
 # A full pool replaces a waiting sandbox with one for another workspace only when the first
 # has waited this long (else two busy sessions would keep evicting each other's).
 EVICT_AFTER_SECONDS = 10.0
+# How long a sandbox started in a blank workspace may take to bind it and wait for a command
+# (the blank is handed out only then: handing it out unmounts the path bwrap binds), and how
+# often that is looked at meanwhile.
+SETTLE_SECONDS = 10.0
+SETTLE_STEP_SECONDS = 0.005
 
 # Why a call did not get a pooled sandbox (the label of the misses counter).
 MISS_DISABLED = "disabled"  # no pool on this server
@@ -99,6 +109,8 @@ class SandboxPool:
         # ahead with egress has its socket on the proxy under that policy, for a call with
         # the same (the same principal and secrets: EgressGate.assign).
         self._egress: dict[Path, EgressPolicy | None] = {}
+        self._blanks: set[Path] = set()  # workspaces made ahead of need, a sandbox in them
+        self._fresh: set[Path] = set()  # sessions' workspaces whose sandbox came with the blank
         self._sweeping = False
         self._closed = False
         self.hits = 0
@@ -118,12 +130,20 @@ class SandboxPool:
         return sum(1 for s in self._ready.values() if s.usable)
 
     @property
+    def session_count(self) -> int:
+        """Sandboxes waiting or starting for sessions' workspaces (what `size` bounds)."""
+        return len(set(self._ready) - self._blanks) + len(set(self._refills) - self._blanks)
+
+    @property
     def starting_count(self) -> int:
         return len(self._refills)
 
     def workspaces(self) -> set[str]:
-        """Names of the workspaces a sandbox waits in or is being started in."""
-        return {p.name for p in self._ready} | {p.name for p in self._refills}
+        """Names of the workspaces a sandbox waits in or is being started in (not a session's
+        that has run nothing yet: its sandbox came with its blank, and a warm interpreter's
+        workspace may still replace it, workspaces/store.py `adopt`)."""
+        waiting = (set(self._ready) | set(self._refills)) - self._fresh
+        return {p.name for p in waiting}
 
     def start(self) -> None:
         if self.enabled and not self._sweeping:
@@ -136,6 +156,7 @@ class SandboxPool:
     async def spawn(self, spec: SandboxSpec) -> SandboxProcess:
         """A sandbox running `spec`: the waiting one of its workspace when it fits, else one
         started now. Raises what `BubblewrapBackend.spawn` raises."""
+        self._fresh.discard(spec.workspace)
         reason = self._unpoolable(spec)
         if reason is not None:
             self._missed(reason)
@@ -211,7 +232,7 @@ class SandboxPool:
         if not self.workspace_ready(workspace) or not self._spare_cpu(starting=0):
             self._skipped.add(workspace)
             return
-        if len(self._ready) + len(self._refills) >= self.size and not self._evict_one():
+        if self.session_count >= self.size and not self._evict_one():
             self._skipped.add(workspace)
             return
         self._skipped.discard(workspace)
@@ -223,8 +244,11 @@ class SandboxPool:
 
     def _spare_cpu(self, starting: int) -> bool:
         """Whether a core is free for one more start: a sandbox started ahead on a busy
-        replica would take CPU from the running ones (and cost its stub's start on top)."""
-        return self.backend.running_count + len(self._refills) - starting < self.cpus
+        replica would take CPU from the running ones (and cost its stub's start on top).
+        Starts in blanks are not counted: they are few at once (workspaces/blanks.py), and a
+        session's next call must not wait for a burst's blanks to be made."""
+        starts = len(set(self._refills) - self._blanks)
+        return self.backend.running_count + starts - starting < self.cpus
 
     @staticmethod
     def _forget(
@@ -238,15 +262,17 @@ class SandboxPool:
         longest if it has waited long."""
         victim = next((w for w, s in self._ready.items() if not s.usable), None)
         if victim is None:
-            oldest = next(iter(self._ready.items()), None)
+            oldest = next((i for i in self._ready.items() if i[0] not in self._blanks), None)
             if oldest is None or time.monotonic() - oldest[1].started_at < EVICT_AFTER_SECONDS:
                 return False
             victim = oldest[0]
         self._discard_later(self._ready.pop(victim))
         return True
 
-    async def _refill(self, workspace: Path) -> None:
-        if not self.workspace_ready(workspace) or not self._spare_cpu(starting=1):
+    async def _refill(self, workspace: Path, ahead: bool = False) -> None:
+        """Start a sandbox for `workspace`; `ahead`: in a blank, whatever the CPU (its maker
+        starts one at a time: workspaces/blanks.py)."""
+        if not self.workspace_ready(workspace) or not (ahead or self._spare_cpu(starting=1)):
             self._skipped.add(workspace)
             return
         began = time.perf_counter()
@@ -265,6 +291,47 @@ class SandboxPool:
             hook(elapsed)
         self._ready[workspace] = started
 
+    # -- blanks: workspaces made ahead of need ------------------------------------------------
+
+    async def start_ahead(self, workspace: Path) -> bool:
+        """Start a sandbox in the blank `workspace` and wait until it has bound the workspace
+        and waits for a command; whether one waits there now (no: the pool is off, or the
+        start failed or took too long: the blank is then handed out without one)."""
+        if not self.enabled or self._closed or workspace in self._ready:
+            return workspace in self._ready
+        self._blanks.add(workspace)
+        task = self.supervisor.spawn(
+            f"sandbox pool blank {workspace.name}", self._refill(workspace, ahead=True)
+        )
+        self._refills[workspace] = task
+        task.add_done_callback(lambda done: self._forget(self._refills, workspace, done))
+        await asyncio.wait({task})
+        started = self._ready.get(workspace)
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while started is not None and started.usable and time.monotonic() < deadline:
+            if command_waits(started):
+                return True
+            await asyncio.sleep(SETTLE_STEP_SECONDS)
+        if self._ready.get(workspace) is started and started is not None:
+            self._discard_later(self._ready.pop(workspace))
+        self._blanks.discard(workspace)
+        return False
+
+    def move(self, old: Path, new: Path) -> None:
+        """The blank workspace `old` is the session's workspace `new` now (renamed, its
+        filesystem the same): the sandbox waiting there serves that session's first call."""
+        self._blanks.discard(old)
+        self._images.pop(old, None)
+        started = self._ready.pop(old, None)
+        if started is None:
+            return
+        if new in self._ready or new in self._refills or self._closed:
+            self._discard_later(started)
+            return
+        started.workspace = new
+        self._ready[new] = started
+        self._fresh.add(new)
+
     # -- ending ------------------------------------------------------------------------------
 
     async def discard_workspace(self, workspace: Path) -> None:
@@ -274,6 +341,8 @@ class SandboxPool:
         self._skipped.discard(workspace)
         self._images.pop(workspace, None)
         self._egress.pop(workspace, None)
+        self._blanks.discard(workspace)
+        self._fresh.discard(workspace)
         while True:
             cancelled = [
                 task
@@ -311,10 +380,11 @@ class SandboxPool:
         stale = [
             w
             for w, s in self._ready.items()
-            if not s.usable or now - s.started_at >= self.idle_seconds
+            if not s.usable or (now - s.started_at >= self.idle_seconds and w not in self._blanks)
         ]
         for workspace in stale:
             self._discard_later(self._ready.pop(workspace))
+        self._fresh &= set(self._ready)
         return len(stale)
 
     async def aclose(self) -> None:

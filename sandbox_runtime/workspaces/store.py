@@ -32,7 +32,8 @@ diskguard.py). Project-mode workspaces are `<name>/` only; the mount caps do not
 
 The store is put together here from its parts: images.py (making and mounting an image,
 stateless), quotamode.py (project mode), store_state.py (what the store knows, naming, use),
-mountcaps.py (the mount caps and making room), retention.py (unmounting idle workspaces,
+mountcaps.py (the mount caps and making room), blanks.py (workspaces made ahead of need, as
+many as new sessions come in), retention.py (unmounting idle workspaces,
 removing expired ones), budget.py (the byte budgets of idle workspaces) and damage.py (a
 failed filesystem's course). This module keeps the lifecycle (start, close), making a
 workspace ready (ensure) and handing a warm slot's workspace to a session (adopt: a rename,
@@ -50,19 +51,17 @@ import contextlib
 import os
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 from loguru import logger
 
 from sandbox_runtime.domain.owner import Owner
 from sandbox_runtime.errors import (
-    DiskFullError,
     LimitExceededError,
-    SandboxRuntimeError,
     SandboxSpawnError,
     SandboxUnavailableError,
 )
+from sandbox_runtime.workspaces.blanks import Blanks
 from sandbox_runtime.workspaces.damage import DamageCourse
 from sandbox_runtime.workspaces.fsops import WorkspaceFiles, remove_partial_uploads
 from sandbox_runtime.workspaces.images import (
@@ -81,7 +80,7 @@ from sandbox_runtime.workspaces.store_state import BLANK_PREFIX
 CLOSE_WAIT_STEPS = 200  # times 0.05 s: for a blank being made when the store closes
 
 
-class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
+class WorkspaceStore(Blanks, MountCaps, DamageCourse, QuotaMode):
     """Creates, mounts, measures and removes this replica's workspaces (its state, hooks and
     constructor: workspaces/store_state.py)."""
 
@@ -143,6 +142,11 @@ class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
             if not self._filling:
                 break
             await asyncio.sleep(0.05)
+        if self._taker_threads is not None:  # (no take runs now: nothing runs here)
+            await asyncio.to_thread(self._taker_threads.shutdown)
+            self._taker_threads = None
+        for name in list(self._leaving):  # (taken blanks' old paths not let go yet)
+            await asyncio.to_thread(self._let_go_sync, name)
         blanks, self._blanks = self._blanks, []
         for name in blanks:
             with contextlib.suppress(OSError):
@@ -210,73 +214,6 @@ class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
                 if mounting and name not in self._mounted:
                     self._principals.pop(name, None)
         return self.path(name), existed
-
-    # -- blanks: workspaces made ahead of need ----------------------------------------------
-    #
-    # A new session's first call takes a blank instead of making an image (mkfs and a loop
-    # mount, ~25-40 ms) on its path. A blank is an ordinary workspace named blank-..., mounted
-    # and empty, counted against the replica's mount cap only (principal None, like a warm
-    # interpreter's slot), and not in use: the caps and the idle sweeps may take it like any
-    # idle workspace (one found no longer ready is skipped). No sandbox is started ahead in a
-    # blank: bwrap may still be binding it when a session takes it, and taking it unmounts
-    # that path. fill() makes up to blanks_wanted
-    # in the background and stops at the first refusal (a cap, no room on the disk). A
-    # previous run's blanks are removed at start, this run's at the end.
-
-    async def fill(self) -> None:
-        """Make blanks up to `blanks_wanted` (one fill at a time)."""
-        if self._filling or self.mode != "image":
-            return
-        self._filling = True
-        try:
-            self._blanks = [n for n in self._blanks if self._blank_ready(n)]
-            while len(self._blanks) < self.blanks_wanted and not self._closing:
-                name = f"{BLANK_PREFIX}{uuid.uuid4().hex[:20]}"
-                try:
-                    await self.ensure(name, None, ahead=True)
-                except SandboxRuntimeError as exc:
-                    logger.debug("no blank workspace made now: {}", exc)
-                    if self.exists(name):
-                        await self.remove(name)
-                    return
-                if self._closing:  # (made while the store closed: aclose waits for this)
-                    await self.remove(name)
-                    return
-                self._blanks.append(name)
-        finally:
-            self._filling = False
-
-    def _blank_ready(self, name: str) -> bool:
-        return name in self._mounted and self.is_ready(name)
-
-    async def _take_blank(self, name: str, principal: str | None) -> bool:
-        """Make a ready blank into the new workspace `name` (its lock held); whether one was
-        there to take. A refill starts either way."""
-        blank = None
-        while self._blanks and blank is None:
-            candidate = self._blanks.pop()
-            if self._blank_ready(candidate):
-                blank = candidate
-        if self.refill is not None and self.blanks_wanted > 0:
-            self.refill()
-        if blank is None:
-            return False
-        try:
-            self.disk.check_room(self.size_mb * 1024 * 1024)  # (a new session, all the same)
-        except DiskFullError:
-            self._blanks.append(blank)
-            raise
-        async with self._lock(blank):
-            try:
-                taken = await asyncio.to_thread(self._adopt_sync, blank, name, principal)
-            except OSError as exc:
-                logger.warning("blank workspace {} not taken: {}", blank, exc)
-                with contextlib.suppress(OSError):
-                    await asyncio.to_thread(self._remove_sync, blank)
-                return False
-        if not taken:  # (`name` had files after all: the blank stays one)
-            self._blanks.append(blank)
-        return taken
 
     def _needs_mount(self, name: str) -> bool:
         """Whether making `name` ready mounts an image (not a quota'd or plain directory)."""
@@ -395,7 +332,12 @@ class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
                 if not adopted and reserved and name not in self._mounted:
                     self._principals.pop(name, None)
 
-    def _adopt_sync(self, slot: str, name: str, principal: str | None) -> bool:
+    def _adopt_sync(
+        self, slot: str, name: str, principal: str | None, leave_source: bool = False
+    ) -> bool:
+        """`adopt`'s swap (its lock held). `leave_source`: a mounted `slot` stays mounted
+        at its old path too, for the caller to unmount later (blanks.py: an unmount waits
+        for the kernel's grace period, 4 ms or more, which a new session need not wait for)."""
         target = self.path(name)
         if self.exists(name):
             if name in self._mounted or not self.image(name).exists():
@@ -423,10 +365,12 @@ class WorkspaceStore(MountCaps, DamageCourse, QuotaMode):
         except OSError:
             target.rmdir()
             raise
-        umount(source)
+        if not leave_source:
+            umount(source)
         os.rename(self.image(slot), self.image(name))
         with contextlib.suppress(OSError):
-            source.rmdir()
+            if not leave_source:
+                source.rmdir()
         self._mounted.discard(slot)
         self._principals.pop(slot, None)
         self._ready.pop(slot, None)

@@ -18,8 +18,11 @@ import math
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from loguru import logger
 
@@ -35,6 +38,7 @@ BLANK_PREFIX = "blank-"  # a workspace made ahead of need (store.py)
 IMAGE_SUFFIX = ".img"
 DAMAGED_SUFFIX = ".damaged"
 OWNER_SUFFIX = ".owner"  # whose a workspace is (budget.py)
+MAX_ARRIVALS = 4096  # new sessions' times kept for the blanks' demand (blanks.py)
 
 
 class StoreState:
@@ -54,6 +58,7 @@ class StoreState:
         min_free_mb: int = 0,
         headroom_mb: int = 64,
         blanks: int = 0,
+        blanks_max: int = 0,
         idle_budget_mb: int = 0,
         idle_budget_mb_per_principal: int = 0,
         idle_after_seconds: float = 300.0,
@@ -137,13 +142,23 @@ class StoreState:
         self._resets: dict[str, str] = {}  # name -> a session_reset reason not yet told
         # Called with detected, clean, repaired or quarantined (a damaged workspace's course).
         self.on_damage: list[Callable[[str], None]] = []
-        # Blank workspaces made ahead of need (store.py): how many to keep, those made, and
-        # what starts a refill in the background (set by the composition root).
+        # Blank workspaces made ahead of need (blanks.py): how many to keep at least and at
+        # most, those made and being made, when new sessions took one (the demand), and the
+        # composition root's: what starts a refill in the background, what starts a sandbox
+        # in a blank, what hears of a blank that became a session's (old path, new path).
+        # (`spawn` runs work in the background: the supervisor's.)
         self.blanks_wanted = blanks
+        self.blanks_max = blanks_max
         self._blanks: list[str] = []
-        self._filling = False
+        self._making: set[str] = set()
+        self._arrivals: deque[float] = deque(maxlen=MAX_ARRIVALS)
+        self._filling = self._fill_again = False
+        self._taker_threads: ThreadPoolExecutor | None = None
+        self._leaving: set[str] = set()  # taken blanks whose old path is still mounted
         self._closing = False  # (aclose has begun: no more blanks)
-        self.refill: Callable[[], None] | None = None
+        self.spawn: Callable[[str, Coroutine[Any, Any, None]], object] | None = None
+        self.start_ahead: Callable[[Path], Awaitable[bool]] | None = None
+        self.blank_taken: list[Callable[[Path, Path], None]] = []
 
     # -- naming ------------------------------------------------------------------------------
 
