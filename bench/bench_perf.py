@@ -13,7 +13,8 @@ Parts (each starts the servers it needs and stops them; `--only` runs some):
   of its own and leaving (new_clients.churn): calls/s, ours and the floor's;
 - bursts: 100 new sessions' first calls, one after another, then in bursts of 10 and of 50
   (concurrent, each from a client connected before: the computesdk shape, create -> first
-  command), p50/p95/p99, against the same sessions' next call made the same way;
+  command), p50/p95/p99, against the same sessions' next call made the same way (the server
+  with SANDBOX_MAX_CONCURRENT=50: by default it runs 16 at once and refuses the rest);
 - egress: `execute_code echo hi` p50 on a server whose sandboxes have egress
   (SANDBOX_EGRESS_ALLOW set: the in-sandbox relay and the proxy socket) against one without;
 - hosted: a Python hosted server (hosted_servers.py's `time`): a new principal's first call
@@ -224,10 +225,16 @@ BURSTS = (1, 10, 50)
 def measure_bursts(opts: argparse.Namespace) -> dict[str, Any]:
     total = 50 if opts.quick else 100
     pause = 2.0  # (between bursts: an eval harness's next fan-out comes after a while)
-    out: dict[str, Any] = {"sessions": total, "pause_s": pause, "era": "legacy"}
+    out: dict[str, Any] = {
+        "sessions": total,
+        "pause_s": pause,
+        "era": "legacy",
+        "max_concurrent": max(BURSTS),
+    }
     with tempfile.TemporaryDirectory(prefix="srt-perf-") as tmp:
         os.chmod(tmp, 0o711)
-        server = ours(Path(tmp), "bursts")
+        # (16 executions at once by default: a burst of 50 needs room for 50)
+        server = ours(Path(tmp), "bursts", SANDBOX_MAX_CONCURRENT=str(max(BURSTS)))
         try:
             for size in BURSTS:
                 got = asyncio.run(
