@@ -39,8 +39,8 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
-from contextlib import AsyncExitStack, ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +57,22 @@ Row = dict[str, Any]  # measure, value, target, met (None: no target, a referenc
 
 
 def row(measure: str, value: float, unit: str, target: str = "", met: bool | None = None) -> Row:
-    text = f"{value:.1f} {unit}".strip() if value == value else "n/a"  # (NaN: not measured)
+    if value != value:  # (NaN: not measured; the part's figures say why)
+        return {"measure": measure, "value": "n/a", "raw": None, "target": target, "met": None}
+    text = f"{value:.1f} {unit}".strip()
     return {"measure": measure, "value": text, "raw": value, "target": target, "met": met}
+
+
+@contextmanager
+def without_env(name: str) -> Iterator[None]:
+    """`name` out of os.environ meanwhile: 0.2's venv must import its own sandbox_runtime,
+    not the one a PYTHONPATH (a worktree's) puts first."""
+    kept = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if kept is not None:
+            os.environ[name] = kept
 
 
 def pct(values: list[float], q: float) -> float:
@@ -112,9 +126,9 @@ def measure_echo(opts: argparse.Namespace) -> dict[str, Any]:
             work = Path(tmp) / "earlier"
             work.mkdir()
             try:
-                targets["earlier"] = stack.enter_context(
-                    earlier_server(Path(opts.earlier_venv), TOKEN, work)
-                )
+                with without_env("PYTHONPATH"):
+                    started = earlier_server(Path(opts.earlier_venv), TOKEN, work)
+                    targets["earlier"] = stack.enter_context(started)
             except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
                 out["earlier_error"] = f"{type(exc).__name__}: {exc}"
         for label, target in targets.items():
@@ -143,6 +157,8 @@ def rows_echo(f: dict[str, Any]) -> list[Row]:
         rows.append(row(f"echo / floor no-op ({era})", ratio, "x", "<= 1.5x", ratio <= 1.5))
     earlier = f.get("earlier_legacy_p50_ms", nan)
     rows.append(row("echo p50, srt-mcp-server 0.2 (legacy)", earlier, "ms"))
+    if "earlier_error" in f:
+        rows[-1]["value"] = "did not start"
     speedup = earlier / f.get("ours_legacy_p50_ms", nan)
     rows.append(row("echo, 0.2 / ours (legacy)", speedup, "x", ">= 60x", speedup >= 60))
     return rows
