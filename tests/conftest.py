@@ -268,3 +268,25 @@ def built_environments(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from environments_harness import build_all, environments_dir
 
     return build_all(environments_dir(), tmp_path_factory.mktemp("env-builds"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a run's time goes, by module (scripts/test sets SRT_MODULE_DURATIONS=30): a module's
+# own set-up (its servers, its builds) is in its first test's setup time.
+# ---------------------------------------------------------------------------------------------
+
+_MODULE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    module = report.nodeid.split("::", 1)[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    top = int(os.environ.get("SRT_MODULE_DURATIONS") or 0)
+    if top <= 0 or not _MODULE_SECONDS:
+        return
+    terminalreporter.write_sep("=", f"slowest {top} modules (setup + call + teardown)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:top]:
+        terminalreporter.write_line(f"{seconds:9.1f}s {module}")

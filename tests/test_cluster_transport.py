@@ -41,7 +41,8 @@ from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.state.store import Beat, MemoryStore
 from sandbox_runtime.supervisor import Supervisor
 
-pytestmark = pytest.mark.unit
+# (A real uvicorn on a loopback port for each test: integration, out of the `-m unit` loop.)
+pytestmark = pytest.mark.integration
 
 SECRET = "the-cluster-secret-of-these-tests"
 OWNER = Owner("alice", "s:one")

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-pytestmark = pytest.mark.unit
+# (Each test starts a server process and waits out its hangs: integration, not `-m unit`.)
+pytestmark = pytest.mark.integration
 
 SERVERS = Path(__file__).resolve().parent / "hosted_servers"
 PYTHON = "/usr/bin/python3"

@@ -36,7 +36,9 @@ from sandbox_runtime.snapshots.stores import (
     StoreUnavailableError,
 )
 
-pytestmark = pytest.mark.unit
+# The directory store's tests are unit tests; the S3 store's talk HTTP to a server (moto's, a
+# process, or a socket that never answers): integration, out of the `-m unit` loop.
+UNIT, INTEGRATION = pytest.mark.unit, pytest.mark.integration
 
 TIMEOUT = 3.0
 BIG = Bounds(max_bytes=1 << 34, max_entries=100_000)
@@ -116,7 +118,9 @@ def s3_store(endpoint: str, bucket: str, prefix: str = "prefix") -> S3Store:
     return S3Store(url, endpoint=endpoint, region="us-east-1", timeout=TIMEOUT)
 
 
-@pytest.fixture(params=["directory", "s3"])
+@pytest.fixture(
+    params=[pytest.param("directory", marks=UNIT), pytest.param("s3", marks=INTEGRATION)]
+)
 def store(
     request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> ObjectStore:
@@ -284,6 +288,7 @@ async def test_a_put_is_seen_whole_or_not_at_all(store: ObjectStore) -> None:
     assert seen
 
 
+@INTEGRATION
 async def test_two_prefixes_of_one_bucket_do_not_see_each_other(
     moto: Moto, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -306,6 +311,7 @@ async def test_two_prefixes_of_one_bucket_do_not_see_each_other(
 # -- the directory store's own ---------------------------------------------------------------
 
 
+@UNIT
 async def test_directory_store_leaves_no_temp_files_in_sight(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path / "store", timeout=TIMEOUT)
     await store.put("v1/p/meta/a.json", b"{}")
@@ -336,6 +342,7 @@ def _other_filesystem(than: Path) -> Path | None:
     return None
 
 
+@UNIT
 async def test_directory_store_put_file_across_filesystems(tmp_path: Path) -> None:
     shm = _other_filesystem(tmp_path)
     if shm is None:
@@ -351,6 +358,7 @@ async def test_directory_store_put_file_across_filesystems(tmp_path: Path) -> No
         source.unlink(missing_ok=True)
 
 
+@UNIT
 async def test_directory_store_that_cannot_be_used_is_unavailable(tmp_path: Path) -> None:
     (tmp_path / "not-a-dir").write_bytes(b"")
     store = DirectoryStore(tmp_path / "not-a-dir", timeout=TIMEOUT)
@@ -360,6 +368,7 @@ async def test_directory_store_that_cannot_be_used_is_unavailable(tmp_path: Path
         await store.get("v1/p/meta/a", 10)
 
 
+@UNIT
 async def test_directory_store_that_does_not_answer_times_out(tmp_path: Path) -> None:
     """A read that blocks (a hung network filesystem; here a FIFO where an object should be)
     ends as StoreUnavailableError after the store's timeout."""
@@ -403,6 +412,7 @@ async def _all_unavailable(store: S3Store, tmp_path: Path) -> None:
         assert elapsed < TIMEOUT + 2.0, f"{elapsed:.1f} s: longer than the store's timeout"
 
 
+@INTEGRATION
 async def test_s3_store_down_is_unavailable_within_its_timeout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -418,6 +428,7 @@ async def test_s3_store_down_is_unavailable_within_its_timeout(
     await _all_unavailable(store, tmp_path)
 
 
+@INTEGRATION
 async def test_s3_store_on_a_closed_port_is_unavailable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -425,6 +436,7 @@ async def test_s3_store_on_a_closed_port_is_unavailable(
     await _all_unavailable(s3_store(f"http://127.0.0.1:{free_port()}", "nobody"), tmp_path)
 
 
+@INTEGRATION
 async def test_s3_store_that_never_answers_times_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

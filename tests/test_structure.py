@@ -4,6 +4,7 @@ enough to read, and one composition root. (The layers are checked by `lint-impor
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,16 @@ def product_modules() -> list[Path]:
     )
 
 
+@functools.cache
+def nodes_of(path: Path) -> tuple[ast.AST, ...]:
+    """Every node of a module, parsed once for all the tests here (parsing is their time)."""
+    return tuple(ast.walk(ast.parse(path.read_text(), str(path))))
+
+
 def calls_named(path: Path, names: set[str]) -> list[int]:
-    tree = ast.parse(path.read_text(), str(path))
     return [
         node.lineno
-        for node in ast.walk(tree)
+        for node in nodes_of(path)
         if isinstance(node, ast.Call)
         and (
             (isinstance(node.func, ast.Attribute) and node.func.attr in names)
