@@ -29,6 +29,7 @@ from sandbox_runtime.console import console_file, console_page
 from sandbox_runtime.e2b.app import PREFIX as E2B_PREFIX
 from sandbox_runtime.e2b.app import E2BApp
 from sandbox_runtime.server.auth import PlainAuthErrors, PrincipalTokenVerifier, no_registration
+from sandbox_runtime.server.dispatch import dispatch_fixed_tools
 from sandbox_runtime.server.environment_tools import register_environment_tools
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
@@ -158,6 +159,8 @@ def create_app(
             await make_portable(mcp)
             await _cache_input_schemas(mcp)
             await _cache_tool_list(mcp)
+            if settings.fast_dispatch:
+                await dispatch_fixed_tools(mcp)
             stack.push_async_callback(hosted.aclose)
             if e2b is not None:
                 e2b.start(services)
