@@ -95,6 +95,7 @@ async def dispatch_fixed_tools(mcp: FastMCP) -> list[str]:
         return await _call(mcp, errors, tool, ctx, params)
 
     mcp._mcp_server.add_request_handler("tools/call", mt.CallToolRequestParams, call_tool)
+    logger.info("tools/call: {} fixed tools on the direct path", len(tools))
     return sorted(tools)
 
 
