@@ -37,7 +37,9 @@ ECHO = ("execute_code", {"command": "echo hi"})
 DEFAULT_EARLIER_VENV = Path(tempfile.gettempdir()) / "srt-compat-02" / "ref"
 
 
-async def _latencies(url: str, era: str, calls: int, tool: str, args: dict[str, Any]) -> list[float]:
+async def _latencies(
+    url: str, era: str, calls: int, tool: str, args: dict[str, Any]
+) -> list[float]:
     """Seconds of each of `calls` sequential calls in one client (after 3 unmeasured)."""
     out = []
     async with client(url, era) as c:
@@ -58,8 +60,13 @@ async def _finished_execution(url: str) -> str:
         return str(result.structured_content["execution_id"])  # type: ignore[index]
 
 
-def run(calls: int = 200, rounds: int = 3, earlier: bool = False, quiet: bool = False,
-        earlier_venv: Path = DEFAULT_EARLIER_VENV) -> dict[str, Any]:  # fmt: skip
+def run(
+    calls: int = 200,
+    rounds: int = 3,
+    earlier: bool = False,
+    quiet: bool = False,
+    earlier_venv: Path = DEFAULT_EARLIER_VENV,
+) -> dict[str, Any]:
     """The figures (ms) by server and era: {"p50": {server: {era: ms}}, "status_p50", "cpu"
     (ours: ms of server CPU per echo call), "ratios"}; servers "floor", "lowlevel",
     "before" (ours, the library's dispatch), "after" (ours, the fast path), "earlier"."""
@@ -71,8 +78,9 @@ def run(calls: int = 200, rounds: int = 3, earlier: bool = False, quiet: bool = 
         os.chmod(tmp, 0o711)
         ours = {
             "after": Server(Path(tmp) / "after", None, "after", quiet, pool=True),
-            "before": Server(Path(tmp) / "before", None, "before", quiet, pool=True,
-                             SANDBOX_FAST_DISPATCH="false"),  # fmt: skip
+            "before": Server(
+                Path(tmp) / "before", None, "before", quiet, True, SANDBOX_FAST_DISPATCH="false"
+            ),
         }
         for server in ours.values():
             stack.callback(server.stop)
@@ -106,7 +114,9 @@ def run(calls: int = 200, rounds: int = 3, earlier: bool = False, quiet: bool = 
                     status.setdefault(label, {}).setdefault(era, []).extend(times)
 
     def p50(table: dict[str, dict[str, list[float]]]) -> dict[str, dict[str, float]]:
-        return {k: {e: statistics.median(v) * 1000 for e, v in row.items()} for k, row in table.items()}
+        return {
+            k: {e: statistics.median(v) * 1000 for e, v in row.items()} for k, row in table.items()
+        }
 
     out: dict[str, Any] = {"p50": p50(echo), "status_p50": p50(status), "cpu": cpu}
     ratios: dict[str, dict[str, float]] = {}
@@ -127,9 +137,12 @@ def run(calls: int = 200, rounds: int = 3, earlier: bool = False, quiet: bool = 
 
 def report(out: dict[str, Any]) -> None:
     p50, status, cpu = out["p50"], out["status_p50"], out["cpu"]
-    print(f"\n{'era':<7} {'floor no-op':>11} {'low-level':>9} {'echo before':>11} "
-          f"{'echo after':>10} {'CPU/call before/after':>21} {'status before/after':>19} "
-          f"{'echo/floor':>10} {'status/floor':>12}{'  0.2 echo  0.2/ours' if 'earlier' in p50 else ''}")  # fmt: skip
+    earlier = "  0.2 echo  0.2/ours" if "earlier" in p50 else ""
+    print(
+        f"\n{'era':<7} {'floor no-op':>11} {'low-level':>9} {'echo before':>11} "
+        f"{'echo after':>10} {'CPU/call before/after':>21} {'status before/after':>19} "
+        f"{'echo/floor':>10} {'status/floor':>12}{earlier}"
+    )
     for era in ERAS:
         r = out["ratios"][era]
         extra = ""
@@ -142,8 +155,10 @@ def report(out: dict[str, Any]) -> None:
             f"{status['before'][era]:>9.2f}/{status['after'][era]:<9.2f} "
             f"{r['echo_vs_floor']:>10.2f} {r['status_vs_floor']:>12.2f}{extra}"
         )
-    print("(ms, p50; echo = execute_code echo hi; status = get_execution_status, no sandbox; "
-          "targets: echo <= 1.5x the floor's no-op, >= 60x srt-mcp-server 0.2)")  # fmt: skip
+    print(
+        "(ms, p50; echo = execute_code echo hi; status = get_execution_status, no sandbox; "
+        "targets: echo <= 1.5x the floor's no-op, >= 60x srt-mcp-server 0.2)"
+    )
 
 
 def main() -> None:

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 from mcp.types import CallToolResult
-
 from mcp_harness import Conn, ServerProcess, open_client
 
 pytestmark = pytest.mark.e2e
@@ -51,8 +50,13 @@ def normal(value: Any, text: bool = False) -> Any:
     if isinstance(value, float):
         return "<float>"
     if isinstance(value, str):
-        for pattern, shown in ((_ID, "<id>"), (_PORT, "<host>"), (_SIG, r"\1=<x>"), (_EPOCH, "<t>"),
-                               (_SIGNED, "/files/<token>/")):
+        for pattern, shown in (
+            (_ID, "<id>"),
+            (_PORT, "<host>"),
+            (_SIG, r"\1=<x>"),
+            (_EPOCH, "<t>"),
+            (_SIGNED, "/files/<token>/"),
+        ):
             value = pattern.sub(shown, value)
         if text:
             value = _DIGITS.sub("#", value)
@@ -107,8 +111,9 @@ async def scenario(conn: Conn, era: str) -> dict[str, Any]:
     code = await conn.call("run_code_async", code="print(3)", session=s)
     out["run_code_async"] = whole(code)
     assert code.structured_content is not None, code
-    await record("run_code output", "get_execution_output",
-                 execution_id=code.structured_content["execution_id"], wait=True, session=s)  # fmt: skip
+    code_id = code.structured_content["execution_id"]
+    await record("run_code output", "get_execution_output", execution_id=code_id, wait=True,
+                 session=s)  # fmt: skip
     await record("languages", "list_languages", session=s)
     await record("restart", "restart_interpreter", session=s)
     await record("write", "write_file", path="a/b.txt", content="hello\n", session=s)

@@ -129,7 +129,7 @@ async def _call(
                 fastmcp_context=context,
             )
 
-            async def run(_: MiddlewareContext[mt.CallToolRequestParams]) -> ToolResult:
+            async def run(context: MiddlewareContext[mt.CallToolRequestParams]) -> ToolResult:
                 async with Context(fastmcp=mcp):  # (the library enters it again here)
                     return await _run(mcp, tool, name, arguments)
 
