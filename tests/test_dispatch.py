@@ -184,3 +184,23 @@ async def test_the_fast_path_serves_every_fixed_tool_and_logs_refusals_as_the_li
             await conn.error("get_execution_status", execution_id=5)
         log = server.log_since(offset)
         assert "Invalid arguments for tool 'get_execution_status'" in log, (label, log)
+
+
+@pytest.mark.parametrize("era", ERAS)
+async def test_a_session_path_binds_the_session_on_the_fast_path_as_on_the_library_s(
+    servers: dict[str, ServerProcess], era: str
+) -> None:
+    answers: dict[str, list[dict[str, Any]]] = {}
+    for label, server in servers.items():
+        url = f"{server.base_url}/s/bound-{era}/mcp"
+        async with open_client(url, TOKEN, era) as conn:  # type: ignore[arg-type]
+            answers[label] = [
+                whole(await conn.call("execute_code", command="echo bound")),
+                whole(await conn.call("list_executions", limit=1)),
+                whole(await conn.call("list_executions", session="elsewhere")),
+            ]
+    assert answers["fast"] == answers["library"]
+    ran, listed, refused = answers["fast"]
+    assert ran["structuredContent"]["session"] == f"bound-{era}"
+    assert listed["structuredContent"]["result"][0]["session"] == f"bound-{era}"
+    assert refused["isError"] and "bound to session" in refused["structuredContent"]["error"]
