@@ -114,24 +114,24 @@ async def _call(
             _library_log.debug(
                 f"[{mcp.name}] Handler called: call_tool %s with %s", name, arguments
             )
-        async with Context(fastmcp=mcp) as context:
+        async with Context(fastmcp=mcp) as outer:
             message = mt.CallToolRequestParams(
                 name=name,
                 arguments=arguments,
-                input_responses=context.input_responses,
-                request_state=context.request_state,
+                input_responses=outer.input_responses,
+                request_state=outer.request_state,
             )
             mw = MiddlewareContext[mt.CallToolRequestParams](
                 message=message,
                 source="client",
                 type="request",
                 method="tools/call",
-                fastmcp_context=context,
+                fastmcp_context=outer,
             )
 
             async def run(context: MiddlewareContext[mt.CallToolRequestParams]) -> ToolResult:
                 async with Context(fastmcp=mcp):  # (the library enters it again here)
-                    return await _run(mcp, tool, name, arguments)
+                    return await _run(mcp, tool, name, context.message.arguments or {})
 
             try:
                 with _dispatching_tool_call():
