@@ -182,8 +182,11 @@ async def test_the_fast_path_serves_every_fixed_tool_and_logs_refusals_as_the_li
         offset = server.log_size()
         async with open_client(server.url, TOKEN, "auto") as conn:
             await conn.error("get_execution_status", execution_id=5)
+            await conn.ok("execute_code", command="true", session="logged")
         log = server.log_since(offset)
         assert "Invalid arguments for tool 'get_execution_status'" in log, (label, log)
+        # The token's principal reached the tool (get_access_token() inside it), not anonymous.
+        assert "execution started principal=default " in log, (label, log)
 
 
 @pytest.mark.parametrize("era", ERAS)
