@@ -288,7 +288,9 @@ def ensure_earlier(venv: Path) -> Path:
 def earlier_server(venv: Path, token: str, work: Path) -> Iterator[Target]:
     server = ensure_earlier(venv)
     port = _free_port()
+    # (not PYTHONPATH: a checkout's sandbox_runtime on it would shadow 0.2's own)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDBOX_")}
+    env.pop("PYTHONPATH", None)
     env |= {
         "SANDBOX_AUTH_TOKEN": token,
         "SANDBOX_PORT": str(port),

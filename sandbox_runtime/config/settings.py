@@ -274,6 +274,11 @@ class Settings(BaseSettings):
         description="While a call waits for an execution, a progress notification at least "
         "this often (seconds), output or not, for callers that sent a progressToken.",
     )
+    fast_dispatch: bool = Field(
+        True,
+        description="Answer tools/call for the built-in tools without the MCP library's "
+        "per-call tool lookup (same results; ~0.3 ms less CPU a call). false: the library's.",
+    )
     retention_seconds: int = Field(
         3600, ge=1, description="How long finished executions are kept (also the Redis TTL)."
     )

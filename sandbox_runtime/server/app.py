@@ -32,6 +32,7 @@ from sandbox_runtime.server.audit_calls import AuditedCalls, AuditedFiles, refus
 from sandbox_runtime.server.auth import CallerVerifier, PlainAuthErrors, no_registration
 from sandbox_runtime.server.calls import ScopeCheck
 from sandbox_runtime.server.console_oauth import console_oauth
+from sandbox_runtime.server.dispatch import dispatch_fixed_tools
 from sandbox_runtime.server.environment_tools import register_environment_tools
 from sandbox_runtime.server.file_tools import register_file_tools
 from sandbox_runtime.server.files_http import CLUSTER_PREFIX, PUBLIC_PREFIX, FilesApp
@@ -176,6 +177,8 @@ def create_app(
             await make_portable(mcp)
             await _cache_input_schemas(mcp)
             await _cache_tool_list(mcp)
+            if settings.fast_dispatch:
+                await dispatch_fixed_tools(mcp)
             stack.push_async_callback(hosted.aclose)
             if verifier is not None:
                 stack.push_async_callback(verifier.aclose)

@@ -59,6 +59,10 @@ class AuditedCalls(Middleware):
     """One audit line per tools/call: outermost, so that it sees refusals of every kind
     (unknown tool, invalid arguments, domain errors) as the error results the caller gets."""
 
+    # Its hooks are per-method ones only (no on_message/on_request): the direct tools/call
+    # path (dispatch.py) runs its on_call_tool as the library would.
+    TOOL_CALL_HOOKS_ONLY = True
+
     def __init__(self, root: Root) -> None:
         self.root = root
         self.known: frozenset[str] | None = None  # the tools' names (fixed at startup)

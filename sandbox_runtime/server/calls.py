@@ -84,6 +84,10 @@ class ScopeCheck(Middleware):
     naming the scope. (The HTTP edge answers most refusals first with the spec's 403; this
     catches what it cannot read: a body past its limit.)"""
 
+    # Its hooks are per-method ones only (no on_message/on_request): the direct tools/call
+    # path (dispatch.py) runs its on_call_tool as the library would.
+    TOOL_CALL_HOOKS_ONLY = True
+
     def __init__(self, root: Root, policy: Policy | None = None) -> None:
         self.root = root
         self.policy = policy  # (for the refusal: which groups would give the scope)

@@ -183,6 +183,10 @@ class ErrorResults(Middleware):
     Also sets the call's text format and budget: its `response_format` and `max_chars`
     arguments, else the server's settings (SANDBOX_RESULT_TEXT, SANDBOX_RESULT_MAX_CHARS)."""
 
+    # Its hooks are per-method ones only (no on_message/on_request): the direct tools/call
+    # path (dispatch.py) runs its on_call_tool as the library would.
+    TOOL_CALL_HOOKS_ONLY = True
+
     def __init__(self, text: str = "concise", max_chars: int = 100_000) -> None:
         self.text = text
         self.max_chars = max_chars
