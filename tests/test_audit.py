@@ -126,6 +126,10 @@ async def test_one_line_per_call_with_who_what_and_how_and_no_secret(
     assert files[1]["bytes_in"] == len(f"{MARKER} uploaded")
     assert files[0]["token_id"].startswith("url-")
 
+    # (the lines above came from the direct tools/call path, server/dispatch.py, which runs
+    # the audit middleware as the library's path does)
+    assert "fixed tools on the direct path" in server.stderr_text()
+
     text = log.read_text()
     download_token = download["url"].split("/files/")[1].split("/")[0]
     upload_token = upload["url"].split("/files/")[1].split("/")[0]

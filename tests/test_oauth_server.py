@@ -226,6 +226,8 @@ async def test_a_body_too_large_to_read_at_the_edge_is_refused_by_the_tool_layer
     async with open_client(server.url, STATIC, mode="auto") as conn:
         text = await conn.error("write_file", path="big.txt", content="x" * 300_000)
         assert "insufficient scope" in text and "'sandbox:files'" in text
+        # (refused by ScopeCheck on the direct tools/call path, server/dispatch.py)
+        assert "fixed tools on the direct path" in server.stderr_text()
         with pytest.raises(MCPError, match="'sandbox:files'"):  # (the edge's 403, as shown)
             await conn.call("write_file", path="small.txt", content="x")
 
