@@ -16,6 +16,7 @@ from typing import Any
 import httpx2
 import jwt
 
+from sandbox_runtime.domain.owner import DEFAULT_SESSION, Owner, valid_owner
 from sandbox_runtime.oauth.issuers import ALGORITHMS, Issuers, IssuerUnavailableError
 from sandbox_runtime.oauth.metadata import ResourceMetadata
 
@@ -158,10 +159,13 @@ class OAuthVerifier:
         principal = claims.get(self.principal_claim)
         if isinstance(principal, list) and principal and isinstance(principal[0], str):
             principal = principal[0]  # (a group claim as the principal: its first group)
-        if not isinstance(principal, str) or not principal or len(principal) > 256:
+        # (a principal names keys, principal:session in the cluster's store, and log lines:
+        # the rule the placement queue checks, so that none collides with another's)
+        if not isinstance(principal, str) or not valid_owner(Owner(principal, DEFAULT_SESSION)):
             raise TokenRefusedError(
                 f"the token has no usable {self.principal_claim!r} claim to name its principal "
-                "(SANDBOX_OAUTH_PRINCIPAL_CLAIM)"
+                "(1-256 printable characters, no ':' or ','; SANDBOX_OAUTH_PRINCIPAL_CLAIM names "
+                "the claim, e.g. sub, email or preferred_username)"
             )
         jti = claims.get("jti")
         if isinstance(jti, str) and 0 < len(jti) <= 128 and jti.isprintable():
@@ -207,7 +211,7 @@ class OAuthVerifier:
             if answer is None:
                 problems.append(f"{endpoint} did not answer")
                 continue
-            if not answer.get("active"):
+            if answer.get("active") is not True:  # (RFC 7662: a boolean; "false" is truthy)
                 continue
             if answer.get("iss") is not None and self.issuers.find(answer["iss"]) is not issuer:
                 continue
