@@ -3,10 +3,15 @@ over real HTTP: what an adversarial review of the OAuth work found."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from issuer_harness import Issuer, serve_issuer
+from issuer_harness import Issuer, new_key, serve_issuer
 
 from sandbox_runtime.oauth.issuers import Issuers
 from sandbox_runtime.oauth.metadata import ResourceMetadata
@@ -78,3 +83,95 @@ async def test_a_principal_name_the_owner_keys_cannot_hold_is_refused(
         assert (await verifier.verify(fine)).principal == "alice@example.com"
     finally:
         await verifier.aclose()
+
+
+@contextlib.contextmanager
+def trickling_issuer(jwks: bool = True) -> Iterator[str]:
+    """An issuer whose metadata is fine and whose introspection answers (and JWKS, with
+    `jwks`) come a byte every 0.2 s, without end."""
+    stop = threading.Event()
+    served: dict[str, str] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/.well-known/openid-configuration":
+                url = served["url"]
+                body = json.dumps(
+                    {"issuer": url, "jwks_uri": url + "/jwks", "introspection_endpoint": url}
+                )
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+                return
+            if not jwks:
+                self.send_response(200)
+                self.send_header("content-length", "12")
+                self.end_headers()
+                self.wfile.write(b'{"keys": []}')
+                return
+            self.trickle()
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("content-length") or 0))
+            self.trickle()
+
+        def trickle(self) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"keys": [')
+            with contextlib.suppress(OSError):
+                while not stop.wait(0.2):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    served["url"] = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield served["url"]
+    finally:
+        stop.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+async def test_a_jwks_that_trickles_is_given_up_within_the_timeout() -> None:
+    """An issuer (or what sits before it) that sends its JWKS a few bytes at a time: each read
+    comes within the read timeout, the whole never. The fetch holds the issuer's lock, which
+    every request waits for once the keys are stale: it must end within the timeout."""
+    with trickling_issuer() as url:
+        metadata = ResourceMetadata(RESOURCE, [url], [])
+        verifier = OAuthVerifier(Issuers([url], cache_seconds=300, timeout=1.0), metadata)
+        issuer = Issuer(url=url, keys=[new_key()])
+        try:
+            started = time.monotonic()
+            reason = await refused(verifier, issuer.token(audience=RESOURCE))
+            took = time.monotonic() - started
+            assert "cannot be fetched" in reason and took < 5, (took, reason)
+        finally:
+            await verifier.aclose()
+
+
+async def test_an_introspection_answer_that_trickles_is_given_up() -> None:
+    with trickling_issuer(jwks=False) as url:
+        metadata = ResourceMetadata(RESOURCE, [url], [])
+        verifier = OAuthVerifier(
+            Issuers([url], cache_seconds=300, timeout=1.0),
+            metadata,
+            introspection=("rs", "secret"),
+        )
+        try:
+            started = time.monotonic()
+            reason = await refused(verifier, "opaque-token")
+            took = time.monotonic() - started
+            assert "did not answer" in reason and took < 15, (took, reason)
+        finally:
+            await verifier.aclose()

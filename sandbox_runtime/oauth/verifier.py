@@ -5,6 +5,7 @@ fit for RFC 6750's error_description (never the token)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -22,6 +23,8 @@ from sandbox_runtime.oauth.metadata import ResourceMetadata
 
 LEEWAY = 30  # seconds of clock skew tolerated on exp, nbf and iat
 INTROSPECTION_CACHE_SECONDS = 30.0
+INTROSPECTION_SECONDS = 10.0  # for a whole introspection answer
+MAX_ANSWER = 256 * 1024  # bytes of an introspection answer read
 JWT_CACHE_SECONDS = 60.0
 CACHE_SIZE = 4096  # entries of each cache
 MAX_GROUPS = 256
@@ -230,18 +233,25 @@ class OAuthVerifier:
     async def _post(self, endpoint: str, token: str, basic: str) -> dict[str, Any] | None:
         if self._client is None:
             self._client = httpx2.AsyncClient(timeout=5.0, follow_redirects=False)
+        form = {"token": token, "token_type_hint": "access_token"}
+        headers = {"authorization": f"Basic {basic}", "accept": "application/json"}
+        body = b""
         try:
-            response = await self._client.post(
-                endpoint,
-                data={"token": token, "token_type_hint": "access_token"},
-                headers={"authorization": f"Basic {basic}", "accept": "application/json"},
-            )
-        except httpx2.HTTPError:
-            return None
-        if response.status_code != 200 or len(response.content) > 256 * 1024:
+            # (bounded in bytes and in time as a whole: the client's timeout is per read)
+            async with (
+                asyncio.timeout(INTROSPECTION_SECONDS),
+                self._client.stream("POST", endpoint, data=form, headers=headers) as response,
+            ):
+                if response.status_code != 200:
+                    return None
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_ANSWER:
+                        return None
+        except (httpx2.HTTPError, TimeoutError):
             return None
         try:
-            answer = json.loads(response.content)
+            answer = json.loads(body)
         except ValueError:
             return None
         return answer if isinstance(answer, dict) else None
