@@ -146,7 +146,11 @@ async def test_a_caller_cannot_make_its_line_huge_or_carry_content(
     raw = log.read_text().splitlines()[before:]
     assert len(raw) == 1 and len(raw[0]) < 2000, len(raw[0])
     line = json.loads(raw[0])
-    assert (line["tool"], line["session"], line["outcome"]) == ("execute_code", "(invalid)", "invalid")
+    assert (line["tool"], line["session"], line["outcome"]) == (
+        "execute_code",
+        "(invalid)",
+        "invalid",
+    )
     assert MARKER not in raw[0]
 
 

@@ -28,11 +28,11 @@ from sandbox_runtime.domain.identity import UNNAMED, token_id
 from sandbox_runtime.e2b import wire
 from sandbox_runtime.e2b.control import ControlPlane, principal_of
 from sandbox_runtime.e2b.envd import Envd
-from sandbox_runtime.oauth.policy import load_policy, refusal_text
-from sandbox_runtime.oauth.scopes import EXECUTE
 from sandbox_runtime.e2b.files import SPOOL_DIR
 from sandbox_runtime.e2b.interpreter import CodeInterpreter
 from sandbox_runtime.e2b.lifecycle import Sandboxes
+from sandbox_runtime.oauth.policy import load_policy, refusal_text
+from sandbox_runtime.oauth.scopes import EXECUTE
 
 PREFIX = "/e2b"
 
