@@ -175,3 +175,15 @@ async def test_an_introspection_answer_that_trickles_is_given_up() -> None:
             assert "did not answer" in reason and took < 15, (took, reason)
         finally:
             await verifier.aclose()
+
+
+async def test_an_introspection_answer_without_an_audience_is_refused(issuer: Issuer) -> None:
+    """The token must be for this server (MCP: no token passthrough): an answer that names no
+    audience could be for any API of the provider, as a JWT without `aud` is refused."""
+    verifier = make_verifier(issuer, introspection=True)
+    try:
+        assert "audience" in await refused(verifier, issuer.opaque_token(sub="bob"))
+        other = issuer.opaque_token(sub="bob", aud=["https://other.example.com", RESOURCE])
+        assert (await verifier.verify(other)).principal == "bob"
+    finally:
+        await verifier.aclose()

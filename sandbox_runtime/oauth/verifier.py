@@ -221,8 +221,7 @@ class OAuthVerifier:
             exp = answer.get("exp")
             if isinstance(exp, int | float) and exp + LEEWAY < time.time():
                 raise TokenRefusedError("the token has expired")
-            if answer.get("aud") is not None:
-                self._check_audience(answer.get("aud"))
+            self._check_audience(answer.get("aud"))  # (none named: not ours to take)
             verified = self._verified(answer, "introspected", issuer.issuer, token)
             _remember(self._introspected, digest, verified, INTROSPECTION_CACHE_SECONDS)
             return verified
