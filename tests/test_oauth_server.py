@@ -366,3 +366,16 @@ def post_initialize_at(url: str, token: str) -> str:
     )
     assert response.status_code == 200, response.text
     return str(response.headers["mcp-session-id"])
+
+
+async def test_code_mode_with_every_server_reaches_only_those_the_scopes_cover(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    """servers=["*"] with servers:* but not github's required_scope (github:write): the
+    bridge shows time, not github (as list_servers and /servers/github/mcp refuse it)."""
+    token = issuer.token(audience=server.url, sub="dee", groups=["devs"])
+    code = "import mcp_servers\nprint(sorted(s['name'] for s in mcp_servers.servers()))"
+    async with open_client(server.url, token, mode="auto") as conn:
+        ran = await conn.ok("execute_code", command=f'python3 -c "{code}"', servers=["*"])
+    printed = "".join(e["data"] for e in ran["output"] if e["type"] == "stdout")
+    assert printed.strip() == "['time']", ran
