@@ -377,5 +377,7 @@ async def test_code_mode_with_every_server_reaches_only_those_the_scopes_cover(
     code = "import mcp_servers\nprint(sorted(s['name'] for s in mcp_servers.servers()))"
     async with open_client(server.url, token, mode="auto") as conn:
         ran = await conn.ok("execute_code", command=f'python3 -c "{code}"', servers=["*"])
+        text = await conn.error("execute_code", command="true", servers=["*", "github"])
+        assert "'github:write'" in text
     printed = "".join(e["data"] for e in ran["output"] if e["type"] == "stdout")
     assert printed.strip() == "['time']", ran
