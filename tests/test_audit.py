@@ -137,6 +137,27 @@ async def test_one_line_per_call_with_who_what_and_how_and_no_secret(
         assert secret not in text
 
 
+async def test_a_caller_cannot_make_its_line_huge_or_carry_content(
+    server: ServerProcess, audit_dir: Path
+) -> None:
+    """A session argument is the caller's text: 200 KB of it (with a marker) is refused by the
+    tool, and its line says the session was invalid, neither the text nor 200 KB."""
+    log = audit_dir / "audit.log"
+    before = len(lines_of(log))
+    async with open_client(server.url, ALICE) as alice:
+        await alice.error("execute_code", command="true", session=MARKER + "x" * 200_000)
+    await eventually(lambda: len(lines_of(log)) > before, 10, "the call's line")
+    raw = log.read_text().splitlines()[before:]
+    assert len(raw) == 1 and len(raw[0]) < 2000, len(raw[0])
+    line = json.loads(raw[0])
+    assert (line["tool"], line["session"], line["outcome"]) == (
+        "execute_code",
+        "(invalid)",
+        "invalid",
+    )
+    assert MARKER not in raw[0]
+
+
 async def test_the_cli_filters_by_principal_tool_session_outcome_and_time(
     server: ServerProcess, audit_dir: Path
 ) -> None:

@@ -302,3 +302,84 @@ def test_a_bad_policy_file_stops_the_start_in_one_line(tmp_path: Path) -> None:
         "(known: sandbox:execute, sandbox:files, snapshots, servers:<name>, servers:*, *) "
         "(SANDBOX_POLICY_FILE)"
     )
+
+
+def test_a_call_the_edge_reads_otherwise_than_the_tools_is_still_refused(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    """What a hostile client tries so that the edge's peek sees another call than the tool
+    layer: a duplicate `name` key, unicode escapes, a batch, a chunked body, the session
+    path. Each is refused (403 at the edge, or a tool error naming the scope), none runs."""
+    token = issuer.token(audience=server.url, sub="cy")
+    sid = initialize(server, token)
+    headers = {
+        "content-type": "application/json",
+        "accept": BOTH,
+        "authorization": f"Bearer {token}",
+        "mcp-session-id": sid,
+        "mcp-protocol-version": LEGACY,
+    }
+    run = '{"command": "echo PWN\'\'ED"}'  # (prints PWNED; the request does not hold it)
+    bodies = [
+        '{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"list_snapshots",'
+        '"name":"execute_code","arguments":' + run + "}}",
+        '{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"\\u0065xecute_code",'
+        '"arguments":' + run + "}}",
+        '[{"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"execute_code",'
+        '"arguments":' + run + "}}]",
+    ]
+    for body in bodies:
+        response = httpx2.post(server.url, content=body, headers=headers, timeout=30)
+        assert "PWNED" not in response.text, body
+        assert response.status_code >= 400 or "sandbox:execute" in response.text, response.text
+
+    def chunks() -> Iterator[bytes]:
+        yield bodies[1][:40].encode()
+        yield bodies[1][40:].encode()
+
+    response = httpx2.post(server.url, content=chunks(), headers=headers, timeout=30)
+    assert "PWNED" not in response.text and "sandbox:execute" in response.text
+    at_session = server.url.replace("/mcp", "/s/work/mcp")
+    session_headers = {k: v for k, v in headers.items() if k != "mcp-session-id"}
+    sid = post_initialize_at(at_session, token)
+    response = httpx2.post(
+        at_session,
+        content=bodies[1],
+        headers={**session_headers, "mcp-session-id": sid},
+        timeout=30,
+    )
+    assert response.status_code == 403 and "sandbox:execute" in response.text
+
+
+def post_initialize_at(url: str, token: str) -> str:
+    body = {
+        "jsonrpc": "2.0",
+        "id": 0,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": LEGACY,
+            "capabilities": {},
+            "clientInfo": {"name": "raw", "version": "0"},
+        },
+    }
+    headers = {"content-type": "application/json", "accept": BOTH}
+    response = httpx2.post(
+        url, json=body, headers={**headers, "authorization": f"Bearer {token}"}, timeout=30
+    )
+    assert response.status_code == 200, response.text
+    return str(response.headers["mcp-session-id"])
+
+
+async def test_code_mode_with_every_server_reaches_only_those_the_scopes_cover(
+    server: ServerProcess, issuer: Issuer
+) -> None:
+    """servers=["*"] with servers:* but not github's required_scope (github:write): the
+    bridge shows time, not github (as list_servers and /servers/github/mcp refuse it)."""
+    token = issuer.token(audience=server.url, sub="dee", groups=["devs"])
+    code = "import mcp_servers\nprint(sorted(s['name'] for s in mcp_servers.servers()))"
+    async with open_client(server.url, token, mode="auto") as conn:
+        ran = await conn.ok("execute_code", command=f'python3 -c "{code}"', servers=["*"])
+        text = await conn.error("execute_code", command="true", servers=["*", "github"])
+        assert "'github:write'" in text
+    printed = "".join(e["data"] for e in ran["output"] if e["type"] == "stdout")
+    assert printed.strip() == "['time']", ran

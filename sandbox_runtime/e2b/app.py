@@ -31,6 +31,8 @@ from sandbox_runtime.e2b.envd import Envd
 from sandbox_runtime.e2b.files import SPOOL_DIR
 from sandbox_runtime.e2b.interpreter import CodeInterpreter
 from sandbox_runtime.e2b.lifecycle import Sandboxes
+from sandbox_runtime.oauth.policy import load_policy, refusal_text
+from sandbox_runtime.oauth.scopes import EXECUTE
 
 PREFIX = "/e2b"
 
@@ -43,6 +45,11 @@ class E2BApp:
         self.root = root
         self.files = files
         self.tokens = settings.tokens()
+        # With OAuth sign-in, the E2B API's keys are the static tokens alone: none configured
+        # means no key works (not the open loopback server's "any key is `default`"), and a
+        # key's principal needs the policy's sandbox:execute, as on /mcp.
+        self.closed = not self.tokens and bool(settings.oauth_issuers())
+        self.policy = load_policy(settings.policy_file) if settings.policy_file else None
         self.sandboxes: Sandboxes | None = None
         self.control: ControlPlane | None = None
         self.envd: Envd | None = None
@@ -113,13 +120,18 @@ class E2BApp:
         if sandbox_id is None:
             if path == "/health" and request.method == "GET":
                 return JSONResponse({"status": "ok"})
-            principal = principal_of(request, self.tokens)
+            principal = None if self.closed else principal_of(request, self.tokens)
             if principal is None:
                 return wire.error(
                     401,
                     "invalid API key: send one of this server's tokens as X-API-KEY "
-                    "(E2B_API_KEY; `srt-mcp-server token new --e2b` makes one)",
+                    "(E2B_API_KEY; `srt-mcp-server token new --e2b` makes one, for "
+                    "SANDBOX_AUTH_TOKENS; OAuth access tokens are not E2B keys)",
                 )
+            if self.policy is not None:
+                scopes = self.policy.scopes_of(principal, self.policy.groups_of(principal))
+                if scopes is not None and EXECUTE not in scopes:
+                    return wire.error(403, refusal_text(EXECUTE, principal, self.policy))
             bearer = request.headers.get("authorization", "").partition(" ")[2].strip()
             request.state.caller = (principal, request.headers.get("x-api-key") or bearer, None)
             return await self.control(request, path, principal)

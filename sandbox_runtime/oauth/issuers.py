@@ -173,14 +173,14 @@ class Issuers:
         if self._client is None:
             self._client = httpx2.AsyncClient(timeout=self.timeout, follow_redirects=False)
         try:
-            async with self._client.stream("GET", url, headers={"accept": "application/json"}) as r:
-                if r.status_code != 200:
-                    raise IssuerUnavailableError(f"{url} answered {r.status_code}")
-                body = b""
-                async for chunk in r.aiter_bytes():
-                    body += chunk
-                    if len(body) > MAX_DOCUMENT:
-                        raise IssuerUnavailableError(f"{url}: more than {MAX_DOCUMENT} bytes")
+            # (the client's timeout is per read: an answer that trickles in would hold the
+            # issuer's lock, which every request waits for once the keys are stale, for ever)
+            async with asyncio.timeout(self.timeout * 2):
+                body = await self._read(url)
+        except TimeoutError:
+            raise IssuerUnavailableError(
+                f"{url}: no whole answer within {self.timeout * 2:g} s"
+            ) from None
         except httpx2.HTTPError as exc:
             raise IssuerUnavailableError(f"{url}: {type(exc).__name__}: {exc}") from None
         try:
@@ -190,6 +190,18 @@ class Issuers:
         if not isinstance(document, dict):
             raise IssuerUnavailableError(f"{url} did not answer a JSON object")
         return document
+
+    async def _read(self, url: str) -> bytes:
+        assert self._client is not None
+        async with self._client.stream("GET", url, headers={"accept": "application/json"}) as r:
+            if r.status_code != 200:
+                raise IssuerUnavailableError(f"{url} answered {r.status_code}")
+            body = b""
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > MAX_DOCUMENT:
+                    raise IssuerUnavailableError(f"{url}: more than {MAX_DOCUMENT} bytes")
+        return body
 
 
 def _pick(keys: dict[str, Key], kid: str | None, alg: str) -> Key | None:

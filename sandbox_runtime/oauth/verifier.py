@@ -5,6 +5,7 @@ fit for RFC 6750's error_description (never the token)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import json
@@ -16,11 +17,14 @@ from typing import Any
 import httpx2
 import jwt
 
+from sandbox_runtime.domain.owner import DEFAULT_SESSION, Owner, valid_owner
 from sandbox_runtime.oauth.issuers import ALGORITHMS, Issuers, IssuerUnavailableError
 from sandbox_runtime.oauth.metadata import ResourceMetadata
 
 LEEWAY = 30  # seconds of clock skew tolerated on exp, nbf and iat
 INTROSPECTION_CACHE_SECONDS = 30.0
+INTROSPECTION_SECONDS = 10.0  # for a whole introspection answer
+MAX_ANSWER = 256 * 1024  # bytes of an introspection answer read
 JWT_CACHE_SECONDS = 60.0
 CACHE_SIZE = 4096  # entries of each cache
 MAX_GROUPS = 256
@@ -158,10 +162,13 @@ class OAuthVerifier:
         principal = claims.get(self.principal_claim)
         if isinstance(principal, list) and principal and isinstance(principal[0], str):
             principal = principal[0]  # (a group claim as the principal: its first group)
-        if not isinstance(principal, str) or not principal or len(principal) > 256:
+        # (a principal names keys, principal:session in the cluster's store, and log lines:
+        # the rule the placement queue checks, so that none collides with another's)
+        if not isinstance(principal, str) or not valid_owner(Owner(principal, DEFAULT_SESSION)):
             raise TokenRefusedError(
                 f"the token has no usable {self.principal_claim!r} claim to name its principal "
-                "(SANDBOX_OAUTH_PRINCIPAL_CLAIM)"
+                "(1-256 printable characters, no ':' or ','; SANDBOX_OAUTH_PRINCIPAL_CLAIM names "
+                "the claim, e.g. sub, email or preferred_username)"
             )
         jti = claims.get("jti")
         if isinstance(jti, str) and 0 < len(jti) <= 128 and jti.isprintable():
@@ -207,15 +214,14 @@ class OAuthVerifier:
             if answer is None:
                 problems.append(f"{endpoint} did not answer")
                 continue
-            if not answer.get("active"):
+            if answer.get("active") is not True:  # (RFC 7662: a boolean; "false" is truthy)
                 continue
             if answer.get("iss") is not None and self.issuers.find(answer["iss"]) is not issuer:
                 continue
             exp = answer.get("exp")
             if isinstance(exp, int | float) and exp + LEEWAY < time.time():
                 raise TokenRefusedError("the token has expired")
-            if answer.get("aud") is not None:
-                self._check_audience(answer.get("aud"))
+            self._check_audience(answer.get("aud"))  # (none named: not ours to take)
             verified = self._verified(answer, "introspected", issuer.issuer, token)
             _remember(self._introspected, digest, verified, INTROSPECTION_CACHE_SECONDS)
             return verified
@@ -226,18 +232,25 @@ class OAuthVerifier:
     async def _post(self, endpoint: str, token: str, basic: str) -> dict[str, Any] | None:
         if self._client is None:
             self._client = httpx2.AsyncClient(timeout=5.0, follow_redirects=False)
+        form = {"token": token, "token_type_hint": "access_token"}
+        headers = {"authorization": f"Basic {basic}", "accept": "application/json"}
+        body = b""
         try:
-            response = await self._client.post(
-                endpoint,
-                data={"token": token, "token_type_hint": "access_token"},
-                headers={"authorization": f"Basic {basic}", "accept": "application/json"},
-            )
-        except httpx2.HTTPError:
-            return None
-        if response.status_code != 200 or len(response.content) > 256 * 1024:
+            # (bounded in bytes and in time as a whole: the client's timeout is per read)
+            async with (
+                asyncio.timeout(INTROSPECTION_SECONDS),
+                self._client.stream("POST", endpoint, data=form, headers=headers) as response,
+            ):
+                if response.status_code != 200:
+                    return None
+                async for chunk in response.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_ANSWER:
+                        return None
+        except (httpx2.HTTPError, TimeoutError):
             return None
         try:
-            answer = json.loads(response.content)
+            answer = json.loads(body)
         except ValueError:
             return None
         return answer if isinstance(answer, dict) else None

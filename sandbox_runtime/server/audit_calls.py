@@ -25,13 +25,14 @@ from sandbox_runtime.app.services import Root
 from sandbox_runtime.audit.log import AuditLog, now
 from sandbox_runtime.audit.records import argument_sizes, clip, who
 from sandbox_runtime.domain.identity import ANONYMOUS, Identity, identity_of, token_id
-from sandbox_runtime.domain.owner import session_name
+from sandbox_runtime.domain.owner import SESSION_RE, session_name
 from sandbox_runtime.server.files_http import GRANT_KEY
 from sandbox_runtime.server.session_path import SCOPE_KEY as SESSION_KEY
 
 # Where the hosted endpoint puts the caller's Identity in the request's scope.
 IDENTITY_KEY = "srt.identity"
 UNKNOWN_TOOL = "(unknown)"
+INVALID = "(invalid)"
 
 _record: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar(
     "srt_audit_record", default=None
@@ -90,7 +91,7 @@ class AuditedCalls(Middleware):
             "event": "tool_call",
             **who(caller()),
             "tool": await self._tool(context),
-            "session": session if isinstance(session, str) else "default",
+            "session": _named(session),
             "execution_id": None,
             "outcome": "internal",
             "duration_ms": 0.0,
@@ -142,7 +143,7 @@ def refused_call(
                 "event": "tool_call",
                 **who(identity),
                 "tool": clip(name) if isinstance(name, str) else UNKNOWN_TOOL,
-                "session": session if isinstance(session, str) else "default",
+                "session": _named(session),
                 "execution_id": None,
                 "outcome": "scope",
                 "duration_ms": 0.0,
@@ -202,6 +203,14 @@ class AuditedFiles:
                 "bytes_out": counts["sent"],
             }
             audit.write(record)
+
+
+def _named(session: Any) -> str:
+    """A session argument as a line keeps it: a valid name, else `(invalid)` (it is the
+    caller's text: not its contents, nor its size, belong in the line)."""
+    if session is None:
+        return "default"
+    return session if isinstance(session, str) and SESSION_RE.fullmatch(session) else INVALID
 
 
 def _session(session_id: str | None) -> str | None:

@@ -98,7 +98,9 @@ class ScopeCheck(Middleware):
         self._require(tool_scope(name))
         servers = args.get("servers")
         if isinstance(servers, list) and servers:
-            self._require_servers([s for s in servers if isinstance(s, str)])
+            named = self._require_servers([s for s in servers if isinstance(s, str)])
+            if named is not None:  # ("*": those the scopes cover, not all the catalog's)
+                args["servers"] = named
         return await call_next(context)
 
     async def on_read_resource(self, context: MiddlewareContext[Any], call_next: Any) -> Any:
@@ -113,18 +115,32 @@ class ScopeCheck(Middleware):
         if not identity.allows(needed):
             raise ToolFailure(refusal_text(needed, identity.principal, self.policy), "scope")
 
-    def _require_servers(self, names: list[str]) -> None:
-        """Code mode: each named server's scope; `*` only with every server's (servers:*)."""
+    def _require_servers(self, names: list[str]) -> list[str] | None:
+        """Code mode: each named server's scope; `*` only with servers:*, and then it stands
+        for the servers whose scopes the caller has (an entry's own required_scope is not
+        covered by servers:*): the names to use instead (None: as given)."""
         token = get_access_token()
-        if token is None or identity_of(token.claims, token.client_id).scopes is None:
-            return
-        if "*" in names:
+        if token is None:
+            return None
+        identity = identity_of(token.claims, token.client_id)
+        if identity.scopes is None:
+            return None
+        every = "*" in names
+        if every:
             self._require(server_scope("*"))
-            return
         catalog = self.root.services.servers.catalog() if self.root.running else None
-        for name in names:
+        named = [n for n in names if n != "*"]
+        for name in named:
             entry = catalog.get(name) if catalog is not None else None
             self._require(server_scope(name, entry.required_scope if entry else None))
+        if not every or catalog is None:
+            return None
+        covered = [
+            e.name
+            for e in catalog.for_principal(token.client_id)
+            if identity.allows(server_scope(e.name, e.required_scope))
+        ]
+        return list(dict.fromkeys([*named, *covered]))
 
 
 def may_use_server(name: str, required_scope: str = "") -> bool:
