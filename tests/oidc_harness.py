@@ -6,10 +6,13 @@ access tokens with `aud` = the resource asked for) and introspection.
 
 The tests play the person at the browser: `Provider.login` follows an authorization URL
 through the provider's sign-in and consent as a chosen user, over plain HTTP, and hands back
-the redirect to the client with the code in it."""
+the redirect to the client with the code in it. `signed_in` is the official Python SDK's
+OAuthClientProvider driven that way."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -17,7 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,12 @@ from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import httpx2
 import pytest
-from mcp_harness import ROOT, free_port
+from mcp import Client
+from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared._httpx_utils import create_mcp_http_client
+from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
+from mcp_harness import ROOT, Conn, free_port
 
 PROVIDER_SCRIPT = ROOT / "tests/clients/oauth/provider.mjs"
 INTROSPECTOR_ID = "srt-introspect"
@@ -201,3 +209,75 @@ def running_provider(workdir: Path, max_seconds: int = 1800) -> Iterator[Provide
             proc.wait(10)
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+# --- the official Python SDK signing in ---------------------------------------------------------
+
+
+class Memory:
+    """The SDK's TokenStorage, in memory: one client registration and its tokens."""
+
+    def __init__(self) -> None:
+        self.tokens: OAuthToken | None = None
+        self.client: OAuthClientInformationFull | None = None
+
+    async def get_tokens(self) -> OAuthToken | None:
+        return self.tokens
+
+    async def set_tokens(self, tokens: OAuthToken) -> None:
+        self.tokens = tokens
+
+    async def get_client_info(self) -> OAuthClientInformationFull | None:
+        return self.client
+
+    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
+        self.client = client_info
+
+
+@contextlib.asynccontextmanager
+async def signed_in(
+    url: str, provider: Provider, user: str, mode: str = "auto", storage: Memory | None = None
+) -> AsyncIterator[tuple[Conn, Memory, list[str]]]:
+    """The official Python client with the SDK's OAuthClientProvider, `user` signing in when
+    the server asks: the open connection, its storage (client registration, tokens; given: a
+    client restarted with what it stored) and the authorization URLs the SDK sent the
+    "browser" to."""
+    storage = storage or Memory()
+    sent_to: list[str] = []
+    landed: dict[str, str] = {}
+
+    async def redirect_handler(authorize_url: str) -> None:
+        sent_to.append(authorize_url)
+        landed.update(code_of(await asyncio.to_thread(provider.login, authorize_url, user)))
+
+    async def callback_handler() -> AuthorizationCodeResult:
+        assert "code" in landed, f"the provider sent no code back: {landed}"
+        return AuthorizationCodeResult(
+            code=landed["code"], state=landed.get("state"), iss=landed.get("iss")
+        )
+
+    auth = OAuthClientProvider(
+        url,
+        OAuthClientMetadata(
+            client_name="srt-tests (Python SDK)",
+            redirect_uris=["http://127.0.0.1:3030/callback"],  # (never reached: see login)
+            grant_types=["authorization_code", "refresh_token"],
+            token_endpoint_auth_method="none",
+        ),
+        storage,
+        redirect_handler=redirect_handler,
+        callback_handler=callback_handler,
+    )
+    async with create_mcp_http_client(auth=auth) as http:
+        transport = streamable_http_client(url, http_client=http)
+        async with Client(transport, mode=mode) as client:  # type: ignore[arg-type]
+            await client.list_tools()
+            yield Conn(client, mode, {}), storage, sent_to  # type: ignore[arg-type]
+
+
+def claims_of(token: str) -> dict[str, Any]:
+    payload = token.split(".")[1]
+    decoded: dict[str, Any] = json.loads(
+        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+    )
+    return decoded

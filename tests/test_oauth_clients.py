@@ -7,7 +7,6 @@ sees only their own sessions."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
@@ -16,27 +15,24 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx2
 import pytest
-from mcp import Client
-from mcp.client.auth import AuthorizationCodeResult, OAuthClientProvider
-from mcp.client.streamable_http import streamable_http_client
-from mcp.shared._httpx_utils import create_mcp_http_client
-from mcp.shared.auth import OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
 from mcp.shared.exceptions import MCPError
-from mcp_harness import MODERN_PROTOCOL, ROOT, Conn, ServerProcess, Servers, eventually, free_port
+from mcp_harness import MODERN_PROTOCOL, ROOT, ServerProcess, Servers, eventually, free_port
 from oidc_harness import (
     Provider,
+    claims_of,
     code_of,
     linked_beside,
     missing,
     node22,
     oauth_clients,
     running_provider,
+    signed_in,
 )
 
 pytestmark = pytest.mark.e2e
@@ -81,76 +77,6 @@ def server(
     return oauth_server(serve, workdir, provider, SANDBOX_AUDIT_LOG=str(workdir / "audit.log"))
 
 
-class Memory:
-    """The SDK's TokenStorage, in memory: one client registration and its tokens."""
-
-    def __init__(self) -> None:
-        self.tokens: OAuthToken | None = None
-        self.client: OAuthClientInformationFull | None = None
-
-    async def get_tokens(self) -> OAuthToken | None:
-        return self.tokens
-
-    async def set_tokens(self, tokens: OAuthToken) -> None:
-        self.tokens = tokens
-
-    async def get_client_info(self) -> OAuthClientInformationFull | None:
-        return self.client
-
-    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
-        self.client = client_info
-
-
-@contextlib.asynccontextmanager
-async def signed_in(
-    server: ServerProcess, provider: Provider, user: str, mode: str = "auto"
-) -> AsyncIterator[tuple[Conn, Memory, list[str]]]:
-    """The official Python client with the SDK's OAuthClientProvider, `user` signing in when
-    the server asks: the open connection, its storage (client registration, tokens) and the
-    authorization URLs the SDK sent the "browser" to."""
-    storage = Memory()
-    sent_to: list[str] = []
-    landed: dict[str, str] = {}
-
-    async def redirect_handler(url: str) -> None:
-        sent_to.append(url)
-        landed.update(code_of(await asyncio.to_thread(provider.login, url, user)))
-
-    async def callback_handler() -> AuthorizationCodeResult:
-        assert "code" in landed, f"the provider sent no code back: {landed}"
-        return AuthorizationCodeResult(
-            code=landed["code"], state=landed.get("state"), iss=landed.get("iss")
-        )
-
-    auth = OAuthClientProvider(
-        server.url,
-        OAuthClientMetadata(
-            client_name="srt-tests (Python SDK)",
-            redirect_uris=["http://127.0.0.1:3030/callback"],  # (never reached: see login)
-            grant_types=["authorization_code", "refresh_token"],
-            token_endpoint_auth_method="none",
-        ),
-        storage,
-        redirect_handler=redirect_handler,
-        callback_handler=callback_handler,
-    )
-    async with create_mcp_http_client(auth=auth) as http:
-        transport = streamable_http_client(server.url, http_client=http)
-        async with Client(transport, mode=mode) as client:  # type: ignore[arg-type]
-            await client.list_tools()
-            yield Conn(client, mode, {}), storage, sent_to  # type: ignore[arg-type]
-
-
-def claims_of(token: str) -> dict[str, Any]:
-    import base64
-
-    payload = token.split(".")[1]
-    decoded: dict[str, Any] = json.loads(
-        base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
-    )
-    return decoded
-
-
 def stdout_of(result: dict[str, Any]) -> str:
     return "".join(e.get("data", "") for e in result["output"] if e["type"] == "stdout")
 
@@ -172,7 +98,7 @@ def assert_discovered(server: ServerProcess, offset: int) -> None:
 async def test_python_sdk_signs_in_with_pkce_and_calls_tools(
     server: ServerProcess, provider: Provider, mode: str
 ) -> None:
-    async with signed_in(server, provider, "alice", mode) as (conn, storage, sent_to):
+    async with signed_in(server.url, provider, "alice", mode) as (conn, storage, sent_to):
         if mode == "auto":
             assert conn.client.protocol_version == MODERN_PROTOCOL
         result = await conn.ok("execute_code", command="echo signed in", session="py-sdk")
@@ -215,8 +141,8 @@ async def test_two_users_see_only_their_own_sessions(
     server: ServerProcess, provider: Provider
 ) -> None:
     async with (
-        signed_in(server, provider, "alice") as (alice, _, _),
-        signed_in(server, provider, "carol") as (carol, _, _),
+        signed_in(server.url, provider, "alice") as (alice, _, _),
+        signed_in(server.url, provider, "carol") as (carol, _, _),
     ):
         mine = await alice.ok("execute_code", command="echo alice > who", session="team")
         theirs = await carol.ok("execute_code", command="cat who || echo none", session="team")
@@ -365,7 +291,7 @@ async def test_the_audit_log_has_one_line_per_call_and_no_token(
     server: ServerProcess, provider: Provider
 ) -> None:
     log = server.workdir / "audit.log"
-    async with signed_in(server, provider, "alice") as (alice, storage, _):
+    async with signed_in(server.url, provider, "alice") as (alice, storage, _):
         assert storage.tokens is not None and storage.client is not None
         token_id = claims_of(storage.tokens.access_token)["jti"]
         await alice.ok("execute_code", command="echo audited", session="audit")
@@ -407,7 +333,7 @@ async def test_a_viewer_signed_in_by_the_sdk_is_refused_execute_with_the_scope_n
     gives it, the policy still does not: the call fails with the scope in its words, and
     nothing ran. What the viewer may do works."""
     offset = server.log_size()
-    async with signed_in(server, provider, "bob") as (bob, _, sent_to):
+    async with signed_in(server.url, provider, "bob") as (bob, _, sent_to):
         written = await bob.ok("write_file", path="b.txt", content="viewer", session="bob")
         assert written, written
         with pytest.raises(MCPError) as refused:

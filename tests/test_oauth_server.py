@@ -256,9 +256,9 @@ def test_a_hosted_server_needs_its_scope(server: ServerProcess, issuer: Issuer) 
     }
     headers = {"content-type": "application/json", "accept": BOTH}
 
-    def hosted(name: str, token: str) -> Any:
+    def hosted(name: str, token: str, under: str = "") -> Any:
         return httpx2.post(
-            f"{server.base_url}/servers/{name}/mcp",
+            f"{server.base_url}{under}/servers/{name}/mcp",
             json=initialize_body,
             headers={**headers, "authorization": f"Bearer {token}"},
             timeout=30,
@@ -271,6 +271,10 @@ def test_a_hosted_server_needs_its_scope(server: ServerProcess, issuer: Issuer) 
     assert (params["error"], params["scope"]) == ("insufficient_scope", "servers:time")
     assert params["resource_metadata"].endswith("/oauth-protected-resource/servers/time/mcp")
     assert "groups devs" in refused.json()["error"]["message"]
+    # In a session's endpoint, the challenge names that endpoint's metadata (the one the
+    # client used), not the path the server rewrote it to.
+    params = challenge(hosted("time", cy, under="/s/work"))
+    assert params["resource_metadata"].endswith("/oauth-protected-resource/s/work/servers/time/mcp")
 
     # A token minted for the hosted endpoint itself is this server's too.
     ann = issuer.token(audience=f"{server.base_url}/servers/time/mcp", sub="ann", groups=["devs"])

@@ -75,9 +75,12 @@ def replica_server(workdir: Path, redis: RedisServer, rid: str, **settings: str)
 
 
 @contextlib.contextmanager
-def running_topology(tmp_path: Path, count: int = 3, **settings: str) -> Iterator[Topology]:
+def running_topology(
+    tmp_path: Path, count: int = 3, nginx_port: int | None = None, **settings: str
+) -> Iterator[Topology]:
     """redis-server, `count` replicas (each its own state dir) and nginx with the shipped
-    config; everything stopped at the end (and asserted stopped)."""
+    config (on `nginx_port` when the replicas' settings must name the public URL, e.g. their
+    OAuth resource); everything stopped at the end (and asserted stopped)."""
     redis = RedisServer(tmp_path / "redis")
     redis.start()
     suffix = uuid.uuid4().hex[:4]
@@ -93,7 +96,7 @@ def running_topology(tmp_path: Path, count: int = 3, **settings: str) -> Iterato
             list(pool.map(lambda s: servers.add(s, healthy=False), replicas.values()))
         nginx = Nginx(
             tmp_path / "nginx",
-            free_port(),
+            nginx_port or free_port(),
             [f"{rid}=127.0.0.1:{s.port}" for rid, s in replicas.items()],
         ).start()
         yield Topology(redis, replicas, nginx)

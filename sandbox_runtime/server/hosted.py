@@ -49,6 +49,7 @@ from sandbox_runtime.server.calls import ANONYMOUS
 from sandbox_runtime.server.oauth_edge import insufficient_scope
 from sandbox_runtime.server.plain_replies import answer_plainly
 from sandbox_runtime.server.session_path import SCOPE_KEY as SESSION_KEY
+from sandbox_runtime.server.session_path import public_path
 from sandbox_runtime.servers.catalog import Entry
 from sandbox_runtime.servers.learned import owner_of
 
@@ -138,7 +139,8 @@ class HostedServers:
                 policy = self._verifier.policy if self._verifier is not None else None
                 text = refusal_text(needed, identity.principal, policy)
                 hosted_refused(self.root.services.audit, identity, name)
-                await insufficient_scope(send, needed, text, self.metadata, scope["path"])
+                path = public_path(scope)
+                await insufficient_scope(send, needed, text, self.metadata, path)
                 return
         app = await self._app(entry)
         scope = dict(scope, path="/mcp", raw_path=b"/mcp")

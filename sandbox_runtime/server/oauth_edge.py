@@ -21,6 +21,7 @@ from sandbox_runtime.oauth.policy import Policy, load_policy, refusal_text
 from sandbox_runtime.oauth.scopes import METHOD_SCOPES, NONE, tool_scope
 from sandbox_runtime.oauth.verifier import OAuthVerifier
 from sandbox_runtime.server.auth import REFUSED_CODE, CallerVerifier, challenge_text
+from sandbox_runtime.server.session_path import public_path
 
 
 def resource_metadata(settings: Settings) -> ResourceMetadata | None:
@@ -121,7 +122,8 @@ class ScopeGuard:
         text = refusal_text(needed, identity.principal, self.policy)
         for refused in self.on_refused:
             refused(scope, identity, body)
-        await insufficient_scope(send, needed, text, self.metadata, scope["path"], request_id)
+        path = public_path(scope)
+        await insufficient_scope(send, needed, text, self.metadata, path, request_id)
 
 
 async def insufficient_scope(

@@ -47,3 +47,12 @@ class SessionPathMiddleware:
                 scope = dict(scope, path=path, raw_path=path.encode())
                 scope[SCOPE_KEY] = match["session"]
         await self.app(scope, receive, send)
+
+
+def public_path(scope: Scope) -> str:
+    """The path the client used for a request this middleware rewrote (`/s/{session}/mcp`
+    again), else the request's path: what a challenge's resource_metadata must name, or the
+    client finds another resource there and gives up its step-up (RFC 9728 §3.3)."""
+    session = scope.get(SCOPE_KEY)
+    path: str = scope["path"]
+    return f"/s/{session}{path}" if session else path
