@@ -21,6 +21,7 @@ pytestmark = pytest.mark.e2e
 
 TOKEN = "hosted-warm-token-0123456789"
 CATALOG_DIR = str(SCRIPTS)
+SLOW_SCRIPT = "/opt/srt-server/crash.py"
 MARK = f"--warm-mark-{uuid.uuid4().hex[:12]}"  # (in each instance's command line, on the host)
 COLD_MARK = f"--cold-mark-{uuid.uuid4().hex[:12]}"
 MINE_MARK = f"--mine-mark-{uuid.uuid4().hex[:12]}"
@@ -32,10 +33,10 @@ CATALOG = {
     "mine": script_entry("crash.py", MINE_MARK, warm=1),  # (per principal: at initialize)
     # Per principal, slow to start (3 s before its Python does): initializes pile up meanwhile.
     "burst": {
-        "command": ["/bin/sh", "-c", f"sleep 3; exec /usr/bin/python3 /opt/srt-server/crash.py "
-                                     f"{BURST_MARK}"],
-        "directory": CATALOG_DIR, "warm": 1,
-    },  # fmt: skip
+        "command": ["/bin/sh", "-c", f"sleep 3; exec /usr/bin/python3 {SLOW_SCRIPT} {BURST_MARK}"],
+        "directory": CATALOG_DIR,
+        "warm": 1,
+    },
     # It exits at once: every start ahead fails, each one backs the next off.
     "broken": {"command": ["/bin/false"], "scope": "shared", "warm": 1},
 }

@@ -189,7 +189,7 @@ def test_with_egress_the_relay_is_init_and_the_command_goes_to_it_on_its_fd() ->
     assert command == ["/usr/bin/perl", RELAY_PATH, f"{SOCKET_DIR}/{SOCKET_NAME}",
                        str(RELAY_PORT), str(PRCTL_SYSCALL)]  # fmt: skip
     # The command and the caller's variables reach only the command, through the relay's fd.
-    fields = argv.stub_command(s, relay=True).split(b"\0")
+    fields = argv.stub_command(s).split(b"\0")
     assert fields[:4] == [WORKSPACE.encode(), b"n", b"2", b"3"]
     assert fields[4:8] == [b"LANG", b"C.UTF-8", b"LD_PRELOAD", b"/x.so"]  # (LANG: held too)
     assert fields[8:11] == [b"/usr/bin/python3", b"-c", b"print(1)"]
@@ -241,7 +241,8 @@ def test_the_stub_is_handed_the_directory_stdin_variables_and_argv() -> None:
     assert env == {"LANG": "C.UTF-8", "A": "b", "__srt_cmd": "ls"}  # (LANG: not the stub's)
     assert command == ["/bin/sh", "-c", argv.SHELL_SCRIPT]
     _, interactive, env, command = parse_stub_command(argv.stub_command(spec(interactive=True)))
-    assert interactive and env == {"LANG": "C.UTF-8"} and command == ["/usr/bin/python3", "-c", "print(1)"]
+    assert interactive and env == {"LANG": "C.UTF-8"}
+    assert command == ["/usr/bin/python3", "-c", "print(1)"]
 
 
 def test_rlimits_follow_the_limits_and_fall_back_to_address_space_without_a_memory_cgroup() -> None:

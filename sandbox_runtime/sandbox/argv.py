@@ -276,10 +276,10 @@ def relay_held(start_env: dict[str, str]) -> dict[str, str]:
     }
 
 
-def stub_command(spec: SandboxSpec, relay: bool = False) -> bytes:
+def stub_command(spec: SandboxSpec) -> bytes:
     """What a sandbox started ahead is handed on fd COMMAND_FD to run `spec`'s command (the
-    fields STUB_PROGRAM reads), and what the egress relay (`relay`) is handed, with the
-    variables they did not start with (`relay_held`)."""
+    fields STUB_PROGRAM reads), as the egress relay is too, with the variables they did not
+    start with (`relay_held`)."""
     command, extra = command_of(spec.argv)
     start = BASE_ENV if spec.image is None else {**BASE_ENV, **dict(spec.image.env)}
     held = relay_held(start)  # (as bwrap_args held them from the relay and the stub)
