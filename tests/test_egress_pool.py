@@ -263,3 +263,31 @@ async def test_an_environments_loader_and_perl_variables_reach_its_command_not_o
         assert pool.hits == 1
     finally:
         await pool.aclose()
+
+
+async def test_a_daemon_of_the_command_ends_with_it_and_so_does_its_socket(
+    backend: BubblewrapBackend, pool: SandboxPool
+) -> None:
+    """The relay is init: when the command ends, it does, and the kernel ends the rest of the
+    sandbox (a daemon in a session of its own too); its socket on the proxy is closed."""
+    workspace = backend.create_workspace("ws")
+    daemon = "setsid sh -c 'sleep 60' </dev/null >/dev/null 2>&1 & echo started"
+    for _ in range(2):  # (started for its call, then started ahead)
+        hits = pool.hits
+        proc = await pool.spawn(spec(backend, workspace, daemon, policy("alice")))
+        [lease_dir] = socket_dirs(backend)  # (its own; the next is started after it)
+        done = await collect(proc)
+        assert (done.stdout, done.outcome.exit_code) == ("started\n", 0)
+        gone = lambda d=lease_dir: d not in socket_dirs(backend)  # noqa: E731
+        await wait_until(gone, what="its socket closed")
+        await wait_until(lambda: pool.ready_count == 1, what="a sandbox started ahead")
+        # Left: the proxy and the sandbox started ahead (bwrap and its relay), no sleep.
+        assert not [p for p in sandbox_uid_processes(backend) if _cmdline(p).startswith("sleep")]
+    assert pool.hits == hits + 1
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
