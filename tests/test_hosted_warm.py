@@ -22,6 +22,13 @@ pytestmark = pytest.mark.e2e
 TOKEN = "hosted-warm-token-0123456789"
 CATALOG_DIR = str(SCRIPTS)
 SLOW_SCRIPT = "/opt/srt-server/crash.py"
+# A client's handshake alone (no call follows).
+INITIALIZE = {
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+               "clientInfo": {"name": "test", "version": "1"}},
+}  # fmt: skip
+HEADERS = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}
 MARK = f"--warm-mark-{uuid.uuid4().hex[:12]}"  # (in each instance's command line, on the host)
 COLD_MARK = f"--cold-mark-{uuid.uuid4().hex[:12]}"
 MINE_MARK = f"--mine-mark-{uuid.uuid4().hex[:12]}"
@@ -143,16 +150,10 @@ async def test_initializes_during_a_start_ahead_leave_one_start_behind_not_one_e
     """Each initialize of a client on a warm entry per principal would otherwise leave a task
     of its own behind (the handshake does not wait): a client sending them while the start
     is in flight would pile up as many as it likes, each a request to the instance later."""
-    initialize = {
-        "jsonrpc": "2.0", "id": 1, "method": "initialize",
-        "params": {"protocolVersion": "2025-11-25", "capabilities": {},
-                   "clientInfo": {"name": "test", "version": "1"}},
-    }  # fmt: skip
-    headers = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}
     async with httpx2.AsyncClient(timeout=30) as http:
         url = f"{server.base_url}/servers/burst/mcp"
         replies = await asyncio.gather(
-            *(http.post(url, json=initialize, headers=headers) for _ in range(20))
+            *(http.post(url, json=INITIALIZE, headers=HEADERS) for _ in range(20))
         )
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     await eventually(lambda: running(server, "burst") == 1, 30, "the instance started ahead")
@@ -183,3 +184,21 @@ def instance_processes(workdir: Path, mark: str, stop_at_once: bool) -> list[tup
 def test_nothing_of_a_warm_instance_outlives_the_server(tmp_path: Path, stop_at_once: bool) -> None:
     mark = f"--warm-stop-{uuid.uuid4().hex[:12]}"
     assert instance_processes(tmp_path, mark, stop_at_once) == []
+
+
+def test_nothing_of_a_start_ahead_at_initialize_outlives_the_server(tmp_path: Path) -> None:
+    """An instance per principal started as its client initialized, stopped while it starts
+    (its program still in `sleep`, before its initialize): nothing of it is left."""
+    mark = f"--mine-stop-{uuid.uuid4().hex[:12]}"
+    command = ["/bin/sh", "-c", f"sleep 3; exec /usr/bin/python3 {SLOW_SCRIPT} {mark}"]
+    catalog = {"mine": {"command": command, "directory": CATALOG_DIR, "warm": 1}}
+    with catalog_server(tmp_path, catalog, f"alice:{TOKEN}", SANDBOX_POOL_SIZE="0") as server:
+        reply = httpx2.post(f"{server.base_url}/servers/mine/mcp", json=INITIALIZE,
+                            headers=HEADERS, timeout=30)  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 30
+        while not processes_with(mark):
+            assert time.monotonic() < deadline, "the instance did not start"
+            time.sleep(0.05)
+        server.stop()
+        assert processes_with(mark) == []
