@@ -25,6 +25,7 @@ from sandbox_runtime.egress.supervisor import EgressProxy, EgressSettings
 from sandbox_runtime.errors import SandboxSpawnError
 from sandbox_runtime.sandbox import BubblewrapBackend, SandboxSpec, shell_argv
 from sandbox_runtime.sandbox.pool import MISS_ENDED, MISS_NETWORK, SandboxPool
+from sandbox_runtime.sandbox.spec import ImageRoot
 
 pytestmark = pytest.mark.integration
 
@@ -233,3 +234,60 @@ async def test_the_relay_is_init_undumpable_keeps_its_fds_and_passes_on_the_stat
         await wait_until(lambda: pool.ready_count == 1, what="a sandbox started ahead")
     assert pool.hits == hits + 1
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("network", [True, False])
+async def test_an_environments_loader_and_perl_variables_reach_its_command_not_our_perl(
+    backend: BubblewrapBackend, tmp_path: Path, network: bool
+) -> None:
+    """The relay (with egress) and the stub of a sandbox started ahead run the host's Perl
+    through the host's loader: an environment's LD_PRELOAD or PERL5OPT (an image's ENV) must
+    not act on them (a preloaded library built for the image's libc, a module the host's
+    Perl does not have), only on the command, which gets them as it would without us."""
+    from test_environments_use import tiny_environment
+
+    image = tiny_environment(tmp_path / "trees", "ldenv")
+    env = (("LD_PRELOAD", "/nonexistent/lib.so"), ("PERL5OPT", "-MNo::Such::Module"))
+    image = ImageRoot(image.name, image.digest, image.root, image.env + env, image.workdir)
+    pool = SandboxPool(backend, backend.config.limits, size=4, idle_seconds=60)
+    pool.cpus = 64
+    pool.start()
+    try:
+        workspace = backend.create_workspace("ws")
+        for _ in range(2):  # (started for its call, then started ahead)
+            s = spec(backend, workspace, "echo $LD_PRELOAD $PERL5OPT", None)
+            s.egress, s.image = (policy("alice") if network else None), image
+            done = await collect(await pool.spawn(s))
+            assert (done.stdout, done.stderr) == ("/nonexistent/lib.so -MNo::Such::Module\n", "")
+            await wait_until(lambda: pool.ready_count == 1, what="a sandbox started ahead")
+        assert pool.hits == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_a_daemon_of_the_command_ends_with_it_and_so_does_its_socket(
+    backend: BubblewrapBackend, pool: SandboxPool
+) -> None:
+    """The relay is init: when the command ends, it does, and the kernel ends the rest of the
+    sandbox (a daemon in a session of its own too); its socket on the proxy is closed."""
+    workspace = backend.create_workspace("ws")
+    daemon = "setsid sh -c 'sleep 60' </dev/null >/dev/null 2>&1 & echo started"
+    for _ in range(2):  # (started for its call, then started ahead)
+        hits = pool.hits
+        proc = await pool.spawn(spec(backend, workspace, daemon, policy("alice")))
+        [lease_dir] = socket_dirs(backend)  # (its own; the next is started after it)
+        done = await collect(proc)
+        assert (done.stdout, done.outcome.exit_code) == ("started\n", 0)
+        gone = lambda d=lease_dir: d not in socket_dirs(backend)  # noqa: E731
+        await wait_until(gone, what="its socket closed")
+        await wait_until(lambda: pool.ready_count == 1, what="a sandbox started ahead")
+        # Left: the proxy and the sandbox started ahead (bwrap and its relay), no sleep.
+        assert not [p for p in sandbox_uid_processes(backend) if _cmdline(p).startswith("sleep")]
+    assert pool.hits == hits + 1
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

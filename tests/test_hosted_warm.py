@@ -14,20 +14,36 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from hosted_harness import catalog_server, message_of, script_entry, text_of
+from hosted_harness import SCRIPTS, catalog_server, message_of, script_entry, text_of
 from mcp_harness import ServerProcess, eventually, open_client, processes_with
 
 pytestmark = pytest.mark.e2e
 
 TOKEN = "hosted-warm-token-0123456789"
+CATALOG_DIR = str(SCRIPTS)
+SLOW_SCRIPT = "/opt/srt-server/crash.py"
+# A client's handshake alone (no call follows).
+INITIALIZE = {
+    "jsonrpc": "2.0", "id": 1, "method": "initialize",
+    "params": {"protocolVersion": "2025-11-25", "capabilities": {},
+               "clientInfo": {"name": "test", "version": "1"}},
+}  # fmt: skip
+HEADERS = {"Authorization": f"Bearer {TOKEN}", "Accept": "application/json, text/event-stream"}
 MARK = f"--warm-mark-{uuid.uuid4().hex[:12]}"  # (in each instance's command line, on the host)
 COLD_MARK = f"--cold-mark-{uuid.uuid4().hex[:12]}"
 MINE_MARK = f"--mine-mark-{uuid.uuid4().hex[:12]}"
+BURST_MARK = f"--burst-mark-{uuid.uuid4().hex[:12]}"
 
 CATALOG = {
     "warm": script_entry("crash.py", MARK, scope="shared", warm=1, idle_timeout=1),
     "cold": script_entry("crash.py", COLD_MARK, scope="shared"),
     "mine": script_entry("crash.py", MINE_MARK, warm=1),  # (per principal: at initialize)
+    # Per principal, slow to start (3 s before its Python does): initializes pile up meanwhile.
+    "burst": {
+        "command": ["/bin/sh", "-c", f"sleep 3; exec /usr/bin/python3 {SLOW_SCRIPT} {BURST_MARK}"],
+        "directory": CATALOG_DIR,
+        "warm": 1,
+    },
     # It exits at once: every start ahead fails, each one backs the next off.
     "broken": {"command": ["/bin/false"], "scope": "shared", "warm": 1},
 }
@@ -128,6 +144,27 @@ async def test_a_warm_entry_per_principal_starts_as_its_client_initializes(
     assert starts(server, "mine") == 1, "its calls use the instance started at initialize"
 
 
+async def test_initializes_during_a_start_ahead_leave_one_start_behind_not_one_each(
+    server: ServerProcess,
+) -> None:
+    """Each initialize of a client on a warm entry per principal would otherwise leave a task
+    of its own behind (the handshake does not wait): a client sending them while the start
+    is in flight would pile up as many as it likes, each a request to the instance later."""
+    async with httpx2.AsyncClient(timeout=30) as http:
+        url = f"{server.base_url}/servers/burst/mcp"
+        replies = await asyncio.gather(
+            *(http.post(url, json=INITIALIZE, headers=HEADERS) for _ in range(20))
+        )
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    await eventually(lambda: running(server, "burst") == 1, 30, "the instance started ahead")
+    pings = 'tool="ping"'
+    await eventually(lambda: metric(server, "srt_hosted_server_calls_total", "burst", pings), 10,
+                     "its ping")  # fmt: skip
+    await asyncio.sleep(2)
+    assert metric(server, "srt_hosted_server_calls_total", "burst", pings) == 1
+    assert starts(server, "burst") == 1
+
+
 def instance_processes(workdir: Path, mark: str, stop_at_once: bool) -> list[tuple[int, str]]:
     """Start a server with a warm entry marked `mark`, stop it (at once: while the start
     ahead is in flight; else once the instance runs), and return the marked processes
@@ -147,3 +184,21 @@ def instance_processes(workdir: Path, mark: str, stop_at_once: bool) -> list[tup
 def test_nothing_of_a_warm_instance_outlives_the_server(tmp_path: Path, stop_at_once: bool) -> None:
     mark = f"--warm-stop-{uuid.uuid4().hex[:12]}"
     assert instance_processes(tmp_path, mark, stop_at_once) == []
+
+
+def test_nothing_of_a_start_ahead_at_initialize_outlives_the_server(tmp_path: Path) -> None:
+    """An instance per principal started as its client initialized, stopped while it starts
+    (its program still in `sleep`, before its initialize): nothing of it is left."""
+    mark = f"--mine-stop-{uuid.uuid4().hex[:12]}"
+    command = ["/bin/sh", "-c", f"sleep 3; exec /usr/bin/python3 {SLOW_SCRIPT} {mark}"]
+    catalog = {"mine": {"command": command, "directory": CATALOG_DIR, "warm": 1}}
+    with catalog_server(tmp_path, catalog, f"alice:{TOKEN}", SANDBOX_POOL_SIZE="0") as server:
+        reply = httpx2.post(f"{server.base_url}/servers/mine/mcp", json=INITIALIZE,
+                            headers=HEADERS, timeout=30)  # fmt: skip
+        assert reply.status_code == 200, reply.text
+        deadline = time.monotonic() + 30
+        while not processes_with(mark):
+            assert time.monotonic() < deadline, "the instance did not start"
+            time.sleep(0.05)
+        server.stop()
+        assert processes_with(mark) == []

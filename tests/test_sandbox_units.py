@@ -189,18 +189,21 @@ def test_with_egress_the_relay_is_init_and_the_command_goes_to_it_on_its_fd() ->
     assert command == ["/usr/bin/perl", RELAY_PATH, f"{SOCKET_DIR}/{SOCKET_NAME}",
                        str(RELAY_PORT), str(PRCTL_SYSCALL)]  # fmt: skip
     # The command and the caller's variables reach only the command, through the relay's fd.
-    fields = argv.stub_command(s, relay=True).split(b"\0")
-    assert fields[:4] == [WORKSPACE.encode(), b"n", b"1", b"3"]
-    assert fields[4:6] == [b"LD_PRELOAD", b"/x.so"]
-    assert fields[6:9] == [b"/usr/bin/python3", b"-c", b"print(1)"]
+    fields = argv.stub_command(s).split(b"\0")
+    assert fields[:4] == [WORKSPACE.encode(), b"n", b"2", b"3"]
+    assert fields[4:8] == [b"LANG", b"C.UTF-8", b"LD_PRELOAD", b"/x.so"]  # (LANG: held too)
+    assert fields[8:11] == [b"/usr/bin/python3", b"-c", b"print(1)"]
+    assert "LANG" not in env
     assert "SSL_CERT_FILE" not in env  # (no secret rules: the host's trust store as it is)
 
 
-def test_with_egress_perls_variables_of_an_environment_go_to_the_command_only() -> None:
-    """PERL5OPT of an environment's would load a module into the relay (Perl): the command
-    gets it with the caller's variables instead."""
-    held = argv.relay_held({"PATH": "/bin", "PERL5OPT": "-Mx", "PERL5LIB": "/l"})
-    assert held == {"PERL5OPT": "-Mx", "PERL5LIB": "/l"}
+def test_perls_loaders_and_locales_variables_of_an_environment_go_to_the_command_only() -> None:
+    """PERL5OPT or LD_PRELOAD of an environment's would load into the relay or the stub (the
+    host's Perl), its LANG make that Perl warn: the command gets them with the caller's."""
+    held = argv.relay_held({"PATH": "/bin", "PERL5OPT": "-Mx", "PERL5LIB": "/l", "LANG": "x",
+                            "LD_PRELOAD": "/p.so", "LC_ALL": "y", "HOME": "/h"})  # fmt: skip
+    assert held == {"PERL5OPT": "-Mx", "PERL5LIB": "/l", "LANG": "x", "LD_PRELOAD": "/p.so",
+                    "LC_ALL": "y"}  # fmt: skip
 
 
 def test_with_secret_rules_the_trust_bundle_is_the_system_store() -> None:
@@ -235,10 +238,11 @@ def test_the_stub_is_handed_the_directory_stdin_variables_and_argv() -> None:
     data = argv.stub_command(spec(argv=shell_argv("ls"), env={"A": "b"}, cwd="/tmp"))
     cwd, interactive, env, command = parse_stub_command(data)
     assert (cwd, interactive) == ("/tmp", False)
-    assert env == {"A": "b", "__srt_cmd": "ls"}
+    assert env == {"LANG": "C.UTF-8", "A": "b", "__srt_cmd": "ls"}  # (LANG: not the stub's)
     assert command == ["/bin/sh", "-c", argv.SHELL_SCRIPT]
     _, interactive, env, command = parse_stub_command(argv.stub_command(spec(interactive=True)))
-    assert interactive and env == {} and command == ["/usr/bin/python3", "-c", "print(1)"]
+    assert interactive and env == {"LANG": "C.UTF-8"}
+    assert command == ["/usr/bin/python3", "-c", "print(1)"]
 
 
 def test_rlimits_follow_the_limits_and_fall_back_to_address_space_without_a_memory_cgroup() -> None:

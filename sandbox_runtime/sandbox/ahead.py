@@ -52,7 +52,7 @@ class StartedSandbox:
     def hand_over(self, spec: SandboxSpec) -> None:
         """Write `spec`'s command (checked already) to the stub, all of it at once: the stub
         reads only then. Raises SandboxSpawnError."""
-        payload = command_payload(spec, relay=self.lease is not None)
+        payload = command_payload(spec)
         fd = self.command_fd
         if fd is None or not self.proc.running:
             raise SandboxSpawnError("the sandbox started ahead has ended")
@@ -67,11 +67,11 @@ class StartedSandbox:
             self.command_fd = None
 
 
-def command_payload(spec: SandboxSpec, relay: bool) -> bytes:
-    """`spec`'s command as the stub (or the egress relay, `relay`) reads it on its fd."""
+def command_payload(spec: SandboxSpec) -> bytes:
+    """`spec`'s command as the stub (or the egress relay) reads it on its fd."""
     if spec.image is not None and spec.cwd == WORKSPACE:  # (as bwrap_args does)
         spec = replace(spec, cwd=start_dir(spec.image))
-    return stub_command(spec, relay)
+    return stub_command(spec)
 
 
 def egress_shape(policy: EgressPolicy | None) -> tuple[object, ...] | None:

@@ -209,7 +209,8 @@ def bwrap_args(
         cwd = image.cwd
     args += ["--chdir", cwd, "--clearenv"]
     start_env = base_env(runtime_dir) if image is None else {**BASE_ENV, **dict(image.env)}
-    held = relay_held(start_env) if lease is not None else {}
+    ours = lease is not None or spec.argv[-1:] == [STUB_PROGRAM]  # (the relay, the stub)
+    held = relay_held(start_env) if ours else {}
     for key, value in start_env.items():
         if key not in held:
             args += ["--setenv", key, value]
@@ -254,19 +255,34 @@ def nul_terminated(items: list[str]) -> bytes:
     return b"".join(item.encode("utf-8", "surrogatepass") + b"\0" for item in items)
 
 
+# What acts on a Perl (ours, the relay's or the stub's, run through the host's loader) as it
+# starts: the loader's variables, Perl's, the locale's (an environment's LANG names a locale
+# its root may lack: Perl then warns on the command's stderr) and glibc's others.
+_HELD_PREFIXES = ("PERL", "LD_", "LC_", "MALLOC_")
+_HELD_NAMES = frozenset({"LANG", "LANGUAGE", "LOCPATH", "GCONV_PATH", "GLIBC_TUNABLES", "NLSPATH",
+                         "TZDIR", "HOSTALIASES", "LOCALDOMAIN", "RES_OPTIONS", "RESOLV_HOST_CONF",
+                         "GETCONF_DIR", "NIS_PATH"})  # fmt: skip
+
+
 def relay_held(start_env: dict[str, str]) -> dict[str, str]:
-    """The variables of a sandbox's start environment (an environment's own) the relay must
-    not start with: Perl's (PERL5OPT would load a module into it). The command gets them with
-    the caller's (`stub_command`)."""
-    return {key: value for key, value in start_env.items() if key.startswith("PERL")}
+    """The variables of a sandbox's start environment (ours, or an environment's) that the
+    relay and the stub of a sandbox started ahead must not start with: an environment's
+    LD_PRELOAD or PERL5OPT is for its own programs, not the host's Perl. The command gets
+    them with the caller's (`stub_command`)."""
+    return {
+        key: value
+        for key, value in start_env.items()
+        if key.startswith(_HELD_PREFIXES) or key in _HELD_NAMES
+    }
 
 
-def stub_command(spec: SandboxSpec, relay: bool = False) -> bytes:
+def stub_command(spec: SandboxSpec) -> bytes:
     """What a sandbox started ahead is handed on fd COMMAND_FD to run `spec`'s command (the
-    fields STUB_PROGRAM reads), and what the egress relay (`relay`) is handed, with the
-    variables it did not start with."""
+    fields STUB_PROGRAM reads), as the egress relay is too, with the variables they did not
+    start with (`relay_held`)."""
     command, extra = command_of(spec.argv)
-    held = relay_held(dict(spec.image.env)) if relay and spec.image is not None else {}
+    start = BASE_ENV if spec.image is None else {**BASE_ENV, **dict(spec.image.env)}
+    held = relay_held(start)  # (as bwrap_args held them from the relay and the stub)
     env = {**held, **spec.env, **extra}
     fields = [spec.cwd, "i" if spec.interactive else "n", str(len(env)), str(len(command))]
     for key, value in env.items():

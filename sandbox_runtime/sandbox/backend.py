@@ -197,7 +197,7 @@ class BubblewrapBackend:
             return await self.spawn_with(spec, None)
         # The relay is the sandbox's init and reads the command on its fd, as it does when
         # started ahead (there, when a call takes it).
-        proc, _ = await relayed.spawn_relayed(self, spec, lease, command_payload(spec, True))
+        proc, _ = await relayed.spawn_relayed(self, spec, lease, command_payload(spec))
         return proc
 
     def can_prestart(self, spec: SandboxSpec) -> bool:

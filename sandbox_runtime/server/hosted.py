@@ -217,6 +217,9 @@ class Relay:
     def __init__(self, root: Root, entry: Entry) -> None:
         self.root = root
         self.name = entry.name
+        # Owners whose start ahead is in flight: one each, however many initializes come
+        # meanwhile (each would otherwise leave a task behind that its client never waits for).
+        self._ahead: set[Owner] = set()
 
     async def __call__(
         self, ctx: ServerRequestContext[Any, Any], call_next: CallNext
@@ -276,7 +279,8 @@ class Relay:
     def _start_ahead(self, ctx: ServerRequestContext[Any, Any]) -> None:
         """A `warm` entry that is not shared: the caller's instance starts as its client
         initializes, in the background (the handshake never waits), so its first call finds
-        it started or starting. Bounded as that call's own start: the same instance, caps."""
+        it started or starting. Bounded as that call's own start: the same instance, caps; and
+        one start ahead in flight per owner."""
         scope: Mapping[str, Any] = getattr(ctx.request, "scope", None) or {}
         principal, services = scope.get(PRINCIPAL_KEY), self.root.services
         if not isinstance(principal, str):
@@ -287,8 +291,12 @@ class Relay:
             return
         if entry.warm and entry.scope != "shared" and not services.supervisor.closed:
             owner = owner_of(entry, principal, str(scope.get(SESSION_KEY) or "default"))
+            if owner in self._ahead:
+                return
+            self._ahead.add(owner)
             start = _ping(services, owner, entry)
-            services.supervisor.spawn(f"hosted server {entry.name} start ahead", start)
+            task = services.supervisor.spawn(f"hosted server {entry.name} start ahead", start)
+            task.add_done_callback(lambda _: self._ahead.discard(owner))
 
 
 async def _ping(services: Services, owner: Owner, entry: Entry) -> None:
