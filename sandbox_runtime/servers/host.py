@@ -37,6 +37,7 @@ from sandbox_runtime.servers import launch
 from sandbox_runtime.servers.catalog import Catalog, CatalogError, Entry
 from sandbox_runtime.servers.catalog_file import CatalogFile
 from sandbox_runtime.servers.instance import Instance, InstanceError, RemoteError
+from sandbox_runtime.servers.keyed_locks import KeyedLocks
 from sandbox_runtime.servers.launch import environment, instance_limits, program, stored_secrets
 from sandbox_runtime.servers.learned import CRASH_WINDOW, SHARED, Key, Learned, sees
 from sandbox_runtime.servers.log_sink import LogSink
@@ -79,7 +80,7 @@ class ServerHost:
         self.catalog_file = CatalogFile(settings.servers_path())
         self._instances: dict[Key, Instance | RemoteInstance] = {}
         self._entries: dict[Key, Entry] = {}  # the entry each instance was started from
-        self._locks: dict[Key, asyncio.Lock] = {}
+        self._locks = KeyedLocks[Key]()
         self._states: dict[str, ServerState] = {}
         self.learned = Learned()  # tool lists, crashes and errors, by instance
         self._starting: set[Key] = set()  # starts in flight: counted against the caps
@@ -191,8 +192,7 @@ class ServerHost:
         instance = self._instances.get(key)
         if instance is not None and instance.alive and self._entries.get(key) == entry:
             return instance
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
+        async with self._locks.hold(key):
             instance = self._instances.get(key)
             if instance is not None and instance.alive and self._entries.get(key) == entry:
                 return instance
