@@ -182,8 +182,8 @@ async def test_ready_flips_when_redis_stops_and_starts(tmp_path: Path) -> None:
 async def test_sandboxes_started_ahead_serve_each_session_and_end_with_the_server(
     tmp_path: Path,
 ) -> None:
-    """A session's calls after its first run in sandboxes started ahead (counted as hits),
-    each a sandbox of its own, in both protocol eras; every one still waiting dies with the
+    """A session's calls run in sandboxes started ahead (counted as hits; its first in the one
+    started in its blank workspace), each a sandbox of its own, in both protocol eras; every one still waiting dies with the
     server."""
     server = ServerProcess(
         tmp_path, {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_METRICS_TOKEN": METRICS_TOKEN}
@@ -204,10 +204,11 @@ async def test_sandboxes_started_ahead_serve_each_session_and_end_with_the_serve
                     assert files == "0", out  # a fresh /tmp each call: no sandbox used twice
                     await asyncio.sleep(0.3)  # (an agent's pause: the next one is ready)
         samples = scrape(server)
-        assert metric(samples, "srt_sandbox_pool_hits_total") >= 5, samples
-        assert metric(samples, "srt_sandbox_pool_misses_total", reason="empty") >= 2
+        # (a session's first call too, mostly: its blank workspace came with a sandbox)
+        assert metric(samples, "srt_sandbox_pool_hits_total") >= 6, samples
         assert metric(samples, "srt_sandbox_pool_refill_seconds_count") >= 6
-        assert metric(samples, "srt_sandbox_pool_ready") == 2  # one per session
+        # one per session, and those waiting in blank workspaces for new sessions
+        assert metric(samples, "srt_sandbox_pool_ready") >= 2
         tree = server.descendants()
         waiting = [pid for pid, _ in tree if proc_uid(pid) == sandbox_uid()]
         assert len(waiting) >= 2 * 3, tree  # two sandboxes: bwrap, its init, the stub each
