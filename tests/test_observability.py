@@ -183,8 +183,8 @@ async def test_sandboxes_started_ahead_serve_each_session_and_end_with_the_serve
     tmp_path: Path,
 ) -> None:
     """A session's calls run in sandboxes started ahead (counted as hits; its first in the one
-    started in its blank workspace), each a sandbox of its own, in both protocol eras; every one still waiting dies with the
-    server."""
+    started in its blank workspace), each a sandbox of its own, in both protocol eras; every
+    one still waiting dies with the server."""
     server = ServerProcess(
         tmp_path, {"SANDBOX_AUTH_TOKEN": TOKEN, "SANDBOX_METRICS_TOKEN": METRICS_TOKEN}
     )
