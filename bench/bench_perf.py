@@ -64,7 +64,7 @@ Row = dict[str, Any]  # measure, value, target, met (None: no target, a referenc
 def row(measure: str, value: float, unit: str, target: str = "", met: bool | None = None) -> Row:
     if value != value:  # (NaN: not measured; the part's figures say why)
         return {"measure": measure, "value": "n/a", "raw": None, "target": target, "met": None}
-    text = f"{value:.1f} {unit}".strip()
+    text = f"{value:.{2 if unit == 'x' else 1}f} {unit}".strip()  # (ratios near 1.2x, 1.3x)
     return {"measure": measure, "value": text, "raw": value, "target": target, "met": met}
 
 
