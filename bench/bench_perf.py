@@ -3,27 +3,34 @@
     SRT_TEST_RUNTIME_DIR=/work/main/.runtime .venv/bin/python bench/bench_perf.py
         [--only echo,clients,bursts,egress,hosted,unit] [--quick] [--json PATH] [--no-earlier]
 
-Parts (each starts the servers it needs and stops them; `--only` runs some):
+Parts (each starts the servers it needs and stops them; `--only` runs some). Where a bench of
+its own measures a part, the part calls that bench's `run()` (or its `measure()`) and only
+puts its figures in rows:
 
-- echo: `execute_code echo hi` p50, sequential in one session, on our server, on the library's
-  floor (floor_server.py: FastMCP and one no-op tool) and on srt-mcp-server 0.2 (from PyPI in a
-  venv of its own, new_clients.ensure_earlier; it needs rg and socat on the host); both eras
-  for ours and the floor, 0.2 in the legacy era its users speak;
+- echo (bench_dispatch.run): `execute_code echo hi` p50, sequential in one session, on our
+  server with default settings (its fast dispatch path on, and off: "without the fast path"),
+  against the library's floor (floor_server.py: FastMCP and one no-op tool), the SDK's
+  low-level server's no-op, and srt-mcp-server 0.2 (from PyPI in a venv of its own,
+  new_clients.ensure_earlier; it needs rg and socat on the host), in alternating rounds, both
+  eras;
 - clients: 10 workers, each over and over opening a new client, making 5 calls in a session
   of its own and leaving (new_clients.churn): calls/s, ours and the floor's;
-- bursts: 100 new sessions' first calls, one after another, then in bursts of 10 and of 50
-  (concurrent, each from a client connected before: the computesdk shape, create -> first
-  command), p50/p95/p99, against the same sessions' next call made the same way (the server
-  with SANDBOX_MAX_CONCURRENT=50: by default it runs 16 at once and refuses the rest);
-- egress: `execute_code echo hi` p50 on a server whose sandboxes have egress
-  (SANDBOX_EGRESS_ALLOW set: the in-sandbox relay and the proxy socket) against one without;
-- hosted: a Python hosted server (hosted_servers.py's `time`): a new principal's first call
-  (cold start) and the warm call's overhead over the same program on stdio;
+- bursts (bench_bursts.run): 100 new sessions' first calls, one after another, then in bursts
+  of 10 and of 50 (concurrent, each from a client connected before: the computesdk shape,
+  create -> first command), p50/p95/p99, against a later call in a session and the bursts'
+  sessions' second calls; the clients in a process of their own, the server with its
+  defaults but SANDBOX_MAX_CONCURRENT and the per-principal mount cap (a burst of 50 would hit
+  both);
+- egress (bench_egress_start.run): `execute_code echo hi` p50 with egress on (the in-sandbox
+  relay and a proxy socket) and with `network: false`, warm sessions taking turns on one
+  server with the network lab's origin allowed; how many calls a pooled sandbox served;
+- hosted (hosted_servers.measure): the Python `time` server: a new principal's first call
+  (cold start, without `warm`), a `warm = 1` entry's first call from a new client, and the
+  warm call's overhead over the same program on stdio;
 - unit: `pytest -m unit -q`, timed.
 
-Each part is a `measure_*(opts) -> dict` of raw figures and a `rows_*(figures) -> list[Row]`;
-a part measured elsewhere (bench_bursts.run, bench_egress.run, ...) is swapped in by changing
-its entry in PARTS. `--quick` takes fewer samples (a smoke run: the figures are noisier).
+Each part is a `measure_*(opts) -> dict` of raw figures and a `rows_*(figures) -> list[Row]`.
+`--quick` takes fewer samples (a smoke run: the figures are noisier).
 """
 
 from __future__ import annotations
@@ -33,14 +40,12 @@ import asyncio
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from contextlib import AsyncExitStack, ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +55,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(HERE))
 
 from bench_mcp import TOKEN, Server  # noqa: E402
-from new_clients import MODES, Target, _call, _client, churn, earlier_server, floor_server  # noqa: E402
+from new_clients import MODES, Target, _call, _client, churn, floor_server  # noqa: E402
 
 ECHO = ("execute_code", {"command": "echo hi"})
 Row = dict[str, Any]  # measure, value, target, met (None: no target, a reference figure)
@@ -59,32 +64,8 @@ Row = dict[str, Any]  # measure, value, target, met (None: no target, a referenc
 def row(measure: str, value: float, unit: str, target: str = "", met: bool | None = None) -> Row:
     if value != value:  # (NaN: not measured; the part's figures say why)
         return {"measure": measure, "value": "n/a", "raw": None, "target": target, "met": None}
-    text = f"{value:.1f} {unit}".strip()
+    text = f"{value:.{2 if unit == 'x' else 1}f} {unit}".strip()  # (ratios near 1.2x, 1.3x)
     return {"measure": measure, "value": text, "raw": value, "target": target, "met": met}
-
-
-@contextmanager
-def without_env(name: str) -> Iterator[None]:
-    """`name` out of os.environ meanwhile: 0.2's venv must import its own sandbox_runtime,
-    not the one a PYTHONPATH (a worktree's) puts first."""
-    kept = os.environ.pop(name, None)
-    try:
-        yield
-    finally:
-        if kept is not None:
-            os.environ[name] = kept
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-quantile (nearest rank) in ms."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
-
-
-def p50(values: list[float]) -> float:
-    return statistics.median(values) * 1000 if values else float("nan")
 
 
 def ours(tmp: Path, name: str, quiet: bool = False, **settings: str) -> Server:
@@ -108,60 +89,45 @@ async def sequential(target: Target, mode: str, calls: int, session: str | None)
     return times
 
 
-# -- echo: ours, the floor, 0.2 ----------------------------------------------------------------
+# -- echo: ours, the floor, 0.2 (bench_dispatch.run) ---------------------------------------------
 
 
 def measure_echo(opts: argparse.Namespace) -> dict[str, Any]:
-    calls = 30 if opts.quick else 150
-    out: dict[str, Any] = {"calls": calls}
-    with tempfile.TemporaryDirectory(prefix="srt-perf-") as tmp, ExitStack() as stack:
-        os.chmod(tmp, 0o711)
-        server = ours(Path(tmp), "echo")
-        stack.callback(server.stop)
-        targets = {
-            "ours": Target(server.url, TOKEN, ECHO, ("list_executions", {})),
-            "floor": stack.enter_context(floor_server(TOKEN)),
-        }
-        if not opts.no_earlier:
-            work = Path(tmp) / "earlier"
-            work.mkdir()
-            try:
-                with without_env("PYTHONPATH"):
-                    started = earlier_server(Path(opts.earlier_venv), TOKEN, work)
-                    targets["earlier"] = stack.enter_context(started)
-            except (OSError, RuntimeError, subprocess.CalledProcessError) as exc:
-                out["earlier_error"] = f"{type(exc).__name__}: {exc}"
-        for label, target in targets.items():
-            for era, mode in MODES.items():
-                if label == "earlier" and era != "legacy":
-                    continue
-                n = max(5, calls // 10) if label == "earlier" else calls  # (0.2: ~0.6 s a call)
-                try:
-                    times = asyncio.run(sequential(target, mode, n, f"echo-{era}"))
-                except Exception as exc:  # (a server that cannot answer: its row says so)
-                    out[f"{label}_{era}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                    continue
-                out[f"{label}_{era}_p50_ms"] = p50(times)
-                out[f"{label}_{era}_p95_ms"] = pct(times, 0.95)
+    import bench_dispatch
+
+    calls, rounds = (30, 2) if opts.quick else (150, 3)
+    out: dict[str, Any] = {"calls": calls, "rounds": rounds}
+    # (ours with default settings: INFO logging and the access log, as bench_mcp.Server runs
+    # it; 0.2 from its own venv, PYTHONPATH dropped for it by new_clients.earlier_server)
+    venv = Path(opts.earlier_venv)
+    out.update(bench_dispatch.run(calls, rounds, not opts.no_earlier, False, venv))
     return out
 
 
 def rows_echo(f: dict[str, Any]) -> list[Row]:
     nan = float("nan")
-    rows = []
-    for era in MODES:
-        mine, floor = f.get(f"ours_{era}_p50_ms", nan), f.get(f"floor_{era}_p50_ms", nan)
+    p50s, rows = f["p50"], []
+    for era in bench_dispatch_eras():
+        mine = p50s["after"][era]
+        floor = p50s["floor"][era]
         rows.append(row(f"echo p50, ours ({era})", mine, "ms"))
-        rows.append(row(f"no-op p50, the floor ({era})", floor, "ms"))
+        rows.append(row(f"  without the fast path ({era})", p50s["before"][era], "ms"))
+        rows.append(row(f"no-op p50, the floor: FastMCP ({era})", floor, "ms"))
+        rows.append(row(f"  the SDK's low-level server ({era})", p50s["lowlevel"][era], "ms"))
         ratio = mine / floor
         rows.append(row(f"echo / floor no-op ({era})", ratio, "x", "<= 1.5x", ratio <= 1.5))
-    earlier = f.get("earlier_legacy_p50_ms", nan)
-    rows.append(row("echo p50, srt-mcp-server 0.2 (legacy)", earlier, "ms"))
-    if "earlier_error" in f:
-        rows[-1]["value"] = "did not start"
-    speedup = earlier / f.get("ours_legacy_p50_ms", nan)
-    rows.append(row("echo, 0.2 / ours (legacy)", speedup, "x", ">= 60x", speedup >= 60))
+    for era in bench_dispatch_eras():
+        earlier = p50s.get("earlier", {}).get(era, nan)
+        rows.append(row(f"echo p50, srt-mcp-server 0.2 ({era})", earlier, "ms"))
+        speedup = earlier / p50s["after"][era]
+        rows.append(row(f"echo, 0.2 / ours ({era})", speedup, "x", ">= 60x", speedup >= 60))
     return rows
+
+
+def bench_dispatch_eras() -> list[str]:
+    import bench_dispatch
+
+    return list(bench_dispatch.ERAS)
 
 
 # -- clients: 10 new clients x 5 calls, a session each -----------------------------------------
@@ -198,188 +164,129 @@ def rows_clients(f: dict[str, Any]) -> list[Row]:
     return rows
 
 
-# -- bursts: new sessions' first calls ---------------------------------------------------------
+# -- bursts: new sessions' first calls (bench_bursts.run) -------------------------------------
 
-
-async def _bursts(url: str, mode: str, size: int, total: int, pause: float) -> dict[str, Any]:
-    """`total` new sessions in bursts of `size` (1: one after another), each first call from a
-    client connected before; then each session's next call, made the same way: latencies (s)."""
-    target = Target(url, TOKEN, ECHO, ("list_executions", {}))
-    first: list[float] = []
-    later: list[float] = []
-    async with AsyncExitStack() as stack:
-        clients = []
-        for _ in range(size):
-            http, client = _client(target, mode)
-            await stack.enter_async_context(http)
-            c = await stack.enter_async_context(client)
-            await c.list_tools()
-            await _call(c, ("execute_code", {"command": "true", "session": "perf-warm"}))
-            clients.append(c)
-
-        async def timed(c: Any, session: str, into: list[float]) -> None:
-            began = time.perf_counter()
-            await _call(c, ("execute_code", {"command": "echo hi", "session": session}))
-            into.append(time.perf_counter() - began)
-
-        for _ in range(total // size):
-            sessions = [f"burst-{size}-{uuid.uuid4().hex[:12]}" for _ in clients]
-            await asyncio.gather(
-                *(timed(c, s, first) for c, s in zip(clients, sessions, strict=True))
-            )
-            await asyncio.gather(
-                *(timed(c, s, later) for c, s in zip(clients, sessions, strict=True))
-            )
-            if pause:
-                await asyncio.sleep(pause)
-    return {"first": first, "later": later}
-
-
-BURSTS = (1, 10, 50)
+BURSTS = (10, 50)
 
 
 def measure_bursts(opts: argparse.Namespace) -> dict[str, Any]:
-    total = 50 if opts.quick else 100
-    pause = 2.0  # (between bursts: an eval harness's next fan-out comes after a while)
-    out: dict[str, Any] = {
-        "sessions": total,
-        "pause_s": pause,
-        "era": "legacy",
-        "max_concurrent": max(BURSTS),
-    }
-    with tempfile.TemporaryDirectory(prefix="srt-perf-") as tmp:
-        os.chmod(tmp, 0o711)
-        # (16 executions at once by default: a burst of 50 needs room for 50)
-        server = ours(Path(tmp), "bursts", SANDBOX_MAX_CONCURRENT=str(max(BURSTS)))
-        try:
-            for size in BURSTS:
-                got = asyncio.run(
-                    _bursts(server.url, "legacy", size, total, 0 if size == 1 else pause)
-                )
-                out[str(size)] = {
-                    key: {"p50": pct(v, 0.5), "p95": pct(v, 0.95), "p99": pct(v, 0.99), "n": len(v)}
-                    for key, v in got.items()
-                }
-        finally:
-            server.stop()
-    return out
+    import bench_bursts
+
+    # (the server's defaults but SANDBOX_MAX_CONCURRENT and the per-principal mount cap, which
+    # a burst of 50 would hit; the clients in a process of their own; 2026-07-28 era)
+    sessions = 50 if opts.quick else 100
+    return bench_bursts.run(sessions, BURSTS, gap=1.0, mode="auto")
 
 
 def rows_bursts(f: dict[str, Any]) -> list[Row]:
-    rows = []
-    for size in BURSTS:
-        got = f[str(size)]
-        first, later = got["first"], got["later"]
-        shape = "one after another" if size == 1 else f"bursts of {size}"
-        rows.append(row(f"new session's first call, {shape}: p50", first["p50"], "ms"))
+    later = f["later"]
+    rows = [row("a later call in a session, p50 (2026-07-28)", later["p50_ms"], "ms")]
+    phases = [("sequential", "one after another", "later")]
+    phases += [(f"burst{w}", f"in bursts of {w}", f"burst{w}_later") for w in BURSTS]
+    for phase, shape, next_ in phases:
+        first, second = f[phase], f[next_]
+        n = first["n"]
+        rows.append(row(f"{n} new sessions' first call, {shape}: p50", first["p50_ms"], "ms"))
+        p99_target = phase == "burst50"
         rows.append(
             row(
                 "  p95 / p99",
-                first["p95"],
-                f"/ {first['p99']:.1f} ms",
-                "<= 300 ms p99" if size == 50 else "",
-                first["p99"] <= 300 if size == 50 else None,
+                first["p95_ms"],
+                f"/ {first['p99_ms']:.1f} ms",
+                "p99 <= 300 ms" if p99_target else "",
+                first["p99_ms"] <= 300 if p99_target else None,
             )
         )
-        ratio = first["p50"] / later["p50"]
-        target = size in (1, 10)
+        ratio = first["p50_ms"] / second["p50_ms"]
+        what = "a later call" if phase == "sequential" else "the burst's second calls"
+        has_target = phase != "burst50"
         rows.append(
             row(
-                f"  first / next call p50 ({later['p50']:.1f} ms)",
+                f"  first / {what} p50 ({second['p50_ms']:.1f} ms)",
                 ratio,
                 "x",
-                "<= 1.2x" if target else "",
-                ratio <= 1.2 if target else None,
+                "<= 1.2x" if has_target else "",
+                ratio <= 1.2 if has_target else None,
             )
         )
     return rows
 
 
-# -- egress on vs off --------------------------------------------------------------------------
+# -- egress on vs off (bench_egress_start.run) ---------------------------------------------------
 
 
 def measure_egress(opts: argparse.Namespace) -> dict[str, Any]:
-    calls = 30 if opts.quick else 100
-    out: dict[str, Any] = {"calls": calls}
-    with tempfile.TemporaryDirectory(prefix="srt-perf-") as tmp, ExitStack() as stack:
-        os.chmod(tmp, 0o711)
-        servers = {
-            "off": ours(Path(tmp), "egress-off"),
-            "on": ours(Path(tmp), "egress-on", SANDBOX_EGRESS_ALLOW="allowed.test"),
-        }
-        for server in servers.values():
-            stack.callback(server.stop)
-        times: dict[str, list[float]] = {"off": [], "on": []}
-        for _ in range(2):  # (alternating rounds: the machine's phases fall on both)
-            for label, server in servers.items():
-                target = Target(server.url, TOKEN, ECHO, ("list_executions", {}))
-                times[label] += asyncio.run(sequential(target, "legacy", calls // 2, "egress"))
-        for label, values in times.items():
-            out[f"{label}_p50_ms"] = p50(values)
-            out[f"{label}_p95_ms"] = pct(values, 0.95)
-    return out
+    import bench_egress_start
+
+    # (one server with egress; `network: false` and egress-on sessions take turns, each
+    # warm, so the pool starts their sandboxes ahead: counted in `pooled`)
+    return bench_egress_start.run(20 if opts.quick else 60)
 
 
 def rows_egress(f: dict[str, Any]) -> list[Row]:
-    ratio = f["on_p50_ms"] / f["off_p50_ms"]
+    calls = f["calls"]
+    ratio = f["ratio_on_off"]
+
+    def pooled(kind: str) -> str:
+        return f"ms, {f[kind]['pooled']}/{calls} pooled"
+
     return [
-        row("echo p50, egress off", f["off_p50_ms"], "ms"),
-        row("echo p50, egress on", f["on_p50_ms"], "ms"),
+        row("echo p50, network off (a warm session)", f["off"]["p50"], pooled("off")),
+        row("echo p50, egress on (relay + proxy socket)", f["on"]["p50"], pooled("on")),
         row("egress on / off", ratio, "x", "<= 1.3x", ratio <= 1.3),
+        row("  curl of a page through the proxy, p50", f["http"]["p50"], "ms"),
     ]
 
 
-# -- hosted: a Python server's cold start and warm overhead ------------------------------------
+# -- hosted: a Python server's cold start and warm overhead (hosted_servers.measure) -----------
 
 
 def measure_hosted(opts: argparse.Namespace) -> dict[str, Any]:
     import hosted_servers as hs
 
-    name = "time"
-    package, extra, tool, args, _ = hs.SERVERS[name]
     calls, colds = (40, 3) if opts.quick else (200, 5)
     state = Path(opts.hosted_state)
     state.mkdir(parents=True, exist_ok=True)
+    # hosted_servers.run installs its Node servers too; the table asks for the Python one: the
+    # time server, and the same as `time-warm` (shared, warm = 1)
     env = hs.env_for(state, 0)
-    cli = [*hs.CLI, "servers"]
-    subprocess.run(
-        [*cli, "add", name, package, "--replace", *extra], env=env, check=True, capture_output=True
-    )
-    done = subprocess.run([*cli, "install"], env=env, capture_output=True, text=True)
+    package, extra, *_ = hs.SERVERS["time"]
+    for name, args in (("time", extra), (hs.WARM, ["--scope=shared", "--warm=1"])):
+        subprocess.run(
+            [*hs.CLI, "servers", "add", name, package, "--replace", *args],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+    done = subprocess.run([*hs.CLI, "servers", "install"], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"servers install failed: {done.stdout}{done.stderr}"[-2000:])
-
-    async def run() -> dict[str, Any]:
-        async with hs.serving(state) as base:
-            url = f"{base}/servers/{name}/mcp"
-            cold = [await hs.cold(url, hs.token(1 + i), tool, args) for i in range(colds)]
-            warm = await hs.through_us(url, hs.token(0), tool, args, calls)
-            direct_cold, direct = await hs.direct(state, name, tool, args, calls)
-        return {
-            "cold_p50_ms": p50(cold),
-            "cold_max_ms": max(cold) * 1000,
-            "direct_cold_ms": direct_cold * 1000,
-            "warm_p50_ms": p50(warm),
-            "direct_p50_ms": p50(direct),
-            "overhead_ms": p50(warm) - p50(direct),
-        }
-
-    return {"server": name, **asyncio.run(run())}
+    return asyncio.run(hs.measure(state, calls, colds, ["time"]))
 
 
 def rows_hosted(f: dict[str, Any]) -> list[Row]:
+    t = f["servers"]["time"]
+    overhead = t["overhead_p50_ms"]
     return [
-        row(f"hosted {f['server']}: warm p50 through us", f["warm_p50_ms"], "ms"),
-        row("  the same program over stdio, p50", f["direct_p50_ms"], "ms"),
-        row("  warm overhead", f["overhead_ms"], "ms", "<= 2 ms", f["overhead_ms"] <= 2),
+        row("hosted time: warm p50 through us", t["warm_p50_ms"], "ms"),
+        row("  the same program over stdio, p50", t["direct_p50_ms"], "ms"),
+        row("  warm overhead", overhead, "ms", "<= 2 ms", overhead <= 2),
+        row("  the HTTP floor's no-op, p50", f["floor_p50_ms"], "ms"),
         row(
-            f"hosted {f['server']} (Python): cold start p50",
-            f["cold_p50_ms"],
+            "hosted time (Python): cold start p50, without warm",
+            t["cold_p50_ms"],
             "ms",
             "<= 1000 ms",
-            f["cold_p50_ms"] <= 1000,
+            t["cold_p50_ms"] <= 1000,
         ),
-        row("  its own start on the host over stdio", f["direct_cold_ms"], "ms"),
+        row(
+            "  with warm = 1: a new client's first call",
+            f["warm_entry_first_call_p50_ms"],
+            "ms",
+            "<= 1000 ms",
+            f["warm_entry_first_call_p50_ms"] <= 1000,
+        ),
+        row("  its own start on the host over stdio", t["direct_cold_ms"], "ms"),
     ]
 
 
