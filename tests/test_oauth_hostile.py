@@ -17,7 +17,7 @@ from sandbox_runtime.oauth.issuers import Issuers
 from sandbox_runtime.oauth.metadata import ResourceMetadata
 from sandbox_runtime.oauth.verifier import OAuthVerifier, TokenRefusedError
 
-pytestmark = pytest.mark.unit
+# (unit but the two trickle tests, which wait out the verifier's timeouts: integration)
 
 RESOURCE = "https://sandbox.example.com/mcp"
 
@@ -44,6 +44,7 @@ async def refused(verifier: OAuthVerifier, token: str) -> str:
     return str(caught.value)
 
 
+@pytest.mark.unit
 async def test_an_introspection_answer_must_say_active_true(issuer: Issuer) -> None:
     """RFC 7662: `active` is a boolean. A string (`"false"` too) is not `true`."""
     verifier = make_verifier(issuer, introspection=True)
@@ -57,6 +58,7 @@ async def test_an_introspection_answer_must_say_active_true(issuer: Issuer) -> N
         await verifier.aclose()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "name",
     [
@@ -143,6 +145,7 @@ def trickling_issuer(jwks: bool = True) -> Iterator[str]:
         thread.join(5)
 
 
+@pytest.mark.integration
 async def test_a_jwks_that_trickles_is_given_up_within_the_timeout() -> None:
     """An issuer (or what sits before it) that sends its JWKS a few bytes at a time: each read
     comes within the read timeout, the whole never. The fetch holds the issuer's lock, which
@@ -160,6 +163,7 @@ async def test_a_jwks_that_trickles_is_given_up_within_the_timeout() -> None:
             await verifier.aclose()
 
 
+@pytest.mark.integration
 async def test_an_introspection_answer_that_trickles_is_given_up() -> None:
     with trickling_issuer(jwks=False) as url:
         metadata = ResourceMetadata(RESOURCE, [url], [])
@@ -177,6 +181,7 @@ async def test_an_introspection_answer_that_trickles_is_given_up() -> None:
             await verifier.aclose()
 
 
+@pytest.mark.unit
 async def test_an_introspection_answer_without_an_audience_is_refused(issuer: Issuer) -> None:
     """The token must be for this server (MCP: no token passthrough): an answer that names no
     audience could be for any API of the provider, as a JWT without `aud` is refused."""
