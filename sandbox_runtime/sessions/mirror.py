@@ -42,12 +42,10 @@ TAKE_ID_POLL_SECONDS = 0.2
 
 
 class Mirror:
-    """Writes changed executions to the store; never blocks output or tool calls.
-
-    Memory stays bounded while the store is slow or down: the mirror keeps only which
-    executions are dirty and how far each was written; the events themselves stay in the
-    executions' own bounded logs until a flush succeeds.
-    """
+    """Writes changed executions to the store; never blocks output (a call waits, bounded,
+    only in sessions/written.py). Memory stays bounded while the store is slow or down: the
+    mirror keeps only which executions are dirty and how far each was written; the events
+    themselves stay in the executions' own bounded logs until a flush succeeds."""
 
     def __init__(
         self,
@@ -123,6 +121,9 @@ class Mirror:
         self._dirty[execution_id] = execution
         self._version[execution_id] = self._version.get(execution_id, 0) + 1
         self._wake.set()
+
+    def behind(self, execution_id: str) -> bool:
+        return execution_id in self._dirty
 
     @property
     def backlog(self) -> int:

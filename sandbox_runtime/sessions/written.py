@@ -21,13 +21,16 @@ WITHIN_SECONDS = 2.0  # the most a call waits for it (the store slow): then it a
 
 
 async def until_written(mirror: Mirror, execution: Execution, within: float) -> None:
-    """Until a flush that began after now (so with `execution` as it is now) has succeeded.
+    """Until a flush that began after now (so with `execution` as it is now) has succeeded,
+    or the mirror has nothing of it left to write (written, or refused by the store).
     At once while the store is unreachable or writes are held: a slow store never holds calls
     long (at most `within` seconds), as before, only the read elsewhere may miss it."""
     mirror.mark(execution)
     target = mirror.flushes_begun + 1  # (a flush takes every dirty execution as it begins)
     deadline = time.monotonic() + within
-    while mirror.flushes_written < target and time.monotonic() < deadline:
+    while mirror.flushes_written < target and mirror.behind(execution.execution_id):
+        if time.monotonic() >= deadline:
+            return
         if not mirror.connected or mirror.lapsed():
             return
         await asyncio.sleep(POLL_SECONDS)
