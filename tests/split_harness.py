@@ -22,7 +22,10 @@ SPLIT_CONF = ROOT / "deploy" / "nginx" / "split.conf"
 
 def worker_process(workdir: Path, redis: RedisServer, name: str, **settings: str) -> ServerProcess:
     """A worker (not started): it listens only on its cluster port, which is the harness's
-    port (its probes are there)."""
+    port (its probes are there). It lets what runs finish for 5 s on SIGTERM, not 60: a test
+    that failed with an execution still running must not fail its teardown too (the harness
+    waits 20 s); the tests of draining say how long."""
+    settings = {"SANDBOX_WORKER_DRAIN_SECONDS": "5", **settings}
     server = replica_process(workdir, redis.url, name, TOKEN, SANDBOX_ROLE="worker", **settings)
     server.settings.update(SANDBOX_CLUSTER_PORT=str(server.port), SANDBOX_PORT=str(free_port()))
     return server

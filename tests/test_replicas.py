@@ -98,6 +98,38 @@ async def test_execution_started_on_one_replica_is_read_and_listed_on_another(
         assert "not found" in missing
 
 
+async def test_what_a_replica_answered_is_what_another_reads_at_once(
+    pair: tuple[ServerProcess, ServerProcess],
+) -> None:
+    """Read your writes across replicas: a started execution is found on B the moment A
+    answered (an api replica reads what a worker started from the store: it was `not found`
+    while the mirror had not written it yet), and one A answered completed reads completed on
+    B (it read running), with no waiting in between. A few at once, as under load."""
+    a, b = pair
+    session = f"ryw-{uuid.uuid4().hex[:8]}"
+    async with open_client(a.url, TOKEN, "auto") as on_a, open_client(b.url, TOKEN, "auto") as on_b:
+        # (The session homed on A first: B then reads, it runs nothing of its own.)
+        await on_a.ok("execute_code", command="true", session=session)
+
+        async def started_then_read() -> None:
+            started = await on_a.ok("execute_code_async", command="echo y", session=session)
+            status = await on_b.ok(  # (found: whatever its status by now)
+                "get_execution_status", execution_id=started["execution_id"], session=session
+            )
+            assert status["status"] in ("pending", "running", "completed"), status
+
+        async def ended_then_read() -> None:
+            ran = await on_a.ok("execute_code", command="echo x", session=session)
+            assert ran["status"] == "completed", ran
+            status = await on_b.ok(
+                "get_execution_status", execution_id=ran["execution_id"], session=session
+            )
+            assert status["status"] == "completed" and status["exit_code"] == 0, status
+
+        for _ in range(6):  # (within the session's 4 running at once)
+            await asyncio.gather(started_then_read(), started_then_read(), ended_then_read())
+
+
 async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
     pair: tuple[ServerProcess, ServerProcess], redis_server: RedisServer
 ) -> None:

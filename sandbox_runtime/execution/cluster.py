@@ -53,3 +53,8 @@ class Cluster(Protocol):
     def forgotten(self, execution_id: str) -> None:
         """An execution was dropped here after its retention."""
         ...
+
+    async def written(self, execution: Execution, within: float) -> None:
+        """Until what `execution` is now is in the shared store, so that another replica
+        reads it so (alone, or the store unreachable: at once; at most `within` seconds)."""
+        ...

@@ -35,6 +35,7 @@ from sandbox_runtime.sessions.fence import Fence
 from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.sessions.signing import ClusterSigner
 from sandbox_runtime.sessions.store import MemorySessionStore, SessionStore
+from sandbox_runtime.sessions.written import until_written
 from sandbox_runtime.state.keys import RUNNING_LEASE_SECONDS, session_key
 from sandbox_runtime.state.store import StateStore
 from sandbox_runtime.supervisor import Supervisor
@@ -144,6 +145,8 @@ class LocalCluster:
 
     def forgotten(self, execution_id: str) -> None:
         """Nothing to forget alone."""
+
+    async def written(self, execution: Execution, within: float) -> None: ...  # (alone: none)
 
     async def renew(self, executions: list[Execution], record_ttl: int) -> None:
         """Renew the leases of the executions running here and the records of their sessions
@@ -275,9 +278,7 @@ class RedisCluster(LocalCluster):
 
     async def start(self, here: ExecutionsHere) -> None:
         """Take this replica's id (refused while another live process holds it), then begin
-        mirroring and beating.
-
-        Raises ReplicaIdInUseError."""
+        mirroring and beating. Raises ReplicaIdInUseError."""
         self._here = here
         await self.mirror.take_id()
         self.mirror.start()
@@ -321,6 +322,9 @@ class RedisCluster(LocalCluster):
 
     def forgotten(self, execution_id: str) -> None:
         self.mirror.forget(execution_id)
+
+    async def written(self, execution: Execution, within: float) -> None:
+        await until_written(self.mirror, execution, within)
 
     # -- the heartbeat and the other replicas ------------------------------------------------
 
@@ -388,8 +392,7 @@ class RedisCluster(LocalCluster):
         """What is wrong with this deployment's secret (None: nothing), from the heartbeats
         of the other replicas. At start a problem is an error: the replica refuses to run.
 
-        Raises SandboxRuntimeError when `starting` and the cluster is misconfigured.
-        """
+        Raises SandboxRuntimeError when `starting` and the cluster is misconfigured."""
         try:
             peers = await self.store.replica_beats()
         except Exception:  # the store is down: health reports that already

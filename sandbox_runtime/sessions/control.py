@@ -23,6 +23,7 @@ from sandbox_runtime.errors import (
 from sandbox_runtime.execution.execution import MAX_STDIN_BYTES
 from sandbox_runtime.sessions.answers import raise_error_reply
 from sandbox_runtime.sessions.channel import ChannelClient
+from sandbox_runtime.sessions.written import WITHIN_SECONDS
 from sandbox_runtime.state.store import StateStore
 from sandbox_runtime.supervisor import outcome
 
@@ -150,6 +151,8 @@ class ControlChannel:
                 request.get("limit", 1000),
                 request.get("wait", 0),
             )
+            if page.info.status.finished:  # (the caller's next read may be from the store)
+                await self.manager.cluster.written(execution, WITHIN_SECONDS)
             return {
                 "info": page.info.model_dump(mode="json"),
                 "events": [event.model_dump(mode="json") for event in page.events],
@@ -159,5 +162,6 @@ class ControlChannel:
             }
         if op == "cancel":
             was_finished = await self.manager.cancel_local(execution, bool(request.get("force")))
+            await self.manager.cluster.written(execution, WITHIN_SECONDS)
             return {"was_finished": was_finished, "info": execution.info.model_dump(mode="json")}
         raise InvalidRequestError(f"unknown control operation {op!r}")

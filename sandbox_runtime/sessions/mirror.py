@@ -42,12 +42,10 @@ TAKE_ID_POLL_SECONDS = 0.2
 
 
 class Mirror:
-    """Writes changed executions to the store; never blocks output or tool calls.
-
-    Memory stays bounded while the store is slow or down: the mirror keeps only which
-    executions are dirty and how far each was written; the events themselves stay in the
-    executions' own bounded logs until a flush succeeds.
-    """
+    """Writes changed executions to the store; never blocks output (a call waits, bounded,
+    only in sessions/written.py). Memory stays bounded while the store is slow or down: the
+    mirror keeps only which executions are dirty and how far each was written; the events
+    themselves stay in the executions' own bounded logs until a flush succeeds."""
 
     def __init__(
         self,
@@ -92,6 +90,7 @@ class Mirror:
         self._dirty: dict[str, Execution] = {}
         self._version: dict[str, int] = {}
         self._written_seq: dict[str, int] = {}
+        self.flushes_begun = self.flushes_written = 0  # (counts: see sessions/written.py)
         self._wake = asyncio.Event()
         self._started = False
         self._stopping = False
@@ -122,6 +121,9 @@ class Mirror:
         self._dirty[execution_id] = execution
         self._version[execution_id] = self._version.get(execution_id, 0) + 1
         self._wake.set()
+
+    def behind(self, execution_id: str) -> bool:
+        return execution_id in self._dirty
 
     @property
     def backlog(self) -> int:
@@ -194,11 +196,13 @@ class Mirror:
         beat = None
         if not self._stopping:
             beat = Beat(self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl)
+        self.flushes_begun = begun = self.flushes_begun + 1  # (its batch taken: no await since)
         try:
             written = await self.store.write(batch, beat)
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
+        self.flushes_written = max(self.flushes_written, begun)
         if written.fenced:
             self._refused(written.fenced)
         if self._held_id and written.beat_restored:

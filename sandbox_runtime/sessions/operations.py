@@ -28,6 +28,7 @@ from sandbox_runtime.interpreters.manager import InterpreterManager
 from sandbox_runtime.servers.host import ServerHost
 from sandbox_runtime.sessions import snapshot_ops, workspace_ops
 from sandbox_runtime.sessions.output_log import budget_of, keep_output, screen_extras
+from sandbox_runtime.sessions.written import WITHIN_SECONDS
 from sandbox_runtime.snapshots.service import Snapshots
 from sandbox_runtime.supervisor import scoped
 
@@ -98,10 +99,12 @@ async def execute(
     manager = parts.manager
     since = coarse_now()
     execution = await manager.start_execution(owner, _request(args))
-    if not args.get("wait"):
+    if not args.get("wait"):  # (in the store first: the next call may read it elsewhere)
+        await manager.cluster.written(execution, WITHIN_SECONDS)
         return result_fields(execution.info, [], 0, execution.info.last_seq > 0)
     await wait_for_end(execution, progress)
     page = await manager.read_output(owner, execution.execution_id, 0)
+    await manager.cluster.written(execution, WITHIN_SECONDS)  # (read elsewhere as it ended)
     events = [e.public() for e in page.events]
     result = result_fields(page.info, events, page.next_cursor, page.has_more)
     result["files"] = await changed_files(manager, owner, since)
