@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,21 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from bench_bursts import percentiles  # noqa: E402
 from mcp_harness import running_server  # noqa: E402
 
 KEY = "e2b_" + "be" * 20
-
-
-def percentiles(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    q = statistics.quantiles(ordered, n=100, method="inclusive")
-    return {
-        "p50_ms": round(q[49] * 1000, 1),
-        "p95_ms": round(q[94] * 1000, 1),
-        "p99_ms": round(q[98] * 1000, 1),
-        "max_ms": round(ordered[-1] * 1000, 1),
-        "n": len(ordered),
-    }
 
 
 def main() -> int:
