@@ -58,6 +58,17 @@ class FakeExecution:
     cancelled: list[bool] = field(default_factory=list)
 
 
+class FakeCluster:
+    """What ControlChannel waits on: the mirror's write of an execution (here at once)."""
+
+    def __init__(self) -> None:
+        self.waited: list[str] = []  # the execution ids a control call waited to be written
+
+    async def written(self, execution: FakeExecution, within: float) -> None:
+        assert within > 0
+        self.waited.append(execution.info.execution_id)
+
+
 class FakeManager:
     """What ControlChannel uses of an ExecutionManager, with executions that need no sandbox."""
 
@@ -67,6 +78,7 @@ class FakeManager:
         self.supervisor = Supervisor()
         self.executions: dict[str, FakeExecution] = {}
         self.cancel_takes = 0.0
+        self.cluster = FakeCluster()
 
     def start(self, owner: Owner = OWNER) -> FakeExecution:
         info = info_on(self.replica_id, owner)
@@ -197,6 +209,8 @@ async def test_stdin_and_cancel_reach_the_execution_on_the_other_replica(pair: P
     reply = await pair.caller.send(execution.info, {"op": "cancel", "force": True}, OWNER)
     assert reply["was_finished"] is False and execution.cancelled == [True]
     assert ExecutionInfo.model_validate(reply["info"]).status is ExecutionStatus.CANCELLED
+    # (answered once the owner's mirror wrote the cancel, so the caller's next read sees it)
+    assert pair.owner_manager.cluster.waited == [execution.info.execution_id]
     assert count(pair.caller_manager, "stdin", "ok") == count(pair.caller_manager, "cancel", "ok")
     assert count(pair.caller_manager, "cancel", "ok") == 1
 
