@@ -154,10 +154,18 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
             "send_stdin", execution_id=execution_id, input_data="hello via B\n", session=session
         )
         assert sent["bytes_written"] == len("hello via B\n")
-        page = await on_a.ok(
-            "get_execution_output", execution_id=execution_id, wait=True, session=session
-        )
-        assert "hello via B" in "".join(e.get("data", "") for e in page["output"])
+        async def echoed() -> bool:  # (cat runs on: read until its echo is there, not its end)
+            page = await on_a.ok(
+                "get_execution_output",
+                execution_id=execution_id,
+                wait=True,
+                wait_for="output",
+                wait_seconds=5,
+                session=session,
+            )
+            return "hello via B" in "".join(e.get("data", "") for e in page["output"])
+
+        await eventually(echoed, 10, "A to show the input B sent")
         closed = await on_b.ok(
             "send_stdin",
             execution_id=execution_id,
