@@ -56,7 +56,9 @@ try {
   await sbx.removeCodeContext(context)
   out.removed = !(await sbx.listCodeContexts()).some((c) => c.id === context.id)
   try {
-    await sbx.runCode('1', { context })
+    // (The SDK clears its request timer only on success: after this refusal it would hold
+    // Node open for the default 60 s. A shorter one, same call.)
+    await sbx.runCode('1', { context, requestTimeoutMs: 5_000 })
     out.removed_run = 'ran'
   } catch (err) {
     out.removed_run = err.name
