@@ -154,6 +154,7 @@ async def test_stdin_and_cancel_sent_to_another_replica_act_on_the_owner(
             "send_stdin", execution_id=execution_id, input_data="hello via B\n", session=session
         )
         assert sent["bytes_written"] == len("hello via B\n")
+
         async def echoed() -> bool:  # (cat runs on: read until its echo is there, not its end)
             page = await on_a.ok(
                 "get_execution_output",
