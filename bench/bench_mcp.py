@@ -101,6 +101,7 @@ class Server:
         replica: str,
         quiet: bool,
         pool: bool,
+        argv: list[str] | None = None,
         **settings: str,
     ) -> None:
         self.port = free_port()
@@ -123,7 +124,7 @@ class Server:
             env["REDIS_URL"] = redis_url
         with open(state / "server.log", "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sandbox_runtime.cli"],
+                argv or [sys.executable, "-m", "sandbox_runtime.cli"],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=log,

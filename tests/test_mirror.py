@@ -9,9 +9,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import pytest
 from mcp_harness import eventually
 from redis_harness import RedisServer
 
+from sandbox_runtime.sessions.flushes import Flushes
 from sandbox_runtime.sessions.mirror import Mirror
 from sandbox_runtime.state.keys import Keys
 from sandbox_runtime.state.redis_store import RedisStore
@@ -177,3 +179,34 @@ async def test_a_missing_heartbeat_means_a_dead_replica_only_once_the_store_has_
         await eventually(mirror.settled, 5, "settled again")
     finally:
         await mirror.stop()
+
+
+# -- a call waiting for the store's write (sessions/flushes.py, sessions/written.py) ----------
+
+
+@pytest.mark.unit
+async def test_a_waiting_call_cuts_the_pause_between_flushes_short() -> None:
+    flushes = Flushes()
+    pausing = asyncio.create_task(flushes.pause(60))
+    await asyncio.sleep(0.01)
+    assert not pausing.done()
+    flushes.hurry()
+    await asyncio.wait_for(pausing, 5)
+    with pytest.raises(TimeoutError):  # (that hurry is spent: the next pause is whole again)
+        await asyncio.wait_for(flushes.pause(60), 0.05)
+
+
+@pytest.mark.unit
+async def test_the_end_of_a_flush_wakes_its_waiters_whatever_its_outcome() -> None:
+    flushes = Flushes()
+    ended = flushes.next_end()
+    assert await flushes.around(asyncio.sleep(0, "ok")) == "ok"
+    assert ended.is_set() and not flushes.next_end().is_set()
+
+    async def refused() -> None:
+        raise ConnectionError("the store is down")
+
+    ended = flushes.next_end()
+    with pytest.raises(ConnectionError):
+        await flushes.around(refused())
+    assert ended.is_set() and not flushes.next_end().is_set()

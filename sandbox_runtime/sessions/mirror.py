@@ -22,13 +22,12 @@ from typing import TYPE_CHECKING, Any
 from loguru import logger
 
 from sandbox_runtime.errors import ReplicaIdInUseError
+from sandbox_runtime.sessions.flushes import Flushes
 from sandbox_runtime.state.keys import HEARTBEAT_INTERVAL_SECONDS, HEARTBEAT_TTL_SECONDS
 from sandbox_runtime.state.store import Beat, Snapshot, StateStore
 from sandbox_runtime.supervisor import Supervisor
 
-FLUSH_LOOP = "mirror flush"
-HEARTBEAT_LOOP = "heartbeat"
-
+FLUSH_LOOP, HEARTBEAT_LOOP = "mirror flush", "heartbeat"
 if TYPE_CHECKING:
     from sandbox_runtime.domain.models import OutputEvent
     from sandbox_runtime.execution.execution import Execution
@@ -91,6 +90,7 @@ class Mirror:
         self._version: dict[str, int] = {}
         self._written_seq: dict[str, int] = {}
         self.flushes_begun = self.flushes_written = 0  # (counts: see sessions/written.py)
+        self.flushes = Flushes()
         self._wake = asyncio.Event()
         self._started = False
         self._stopping = False
@@ -198,7 +198,7 @@ class Mirror:
             beat = Beat(self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl)
         self.flushes_begun = begun = self.flushes_begun + 1  # (its batch taken: no await since)
         try:
-            written = await self.store.write(batch, beat)
+            written = await self.flushes.around(self.store.write(batch, beat))
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
@@ -320,7 +320,7 @@ class Mirror:
                     continue
                 if await self.flush_once():
                     backoff = 0.1
-                    await asyncio.sleep(FLUSH_INTERVAL)
+                    await self.flushes.pause(FLUSH_INTERVAL)
                 else:
                     await asyncio.sleep(backoff)
                     backoff = min(BACKOFF_MAX, backoff * 2)

@@ -11,12 +11,13 @@ after it was told completed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from sandbox_runtime.execution.execution import Execution
 from sandbox_runtime.sessions.mirror import Mirror
 
-POLL_SECONDS = 0.002
+RECHECK_SECONDS = 0.05  # a wait looks again at the store's state at least this often
 WITHIN_SECONDS = 2.0  # the most a call waits for it (the store slow): then it answers
 
 
@@ -24,13 +25,16 @@ async def until_written(mirror: Mirror, execution: Execution, within: float) -> 
     """Until a flush that began after now (so with `execution` as it is now) has succeeded,
     or the mirror has nothing of it left to write (written, or refused by the store).
     At once while the store is unreachable or writes are held: a slow store never holds calls
-    long (at most `within` seconds), as before, only the read elsewhere may miss it."""
+    long (at most `within` seconds), as before, only the read elsewhere may miss it. Woken by
+    the end of each flush, and the flush loop does not pause for a batch to form meanwhile."""
     mirror.mark(execution)
     target = mirror.flushes_begun + 1  # (a flush takes every dirty execution as it begins)
     deadline = time.monotonic() + within
     while mirror.flushes_written < target and mirror.behind(execution.execution_id):
-        if time.monotonic() >= deadline:
+        left = deadline - time.monotonic()
+        if left <= 0 or not mirror.connected or mirror.lapsed():
             return
-        if not mirror.connected or mirror.lapsed():
-            return
-        await asyncio.sleep(POLL_SECONDS)
+        ended = mirror.flushes.next_end()
+        mirror.flushes.hurry()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ended.wait(), min(left, RECHECK_SECONDS))
