@@ -202,6 +202,7 @@ async def test_the_end_of_a_flush_wakes_its_waiters_whatever_its_outcome() -> No
     ended = flushes.next_end()
     assert await flushes.around(asyncio.sleep(0, "ok")) == "ok"
     assert ended.is_set() and not flushes.next_end().is_set()
+    assert (flushes.begun, flushes.written) == (1, 1)
 
     async def refused() -> None:
         raise ConnectionError("the store is down")
@@ -210,3 +211,4 @@ async def test_the_end_of_a_flush_wakes_its_waiters_whatever_its_outcome() -> No
     with pytest.raises(ConnectionError):
         await flushes.around(refused())
     assert ended.is_set() and not flushes.next_end().is_set()
+    assert (flushes.begun, flushes.written) == (2, 1)  # (begun, never written)

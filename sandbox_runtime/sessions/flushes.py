@@ -1,4 +1,5 @@
-"""When the mirror's writes end, for a call that waits on one (sessions/written.py).
+"""The mirror's flushes as a call that waits on one sees them (sessions/written.py): how many
+began and how many were written, and when each ends.
 
 A waiting call also cuts short the pause between flushes (FLUSH_INTERVAL, which lets batches
 form while output streams): it wants the write now, not after the next batch has formed.
@@ -16,14 +17,19 @@ T = TypeVar("T")
 
 class Flushes:
     def __init__(self) -> None:
+        self.begun = self.written = 0  # (counts of flushes)
         self._ended = asyncio.Event()
         self._hurry = asyncio.Event()
 
     async def around(self, write: Awaitable[T]) -> T:
-        """Await one flush's write; whatever its outcome, wake those waiting for its end (they
-        run once the flush's bookkeeping, which does not await, is done)."""
+        """Await one flush's write (its batch taken just before: no await since), counted as
+        begun now and as written once it succeeds; whatever its outcome, wake those waiting
+        for its end (they run once the flush's bookkeeping, which does not await, is done)."""
+        self.begun = begun = self.begun + 1
         try:
-            return await write
+            result = await write
+            self.written = max(self.written, begun)
+            return result
         finally:
             ended, self._ended = self._ended, asyncio.Event()
             ended.set()

@@ -89,8 +89,7 @@ class Mirror:
         self._dirty: dict[str, Execution] = {}
         self._version: dict[str, int] = {}
         self._written_seq: dict[str, int] = {}
-        self.flushes_begun = self.flushes_written = 0  # (counts: see sessions/written.py)
-        self.flushes = Flushes()
+        self.flushes = Flushes()  # (counted and awaited by sessions/written.py)
         self._wake = asyncio.Event()
         self._started = False
         self._stopping = False
@@ -196,13 +195,11 @@ class Mirror:
         beat = None
         if not self._stopping:
             beat = Beat(self.replica_id, self.heartbeat_payload(), self.heartbeat_ttl)
-        self.flushes_begun = begun = self.flushes_begun + 1  # (its batch taken: no await since)
         try:
             written = await self.flushes.around(self.store.write(batch, beat))
         except Exception as exc:  # any store failure: stay dirty, retry with backoff
             self._set_connected(False, exc)
             return False
-        self.flushes_written = max(self.flushes_written, begun)
         if written.fenced:
             self._refused(written.fenced)
         if self._held_id and written.beat_restored:

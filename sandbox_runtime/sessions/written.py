@@ -28,9 +28,9 @@ async def until_written(mirror: Mirror, execution: Execution, within: float) -> 
     long (at most `within` seconds), as before, only the read elsewhere may miss it. Woken by
     the end of each flush, and the flush loop does not pause for a batch to form meanwhile."""
     mirror.mark(execution)
-    target = mirror.flushes_begun + 1  # (a flush takes every dirty execution as it begins)
+    target = mirror.flushes.begun + 1  # (a flush takes every dirty execution as it begins)
     deadline = time.monotonic() + within
-    while mirror.flushes_written < target and mirror.behind(execution.execution_id):
+    while mirror.flushes.written < target and mirror.behind(execution.execution_id):
         left = deadline - time.monotonic()
         if left <= 0 or not mirror.connected or mirror.lapsed():
             return
