@@ -15,16 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from bench_mcp import Server, free_port, pct, sequential
+from bench_mcp import Server, pct, sequential
+from redis_harness import RedisServer
 
 # The server's own entry point, with the wait for the store's write taken out (the mirror
 # still writes everything behind the call, as before read-your-writes).
@@ -59,30 +58,23 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="srt-bench-written-") as tmp:
         os.chmod(tmp, 0o711)  # (the sandbox user reaches the workspaces under it)
-        port = free_port()
-        redis = subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(port),
-             "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        time.sleep(0.3)
+        redis = RedisServer(Path(tmp) / "redis")
+        redis.start()
+        db = f"redis://127.0.0.1:{redis.port}"
         servers: dict[str, Server] = {}
         try:
             base = Path(tmp)
             servers["alone"] = Server(base / "a", None, "bw-a", True, pool=True)
-            servers["redis"] = Server(
-                base / "b", f"redis://127.0.0.1:{port}/0", "bw-b", True, pool=True
-            )
+            servers["redis"] = Server(base / "b", f"{db}/0", "bw-b", True, pool=True)
             servers["redis, no wait"] = Server(
-                base / "c", f"redis://127.0.0.1:{port}/1", "bw-c", True, pool=True,
+                base / "c", f"{db}/1", "bw-c", True, pool=True,
                 argv=[sys.executable, "-c", NO_WAIT],
             )  # fmt: skip
             times = asyncio.run(measure(servers, args.calls, args.rounds))
         finally:
             for server in servers.values():
                 server.stop()
-            redis.terminate()
-            redis.wait()
+            redis.stop()
     print(f"\nexecute_code echo hi, {args.calls} sequential calls x {args.rounds} rounds each")
     print(f"{'server':<16} {'p50 ms':>7} {'p95 ms':>7}")
     p50 = {}
